@@ -1,0 +1,54 @@
+# attnexport — the two commands: `make demo` and `make test`.
+#
+# .venv      newest torch (2.13.0 from this machine's local wheel, else the index) + attnexport[dev,hf]
+# .venv-ipex torch 2.8.* + intel-extension-for-pytorch 2.8.* (IPEX's last release) + attnexport[dev,hf]
+
+PYTHON ?= python3
+VENV := .venv
+VENV_IPEX := .venv-ipex
+PYTEST_ARGS ?=
+IPEX_PINS := "torch==2.8.*" "intel-extension-for-pytorch==2.8.*"
+
+export TORCHINDUCTOR_COMPILE_THREADS := 1
+export OMP_NUM_THREADS ?= 2
+
+.PHONY: test test-main test-ipex demo lint format clean venv venv-ipex
+
+test: test-main test-ipex
+
+venv: $(VENV)/.installed
+venv-ipex: $(VENV_IPEX)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q torch==2.13.0 || $(VENV)/bin/pip install -q torch
+	$(VENV)/bin/pip install -q -e ".[dev,hf]"
+	touch $@
+
+$(VENV_IPEX)/.installed: pyproject.toml
+	test -x $(VENV_IPEX)/bin/python || $(PYTHON) -m venv $(VENV_IPEX)
+	$(VENV_IPEX)/bin/pip install -q $(IPEX_PINS)
+	echo $(IPEX_PINS) | tr ' ' '\n' > $(VENV_IPEX)/constraints.txt
+	$(VENV_IPEX)/bin/pip install -q -c $(VENV_IPEX)/constraints.txt -e ".[dev,hf]"
+	touch $@
+
+test-main: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+# The whole suite again on torch 2.8, where the IPEX backend's suites run instead of skipping.
+test-ipex: $(VENV_IPEX)/.installed
+	ATTNEXPORT_REQUIRE_IPEX=1 $(VENV_IPEX)/bin/python -m pytest $(PYTEST_ARGS)
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/attnexport demo
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) $(VENV_IPEX) .pytest_cache .ruff_cache

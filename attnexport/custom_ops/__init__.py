@@ -1,0 +1,50 @@
+"""The attnexport ops: schemas, fake kernels, validation, reference semantics and dispatch.
+
+Importing this package registers ``torch.ops.attnexport.*``.
+"""
+
+from attnexport.custom_ops.dispatch import (
+    AttentionBackend,
+    AttentionCall,
+    BackendCapabilities,
+    BackendUnsupportedError,
+    current_backend_name,
+    get_backend,
+    register_backend,
+    registered_backends,
+    select_backend,
+    set_default_backend,
+    use_backend,
+)
+from attnexport.custom_ops.metadata import (
+    AttentionMetadata,
+    ScheduledSequence,
+    build_attention_metadata,
+)
+from attnexport.custom_ops.ops import (
+    paged_attention,
+    reshape_and_cache,
+    reshape_and_cache_functional,
+    varlen_attention,
+)
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionCall",
+    "AttentionMetadata",
+    "BackendCapabilities",
+    "BackendUnsupportedError",
+    "ScheduledSequence",
+    "build_attention_metadata",
+    "current_backend_name",
+    "get_backend",
+    "paged_attention",
+    "register_backend",
+    "registered_backends",
+    "reshape_and_cache",
+    "reshape_and_cache_functional",
+    "select_backend",
+    "set_default_backend",
+    "use_backend",
+    "varlen_attention",
+]

@@ -1,0 +1,337 @@
+"""Kernel backends: the interface, the registry, and per-call selection.
+
+The op implementations in :mod:`attnexport.custom_ops.ops` describe each call as an
+:class:`AttentionCall`, ask :func:`select_backend` for a backend that can run it, and call it.
+Concrete backends (``sdpa``, ``ipex``, ``xformers``) live in :mod:`attnexport.runtime.backends`
+and register themselves here, so this package never imports the runtime.
+
+Selection: ``use_backend(name)`` (a context manager) beats ``set_default_backend(name)``, which
+beats the ``ATTNEXPORT_BACKEND`` environment variable read at import; the default is ``auto``.
+``auto`` takes the highest-priority available backend that reports no reason against the call.
+A named backend that cannot run a call raises :class:`BackendUnsupportedError` listing why.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import contextvars
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+AUTO = "auto"
+OPS = ("reshape_and_cache", "paged_attention", "varlen_attention")
+
+
+class BackendUnsupportedError(RuntimeError):
+    """No selected backend can run a call; the message lists each backend's reasons."""
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """What one op call asks of a backend, described before any kernel runs."""
+
+    op: str
+    """One of ``OPS``."""
+    device_type: str
+    dtype: torch.dtype
+    num_heads: int
+    """Query heads H (equal to num_kv_heads for a cache write)."""
+    num_kv_heads: int
+    head_size: int
+    block_size: int | None = None
+    """Tokens per cache block; None for varlen_attention."""
+    causal: bool = True
+    alibi: bool = False
+    sliding_window: bool = False
+    soft_cap: bool = False
+    decode_only: bool = False
+    """Every sequence has at most one query token."""
+    chunked_prefill: bool = False
+    """Some sequence has several query tokens and cached context before them."""
+    cache_contiguous: bool = True
+    """The caches are contiguous in the [num_blocks, block_size, num_kv_heads, head_size] layout."""
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend can run, as data; :meth:`reasons` turns it into per-call reasons."""
+
+    ops: frozenset[str]
+    devices: frozenset[str]
+    dtypes: frozenset[torch.dtype]
+    head_sizes: frozenset[int] | None = None
+    """Supported head sizes; None means any."""
+    max_head_size: int | None = None
+    block_size_multiple: int = 1
+    """Block sizes must be a multiple of this."""
+    alibi: bool = True
+    sliding_window: bool = True
+    soft_cap: bool = True
+    non_causal: bool = True
+    chunked_prefill: bool = True
+    notes: tuple[str, ...] = field(default=())
+    """Restrictions that depend on the call beyond these fields, for humans (CLI, docs)."""
+
+    def reasons(self, call: AttentionCall) -> list[str]:
+        """The reasons these capabilities exclude ``call`` (empty when they admit it)."""
+        reasons = []
+        if call.op not in self.ops:
+            reasons.append(f"op={call.op} (supported: {sorted(self.ops)})")
+        if call.device_type not in self.devices:
+            reasons.append(f"device={call.device_type} (supported: {sorted(self.devices)})")
+        if call.dtype not in self.dtypes:
+            names = sorted(str(d) for d in self.dtypes)
+            reasons.append(f"dtype={call.dtype} (supported: {names})")
+        if self.head_sizes is not None and call.head_size not in self.head_sizes:
+            reasons.append(f"head_size={call.head_size} (supported: {sorted(self.head_sizes)})")
+        if self.max_head_size is not None and call.head_size > self.max_head_size:
+            reasons.append(f"head_size={call.head_size} (max: {self.max_head_size})")
+        if call.block_size is not None and call.block_size % self.block_size_multiple:
+            reasons.append(
+                f"block_size={call.block_size} (must be a multiple of {self.block_size_multiple})"
+            )
+        if call.op != "reshape_and_cache":
+            for wanted, supported, what in (
+                (call.alibi, self.alibi, "ALiBi"),
+                (call.sliding_window, self.sliding_window, "sliding window"),
+                (call.soft_cap, self.soft_cap, "logits soft-cap"),
+                (not call.causal, self.non_causal, "non-causal attention"),
+                (call.chunked_prefill, self.chunked_prefill, "chunked prefill"),
+            ):
+                if wanted and not supported:
+                    reasons.append(f"{what} is not supported")
+        return reasons
+
+    def as_rows(self) -> list[tuple[str, str]]:
+        """(feature, value) pairs for capability tables."""
+
+        def yes(flag: bool) -> str:
+            return "yes" if flag else "no"
+
+        return [
+            ("ops", ", ".join(op for op in OPS if op in self.ops)),
+            ("devices", ", ".join(sorted(self.devices))),
+            ("dtypes", ", ".join(sorted(str(d).removeprefix("torch.") for d in self.dtypes))),
+            (
+                "head sizes",
+                "any"
+                if self.head_sizes is None
+                else ", ".join(str(h) for h in sorted(self.head_sizes)),
+            ),
+            ("block sizes", "any" if self.block_size_multiple == 1 else
+             f"multiples of {self.block_size_multiple}"),
+            ("ALiBi", yes(self.alibi)),
+            ("sliding window", yes(self.sliding_window)),
+            ("soft-cap", yes(self.soft_cap)),
+            ("non-causal", yes(self.non_causal)),
+            ("chunked prefill", yes(self.chunked_prefill)),
+            *(("note", note) for note in self.notes),
+        ]
+
+
+class AttentionBackend(abc.ABC):
+    """A set of kernels for the attnexport ops over the standard cache layout.
+
+    Subclasses set ``name``, ``priority`` (higher is preferred by ``auto``) and
+    ``capabilities``, and implement the three kernels. Inputs reach a kernel already validated.
+    """
+
+    name: ClassVar[str]
+    priority: ClassVar[int] = 0
+    capabilities: ClassVar[BackendCapabilities]
+
+    def unavailable_reason(self) -> str | None:
+        """Why the backend cannot run on this machine at all (missing package, no GPU)."""
+        return None
+
+    def is_available(self) -> bool:
+        return self.unavailable_reason() is None
+
+    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
+        """Every reason this backend cannot run ``call``; empty when it can."""
+        unavailable = self.unavailable_reason()
+        if unavailable is not None:
+            return [unavailable]
+        return self.capabilities.reasons(call)
+
+    @abc.abstractmethod
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Writes key/value [T, Hkv, D] into the caches at ``slot_mapping``; negative skips."""
+
+    @abc.abstractmethod
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        scale: float,
+        causal: bool,
+        alibi_slopes: torch.Tensor | None,
+        sliding_window: int,
+        logits_soft_cap: float,
+    ) -> torch.Tensor:
+        """Attention of query [T, H, D] over the paged caches; returns [T, H, D]."""
+
+    @abc.abstractmethod
+    def varlen_attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        scale: float,
+        causal: bool,
+        alibi_slopes: torch.Tensor | None,
+        sliding_window: int,
+        logits_soft_cap: float,
+    ) -> torch.Tensor:
+        """Attention over packed ragged sequences without a cache; returns [Tq, H, D]."""
+
+    def swap_blocks(
+        self, src_cache: torch.Tensor, dst_cache: torch.Tensor, src_to_dst: torch.Tensor
+    ) -> None:
+        """Copies whole blocks ``src_cache[s] -> dst_cache[d]`` for each row (s, d), across
+        devices or pools. ``src_to_dst`` is ``[n, 2]`` int64 (already validated)."""
+        if src_to_dst.numel() == 0:
+            return
+        mapping = src_to_dst.to(src_cache.device)
+        blocks = src_cache.index_select(0, mapping[:, 0])
+        dst_ids = src_to_dst[:, 1].to(dst_cache.device)
+        dst_cache.index_copy_(0, dst_ids, blocks.to(dst_cache.device, non_blocking=True))
+
+    def copy_blocks(self, caches: Sequence[torch.Tensor], src_to_dst: torch.Tensor) -> None:
+        """Copies blocks within each cache, for copy-on-write (already validated)."""
+        if src_to_dst.numel() == 0:
+            return
+        for cache in caches:
+            mapping = src_to_dst.to(cache.device)
+            cache.index_copy_(0, mapping[:, 1], cache.index_select(0, mapping[:, 0]))
+
+
+_REGISTRY: dict[str, AttentionBackend] = {}
+_selected: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "attnexport_backend", default=None
+)
+_default_name: str = os.environ.get("ATTNEXPORT_BACKEND", AUTO).strip().lower() or AUTO
+# Selection depends only on (name, call) while the registry is unchanged, and models repeat the
+# same call in every layer, so successful selections are remembered.
+_selection_cache: dict[tuple[str, AttentionCall], AttentionBackend] = {}
+
+
+def register_backend(backend: AttentionBackend) -> AttentionBackend:
+    """Adds ``backend`` to the registry under ``backend.name`` (replacing one of that name)."""
+    _REGISTRY[backend.name] = backend
+    _selection_cache.clear()
+    return backend
+
+
+def registered_backends() -> list[AttentionBackend]:
+    """All registered backends, highest priority first."""
+    return sorted(_REGISTRY.values(), key=lambda b: -b.priority)
+
+
+def _check_name(name: str) -> str:
+    name = name.strip().lower()
+    if name != AUTO and name not in _REGISTRY:
+        valid = ", ".join([AUTO, *(b.name for b in registered_backends())])
+        raise ValueError(f"unknown attention backend {name!r}; expected one of: {valid}")
+    return name
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """The registered backend called ``name``."""
+    name = _check_name(name)
+    if name == AUTO:
+        raise ValueError("get_backend: 'auto' is a selection policy, not a backend")
+    return _REGISTRY[name]
+
+
+def set_default_backend(name: str) -> None:
+    """Sets the process-wide backend name (``auto`` or a registered backend)."""
+    global _default_name
+    _default_name = _check_name(name)
+
+
+def current_backend_name() -> str:
+    """The backend name in effect here: the innermost ``use_backend``, else the default."""
+    return _selected.get() or _default_name
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Runs the enclosed op calls on backend ``name`` (or ``auto``)."""
+    token = _selected.set(_check_name(name))
+    try:
+        yield
+    finally:
+        _selected.reset(token)
+
+
+def backend_for_device(device_type: str) -> AttentionBackend:
+    """The backend for host-side cache work (block swaps and copies) on ``device_type``: the
+    selected one, or under ``auto`` the highest-priority available one for that device."""
+    name = _check_name(current_backend_name())
+    candidates = registered_backends() if name == AUTO else [_REGISTRY[name]]
+    for backend in candidates:
+        if backend.is_available() and device_type in backend.capabilities.devices:
+            return backend
+    raise BackendUnsupportedError(
+        f"no available attention backend ({name}) supports device {device_type!r}"
+    )
+
+
+def _describe(call: AttentionCall) -> str:
+    parts = [f"dtype={call.dtype}", f"device={call.device_type}", f"head_size={call.head_size}"]
+    if call.op != "reshape_and_cache":
+        parts.append(f"heads={call.num_heads}/{call.num_kv_heads}")
+    if call.block_size is not None:
+        parts.append(f"block_size={call.block_size}")
+    return f"{call.op}({', '.join(parts)})"
+
+
+def select_backend(call: AttentionCall) -> AttentionBackend:
+    """The backend that runs ``call`` under the current selection; raises with reasons if none."""
+    name = current_backend_name()
+    cached = _selection_cache.get((name, call))
+    if cached is not None:
+        return cached
+    backend = _select_uncached(name, call)
+    _selection_cache[(name, call)] = backend
+    return backend
+
+
+def _select_uncached(name: str, call: AttentionCall) -> AttentionBackend:
+    name = _check_name(name)  # the environment's name is only checked here, once
+    if name != AUTO:
+        backend = _REGISTRY[name]
+        reasons = backend.not_supported_reasons(call)
+        if reasons:
+            raise BackendUnsupportedError(
+                f"backend {name!r} cannot run {_describe(call)}: " + "; ".join(reasons)
+            )
+        return backend
+    report = []
+    for backend in registered_backends():
+        reasons = backend.not_supported_reasons(call)
+        if not reasons:
+            return backend
+        report.append(f"{backend.name}: " + "; ".join(reasons))
+    raise BackendUnsupportedError(
+        f"no attention backend can run {_describe(call)}: " + " | ".join(report)
+    )

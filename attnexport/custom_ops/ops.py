@@ -1,0 +1,268 @@
+"""The attnexport ops (namespace ``attnexport``), with fake kernels for tracing.
+
+Each op validates its inputs (:mod:`.validation`), describes the call (:class:`AttentionCall`),
+and runs it on the backend chosen by :func:`select_backend`. The contract is DESIGN.md
+section 3; ``docs/ops.md`` is the user-facing reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnexport.custom_ops import validation
+from attnexport.custom_ops.dispatch import AttentionCall, select_backend
+
+
+def _is_standard_layout(cache: torch.Tensor) -> bool:
+    return cache.is_contiguous()
+
+
+def _paged_call(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    causal: bool,
+    alibi_slopes: torch.Tensor | None,
+    sliding_window: int,
+    logits_soft_cap: float,
+    summary: validation.BatchSummary,
+) -> AttentionCall:
+    return AttentionCall(
+        op="paged_attention",
+        device_type=query.device.type,
+        dtype=query.dtype,
+        num_heads=query.shape[1],
+        num_kv_heads=key_cache.shape[2],
+        head_size=query.shape[2],
+        block_size=key_cache.shape[1],
+        causal=causal,
+        alibi=alibi_slopes is not None,
+        sliding_window=sliding_window >= 0,
+        soft_cap=logits_soft_cap > 0,
+        decode_only=summary.decode_only,
+        chunked_prefill=summary.has_context,
+        cache_contiguous=_is_standard_layout(key_cache),
+    )
+
+
+def _write_call(key: torch.Tensor, key_cache: torch.Tensor) -> AttentionCall:
+    return AttentionCall(
+        op="reshape_and_cache",
+        device_type=key.device.type,
+        dtype=key.dtype,
+        num_heads=key.shape[1],
+        num_kv_heads=key.shape[1],
+        head_size=key.shape[2],
+        block_size=key_cache.shape[1],
+        cache_contiguous=_is_standard_layout(key_cache),
+    )
+
+
+# --------------------------------------------------------------------------- reshape_and_cache
+
+
+_WRITE_ARGS = "Tensor key, Tensor value, Tensor{} key_cache, Tensor{} value_cache, Tensor slot_mapping"
+_MASK_ARGS = (
+    "float scale, bool causal={}, Tensor? alibi_slopes=None, int sliding_window=-1, "
+    "float logits_soft_cap=0.0"
+)
+
+
+@torch.library.custom_op(
+    "attnexport::reshape_and_cache",
+    mutates_args=("key_cache", "value_cache"),
+    schema=f"({_WRITE_ARGS.format('(a!)', '(b!)')}) -> ()",
+)
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes new keys and values into the paged caches, in place.
+
+    Args:
+        key, value: ``[T, Hkv, D]``, the cache dtype.
+        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``; written in place.
+        slot_mapping: ``[T]`` int32 or int64. Token t goes to block ``slot // block_size``,
+            offset ``slot % block_size``; a negative slot marks a padding token (skipped).
+    """
+    validation.check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    backend = select_backend(_write_call(key, key_cache))
+    backend.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+@reshape_and_cache.register_fake
+def _(key, value, key_cache, value_cache, slot_mapping) -> None:
+    validation.check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+@torch.library.custom_op(
+    "attnexport::reshape_and_cache_functional",
+    mutates_args=(),
+    schema=f"({_WRITE_ARGS.format('', '')}) -> (Tensor, Tensor)",
+)
+def reshape_and_cache_functional(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The functional twin of :func:`reshape_and_cache`, used by the lowering.
+
+    Same arguments; the caches are left untouched and the written copies
+    ``(new_key_cache, new_value_cache)`` are returned.
+    """
+    validation.check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    new_key_cache, new_value_cache = key_cache.clone(), value_cache.clone()
+    backend = select_backend(_write_call(key, new_key_cache))
+    backend.reshape_and_cache(key, value, new_key_cache, new_value_cache, slot_mapping)
+    return new_key_cache, new_value_cache
+
+
+@reshape_and_cache_functional.register_fake
+def _(key, value, key_cache, value_cache, slot_mapping):
+    validation.check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    return torch.empty_like(key_cache), torch.empty_like(value_cache)
+
+
+# --------------------------------------------------------------------------- paged_attention
+
+
+@torch.library.custom_op(
+    "attnexport::paged_attention",
+    mutates_args=(),
+    schema="(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+    f"Tensor seq_lens, Tensor query_start_loc, {_MASK_ARGS.format('True')}) -> Tensor",
+)
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    causal: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    sliding_window: int = -1,
+    logits_soft_cap: float = 0.0,
+) -> torch.Tensor:
+    """Attention of packed ragged queries over a paged KV cache (prefill, decode, chunked
+    prefill, mixed batches, and non-causal cross-attention).
+
+    Args:
+        query: ``[T, H, D]`` floating point.
+        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``, dtype of query;
+            H must be a multiple of Hkv (grouped-query attention).
+        block_tables: ``[S, max_blocks_per_seq]`` int32, the blocks of each sequence in order.
+        seq_lens: ``[S]`` int32, the KV length of each sequence (cached + new, already written).
+        query_start_loc: ``[S + 1]`` int32 cumulative query counts; ``[-1] == T``.
+        scale: multiplies ``q . k``.
+        causal: query j of sequence i sits at ``p = seq_lens[i] - q_i + j`` and sees keys
+            ``k <= p``; False lets every query see all ``seq_lens[i]`` keys.
+        alibi_slopes: optional ``[H]`` float; adds ``slope[h] * (k - p)`` (in fp32).
+        sliding_window: if >= 0, key k is visible only when ``p - k < sliding_window``.
+        logits_soft_cap: if > 0, logits become ``cap * tanh(logits / cap)`` before ALiBi.
+
+    Returns:
+        ``[T, H, D]`` in the dtype of query; a query that sees no key gets zeros.
+    """
+    summary = validation.check_paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, causal,
+        alibi_slopes, sliding_window, logits_soft_cap,
+    )
+    if query.shape[0] == 0:
+        return torch.empty_like(query)
+    call = _paged_call(
+        query, key_cache, causal, alibi_slopes, sliding_window, logits_soft_cap, summary
+    )
+    return select_backend(call).paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, causal,
+        alibi_slopes, sliding_window, logits_soft_cap,
+    )
+
+
+@paged_attention.register_fake
+def _(
+    query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+    causal=True, alibi_slopes=None, sliding_window=-1, logits_soft_cap=0.0,
+):
+    validation.check_paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, causal,
+        alibi_slopes, sliding_window, logits_soft_cap,
+    )
+    return torch.empty_like(query)
+
+
+# --------------------------------------------------------------------------- varlen_attention
+
+
+@torch.library.custom_op(
+    "attnexport::varlen_attention",
+    mutates_args=(),
+    schema="(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+    f"{_MASK_ARGS.format('False')}) -> Tensor",
+)
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    alibi_slopes: torch.Tensor | None = None,
+    sliding_window: int = -1,
+    logits_soft_cap: float = 0.0,
+) -> torch.Tensor:
+    """Attention over packed ragged sequences without a cache (encoders, cross-attention at
+    prefill).
+
+    Args:
+        query: ``[Tq, H, D]``; key, value: ``[Tk, Hkv, D]`` of the same dtype.
+        cu_seqlens_q, cu_seqlens_k: ``[S + 1]`` int32 cumulative lengths.
+        scale, causal, alibi_slopes, sliding_window, logits_soft_cap: as in
+            :func:`paged_attention`, with query j of a sequence of q queries and k keys at
+            position ``p = k - q + j`` (aligned to the end of the keys, "bottom-right").
+
+    Returns:
+        ``[Tq, H, D]`` in the dtype of query; a query that sees no key gets zeros.
+    """
+    summary = validation.check_varlen_attention(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, scale, causal, alibi_slopes,
+        sliding_window, logits_soft_cap,
+    )
+    if query.shape[0] == 0:
+        return torch.empty_like(query)
+    call = AttentionCall(
+        op="varlen_attention",
+        device_type=query.device.type,
+        dtype=query.dtype,
+        num_heads=query.shape[1],
+        num_kv_heads=key.shape[1],
+        head_size=query.shape[2],
+        causal=causal,
+        alibi=alibi_slopes is not None,
+        sliding_window=sliding_window >= 0,
+        soft_cap=logits_soft_cap > 0,
+        decode_only=summary.decode_only,
+        chunked_prefill=summary.has_context,
+    )
+    return select_backend(call).varlen_attention(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, scale, causal, alibi_slopes,
+        sliding_window, logits_soft_cap,
+    )
+
+
+@varlen_attention.register_fake
+def _(
+    query, key, value, cu_seqlens_q, cu_seqlens_k, scale,
+    causal=False, alibi_slopes=None, sliding_window=-1, logits_soft_cap=0.0,
+):
+    validation.check_varlen_attention(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, scale, causal, alibi_slopes,
+        sliding_window, logits_soft_cap,
+    )
+    return torch.empty_like(query)

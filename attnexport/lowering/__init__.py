@@ -1,0 +1,1 @@
+"""Lowering: torch.export passes and ONNX translation of the attnexport ops."""

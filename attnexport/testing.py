@@ -1,0 +1,206 @@
+"""Test support shared by the test suites, the benchmarks and ``attnexport verify``.
+
+* :func:`tolerance` — the one place where per-dtype error tolerances live.
+* :class:`AttentionCase` and :func:`make_paged_inputs` / :func:`make_varlen_inputs` — named,
+  reproducible random batches (ragged lengths, randomly permuted blocks, padding slots) that
+  every backend's suite runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+_TOLERANCES = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (3e-2, 2e-2),
+    torch.float16: (5e-3, 5e-3),
+}
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    """``{"atol": ..., "rtol": ...}`` for comparing an op's output in ``dtype`` with the
+    float64 reference; pass it to ``torch.testing.assert_close``."""
+    atol, rtol = _TOLERANCES[dtype]
+    return {"atol": atol, "rtol": rtol}
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    """A batch: sequence i has ``context_lens[i]`` cached tokens and ``query_lens[i]`` new ones."""
+
+    name: str
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_size: int = 32
+    block_size: int = 16
+    dtype: torch.dtype = torch.float32
+    causal: bool = True
+    alibi: bool = False
+    sliding_window: int = -1
+    logits_soft_cap: float = 0.0
+    slot_dtype: torch.dtype = torch.int64
+    padded_tokens: int = 0
+    """Extra padding tokens (slot -1) appended to the cache write."""
+    spare_blocks: int = 3
+    """Blocks in the cache beyond those the batch needs."""
+
+    def with_(self, **changes) -> AttentionCase:
+        return replace(self, **changes)
+
+    @property
+    def id(self) -> str:
+        parts = [self.name, f"h{self.num_heads}/{self.num_kv_heads}", f"d{self.head_size}",
+                 f"bs{self.block_size}", str(self.dtype).removeprefix("torch.")]
+        if not self.causal:
+            parts.append("noncausal")
+        if self.alibi:
+            parts.append("alibi")
+        if self.sliding_window >= 0:
+            parts.append(f"win{self.sliding_window}")
+        if self.logits_soft_cap > 0:
+            parts.append(f"cap{self.logits_soft_cap:g}")
+        if self.slot_dtype != torch.int64:
+            parts.append("slot32")
+        if self.padded_tokens:
+            parts.append(f"pad{self.padded_tokens}")
+        return "-".join(parts)
+
+
+# Named batch shapes: (query_lens, context_lens).
+BATCHES = {
+    "prefill": ((7, 16, 1, 33), (0, 0, 0, 0)),
+    "decode": ((1, 1, 1, 1, 1), (5, 16, 31, 64, 100)),
+    "chunked": ((8, 20), (24, 7)),
+    "mixed": ((1, 9, 1, 17, 1), (40, 0, 3, 12, 1)),
+    "single": ((1,), (0,)),
+    "empty_seq": ((0, 3, 1), (4, 0, 9)),
+}
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The standard ALiBi slopes of Press et al. (as in BLOOM and vLLM), fp32 [num_heads]."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest != num_heads:
+        extra_base = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+        slopes += [extra_base ** (2 * i + 1) for i in range(num_heads - closest)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def _random(shape, dtype, generator, device) -> torch.Tensor:
+    return torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype).to(device)
+
+
+def make_paged_inputs(case: AttentionCase, device="cpu", seed: int = 0) -> dict:
+    """Random inputs for ``reshape_and_cache`` + ``paged_attention`` of ``case``.
+
+    The caches hold random context (and garbage in unused slots); block tables use randomly
+    permuted blocks padded with 0. Returns a dict with ``query``, ``key``, ``value`` (the new
+    tokens, with ``case.padded_tokens`` padding rows at the end), ``key_cache``,
+    ``value_cache`` (context already written), ``slot_mapping``, ``block_tables``,
+    ``seq_lens``, ``query_start_loc`` and the attention keyword arguments ``kwargs``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    bs, kvh, d = case.block_size, case.num_kv_heads, case.head_size
+    seq_lens = [c + q for c, q in zip(case.context_lens, case.query_lens, strict=True)]
+    blocks_per_seq = [-(-n // bs) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + case.spare_blocks
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, slots, start = [], [], 0
+    width = max([*blocks_per_seq, 1]) + 1  # one spare column, left as padding
+    for n, ctx, q in zip(blocks_per_seq, case.context_lens, case.query_lens, strict=True):
+        blocks = perm[start : start + n]
+        start += n
+        tables.append(blocks + [0] * (width - n))
+        slots += [blocks[p // bs] * bs + p % bs for p in range(ctx, ctx + q)]
+    total_new = sum(case.query_lens)
+    key_cache = _random((num_blocks, bs, kvh, d), case.dtype, g, device)
+    value_cache = _random((num_blocks, bs, kvh, d), case.dtype, g, device)
+    pad = case.padded_tokens
+    return {
+        "query": _random((total_new, case.num_heads, d), case.dtype, g, device),
+        "key": _random((total_new + pad, kvh, d), case.dtype, g, device),
+        "value": _random((total_new + pad, kvh, d), case.dtype, g, device),
+        "key_cache": key_cache,
+        "value_cache": value_cache,
+        "slot_mapping": torch.tensor(slots + [-1] * pad, dtype=case.slot_dtype, device=device),
+        "block_tables": torch.tensor(tables, dtype=torch.int32, device=device),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        "query_start_loc": torch.tensor(
+            [0, *torch.tensor(case.query_lens).cumsum(0).tolist()], dtype=torch.int32,
+            device=device,
+        ),
+        "kwargs": attention_kwargs(case, device),
+    }
+
+
+def make_varlen_inputs(case: AttentionCase, device="cpu", seed: int = 0) -> dict:
+    """Random inputs for ``varlen_attention``: sequence i has ``query_lens[i]`` queries and
+    ``context_lens[i] + query_lens[i]`` keys. Returns ``query``, ``key``, ``value``,
+    ``cu_seqlens_q``, ``cu_seqlens_k`` and ``kwargs``."""
+    g = torch.Generator().manual_seed(seed)
+    key_lens = [c + q for c, q in zip(case.context_lens, case.query_lens, strict=True)]
+
+    def offsets(lens):
+        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                            device=device)
+
+    return {
+        "query": _random((sum(case.query_lens), case.num_heads, case.head_size), case.dtype, g,
+                         device),
+        "key": _random((sum(key_lens), case.num_kv_heads, case.head_size), case.dtype, g, device),
+        "value": _random((sum(key_lens), case.num_kv_heads, case.head_size), case.dtype, g,
+                         device),
+        "cu_seqlens_q": offsets(case.query_lens),
+        "cu_seqlens_k": offsets(key_lens),
+        "kwargs": attention_kwargs(case, device),
+    }
+
+
+def attention_kwargs(case: AttentionCase, device="cpu") -> dict:
+    """The scalar and ALiBi arguments of ``case`` for paged/varlen attention."""
+    return {
+        "scale": case.head_size**-0.5,
+        "causal": case.causal,
+        "alibi_slopes": alibi_slopes(case.num_heads).to(device) if case.alibi else None,
+        "sliding_window": case.sliding_window,
+        "logits_soft_cap": case.logits_soft_cap,
+    }
+
+
+def standard_cases() -> list[AttentionCase]:
+    """The parametrized matrix every backend suite runs (each backend skips, with its reasons,
+    the cases it does not support)."""
+    cases = []
+    for batch, (query_lens, context_lens) in BATCHES.items():
+        base = AttentionCase(batch, query_lens, context_lens)
+        cases.append(base)
+        cases.append(base.with_(alibi=True))
+        cases.append(base.with_(sliding_window=5))
+        cases.append(base.with_(logits_soft_cap=2.0))
+    decode = AttentionCase("decode", *BATCHES["decode"])
+    mixed = AttentionCase("mixed", *BATCHES["mixed"])
+    for heads, kv_heads in ((4, 4), (8, 2), (16, 2)):  # GQA 1x, 4x, 8x
+        cases.append(mixed.with_(num_heads=heads, num_kv_heads=kv_heads))
+    for head_size in (64, 80, 128, 256):
+        cases.append(decode.with_(head_size=head_size))
+    for block_size in (8, 32, 64):
+        cases.append(mixed.with_(block_size=block_size))
+    for dtype in (torch.bfloat16, torch.float16):
+        cases.append(mixed.with_(dtype=dtype))
+        cases.append(decode.with_(dtype=dtype, num_heads=32, num_kv_heads=8, head_size=128))
+        cases.append(mixed.with_(dtype=dtype, alibi=True, sliding_window=9,
+                                 logits_soft_cap=5.0))
+    cases.append(mixed.with_(alibi=True, sliding_window=6, logits_soft_cap=3.0))
+    cases.append(mixed.with_(slot_dtype=torch.int32, padded_tokens=3))
+    cases.append(AttentionCase("cross", (3, 1, 6), (5, 9, 0), causal=False))
+    cases.append(AttentionCase("cross", (3, 1, 6), (5, 9, 0), causal=False, alibi=True,
+                               sliding_window=4))
+    return cases

@@ -1,0 +1,28 @@
+"""Small helpers shared by test modules."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from attnexport.custom_ops import BackendUnsupportedError
+from attnexport.testing import tolerance
+
+
+def assert_close_to_reference(actual: torch.Tensor, reference: torch.Tensor) -> None:
+    """Compares an op output (any dtype) with the float64 reference at the op dtype's tolerance."""
+    assert actual.dtype != torch.float64 or reference.dtype == torch.float64
+    torch.testing.assert_close(
+        actual.to(torch.float64), reference.to(torch.float64), **tolerance(actual.dtype)
+    )
+
+
+@contextlib.contextmanager
+def skip_unsupported():
+    """Turns a backend's refusal of a case into a skip that shows its reasons."""
+    try:
+        yield
+    except BackendUnsupportedError as error:
+        pytest.skip(str(error))
