@@ -55,8 +55,13 @@ class AttentionCase:
 
     @property
     def id(self) -> str:
-        parts = [self.name, f"h{self.num_heads}/{self.num_kv_heads}", f"d{self.head_size}",
-                 f"bs{self.block_size}", str(self.dtype).removeprefix("torch.")]
+        parts = [
+            self.name,
+            f"h{self.num_heads}/{self.num_kv_heads}",
+            f"d{self.head_size}",
+            f"bs{self.block_size}",
+            str(self.dtype).removeprefix("torch."),
+        ]
         if not self.causal:
             parts.append("noncausal")
         if self.alibi:
@@ -134,7 +139,8 @@ def make_paged_inputs(case: AttentionCase, device="cpu", seed: int = 0) -> dict:
         "block_tables": torch.tensor(tables, dtype=torch.int32, device=device),
         "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=device),
         "query_start_loc": torch.tensor(
-            [0, *torch.tensor(case.query_lens).cumsum(0).tolist()], dtype=torch.int32,
+            [0, *torch.tensor(case.query_lens).cumsum(0).tolist()],
+            dtype=torch.int32,
             device=device,
         ),
         "kwargs": attention_kwargs(case, device),
@@ -149,15 +155,16 @@ def make_varlen_inputs(case: AttentionCase, device="cpu", seed: int = 0) -> dict
     key_lens = [c + q for c, q in zip(case.context_lens, case.query_lens, strict=True)]
 
     def offsets(lens):
-        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
-                            device=device)
+        return torch.tensor(
+            [0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device
+        )
 
     return {
-        "query": _random((sum(case.query_lens), case.num_heads, case.head_size), case.dtype, g,
-                         device),
+        "query": _random(
+            (sum(case.query_lens), case.num_heads, case.head_size), case.dtype, g, device
+        ),
         "key": _random((sum(key_lens), case.num_kv_heads, case.head_size), case.dtype, g, device),
-        "value": _random((sum(key_lens), case.num_kv_heads, case.head_size), case.dtype, g,
-                         device),
+        "value": _random((sum(key_lens), case.num_kv_heads, case.head_size), case.dtype, g, device),
         "cu_seqlens_q": offsets(case.query_lens),
         "cu_seqlens_k": offsets(key_lens),
         "kwargs": attention_kwargs(case, device),
@@ -196,11 +203,11 @@ def standard_cases() -> list[AttentionCase]:
     for dtype in (torch.bfloat16, torch.float16):
         cases.append(mixed.with_(dtype=dtype))
         cases.append(decode.with_(dtype=dtype, num_heads=32, num_kv_heads=8, head_size=128))
-        cases.append(mixed.with_(dtype=dtype, alibi=True, sliding_window=9,
-                                 logits_soft_cap=5.0))
+        cases.append(mixed.with_(dtype=dtype, alibi=True, sliding_window=9, logits_soft_cap=5.0))
     cases.append(mixed.with_(alibi=True, sliding_window=6, logits_soft_cap=3.0))
     cases.append(mixed.with_(slot_dtype=torch.int32, padded_tokens=3))
     cases.append(AttentionCase("cross", (3, 1, 6), (5, 9, 0), causal=False))
-    cases.append(AttentionCase("cross", (3, 1, 6), (5, 9, 0), causal=False, alibi=True,
-                               sliding_window=4))
+    cases.append(
+        AttentionCase("cross", (3, 1, 6), (5, 9, 0), causal=False, alibi=True, sliding_window=4)
+    )
     return cases

@@ -123,14 +123,17 @@ class BackendCapabilities:
                 if self.head_sizes is None
                 else ", ".join(str(h) for h in sorted(self.head_sizes)),
             ),
-            ("block sizes", "any" if self.block_size_multiple == 1 else
-             f"multiples of {self.block_size_multiple}"),
+            (
+                "block sizes",
+                "any"
+                if self.block_size_multiple == 1
+                else f"multiples of {self.block_size_multiple}",
+            ),
             ("ALiBi", yes(self.alibi)),
             ("sliding window", yes(self.sliding_window)),
             ("soft-cap", yes(self.soft_cap)),
             ("non-causal", yes(self.non_causal)),
             ("chunked prefill", yes(self.chunked_prefill)),
-            *(("note", note) for note in self.notes),
         ]
 
 

@@ -99,7 +99,9 @@ def _cumulative(counts: list[int]) -> list[int]:
 
 
 def _slots(block_ids: Sequence[int], start: int, stop: int, block_size: int) -> list[int]:
-    return [block_ids[pos // block_size] * block_size + pos % block_size for pos in range(start, stop)]
+    return [
+        block_ids[pos // block_size] * block_size + pos % block_size for pos in range(start, stop)
+    ]
 
 
 def _block_table(rows: list[Sequence[int]], device: torch.device | str) -> torch.Tensor:

@@ -60,7 +60,9 @@ def _write_call(key: torch.Tensor, key_cache: torch.Tensor) -> AttentionCall:
 # --------------------------------------------------------------------------- reshape_and_cache
 
 
-_WRITE_ARGS = "Tensor key, Tensor value, Tensor{} key_cache, Tensor{} value_cache, Tensor slot_mapping"
+_WRITE_ARGS = (
+    "Tensor key, Tensor value, Tensor{} key_cache, Tensor{} value_cache, Tensor slot_mapping"
+)
 _MASK_ARGS = (
     "float scale, bool causal={}, Tensor? alibi_slopes=None, int sliding_window=-1, "
     "float logits_soft_cap=0.0"
@@ -170,8 +172,17 @@ def paged_attention(
         ``[T, H, D]`` in the dtype of query; a query that sees no key gets zeros.
     """
     summary = validation.check_paged_attention(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, causal,
-        alibi_slopes, sliding_window, logits_soft_cap,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        causal,
+        alibi_slopes,
+        sliding_window,
+        logits_soft_cap,
     )
     if query.shape[0] == 0:
         return torch.empty_like(query)
@@ -179,19 +190,46 @@ def paged_attention(
         query, key_cache, causal, alibi_slopes, sliding_window, logits_soft_cap, summary
     )
     return select_backend(call).paged_attention(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, causal,
-        alibi_slopes, sliding_window, logits_soft_cap,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        causal,
+        alibi_slopes,
+        sliding_window,
+        logits_soft_cap,
     )
 
 
 @paged_attention.register_fake
 def _(
-    query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-    causal=True, alibi_slopes=None, sliding_window=-1, logits_soft_cap=0.0,
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    scale,
+    causal=True,
+    alibi_slopes=None,
+    sliding_window=-1,
+    logits_soft_cap=0.0,
 ):
     validation.check_paged_attention(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, causal,
-        alibi_slopes, sliding_window, logits_soft_cap,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        causal,
+        alibi_slopes,
+        sliding_window,
+        logits_soft_cap,
     )
     return torch.empty_like(query)
 
@@ -231,8 +269,16 @@ def varlen_attention(
         ``[Tq, H, D]`` in the dtype of query; a query that sees no key gets zeros.
     """
     summary = validation.check_varlen_attention(
-        query, key, value, cu_seqlens_q, cu_seqlens_k, scale, causal, alibi_slopes,
-        sliding_window, logits_soft_cap,
+        query,
+        key,
+        value,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        scale,
+        causal,
+        alibi_slopes,
+        sliding_window,
+        logits_soft_cap,
     )
     if query.shape[0] == 0:
         return torch.empty_like(query)
@@ -251,18 +297,42 @@ def varlen_attention(
         chunked_prefill=summary.has_context,
     )
     return select_backend(call).varlen_attention(
-        query, key, value, cu_seqlens_q, cu_seqlens_k, scale, causal, alibi_slopes,
-        sliding_window, logits_soft_cap,
+        query,
+        key,
+        value,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        scale,
+        causal,
+        alibi_slopes,
+        sliding_window,
+        logits_soft_cap,
     )
 
 
 @varlen_attention.register_fake
 def _(
-    query, key, value, cu_seqlens_q, cu_seqlens_k, scale,
-    causal=False, alibi_slopes=None, sliding_window=-1, logits_soft_cap=0.0,
+    query,
+    key,
+    value,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    scale,
+    causal=False,
+    alibi_slopes=None,
+    sliding_window=-1,
+    logits_soft_cap=0.0,
 ):
     validation.check_varlen_attention(
-        query, key, value, cu_seqlens_q, cu_seqlens_k, scale, causal, alibi_slopes,
-        sliding_window, logits_soft_cap,
+        query,
+        key,
+        value,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        scale,
+        causal,
+        alibi_slopes,
+        sliding_window,
+        logits_soft_cap,
     )
     return torch.empty_like(query)

@@ -115,8 +115,16 @@ def paged_attention(
         # The queries are the last num_queries positions of the sequence.
         positions = torch.arange(seq_len - num_queries, seq_len, device=query.device)
         out[start:end] = attend(
-            query[start:end], key, value, positions, scale, causal, alibi_slopes,
-            sliding_window, logits_soft_cap, compute_dtype,
+            query[start:end],
+            key,
+            value,
+            positions,
+            scale,
+            causal,
+            alibi_slopes,
+            sliding_window,
+            logits_soft_cap,
+            compute_dtype,
         )
     return out
 
@@ -147,7 +155,15 @@ def varlen_attention(
             continue
         positions = torch.arange(num_keys - num_queries, num_keys, device=query.device)
         out[q0:q1] = attend(
-            query[q0:q1], key[k0:k1], value[k0:k1], positions, scale, causal, alibi_slopes,
-            sliding_window, logits_soft_cap, compute_dtype,
+            query[q0:q1],
+            key[k0:k1],
+            value[k0:k1],
+            positions,
+            scale,
+            causal,
+            alibi_slopes,
+            sliding_window,
+            logits_soft_cap,
+            compute_dtype,
         )
     return out

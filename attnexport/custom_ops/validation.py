@@ -86,8 +86,10 @@ def _check_scalars(
         _expect_rank("alibi_slopes", alibi_slopes, 1, "[num_heads]")
         _expect(
             alibi_slopes.shape[0] == num_heads,
-            lambda: f"alibi_slopes: expected shape [{num_heads}] (one slope per query head), "
-            f"got {tuple(alibi_slopes.shape)}",
+            lambda: (
+                f"alibi_slopes: expected shape [{num_heads}] (one slope per query head), "
+                f"got {tuple(alibi_slopes.shape)}"
+            ),
         )
         _expect_same_device([("query", query), ("alibi_slopes", alibi_slopes)])
 
@@ -95,8 +97,10 @@ def _check_scalars(
 def _check_heads(num_heads, num_kv_heads, query_name: str, kv_name: str) -> None:
     _expect(
         num_kv_heads > 0 and num_heads % num_kv_heads == 0,
-        lambda: f"{query_name}: num_heads ({num_heads}) must be a multiple of the "
-        f"num_kv_heads of {kv_name} ({num_kv_heads})",
+        lambda: (
+            f"{query_name}: num_heads ({num_heads}) must be a multiple of the "
+            f"num_kv_heads of {kv_name} ({num_kv_heads})"
+        ),
     )
 
 
@@ -184,30 +188,44 @@ def check_reshape_and_cache(
     _expect_dtype("slot_mapping", slot_mapping, SLOT_DTYPES)
     for name, tensor in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
         if tensor.dtype != key.dtype:
-            raise TypeError(f"{name}: expected dtype {key.dtype} (the dtype of key), got {tensor.dtype}")
+            raise TypeError(
+                f"{name}: expected dtype {key.dtype} (the dtype of key), got {tensor.dtype}"
+            )
     _expect_same_device(
-        [("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
-         ("slot_mapping", slot_mapping)]
+        [
+            ("key", key),
+            ("value", value),
+            ("key_cache", key_cache),
+            ("value_cache", value_cache),
+            ("slot_mapping", slot_mapping),
+        ]
     )
     _expect(
         value.shape == key.shape,
-        lambda: f"value: expected shape {tuple(key.shape)} (the shape of key), "
-        f"got {tuple(value.shape)}",
+        lambda: (
+            f"value: expected shape {tuple(key.shape)} (the shape of key), got {tuple(value.shape)}"
+        ),
     )
     _expect(
         value_cache.shape == key_cache.shape,
-        lambda: f"value_cache: expected shape {tuple(key_cache.shape)} (the shape of key_cache), "
-        f"got {tuple(value_cache.shape)}",
+        lambda: (
+            f"value_cache: expected shape {tuple(key_cache.shape)} (the shape of key_cache), "
+            f"got {tuple(value_cache.shape)}"
+        ),
     )
     _expect(
         key.shape[1] == key_cache.shape[2] and key.shape[2] == key_cache.shape[3],
-        lambda: f"key: expected [num_tokens, {key_cache.shape[2]}, {key_cache.shape[3]}] "
-        f"(num_kv_heads and head_size of key_cache), got {tuple(key.shape)}",
+        lambda: (
+            f"key: expected [num_tokens, {key_cache.shape[2]}, {key_cache.shape[3]}] "
+            f"(num_kv_heads and head_size of key_cache), got {tuple(key.shape)}"
+        ),
     )
     _expect(
         slot_mapping.shape[0] == key.shape[0],
-        lambda: f"slot_mapping: expected shape [{key.shape[0]}] (one slot per key token), "
-        f"got {tuple(slot_mapping.shape)}",
+        lambda: (
+            f"slot_mapping: expected shape [{key.shape[0]}] (one slot per key token), "
+            f"got {tuple(slot_mapping.shape)}"
+        ),
     )
     if _is_fake(key, key_cache, slot_mapping) or slot_mapping.numel() == 0:
         return
@@ -262,31 +280,44 @@ def check_paged_attention(
     ):
         _expect_dtype(name, tensor, (INDEX_DTYPE,))
     _expect_same_device(
-        [("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
-         ("block_tables", block_tables), ("seq_lens", seq_lens),
-         ("query_start_loc", query_start_loc)]
+        [
+            ("query", query),
+            ("key_cache", key_cache),
+            ("value_cache", value_cache),
+            ("block_tables", block_tables),
+            ("seq_lens", seq_lens),
+            ("query_start_loc", query_start_loc),
+        ]
     )
     _expect(
         value_cache.shape == key_cache.shape,
-        lambda: f"value_cache: expected shape {tuple(key_cache.shape)} (the shape of key_cache), "
-        f"got {tuple(value_cache.shape)}",
+        lambda: (
+            f"value_cache: expected shape {tuple(key_cache.shape)} (the shape of key_cache), "
+            f"got {tuple(value_cache.shape)}"
+        ),
     )
     _expect(
         query.shape[2] == key_cache.shape[3],
-        lambda: f"query: expected head_size {key_cache.shape[3]} (the head_size of key_cache), "
-        f"got shape {tuple(query.shape)}",
+        lambda: (
+            f"query: expected head_size {key_cache.shape[3]} (the head_size of key_cache), "
+            f"got shape {tuple(query.shape)}"
+        ),
     )
     _check_heads(query.shape[1], key_cache.shape[2], "query", "key_cache")
     num_seqs = seq_lens.shape[0]
     _expect(
         block_tables.shape[0] == num_seqs,
-        lambda: f"block_tables: expected {num_seqs} rows (one per sequence in seq_lens), "
-        f"got shape {tuple(block_tables.shape)}",
+        lambda: (
+            f"block_tables: expected {num_seqs} rows (one per sequence in seq_lens), "
+            f"got shape {tuple(block_tables.shape)}"
+        ),
     )
     _expect(
         query_start_loc.shape[0] == num_seqs + 1,
-        lambda: f"query_start_loc: expected shape [{num_seqs} + 1] (num_seqs + 1), "
-        f"got {tuple(query_start_loc.shape)}",
+        lambda: (
+            f"query_start_loc: expected shape [{num_seqs} + 1] (num_seqs + 1), "
+            f"got {tuple(query_start_loc.shape)}"
+        ),
     )
     _check_scalars(scale, sliding_window, logits_soft_cap, alibi_slopes, query.shape[1], query)
     if _is_fake(query, key_cache, block_tables, seq_lens, query_start_loc):
@@ -376,24 +407,34 @@ def check_varlen_attention(
     _expect_dtype("cu_seqlens_q", cu_seqlens_q, (INDEX_DTYPE,))
     _expect_dtype("cu_seqlens_k", cu_seqlens_k, (INDEX_DTYPE,))
     _expect_same_device(
-        [("query", query), ("key", key), ("value", value), ("cu_seqlens_q", cu_seqlens_q),
-         ("cu_seqlens_k", cu_seqlens_k)]
+        [
+            ("query", query),
+            ("key", key),
+            ("value", value),
+            ("cu_seqlens_q", cu_seqlens_q),
+            ("cu_seqlens_k", cu_seqlens_k),
+        ]
     )
     _expect(
         value.shape == key.shape,
-        lambda: f"value: expected shape {tuple(key.shape)} (the shape of key), "
-        f"got {tuple(value.shape)}",
+        lambda: (
+            f"value: expected shape {tuple(key.shape)} (the shape of key), got {tuple(value.shape)}"
+        ),
     )
     _expect(
         query.shape[2] == key.shape[2],
-        lambda: f"query: expected head_size {key.shape[2]} (the head_size of key), "
-        f"got shape {tuple(query.shape)}",
+        lambda: (
+            f"query: expected head_size {key.shape[2]} (the head_size of key), "
+            f"got shape {tuple(query.shape)}"
+        ),
     )
     _check_heads(query.shape[1], key.shape[1], "query", "key")
     _expect(
         cu_seqlens_q.shape[0] == cu_seqlens_k.shape[0],
-        lambda: f"cu_seqlens_k: expected shape {tuple(cu_seqlens_q.shape)} (the shape of "
-        f"cu_seqlens_q, num_seqs + 1), got {tuple(cu_seqlens_k.shape)}",
+        lambda: (
+            f"cu_seqlens_k: expected shape {tuple(cu_seqlens_q.shape)} (the shape of "
+            f"cu_seqlens_q, num_seqs + 1), got {tuple(cu_seqlens_k.shape)}"
+        ),
     )
     _expect(
         cu_seqlens_q.shape[0] >= 1,

@@ -35,7 +35,8 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, src_to_dst: to
         )
     if src_cache.dtype != dst_cache.dtype:
         raise TypeError(
-            f"dst_cache: expected dtype {src_cache.dtype} (that of src_cache), got {dst_cache.dtype}"
+            f"dst_cache: expected dtype {src_cache.dtype} (that of src_cache), "
+            f"got {dst_cache.dtype}"
         )
     check_block_mapping("src_to_dst", src_to_dst, src_cache.shape[0], dst_cache.shape[0])
     device = dst_cache.device if dst_cache.device.type != "cpu" else src_cache.device

@@ -14,19 +14,27 @@ CASES = standard_cases()
 
 
 def _paged_args(x: dict) -> tuple:
-    return (x["query"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"],
-            x["query_start_loc"])
+    return (
+        x["query"],
+        x["key_cache"],
+        x["value_cache"],
+        x["block_tables"],
+        x["seq_lens"],
+        x["query_start_loc"],
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_reshape_and_cache_matches_reference(backend, case: AttentionCase):
     x = make_paged_inputs(case)
     expected_key, expected_value = x["key_cache"].clone(), x["value_cache"].clone()
-    reference.reshape_and_cache(x["key"], x["value"], expected_key, expected_value,
-                                x["slot_mapping"])
+    reference.reshape_and_cache(
+        x["key"], x["value"], expected_key, expected_value, x["slot_mapping"]
+    )
     with skip_unsupported():
-        attnexport.reshape_and_cache(x["key"], x["value"], x["key_cache"], x["value_cache"],
-                                     x["slot_mapping"])
+        attnexport.reshape_and_cache(
+            x["key"], x["value"], x["key_cache"], x["value_cache"], x["slot_mapping"]
+        )
     torch.testing.assert_close(x["key_cache"], expected_key, atol=0, rtol=0)
     torch.testing.assert_close(x["value_cache"], expected_value, atol=0, rtol=0)
 
@@ -55,8 +63,9 @@ def test_write_then_attend_sees_new_tokens(backend, case: AttentionCase):
     """The step a model runs: write the new tokens, then attend over context + new tokens."""
     x = make_paged_inputs(case)
     with skip_unsupported():
-        attnexport.reshape_and_cache(x["key"], x["value"], x["key_cache"], x["value_cache"],
-                                     x["slot_mapping"])
+        attnexport.reshape_and_cache(
+            x["key"], x["value"], x["key_cache"], x["value_cache"], x["slot_mapping"]
+        )
         out = attnexport.paged_attention(*_paged_args(x), **x["kwargs"])
     assert_close_to_reference(out, reference.paged_attention(*_paged_args(x), **x["kwargs"]))
 
@@ -91,8 +100,14 @@ def test_cross_attention_with_more_queries_than_keys(backend, causal):
 def test_paged_cross_attention_with_more_queries_than_keys(backend):
     x = make_paged_inputs(AttentionCase("cross", (2, 3), (2, 0), causal=False))
     seq_lens = torch.tensor([2, 1], dtype=torch.int32)  # fewer keys than the 3 queries of seq 1
-    args = (x["query"], x["key_cache"], x["value_cache"], x["block_tables"], seq_lens,
-            x["query_start_loc"])
+    args = (
+        x["query"],
+        x["key_cache"],
+        x["value_cache"],
+        x["block_tables"],
+        seq_lens,
+        x["query_start_loc"],
+    )
     with skip_unsupported():
         out = attnexport.paged_attention(*args, **x["kwargs"])
     assert_close_to_reference(out, reference.paged_attention(*args, **x["kwargs"]))
@@ -104,7 +119,12 @@ def test_empty_batch(backend):
     empty_i32 = torch.zeros(0, dtype=torch.int32)
     with skip_unsupported():
         out = attnexport.paged_attention(
-            query, x["key_cache"], x["value_cache"], x["block_tables"][:0], empty_i32,
-            torch.zeros(1, dtype=torch.int32), **x["kwargs"],
+            query,
+            x["key_cache"],
+            x["value_cache"],
+            x["block_tables"][:0],
+            empty_i32,
+            torch.zeros(1, dtype=torch.int32),
+            **x["kwargs"],
         )
     assert out.shape == (0, *query.shape[1:])

@@ -12,6 +12,8 @@ math path, 10-40x slower than a grouped matmul (DESIGN.md section 4).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from attnexport.custom_ops.dispatch import AttentionBackend, BackendCapabilities
@@ -138,14 +140,24 @@ class SdpaBackend(AttentionBackend):
         write_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def paged_attention(
-        self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-        causal, alibi_slopes, sliding_window, logits_soft_cap,
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        causal,
+        alibi_slopes,
+        sliding_window,
+        logits_soft_cap,
     ) -> torch.Tensor:
         work_dtype = compute_dtype(query.dtype)
         num_blocks, block_size = key_cache.shape[:2]
         starts = query_start_loc.tolist()
         lens = seq_lens.tolist()
-        query_lens = [end - start for start, end in zip(starts[:-1], starts[1:], strict=True)]
+        query_lens = [end - start for start, end in itertools.pairwise(starts)]
         out = torch.zeros_like(query)
         options = (scale, causal, alibi_slopes, sliding_window, logits_soft_cap)
 
@@ -178,14 +190,27 @@ class SdpaBackend(AttentionBackend):
             key = gather_blocks(key_cache, block_ids).to(work_dtype)
             value = gather_blocks(value_cache, block_ids).to(work_dtype)
             self._attend_sequence(
-                query[starts[i] : starts[i + 1]], key, value, seq_len,
-                out[starts[i] : starts[i + 1]], *options,
+                query[starts[i] : starts[i + 1]],
+                key,
+                value,
+                seq_len,
+                out[starts[i] : starts[i + 1]],
+                *options,
             )
         return out
 
     def varlen_attention(
-        self, query, key, value, cu_seqlens_q, cu_seqlens_k, scale, causal, alibi_slopes,
-        sliding_window, logits_soft_cap,
+        self,
+        query,
+        key,
+        value,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        scale,
+        causal,
+        alibi_slopes,
+        sliding_window,
+        logits_soft_cap,
     ) -> torch.Tensor:
         work_dtype = compute_dtype(query.dtype)
         q_starts, k_starts = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -197,8 +222,16 @@ class SdpaBackend(AttentionBackend):
             k = key[k0:k1].to(work_dtype).permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, L, D]
             v = value[k0:k1].to(work_dtype).permute(1, 0, 2).unsqueeze(1)
             self._attend_sequence(
-                query[q0:q1], k, v, k1 - k0, out[q0:q1], scale, causal, alibi_slopes,
-                sliding_window, logits_soft_cap,
+                query[q0:q1],
+                k,
+                v,
+                k1 - k0,
+                out[q0:q1],
+                scale,
+                causal,
+                alibi_slopes,
+                sliding_window,
+                logits_soft_cap,
             )
         return out
 

@@ -1,0 +1,5 @@
+"""The ``attnexport`` command line."""
+
+from attnexport.cli.main import main
+
+__all__ = ["main"]

@@ -1,0 +1,78 @@
+"""The calling convention shared by models, the lowering, the runtime and the CLI.
+
+A *paged model* is an ``nn.Module`` whose forward takes one step's packed ragged batch, its
+attention metadata as plain tensors, and the KV caches as explicit inputs (never buffers, so
+that torch.export/ONNX keep them as graph inputs and outputs)::
+
+    forward(
+        input_ids,        # [T] int64, the new tokens of every sequence, packed
+        positions,        # [T] int64, absolute position of each token in its sequence
+        slot_mapping,     # [T] int64, cache slot per token (negative: padding, not written)
+        block_tables,     # [S, max_blocks_per_seq] int32
+        seq_lens,         # [S] int32, cached + new tokens per sequence
+        query_start_loc,  # [S + 1] int32
+        logits_indices,   # [N] int64, rows of the packed batch whose logits are returned
+        kv_caches,        # list of 2 * num_layers tensors [k_0, v_0, k_1, v_1, ...],
+                          #   each [num_blocks, block_size, num_kv_heads, head_size]
+    ) -> logits           # [N, vocab_size] float32
+
+Encoder-decoder models add their encoder inputs and cross caches (see their module docs);
+encoder-only models take ``input_ids, positions, cu_seqlens`` and no cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DECODER_INPUT_NAMES = (
+    "input_ids",
+    "positions",
+    "slot_mapping",
+    "block_tables",
+    "seq_lens",
+    "query_start_loc",
+    "logits_indices",
+)
+"""The non-cache inputs of a decoder's forward, in order; ``kv_caches`` follows them."""
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """The geometry of a model's paged KV caches."""
+
+    num_layers: int
+    """Layers with a (self-attention) cache; there are 2 * num_layers cache tensors."""
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    block_size: int = 16
+    num_cross_layers: int = 0
+    """Encoder-decoder models: layers with a cross-attention cache (2 tensors each), after the
+    self-attention caches in ``kv_caches``."""
+
+    @property
+    def num_cache_tensors(self) -> int:
+        return 2 * (self.num_layers + self.num_cross_layers)
+
+    def block_shape(self) -> tuple[int, int, int]:
+        return (self.block_size, self.num_kv_heads, self.head_size)
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        """``[num_blocks, block_size, num_kv_heads, head_size]``."""
+        return (num_blocks, *self.block_shape())
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes across every cache tensor of the model."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        per_tensor = self.block_size * self.num_kv_heads * self.head_size * element
+        return per_tensor * self.num_cache_tensors
+
+    def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+        """Zeroed caches ``[k_0, v_0, k_1, v_1, ...]`` for ``num_blocks`` blocks."""
+        return [
+            torch.zeros(self.cache_shape(num_blocks), dtype=self.dtype, device=device)
+            for _ in range(self.num_cache_tensors)
+        ]
