@@ -1,4 +1,28 @@
 """Runtime: kernel backends, host-side cache management, executors and the engine.
 
 Heavy optional dependencies (onnxruntime, IPEX, xFormers) are imported only where used.
+
+    from attnexport.runtime import Engine, SamplingParams, TorchExecutor
+    engine = Engine(TorchExecutor(model))
+    outputs = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=8))
 """
+
+from attnexport.runtime.config import CacheConfig, SchedulerConfig
+from attnexport.runtime.engine import Engine, EngineStats
+from attnexport.runtime.executors.base import Executor
+from attnexport.runtime.executors.torch_executor import TorchExecutor
+from attnexport.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from attnexport.runtime.sampling import SamplingParams
+
+__all__ = [
+    "CacheConfig",
+    "CompletionOutput",
+    "Engine",
+    "EngineStats",
+    "Executor",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "SchedulerConfig",
+    "TorchExecutor",
+]

@@ -150,24 +150,25 @@ class BlockManager:
 
     # ------------------------------------------------------------------ growth
     def blocks_needed(
-        self, seq: Sequence, num_new_tokens: int, pool: BlockPool | None = None
-    ) -> int:
-        """Device blocks that :meth:`allocate` will take to add ``num_new_tokens`` to ``seq``:
-        new blocks plus one if the block written first is shared (copy-on-write). ``pool`` is
-        the pool holding the sequence's blocks now (the CPU pool for a swapped sequence)."""
-        pool = pool or self.device
-        total = blocks_for_tokens(seq.num_computed + num_new_tokens, self.block_size)
-        needed = max(0, total - len(seq.block_ids))
-        first = seq.num_computed // self.block_size
-        if first < len(seq.block_ids) and pool.ref_counts[seq.block_ids[first]] > 1:
-            needed += 1
-        return needed
-
-    def blocks_needed_total(
         self, plan: Iterable[tuple[Sequence, int]], pool: BlockPool | None = None
     ) -> int:
-        """:meth:`blocks_needed` summed over (sequence, new tokens) pairs."""
-        return sum(self.blocks_needed(seq, count, pool) for seq, count in plan)
+        """Device blocks that :meth:`allocate` will take for the (sequence, new tokens) pairs of
+        ``plan``, allocated in that order: new blocks, plus the copies of shared blocks about to
+        be written (the last holder of a block writes it in place). ``pool`` holds the
+        sequences' blocks now (the CPU pool for swapped sequences)."""
+        pool = pool or self.device
+        needed = 0
+        writers: dict[int, int] = {}
+        for seq, count in plan:
+            total = blocks_for_tokens(seq.num_computed + count, self.block_size)
+            needed += max(0, total - len(seq.block_ids))
+            first = seq.num_computed // self.block_size
+            if first < len(seq.block_ids):
+                block = seq.block_ids[first]
+                writers[block] = writers.get(block, 0) + 1
+        for block, count in writers.items():
+            needed += count if count < pool.ref_counts[block] else count - 1
+        return needed
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Gives ``seq`` the blocks its next ``num_new_tokens`` tokens are written to; a shared
@@ -183,14 +184,19 @@ class BlockManager:
         for _ in range(total - len(seq.block_ids)):
             seq.block_ids.append(self.device.allocate())
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """``child`` shares every block of ``parent`` (one more reference each)."""
-        for block in parent.block_ids:
+    def fork(self, parent: Sequence, child: Sequence, num_blocks: int | None = None) -> None:
+        """``child`` shares the first ``num_blocks`` blocks of ``parent`` (default: all, with
+        their computed tokens); the tokens they hold must be the same in both."""
+        if num_blocks is None:
+            shared, computed = parent.block_ids, parent.num_computed
+        else:
+            shared, computed = parent.block_ids[:num_blocks], num_blocks * self.block_size
+        for block in shared:
             self.device.incref(block)
-        child.block_ids = list(parent.block_ids)
-        child.block_hashes = list(parent.block_hashes)
-        child.num_computed = parent.num_computed
-        child.num_registered_blocks = parent.num_registered_blocks
+        child.block_ids = list(shared)
+        child.block_hashes = parent.block_hashes[: len(shared)]
+        child.num_computed = computed
+        child.num_registered_blocks = min(parent.num_registered_blocks, len(shared))
 
     def free(self, seq: Sequence) -> None:
         """Drops ``seq``'s references to its device blocks (tail first, so that a prefix stays

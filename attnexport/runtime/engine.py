@@ -243,13 +243,14 @@ class Engine:
         return list(dict.fromkeys(changed))
 
     def _apply_block_moves(self, batch: ScheduledBatch) -> None:
-        # Order matters: a block swapped out may be reused by a copy or a swap-in this step.
+        # Order matters: a block swapped out may be reused by a swap-in or a copy in this step,
+        # and a copy-on-write source may be a block that was just swapped in.
         if batch.swap_out:
             self.executor.swap_out(batch.swap_out)
-        if batch.copies:
-            self.executor.copy_blocks(batch.copies)
         if batch.swap_in:
             self.executor.swap_in(batch.swap_in)
+        if batch.copies:
+            self.executor.copy_blocks(batch.copies)
 
     def _account(self, batch: ScheduledBatch) -> None:
         stats = self.stats

@@ -25,7 +25,7 @@ from attnexport.runtime.sequence import Request, Sequence, Status
 @dataclass
 class ScheduledBatch:
     """One step's work: the sequences in batch order with their token counts, and the block moves
-    to apply before the model runs (swap-outs, then copy-on-write copies, then swap-ins)."""
+    to apply before the model runs, in this order: swap-outs, swap-ins, copy-on-write copies."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
@@ -117,7 +117,7 @@ class Scheduler:
             if not plan:
                 index += 1
                 continue
-            while bm.blocks_needed_total(plan) > bm.device.num_free:
+            while bm.blocks_needed(plan) > bm.device.num_free:
                 victim = self.running[-1]
                 if victim is request and len(self.running) == 1:
                     self._fail_too_large(request, batch)
@@ -145,10 +145,24 @@ class Scheduler:
         batch.copies = bm.take_pending_copies()
         return batch
 
+    def _waits_for_leader(self, request: Request, seq: Sequence) -> bool:
+        """After a recomputation, a forked sample waits until the first unfinished sample (the
+        leader) has recomputed the shared prompt blocks, then shares them."""
+        shared = request.shared_prefix_len
+        leader = request.unfinished_seqs()[0]
+        if not shared or seq is leader or seq.block_ids or seq.num_computed:
+            return False
+        if leader.num_computed < shared:
+            return True
+        self.block_manager.fork(leader, seq, shared // self.block_manager.block_size)
+        return False
+
     def _plan(self, request: Request, budget: int) -> tuple[list[tuple[Sequence, int]], int]:
         """(sequence, tokens) pairs for ``request`` within ``budget``, and their token total."""
         plan, cost = [], 0
         for seq in request.unfinished_seqs():
+            if self._waits_for_leader(request, seq):
+                continue
             count = min(seq.num_uncomputed, budget - cost)
             if count <= 0:
                 break
@@ -166,7 +180,7 @@ class Scheduler:
                 break
             plan, cost = self._plan(request, budget)
             seqs = request.unfinished_seqs()
-            need = bm.swap_in_cost(seqs) + bm.blocks_needed_total(plan, pool=bm.cpu)
+            need = bm.swap_in_cost(seqs) + bm.blocks_needed(plan, pool=bm.cpu)
             if not plan or need > bm.device.num_free:
                 break
             self.swapped.pop(0)
@@ -184,7 +198,7 @@ class Scheduler:
             request = self.waiting[0]
             if self._num_running_seqs + self._seq_slots(request) > self.config.max_num_seqs:
                 break
-            seqs = request.unfinished_seqs()
+            seqs = [s for s in request.unfinished_seqs() if not self._waits_for_leader(request, s)]
             hits = [bm.match_prefix(seq) for seq in seqs]
             plan, cost, need = [], 0, 0
             for seq, seq_hits in zip(seqs, hits, strict=True):
@@ -231,6 +245,8 @@ class Scheduler:
         else:
             for seq in seqs:
                 bm.free(seq)
+            if len(seqs) > 1:
+                request.shared_prefix_len = request.prompt_len // bm.block_size * bm.block_size
             request.status = Status.WAITING
             _insert_by_age(self.waiting, request)
 

@@ -80,6 +80,10 @@ class Request:
     num_cached_prompt_tokens: int = 0
     """Prompt tokens whose prefill was skipped thanks to the prefix cache (first admission)."""
     num_preemptions: int = 0
+    shared_prefix_len: int = 0
+    """Set when forked samples are preempted by recomputation: the first unfinished sample
+    recomputes these leading prompt tokens (whole blocks) alone, then the others share its
+    blocks instead of computing them again."""
     error: str | None = None
 
     @property
