@@ -29,7 +29,8 @@ def _step(scheduler: Scheduler) -> dict[str, int]:
         seq.num_computed += count
         if seq.num_computed == len(seq.token_ids):
             seq.token_ids.append(1)
-    return {seq.request.request_id: n for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)}
+    pairs = zip(batch.seqs, batch.num_new_tokens, strict=True)
+    return {seq.request.request_id: n for seq, n in pairs}
 
 
 def test_chunked_prefill_fills_the_token_budget_after_decodes():
