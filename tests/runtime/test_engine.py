@@ -4,10 +4,12 @@ forks, accounting, streaming and per-request errors."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from attnexport.runtime import CacheConfig, Engine, SamplingParams, SchedulerConfig, TorchExecutor
-from tests.runtime.tiny_decoder import TinyDecoder
+from models import load_model
+
+BLOCK_SIZE = 4
+MAX_MODEL_LEN = 256
 
 PROMPTS = [
     [5, 17, 3, 88, 41, 9, 60],
@@ -18,13 +20,18 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def model() -> TinyDecoder:
-    return TinyDecoder()
+def model():
+    """The zoo's tiny Llama (2 layers, GQA 4/2, vocab 256), seeded weights."""
+    return load_model("llama")
 
 
-def _engine(model, num_blocks=64, **scheduler) -> Engine:
-    cache = CacheConfig(num_blocks=num_blocks, num_cpu_blocks=64)
-    return Engine(TorchExecutor(model), cache, SchedulerConfig(**scheduler))
+def _engine(model, num_blocks=64, prefix_caching=True, **scheduler) -> Engine:
+    scheduler.setdefault("max_model_len", MAX_MODEL_LEN)
+    cache = CacheConfig(
+        num_blocks=num_blocks, num_cpu_blocks=64, enable_prefix_caching=prefix_caching
+    )
+    executor = TorchExecutor(model, block_size=BLOCK_SIZE)
+    return Engine(executor, cache, SchedulerConfig(**scheduler))
 
 
 def _assert_all_blocks_free(engine: Engine) -> None:
@@ -84,7 +91,7 @@ def test_prefix_cache_hit_skips_prefill_work(model):
     assert output.metrics.num_cached_prompt_tokens == 16
     assert engine.stats.num_prompt_tokens_computed == 1  # only the token after the prefix
     assert output.token_ids == expected
-    without = Engine(TorchExecutor(model), CacheConfig(num_blocks=64, enable_prefix_caching=False))
+    without = _engine(model, prefix_caching=False)
     without.generate([first], SamplingParams(max_tokens=6))
     without.reset_stats()
     assert without.generate([second], SamplingParams(max_tokens=6))[0].token_ids == expected
@@ -115,12 +122,13 @@ def test_fork_shares_prompt_blocks_and_copies_on_write(model):
 
 def test_bad_requests_fail_alone_and_the_others_complete(model, alone):
     engine = _engine(model)
-    max_len = model.max_model_len
+    max_len = engine.max_model_len
+    vocab = model.config.vocab_size
     cases = [
         ([], SamplingParams(), "prompt: expected at least one token"),
         ([1] * (max_len + 1), SamplingParams(), "longer than the model's maximum length"),
         ([1, 2], SamplingParams(max_tokens=0), "max_tokens: expected an int >= 1"),
-        ([1, model.vocab_size], SamplingParams(), r"token id 97 is outside the vocabulary"),
+        ([1, vocab], SamplingParams(), rf"token id {vocab} is outside the vocabulary"),
         ([1, -3], SamplingParams(), "token id -3 is outside the vocabulary"),
         ([1, 2.5], SamplingParams(), "prompt: expected int token ids"),
     ]
@@ -151,9 +159,7 @@ def test_stop_tokens_max_model_len_and_streaming(model, alone):
     assert streamed[first.request_id] == first.token_ids
     assert streamed[second.request_id] == alone[1]
 
-    short = Engine(
-        TorchExecutor(model), CacheConfig(num_blocks=64), SchedulerConfig(max_model_len=9)
-    )
+    short = _engine(model, max_model_len=9)
     output = short.generate([PROMPTS[0]], SamplingParams(max_tokens=12))[0]
     assert output.token_ids == alone[0][:2] and output.finish_reason == "length"
 
@@ -174,8 +180,11 @@ def test_seeded_sampling_does_not_depend_on_the_batch(model):
 def test_default_sizing_fits_the_machine(model):
     engine = Engine(TorchExecutor(model))
     spec = engine.executor.cache_spec
+    assert engine.max_model_len == model.config.max_position_embeddings
+    assert spec == model.cache_spec(16)
     assert engine.num_blocks >= -(-engine.max_model_len // spec.block_size)
     assert engine.executor.kv_caches[0].shape == spec.cache_shape(engine.num_blocks)
-    with pytest.raises(ValueError, match="cannot hold one sequence of max_model_len=256"):
+    with pytest.raises(ValueError, match="cannot hold one sequence of max_model_len=2048"):
         Engine(TorchExecutor(model), CacheConfig(num_blocks=10))
-    assert isinstance(engine.executor.kv_caches[0], torch.Tensor)
+    budget = CacheConfig(memory_bytes=200 * spec.bytes_per_block + 5)
+    assert Engine(TorchExecutor(model), budget).num_blocks == 200

@@ -39,6 +39,8 @@ class TorchExecutor(Executor):
             ``xformers`` (any registered name).
         device: ``cpu`` or ``cuda`` (caches and inputs are placed there; an eager module is moved
             there).
+        block_size: tokens per cache block, for a module whose ``cache_spec(block_size)``
+            accepts any (an exported program has its own).
         cache_spec, vocab_size, max_model_len: the model's cache geometry, output width and
             length limit. Found on the model when not given: a ``cache_spec`` attribute or
             method and ``config.vocab_size`` / ``config.max_position_embeddings`` of a module,
@@ -53,6 +55,7 @@ class TorchExecutor(Executor):
         *,
         backend: str = AUTO,
         device: torch.device | str = "cpu",
+        block_size: int | None = None,
         cache_spec: CacheSpec | None = None,
         vocab_size: int | None = None,
         max_model_len: int | None = None,
@@ -71,7 +74,7 @@ class TorchExecutor(Executor):
             self.source = "exported program"
             module = model.module()
         elif isinstance(model, torch.nn.Module):
-            found = _module_facts(model)
+            found = _module_facts(model, block_size)
             self.source = type(model).__name__
             module = model
         else:
@@ -83,14 +86,21 @@ class TorchExecutor(Executor):
         vocab_size = vocab_size or found.get("vocab_size")
         if cache_spec is None:
             raise ValueError("cache_spec: the model does not describe its caches; pass cache_spec")
+        if block_size is not None and cache_spec.block_size != block_size:
+            raise ValueError(
+                f"block_size: the model's caches use blocks of {cache_spec.block_size} tokens, "
+                f"got block_size={block_size}"
+            )
         if vocab_size is None:
             raise ValueError("vocab_size: the model does not state its vocabulary; pass it")
         super().__init__(
             cache_spec, vocab_size, max_model_len or found.get("max_model_len"), device
         )
-        self.module = module.to(device) if isinstance(model, torch.nn.Module) else module
-        if isinstance(self.module, torch.nn.Module) and hasattr(self.module, "eval"):
-            self.module.eval()
+        if isinstance(model, torch.nn.Module):
+            module = module.to(device).eval()
+        elif device.type != "cpu":
+            module = module.to(device)
+        self.module = module
 
     def execute(self, model_input: ModelInput) -> torch.Tensor:
         if self.device.type != "cpu":
@@ -103,11 +113,11 @@ class TorchExecutor(Executor):
         return f"torch ({self.source}) on {self.device}, backend {self.backend}"
 
 
-def _module_facts(module: torch.nn.Module) -> dict:
+def _module_facts(module: torch.nn.Module, block_size: int | None) -> dict:
     facts = {}
     spec = getattr(module, "cache_spec", None)
     if callable(spec):
-        spec = spec()
+        spec = spec() if block_size is None else spec(block_size=block_size)
     if isinstance(spec, CacheSpec):
         facts["cache_spec"] = spec
     config = getattr(module, "config", None)
