@@ -10,6 +10,7 @@ Heavy optional dependencies (onnxruntime, IPEX, xFormers) are imported only wher
 from attnexport.runtime.config import CacheConfig, SchedulerConfig
 from attnexport.runtime.engine import Engine, EngineStats
 from attnexport.runtime.executors.base import Executor
+from attnexport.runtime.executors.ort_executor import OrtExecutor
 from attnexport.runtime.executors.torch_executor import TorchExecutor
 from attnexport.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from attnexport.runtime.sampling import SamplingParams
@@ -20,6 +21,7 @@ __all__ = [
     "Engine",
     "EngineStats",
     "Executor",
+    "OrtExecutor",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",

@@ -36,6 +36,61 @@ def pt2_path(model, tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def onnx_path(model, tmp_path_factory):
+    lowering = pytest.importorskip("attnexport.lowering.onnx_export", reason="needs the lowering")
+    sample = model.export_sample(block_size=BLOCK_SIZE)
+    path = tmp_path_factory.mktemp("onnx") / "model.onnx"
+    lowering.to_onnx(
+        model,
+        sample.args,
+        path,
+        dynamic_shapes=sample.dynamic_shapes,
+        output_names=["logits"],
+        cache_spec=model.cache_spec(BLOCK_SIZE),
+    )
+    return path
+
+
+def test_onnxruntime_matches_eager(onnx_path, model, eager_tokens):
+    from attnexport.runtime import OrtExecutor
+
+    executor = OrtExecutor(onnx_path, num_threads=1)
+    assert executor.cache_spec == model.cache_spec(BLOCK_SIZE)
+    assert executor.vocab_size == model.config.vocab_size
+    engine = Engine(executor, CACHE, LIMITS)
+    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == eager_tokens
+
+
+def test_onnxruntime_updates_the_bound_caches_in_place(onnx_path, model):
+    """Each cache is one OrtValue bound as input and as ``_out`` output: its buffer is the torch
+    cache's, never changes across steps, is what onnxruntime returns as the output, and holds
+    the keys/values the eager model writes."""
+    from attnexport.runtime import OrtExecutor
+
+    ort_engine = Engine(OrtExecutor(onnx_path, num_threads=1), CACHE, LIMITS)
+    eager_engine = Engine(TorchExecutor(model, block_size=BLOCK_SIZE), CACHE, LIMITS)
+    executor = ort_engine.executor
+    values = executor.cache_ortvalues
+    pointers = [v.data_ptr() for v in values]
+    assert pointers == [c.data_ptr() for c in executor.kv_caches]
+    before = [c.clone() for c in executor.kv_caches]
+    for engine in (ort_engine, eager_engine):
+        engine.add_request(PROMPTS[2], SamplingParams(max_tokens=4))
+    for step in range(4):
+        ort_engine.step()
+        eager_engine.step()
+        outputs = executor._binding.get_outputs()[1:]  # after the logits, in binding order
+        assert [o.data_ptr() for o in outputs] == pointers, f"step {step}: a cache was copied"
+        assert [v.data_ptr() for v in values] == pointers
+    written = ort_engine.block_manager.num_used_blocks()
+    assert written > 0
+    eager_caches = eager_engine.executor.kv_caches
+    for cache, old, eager in zip(executor.kv_caches, before, eager_caches, strict=True):
+        assert not torch.equal(cache, old)
+        torch.testing.assert_close(cache, eager, atol=1e-5, rtol=1e-5)
+
+
 def test_loaded_pt2_matches_eager(pt2_path, model, eager_tokens):
     executor = TorchExecutor(pt2_path)
     assert executor.cache_spec == model.cache_spec(BLOCK_SIZE)
