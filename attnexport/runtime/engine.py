@@ -98,8 +98,12 @@ class Engine:
     # ------------------------------------------------------------------ construction helpers
     @classmethod
     def from_path(cls, path, **options) -> Engine:
-        """An engine over an export directory, a ``.onnx`` or a ``.pt2`` file; see
-        :func:`attnexport.runtime.loading.load_executor` for the options."""
+        """An engine over an export directory, a ``.onnx`` or a ``.pt2`` file.
+
+        Options: ``executor`` (auto|ort|torch), ``backend``, ``device``, ``num_threads``,
+        ``max_model_len`` (see :func:`attnexport.runtime.loading.load_executor`), and
+        ``cache_config`` / ``scheduler_config``.
+        """
         from attnexport.runtime.loading import engine_from_path
 
         return engine_from_path(path, **options)

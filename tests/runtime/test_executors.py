@@ -123,3 +123,28 @@ def test_executor_arguments_are_checked(model):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="torch sees no CUDA device"):
             TorchExecutor(model, device="cuda")
+
+
+def test_engine_from_an_export_directory(pt2_path, eager_tokens, tmp_path):
+    directory = tmp_path / "export"
+    directory.mkdir()
+    (directory / "model.pt2").symlink_to(pt2_path)
+    (directory / "manifest.json").write_text('{"config": {"max_position_embeddings": 128}}')
+    engine = Engine.from_path(directory, cache_config=CACHE, scheduler_config=SchedulerConfig())
+    assert engine.max_model_len == 128 and engine.executor.name == "torch"
+    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == eager_tokens
+    with pytest.raises(ValueError, match=r"has no model\.onnx for --executor ort"):
+        Engine.from_path(directory, executor="ort")
+
+
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda d: d / "missing", "does not exist"),
+        (lambda d: d, r"holds neither model\.onnx nor model\.pt2"),
+        (lambda d: (d / "weights.bin").touch() or d / "weights.bin", "expected a .onnx or .pt2"),
+    ],
+)
+def test_bad_artifacts_are_named(make, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        Engine.from_path(make(tmp_path))
