@@ -38,10 +38,11 @@ def pt2_path(model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def onnx_path(model, tmp_path_factory):
-    lowering = pytest.importorskip("attnexport.lowering.onnx_export", reason="needs the lowering")
+    from attnexport.lowering import to_onnx
+
     sample = model.export_sample(block_size=BLOCK_SIZE)
     path = tmp_path_factory.mktemp("onnx") / "model.onnx"
-    lowering.to_onnx(
+    to_onnx(
         model,
         sample.args,
         path,
