@@ -101,9 +101,9 @@ def export_onnx(checkpoint: Path, path: Path) -> float:
 
 
 def build_genai(python: str, checkpoint: Path, out: Path, threads: int) -> None:
+    builder = [python, "-m", "onnxruntime_genai.models.builder"]
     subprocess.run(
-        [python, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint)]
-        + ["-o", str(out), "-p", "fp32", "-e", "cpu"],
+        [*builder, "-i", str(checkpoint), "-o", str(out), "-p", "fp32", "-e", "cpu"],
         check=True,
         capture_output=True,
     )
