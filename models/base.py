@@ -87,8 +87,10 @@ class PagedModel(nn.Module):
     hf_model_types: ClassVar[tuple[str, ...]] = ()
     hf_architectures: ClassVar[tuple[str, ...]] = ()
     """Accepted ``architectures`` entries of config.json (others are refused)."""
-    ignored_hf_weights: ClassVar[tuple[str, ...]] = ()
+    ignored_hf_weights: tuple[str, ...] = ()
     """Regexes of checkpoint tensors that carry nothing this model computes."""
+    max_model_len: int | None = None
+    """Longest sequence the model can position (learned position tables), if any."""
 
     def __init__(self, config) -> None:
         super().__init__()

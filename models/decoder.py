@@ -6,6 +6,8 @@ sample."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from attnexport.model_interface import DECODER_INPUT_NAMES, CacheSpec
 from models.base import (
@@ -29,6 +31,15 @@ class DecoderModel(PagedModel):
     num_kv_heads: int
     head_size: int
     vocab_size: int
+    lm_head: nn.Linear | None
+
+    def set_lm_head(self, hidden_size: int, vocab_size: int, tied: bool) -> None:
+        """An untied ``lm_head`` (HF name ``lm_head.weight``), or none when the output
+        projection is the input embedding matrix (a tied checkpoint may still store it)."""
+        self.vocab_size = vocab_size
+        self.lm_head = None if tied else nn.Linear(hidden_size, vocab_size, bias=False)
+        if tied:
+            self.ignored_hf_weights = (*self.ignored_hf_weights, "lm_head.weight")
 
     def forward(
         self,
@@ -69,9 +80,14 @@ class DecoderModel(PagedModel):
         """``[T, hidden]`` final hidden states (after the final norm) of the new tokens."""
         raise NotImplementedError
 
+    def input_embeddings(self) -> nn.Embedding:
+        """The token embedding (the output projection of tied models)."""
+        raise NotImplementedError
+
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab_size]`` in the model dtype."""
-        raise NotImplementedError
+        head = self.lm_head if self.lm_head is not None else self.input_embeddings()
+        return F.linear(hidden, head.weight)
 
     def cache_spec(self, block_size: int = 16) -> CacheSpec:
         return CacheSpec(

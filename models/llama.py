@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.base import ModelConfig
@@ -165,19 +164,12 @@ class LlamaForCausalLM(DecoderModel):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__(config)
         self.model = LlamaBackbone(config)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
         self.head_size = config.head_dim
-        self.vocab_size = config.vocab_size
-        # Old transformers saved the RoPE table; tied checkpoints may still carry lm_head.
-        self.ignored_hf_weights = (r".*rotary_emb\.inv_freq",) + (
-            ("lm_head.weight",) if config.tie_word_embeddings else ()
-        )
+        self.max_model_len = config.max_position_embeddings
+        self.ignored_hf_weights = (r".*rotary_emb\.inv_freq",)  # saved by old transformers
+        self.set_lm_head(config.hidden_size, config.vocab_size, config.tie_word_embeddings)
 
     def hidden_states(self, input_ids, positions, metadata, kv_caches) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
@@ -186,7 +178,5 @@ class LlamaForCausalLM(DecoderModel):
             x = layer(x, rope, kv_caches[2 * i], kv_caches[2 * i + 1], metadata)
         return self.model.norm(x)
 
-    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight)
-        return self.lm_head(hidden)
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens

@@ -20,6 +20,9 @@ _ZOO = {
     "llama": "models.llama:LlamaForCausalLM",
     "mistral": "models.mistral:MistralForCausalLM",
     "qwen2": "models.qwen2:Qwen2ForCausalLM",
+    "bloom": "models.bloom:BloomForCausalLM",
+    "gpt2": "models.gpt2:GPT2LMHeadModel",
+    "bert": "models.bert:BertModel",
 }
 
 

@@ -25,16 +25,6 @@ from attnexport.model_interface import CacheSpec
 Runner = Callable[[tuple, list], tuple[torch.Tensor, list]]
 
 
-def module_runner(module: torch.nn.Module) -> Runner:
-    """A runner for an eager model or ``ExportedProgram.module()`` (caches written in place)."""
-
-    def run(args: tuple, kv_caches: list) -> tuple[torch.Tensor, list]:
-        with torch.no_grad():
-            return module(*args, kv_caches), kv_caches
-
-    return run
-
-
 @dataclass
 class _Sequence:
     tokens: list[int]

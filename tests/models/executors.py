@@ -3,29 +3,46 @@ ONNX file from ``attnexport.lowering.to_onnx`` on onnxruntime."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
-from models.base import PagedModel
-from tests.models.driver import Runner, module_runner
+from tests.models.driver import Runner
 
 EXECUTORS = ("eager", "exported", "onnx")
 
 
-def make_runner(model: PagedModel, executor: str, block_size: int, workdir: Path) -> Runner:
-    """A runner of ``model`` through ``executor`` for caches of ``block_size``."""
+def compile_module(
+    module: torch.nn.Module, executor: str, block_size: int, workdir: Path | None
+) -> Callable:
+    """``module`` (a zoo model or a wrapper with ``export_sample``) as a callable taking the
+    forward's positional arguments, run through ``executor``."""
     if executor == "eager":
-        return module_runner(model)
-    sample = model.export_sample(block_size)
+        return module
+    sample = module.export_sample(block_size)
     if executor == "exported":
-        return module_runner(sample.export(model).module())
+        return sample.export(module).module()
     if executor == "onnx":
-        return onnx_runner(model, block_size, workdir)
+        return onnx_callable(module, sample, workdir)
     raise ValueError(f"executor: expected one of {EXECUTORS}, got {executor!r}")
 
 
-def onnx_runner(model: PagedModel, block_size: int, workdir: Path) -> Runner:
+def make_runner(
+    module: torch.nn.Module, executor: str, block_size: int, workdir: Path | None
+) -> Runner:
+    """A :class:`PagedDriver` runner of a paged model through ``executor``."""
+    call = compile_module(module, executor, block_size, workdir)
+
+    def run(args: tuple, kv_caches: list) -> tuple[torch.Tensor, list]:
+        with torch.no_grad():
+            return call(*args, kv_caches), kv_caches
+
+    return run
+
+
+def onnx_callable(module, sample, workdir):
     from attnexport import lowering
 
     if not hasattr(lowering, "to_onnx"):
