@@ -212,16 +212,18 @@ def check_kv_caches(kv_caches: list[torch.Tensor], expected: int) -> None:
 # ----------------------------------------------------------------------------- export samples
 
 # The sample batch: (cached tokens, new tokens) per sequence, one prefill and one chunk with
-# context. Its dynamic dims are all >= 2 and pairwise distinct (num_tokens 5, num_seqs 2,
-# num_seqs + 1 = 3, num_logits 4, max_blocks_per_seq >= 6, num_blocks > max_blocks_per_seq) so
-# that tracing cannot unify two of them by value.
+# context; encoder-decoder samples also encode 4 and 5 encoder tokens. Its dynamic dims are all
+# >= 2 and pairwise distinct (num_tokens 5, num_seqs 2, num_seqs + 1 = 3, num_logits 4,
+# max_blocks_per_seq >= 6, num_encoder_tokens 9, max_cross_blocks_per_seq >= 8, num_blocks
+# larger than any) so that tracing cannot unify two of them by value.
 SAMPLE_LENGTHS = ((0, 3), (4, 2))
+SAMPLE_ENCODER_LENGTHS = (4, 5)
 SAMPLE_LOGITS_INDICES = (0, 2, 3, 4)
-SAMPLE_MIN_TABLE_WIDTH = 6
+_MIN_WIDTH, _MIN_CROSS_WIDTH = 6, 8
 
 
 def decoder_dims() -> dict[str, Any]:
-    """The shared ``torch.export.Dim`` objects of the decoder forward."""
+    """The shared ``torch.export.Dim`` objects of the decoder and encoder-decoder forwards."""
     from torch.export import Dim
 
     return {
@@ -230,21 +232,61 @@ def decoder_dims() -> dict[str, Any]:
         "num_logits": Dim("num_logits", min=1),
         "num_blocks": Dim("num_blocks", min=1),
         "max_blocks_per_seq": Dim("max_blocks_per_seq", min=1),
+        "num_encoder_tokens": Dim("num_encoder_tokens", min=0),
+        "max_cross_blocks_per_seq": Dim("max_cross_blocks_per_seq", min=1),
     }
 
 
-def sample_metadata(block_size: int, lengths=SAMPLE_LENGTHS) -> tuple[Any, torch.Tensor, int]:
-    """``(AttentionMetadata, positions [T] int64, num_blocks)`` of the sample batch: blocks in
-    descending order, the first sequence's table padded to SAMPLE_MIN_TABLE_WIDTH columns."""
-    needed = [-(-(c + n) // block_size) for c, n in lengths]
-    width = max(SAMPLE_MIN_TABLE_WIDTH, *needed)
-    num_blocks = max(width + 1, sum(needed) + 1)
-    free = list(range(num_blocks))  # popped from the end: blocks in descending order
+@dataclass(frozen=True)
+class SampleBatch:
+    metadata: Any
+    """AttentionMetadata of the sample (with the encoder fields when encoder lengths are given)."""
+    positions: torch.Tensor
+    encoder_positions: torch.Tensor
+    num_blocks: int
+
+
+def _blocks(free: list[int], count: int, width: int | None) -> list[int]:
+    blocks = [free.pop() for _ in range(count)]
+    return blocks + [0] * (width - count) if width else blocks
+
+
+def sample_batch(block_size: int, encoder_lengths: tuple[int, ...] = ()) -> SampleBatch:
+    """The export sample's metadata: blocks taken in descending order, the first sequence's
+    tables padded so that the block tables are wider than any sequence needs."""
+    needed = [-(-(c + n) // block_size) for c, n in SAMPLE_LENGTHS]
+    cross_needed = [-(-n // block_size) for n in encoder_lengths]
+    width = max(_MIN_WIDTH, *needed)
+    cross_width = max(_MIN_CROSS_WIDTH, *cross_needed) if encoder_lengths else 0
+    taken = {5, 2, 3, 4, width, sum(encoder_lengths), cross_width}
+    num_blocks = max(width, cross_width, sum(needed), sum(cross_needed)) + 1
+    while num_blocks in taken:
+        num_blocks += 1
+    free = list(range(num_blocks))  # popped from the end
+    cross_free = list(range(num_blocks))  # cross caches are separate tensors
     sequences = []
-    for i, ((cached, new), count) in enumerate(zip(lengths, needed, strict=True)):
-        blocks = [free.pop() for _ in range(count)]
-        if i == 0:
-            blocks += [0] * (width - count)
-        sequences.append(ScheduledSequence(cached, new, blocks))
-    positions = torch.cat([torch.arange(c, c + n) for c, n in lengths])
-    return build_attention_metadata(sequences, block_size), positions, num_blocks
+    for i, (cached, new) in enumerate(SAMPLE_LENGTHS):
+        encoder_len = encoder_lengths[i] if encoder_lengths else 0
+        pad = i == 0
+        sequences.append(
+            ScheduledSequence(
+                cached,
+                new,
+                _blocks(free, needed[i], width if pad else None),
+                encoder_len=encoder_len,
+                encoder_block_ids=(
+                    _blocks(cross_free, cross_needed[i], cross_width if pad else None)
+                    if encoder_lengths
+                    else ()
+                ),
+                encode_now=bool(encoder_lengths),
+            )
+        )
+    return SampleBatch(
+        metadata=build_attention_metadata(sequences, block_size),
+        positions=torch.cat([torch.arange(c, c + n) for c, n in SAMPLE_LENGTHS]),
+        encoder_positions=torch.cat(
+            [torch.arange(n) for n in encoder_lengths] or [torch.zeros(0)]
+        ).long(),
+        num_blocks=num_blocks,
+    )

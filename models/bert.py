@@ -20,14 +20,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attnexport.model_interface import CacheSpec
+from attnexport.model_interface import ENCODER_INPUT_NAMES, CacheSpec
 from models.base import ExportSample, ModelConfig, PagedModel
 from models.errors import UnsupportedModelError
 from models.hf_config import check_model_type, refuse, required
 from models.hf_config import field as hf_field
 from models.layers import VarlenAttention, activation
-
-ENCODER_INPUT_NAMES = ("input_ids", "positions", "cu_seqlens", "token_type_ids")
 
 BERT_ARCHITECTURES = (
     "BertModel",

@@ -23,6 +23,7 @@ _ZOO = {
     "bloom": "models.bloom:BloomForCausalLM",
     "gpt2": "models.gpt2:GPT2LMHeadModel",
     "bert": "models.bert:BertModel",
+    "bart": "models.bart:BartForConditionalGeneration",
 }
 
 

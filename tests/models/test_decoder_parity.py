@@ -160,9 +160,11 @@ def test_greedy_tokens_match_transformers(loaded, runner):
     driver = _driver(loaded, runner)
     for prompt in PROMPTS:
         driver.add(prompt)
-    ours = driver.greedy(GREEDY_STEPS)
-    for prompt, tokens in zip(PROMPTS, ours, strict=True):
-        assert tokens == greedy_generate(loaded.hf_model, prompt, GREEDY_STEPS)
+    ours, our_logits = driver.greedy(GREEDY_STEPS)
+    for prompt, tokens, logits in zip(PROMPTS, ours, our_logits, strict=True):
+        expected, expected_logits = greedy_generate(loaded.hf_model, prompt, GREEDY_STEPS)
+        assert tokens == expected
+        torch.testing.assert_close(logits, expected_logits, atol=ATOL, rtol=0)
     assert len({t for tokens in ours for t in tokens}) > 3, "degenerate greedy output"
 
 
