@@ -201,6 +201,13 @@ def check_reshape_and_cache(
         ]
     )
     _expect(
+        key.shape[1] == key_cache.shape[2] and key.shape[2] == key_cache.shape[3],
+        lambda: (
+            f"key: expected [num_tokens, {key_cache.shape[2]}, {key_cache.shape[3]}] "
+            f"(num_kv_heads and head_size of key_cache), got {tuple(key.shape)}"
+        ),
+    )
+    _expect(
         value.shape == key.shape,
         lambda: (
             f"value: expected shape {tuple(key.shape)} (the shape of key), got {tuple(value.shape)}"
@@ -211,13 +218,6 @@ def check_reshape_and_cache(
         lambda: (
             f"value_cache: expected shape {tuple(key_cache.shape)} (the shape of key_cache), "
             f"got {tuple(value_cache.shape)}"
-        ),
-    )
-    _expect(
-        key.shape[1] == key_cache.shape[2] and key.shape[2] == key_cache.shape[3],
-        lambda: (
-            f"key: expected [num_tokens, {key_cache.shape[2]}, {key_cache.shape[3]}] "
-            f"(num_kv_heads and head_size of key_cache), got {tuple(key.shape)}"
         ),
     )
     _expect(

@@ -1,0 +1,68 @@
+"""torch.library.opcheck: schemas, fake kernels and dispatcher registrations are consistent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnexport  # noqa: F401
+from attnexport.testing import AttentionCase, make_paged_inputs, make_varlen_inputs
+
+CASES = [
+    AttentionCase("mixed", (1, 9, 1, 5), (40, 0, 3, 12)),
+    AttentionCase(
+        "mixed",
+        (1, 9, 1, 5),
+        (40, 0, 3, 12),
+        num_heads=8,
+        alibi=True,
+        sliding_window=7,
+        logits_soft_cap=4.0,
+        slot_dtype=torch.int32,
+        padded_tokens=2,
+    ),
+    AttentionCase("cross", (3, 2), (4, 6), causal=False, dtype=torch.bfloat16),
+]
+TEST_UTILS = (
+    "test_schema",
+    "test_autograd_registration",
+    "test_faketensor",
+    "test_aot_dispatch_dynamic",
+)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_reshape_and_cache(case):
+    x = make_paged_inputs(case)
+    args = (x["key"], x["value"], x["key_cache"], x["value_cache"], x["slot_mapping"])
+    torch.library.opcheck(
+        torch.ops.attnexport.reshape_and_cache.default, args, test_utils=TEST_UTILS
+    )
+    torch.library.opcheck(
+        torch.ops.attnexport.reshape_and_cache_functional.default, args, test_utils=TEST_UTILS
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_paged_attention(case):
+    x = make_paged_inputs(case)
+    args = (
+        x["query"],
+        x["key_cache"],
+        x["value_cache"],
+        x["block_tables"],
+        x["seq_lens"],
+        x["query_start_loc"],
+    )
+    torch.library.opcheck(
+        torch.ops.attnexport.paged_attention.default, args, x["kwargs"], test_utils=TEST_UTILS
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_varlen_attention(case):
+    x = make_varlen_inputs(case)
+    args = (x["query"], x["key"], x["value"], x["cu_seqlens_q"], x["cu_seqlens_k"])
+    torch.library.opcheck(
+        torch.ops.attnexport.varlen_attention.default, args, x["kwargs"], test_utils=TEST_UTILS
+    )
