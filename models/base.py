@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -57,24 +58,17 @@ class ModelConfig:
     def from_dict(cls, values: dict[str, Any]):
         """Inverse of :meth:`to_dict`."""
         kwargs = {}
-        hints = {f.name: f for f in dataclasses.fields(cls)}
+        hints = typing.get_type_hints(cls)
+        names = {f.name for f in dataclasses.fields(cls)}
         for name, value in values.items():
-            if name not in hints:
+            if name not in names:
                 raise ValueError(f"{cls.__name__}: unknown field {name!r}")
-            nested = _nested_dataclass(cls, name)
-            if nested is not None and isinstance(value, dict):
-                value = nested(**value)
+            if dataclasses.is_dataclass(hints[name]) and isinstance(value, dict):
+                value = hints[name](**value)
             elif isinstance(value, list):
                 value = tuple(value)
             kwargs[name] = value
         return cls(**kwargs)
-
-
-def _nested_dataclass(cls, name: str):
-    default = next(f for f in dataclasses.fields(cls) if f.name == name).default
-    if dataclasses.is_dataclass(default):
-        return type(default)
-    return None
 
 
 class PagedModel(nn.Module):
