@@ -42,9 +42,24 @@ def make_runner(
     return run
 
 
-def onnx_callable(module, sample, workdir):
+def onnx_callable(module: torch.nn.Module, sample, workdir: Path) -> Callable:
+    """Exports ``module`` with ``attnexport.lowering.to_onnx`` and returns a callable running
+    it in onnxruntime (CPU) through ``PagedOrtSession``: caches bound as input and output, so
+    they are updated in place like the eager ones."""
     from attnexport import lowering
 
     if not hasattr(lowering, "to_onnx"):
         pytest.skip("ONNX leg: attnexport.lowering.to_onnx is not on this branch yet")
-    raise NotImplementedError  # filled in when the lowering lands
+    path = Path(workdir) / "model.onnx"
+    spec = getattr(module, "cache_spec", None)
+    spec = spec(next(iter(sample.args[-1])).shape[1]) if isinstance(sample.args[-1], list) else None
+    lowering.to_onnx(
+        module, sample.args, path, dynamic_shapes=sample.dynamic_shapes, cache_spec=spec
+    )
+    session = lowering.PagedOrtSession(path)
+
+    def call(*args):
+        (output,) = session.run(dict(zip(sample.input_names, args, strict=True))).values()
+        return output
+
+    return call
