@@ -69,6 +69,8 @@ class BartConfig(ModelConfig):
     max_position_embeddings: int = 128
     scale_embedding: bool = False
     tie_word_embeddings: bool = True
+    decoder_start_token_id: int = 2
+    """The first decoder token of a generation (not used by forward; for the runtime)."""
 
     def __post_init__(self) -> None:
         for field in ("encoder_attention_heads", "decoder_attention_heads"):
@@ -102,6 +104,7 @@ class BartConfig(ModelConfig):
             max_position_embeddings=int(hf_field(hf, "max_position_embeddings", 1024)),
             scale_embedding=bool(hf_field(hf, "scale_embedding", False)),
             tie_word_embeddings=bool(hf_field(hf, "tie_word_embeddings", True)),
+            decoder_start_token_id=int(hf_field(hf, "decoder_start_token_id", 2)),
         )
 
 
