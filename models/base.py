@@ -125,9 +125,11 @@ class PagedModel(nn.Module):
         model.load_hf_weights(loader.read_weights(path), source=str(path))
         return model.to(dtype).eval()
 
-    def hf_weight_names(self, name: str) -> tuple[str, ...]:
+    def hf_weight_names(self, name: str) -> tuple[str | tuple[str, ...], ...]:
         """Checkpoint names that may hold local parameter/buffer ``name``, in preference order.
-        Default: the same name. Architectures override this for renamed or tied weights."""
+        A tuple candidate names tensors concatenated along dim 0 (a fused projection).
+        Default: the same name. Architectures override this for renamed, tied or fused
+        weights."""
         return (name,)
 
     def convert_hf_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -149,21 +151,27 @@ class PagedModel(nn.Module):
         local.update((n, b) for n, b in self.named_buffers() if n in optional)
         with torch.no_grad():
             for name, target in local.items():
-                found = next((c for c in self.hf_weight_names(name) if c in weights), None)
+                candidates = [(c,) if isinstance(c, str) else c for c in self.hf_weight_names(name)]
+                found = next((c for c in candidates if all(n in weights for n in c)), None)
                 if found is None:
                     if name in optional:
                         target.fill_(optional[name])
                         continue
                     missing.append(name)
                     continue
-                tensor = self.convert_hf_weight(name, weights[found])
+                parts = [weights[n] for n in found]
+                tensor = self.convert_hf_weight(
+                    name, torch.cat(parts) if len(parts) > 1 else parts[0]
+                )
                 if tuple(tensor.shape) != tuple(target.shape):
+                    stored = " + ".join(f"{n} {tuple(weights[n].shape)}" for n in found)
                     raise CheckpointError(
-                        f"{source}: tensor {found!r} has shape {tuple(tensor.shape)}, expected "
+                        f"{source}: checkpoint tensor {stored} gives shape "
+                        f"{tuple(tensor.shape)} for {name}, expected "
                         f"{tuple(target.shape)} from config.json"
                     )
                 target.copy_(tensor.to(target.dtype))
-                used.add(found)
+                used.update(found)
         if missing:
             raise CheckpointError(
                 f"{source}: weights missing for {', '.join(missing[:8])}"

@@ -101,6 +101,10 @@ class LlamaConfig(ModelConfig):
         return cls(**values)
 
 
+# Local fused projections -> the checkpoint tensors they concatenate (along the output dim).
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, layer: int) -> None:
         super().__init__()
@@ -110,9 +114,8 @@ class LlamaAttention(nn.Module):
             config.head_dim,
         )
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, heads * dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, kv_heads * dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, kv_heads * dim, bias=bias)
+        # q, k and v in one matmul; loads from the checkpoint's q/k/v_proj concatenated.
+        self.qkv_proj = nn.Linear(hidden, (heads + 2 * kv_heads) * dim, bias=bias)
         self.o_proj = nn.Linear(heads * dim, hidden, bias=config.o_proj_bias)
         self.attn = PagedAttention(
             heads, kv_heads, dim, dim**-0.5, sliding_window=config.window(layer)
@@ -121,9 +124,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, rope, key_cache, value_cache, metadata: PagedMetadata):
         cos, sin = rope
-        q = apply_rotary(self.q_proj(x).unflatten(-1, (self.heads, self.dim)), cos, sin)
-        k = apply_rotary(self.k_proj(x).unflatten(-1, (self.kv_heads, self.dim)), cos, sin)
-        v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.dim))
+        qkv = self.qkv_proj(x).unflatten(-1, (self.heads + 2 * self.kv_heads, self.dim))
+        q, k, v = qkv.split((self.heads, self.kv_heads, self.kv_heads), dim=1)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.o_proj(self.attn(q, k, v, key_cache, value_cache, metadata))
 
 
@@ -170,6 +173,12 @@ class LlamaForCausalLM(DecoderModel):
         self.max_model_len = config.max_position_embeddings
         self.ignored_hf_weights = (r".*rotary_emb\.inv_freq",)  # saved by old transformers
         self.set_lm_head(config.hidden_size, config.vocab_size, config.tie_word_embeddings)
+
+    def hf_weight_names(self, name: str) -> tuple[str | tuple[str, ...], ...]:
+        for fused, parts in _FUSED.items():
+            if f".{fused}." in name:
+                return (tuple(name.replace(fused, part) for part in parts),)
+        return (name,)
 
     def hidden_states(self, input_ids, positions, metadata, kv_caches) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
