@@ -57,6 +57,8 @@ POSITION_OFFSET = 2
 
 @dataclass(frozen=True)
 class BartConfig(ModelConfig):
+    """BART hyper-parameters (field names follow transformers' BartConfig)."""
+
     vocab_size: int = 256
     d_model: int = 64
     encoder_layers: int = 2
@@ -133,6 +135,7 @@ class BartLayer(nn.Module):
         self.act = activation(act, "activation_function")
 
     def feed_forward(self, x):
+        """x ``[T, d_model]`` -> ``[T, d_model]``."""
         return self.final_layer_norm(x + self.fc2(self.act(self.fc1(x))))
 
 
@@ -194,6 +197,7 @@ class BartStack(nn.Module):
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
 
     def embed(self, input_ids, positions):
+        """input_ids, positions ``[T]`` int64 -> ``[T, d_model]`` normalised embeddings."""
         tokens = self.embed_tokens(input_ids) * self.embed_scale
         return self.layernorm_embedding(tokens + self.embed_positions(positions + POSITION_OFFSET))
 

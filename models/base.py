@@ -199,6 +199,7 @@ class PagedModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype of the weights (and of the caches)."""
         return next(self.parameters()).dtype
 
 
@@ -241,6 +242,8 @@ def decoder_dims() -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class SampleBatch:
+    """Metadata and positions of the export sample batch."""
+
     metadata: Any
     """AttentionMetadata of the sample (with the encoder fields when encoder lengths are given)."""
     positions: torch.Tensor

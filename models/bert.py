@@ -41,6 +41,8 @@ BERT_ARCHITECTURES = (
 
 @dataclass(frozen=True)
 class BertConfig(ModelConfig):
+    """BERT hyper-parameters (field names follow transformers' BertConfig)."""
+
     vocab_size: int = 256
     hidden_size: int = 64
     num_hidden_layers: int = 2

@@ -24,6 +24,8 @@ from models.layers import ACTIVATIONS, PagedAttention, alibi_slopes
 
 @dataclass(frozen=True)
 class BloomConfig(ModelConfig):
+    """BLOOM hyper-parameters (field names follow transformers' BloomConfig)."""
+
     vocab_size: int = 256
     hidden_size: int = 64
     n_layer: int = 2

@@ -28,6 +28,8 @@ _CONV1D = re.compile(r".*\.(c_attn|c_proj|c_fc)\.weight")
 
 @dataclass(frozen=True)
 class GPT2Config(ModelConfig):
+    """GPT-2 hyper-parameters (field names follow transformers' GPT2Config)."""
+
     vocab_size: int = 256
     n_positions: int = 128
     n_embd: int = 64

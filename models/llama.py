@@ -63,6 +63,7 @@ class LlamaConfig(ModelConfig):
         return cls()
 
     def window(self, layer: int) -> int:
+        """The sliding window of ``layer`` (-1: full attention)."""
         return self.sliding_windows[layer] if self.sliding_windows else -1
 
     @classmethod

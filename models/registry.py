@@ -41,6 +41,7 @@ def model_class(name: str) -> type[PagedModel]:
 
 
 def model_classes() -> list[type[PagedModel]]:
+    """Every zoo class, in zoo order."""
     return [model_class(name) for name in _ZOO]
 
 
@@ -67,6 +68,7 @@ def class_for_hf_config(hf_config: dict) -> type[PagedModel]:
 
 
 def is_checkpoint(name_or_path: str | Path) -> bool:
+    """True if ``name_or_path`` is a directory (taken as a checkpoint, not a zoo name)."""
     return Path(name_or_path).is_dir()
 
 
