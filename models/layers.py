@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import attnexport  # noqa: F401  (registers torch.ops.attnexport)
-from attnexport.testing import alibi_slopes as _alibi_slopes
+from attnexport.custom_ops.alibi import alibi_slopes as _alibi_slopes
 from models.errors import UnsupportedModelError
 
 
