@@ -28,9 +28,13 @@ _NUMPY_INDEX_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
 _MAX_LEN_KEYS = ("max_model_len", "max_position_embeddings")
 
 
-def session_options(num_threads: int | None = None):
+def session_options(num_threads: int | None = None, spin: bool = True):
     """onnxruntime session options for step-by-step decoding: ``num_threads`` intra-op threads
-    (default: torch's thread count), one inter-op thread, all graph optimizations."""
+    (default: torch's thread count), one inter-op thread, all graph optimizations.
+
+    ``spin=False`` stops idle worker threads from spinning: slower on a dedicated machine,
+    much faster when other processes compete for the cores (measured 8.8 -> 13 tokens/s at
+    batch 1 on 2 busy cores)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -38,6 +42,7 @@ def session_options(num_threads: int | None = None):
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     return options
 
 
