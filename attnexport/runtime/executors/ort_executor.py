@@ -128,8 +128,9 @@ class OrtExecutor(Executor):
         from onnxruntime import OrtValue
 
         binding = self.session.io_binding()
-        # Outputs come back in binding order: the logits first.
-        binding.bind_output(self._logits_name, self.device.type)
+        # Outputs come back in binding order: the logits first, copied to the host (they are
+        # small and the sampler runs there) whatever the execution provider.
+        binding.bind_output(self._logits_name, "cpu")
         values = []
         for name, cache in zip(self.metadata.cache_inputs, self.kv_caches, strict=True):
             value = OrtValue.from_dlpack(cache)
@@ -160,7 +161,7 @@ class OrtExecutor(Executor):
             arrays.append(array)
         # Re-bound each step: onnxruntime would otherwise reuse last step's logits buffer
         # (of last step's shape).
-        binding.bind_output(self._logits_name, self.device.type)
+        binding.bind_output(self._logits_name, "cpu")
         self.session.run_with_iobinding(binding)
         logits = binding.get_outputs()[0]
         return torch.from_numpy(logits.numpy())
