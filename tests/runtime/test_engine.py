@@ -188,3 +188,18 @@ def test_default_sizing_fits_the_machine(model):
         Engine(TorchExecutor(model), CacheConfig(num_blocks=10))
     budget = CacheConfig(memory_bytes=200 * spec.bytes_per_block + 5)
     assert Engine(TorchExecutor(model), budget).num_blocks == 200
+
+
+def test_abort_frees_the_request_and_leaves_the_others(model, alone):
+    engine = _engine(model)
+    kept = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=12))
+    dropped = engine.add_request(PROMPTS[2], SamplingParams(max_tokens=12, n=2))
+    engine.step()
+    engine.step()
+    engine.abort(dropped)
+    output = engine.get_output(dropped)
+    assert output.finished and [c.finish_reason for c in output.outputs] == ["aborted"] * 2
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_output(kept).token_ids == alone[0]
+    _assert_all_blocks_free(engine)
