@@ -237,21 +237,19 @@ def leg_memory(args) -> dict:
     )
     for prompt in prompts:
         engine.add_request(prompt, SamplingParams(max_tokens=MIXED_NEW))
-    peak = (0, 0)
+    peak = {"bytes_in_use": 0}
     while engine.has_unfinished_requests():
         engine.step()
-        requests = list(engine._requests.values())
-        stored = sum(s.num_computed for r in requests for s in r.seqs if not s.finished)
-        used = engine.block_manager.num_used_blocks()
-        peak = max(peak, (used, stored))
+        usage = engine.kv_cache_usage()
+        if usage["bytes_in_use"] > peak["bytes_in_use"]:
+            peak = usage
     spec = executor.cache_spec
     per_token = spec.bytes_per_block // spec.block_size
-    used, stored = peak
     longest = max(MIXED_PROMPTS) + MIXED_NEW
     return {
         "per_token_bytes": per_token,
-        "tokens_stored": stored,
-        "paged_bytes": used * spec.bytes_per_block,
+        "tokens_stored": peak["tokens_stored"],
+        "paged_bytes": peak["bytes_in_use"],
         "genai_bytes_longest": len(MIXED_PROMPTS) * longest * per_token,
         "genai_bytes_default": len(MIXED_PROMPTS) * MAX_POSITIONS * per_token,
     }

@@ -30,7 +30,7 @@ from attnexport.runtime.model_input import build_model_input
 from attnexport.runtime.outputs import RequestOutput, snapshot
 from attnexport.runtime.sampling import SamplingParams, make_generator, sample
 from attnexport.runtime.scheduler import ScheduledBatch, Scheduler
-from attnexport.runtime.sequence import Request
+from attnexport.runtime.sequence import Request, Status
 from attnexport.runtime.sequence import Sequence as Seq
 
 
@@ -200,8 +200,30 @@ class Engine:
             del self._requests[request_id]
 
     # ------------------------------------------------------------------ stepping
-    def step(self) -> list[Request]:
-        """Runs one scheduler step and the model; returns the requests that changed."""
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduler step and the model; returns the outputs of the requests that
+        changed (new tokens, finished or failed)."""
+        return [snapshot(request) for request in self._step()]
+
+    def kv_cache_usage(self) -> dict[str, int]:
+        """The device pool now: ``num_blocks``, ``blocks_in_use``, ``bytes_in_use`` and
+        ``tokens_stored`` (cached tokens of the running sequences; a block shared by forked
+        samples counts once per sample)."""
+        used = self.block_manager.num_used_blocks()
+        stored = sum(
+            seq.num_computed
+            for request in self._requests.values()
+            for seq in request.seqs
+            if not seq.finished and seq.block_ids and request.status == Status.RUNNING
+        )
+        return {
+            "num_blocks": self.num_blocks,
+            "blocks_in_use": used,
+            "bytes_in_use": used * self.executor.cache_spec.bytes_per_block,
+            "tokens_stored": stored,
+        }
+
+    def _step(self) -> list[Request]:
         batch = self.scheduler.schedule()
         changed: list[Request] = []
         now = time.perf_counter()
@@ -326,7 +348,8 @@ class Engine:
                 request_id = self.add_request(prompt, p)
                 requests.append(self._requests[request_id])
             except (TypeError, ValueError) as error:
-                tokens = list(prompt) if isinstance(prompt, Iterable) else []
+                readable = isinstance(prompt, Iterable) and not isinstance(prompt, (str, bytes))
+                tokens = list(prompt) if readable else []
                 request = self._new_request(tokens, p, None)
                 request.error = str(error)
                 request.finish_time = request.arrival_time
@@ -348,7 +371,7 @@ class Engine:
             if request.error is not None:
                 yield snapshot(request, sent[request.request_id])
         while any(not r.finished for r in requests):
-            for request in self.step():
+            for request in self._step():
                 if request.request_id in mine:
                     yield snapshot(request, sent[request.request_id])
         for request in requests:
@@ -368,7 +391,7 @@ class Engine:
         """
         requests = self._submit(prompts, params)
         while any(not r.finished for r in requests):
-            self.step()
+            self._step()
         outputs = [snapshot(r) for r in requests]
         for request in requests:
             self.release(request.request_id)

@@ -103,7 +103,9 @@ def test_fork_shares_prompt_blocks_and_copies_on_write(model):
     engine = _engine(model)
     prompt = PROMPTS[2]  # 25 tokens: six full blocks and one with one token
     engine.add_request(prompt, SamplingParams(max_tokens=5, temperature=1.0, seed=11, n=2))
-    engine.step()  # prefill, then fork
+    (update,) = engine.step()  # prefill, then fork
+    assert len(update.outputs) == 2 and not update.finished
+    assert engine.kv_cache_usage()["tokens_stored"] == 2 * len(prompt)
     request = next(iter(engine._requests.values()))
     first, second = request.seqs
     assert first.block_ids == second.block_ids
