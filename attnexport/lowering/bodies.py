@@ -3,7 +3,7 @@
 Every body works for any dynamic shape and follows DESIGN.md section 3 exactly (the float64
 reference in :mod:`attnexport.custom_ops.reference` is the test oracle):
 
-* ``ReshapeAndCache``: drops padding tokens (negative slots) with ``Compress`` and writes the
+* ``ReshapeAndCache``: drops padding tokens (negative slots) with ``NonZero`` + ``Gather`` and writes the
   rest with one ``ScatterND`` per cache whose data input is the cache input and whose output is
   the node output. When an inlined graph binds one buffer as both, onnxruntime skips the copy
   and the write costs O(new tokens), not O(cache) (DESIGN.md section 4).
@@ -178,17 +178,18 @@ def _attend(
 
 
 def reshape_and_cache(opset: int) -> onnx.FunctionProto:
-    """``attnexport.ReshapeAndCache`` in standard ops (Compress + ScatterND)."""
+    """``attnexport.ReshapeAndCache`` in standard ops (NonZero + Gather + ScatterND)."""
     b = Builder()
     slots = b.Cast("slot_mapping", to=INT64)
-    keep = b.GreaterOrEqual(slots, b.ints([0]))
-    slots = b.Compress(slots, keep, axis=0)
+    # Rows with a slot >= 0 (Gather, not Compress: Compress's schema has no bfloat16).
+    kept = b.Squeeze(b.NonZero(b.GreaterOrEqual(slots, b.ints([0]))), b.ints([0]))
+    slots = b.Gather(slots, kept, axis=0)
     block_size = b.Shape("key_cache", start=1, end=2)
     blocks = b.Unsqueeze(b.Div(slots, block_size), b.ints([1]))
     offsets = b.Unsqueeze(b.Mod(slots, block_size), b.ints([1]))
     index = b.Concat(blocks, offsets, axis=1)  # [T', 2] = (block, offset)
     for token, cache in (("key", "key_cache"), ("value", "value_cache")):
-        b.op("ScatterND", cache, index, b.Compress(token, keep, axis=0), names=[f"{cache}_out"])
+        b.op("ScatterND", cache, index, b.Gather(token, kept, axis=0), names=[f"{cache}_out"])
     return function(
         b,
         "ReshapeAndCache",
