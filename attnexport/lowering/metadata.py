@@ -156,7 +156,9 @@ def cache_geometry(
     }
     for key, value in expected.items():
         if found[key] != value:
-            raise ValueError(f"cache_spec: {key} is {value} but the sample caches have {found[key]}")
+            raise ValueError(
+                f"cache_spec: {key} is {value} but the sample caches have {found[key]}"
+            )
     if cache_spec.num_cache_tensors != len(caches):
         raise ValueError(
             f"cache_spec: expected {cache_spec.num_cache_tensors} cache inputs "

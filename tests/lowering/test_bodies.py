@@ -37,9 +37,7 @@ def single_node_session(
         dims = [f"{name}_{i}" for i in range(tensor.dim())]
         return helper.make_tensor_value_info(name, _TYPES[tensor.dtype], dims)
 
-    node = helper.make_node(
-        op_type, list(inputs), list(outputs), domain=DOMAIN, **attributes
-    )
+    node = helper.make_node(op_type, list(inputs), list(outputs), domain=DOMAIN, **attributes)
     graph = helper.make_graph(
         [node],
         op_type,
@@ -140,9 +138,10 @@ def test_reshape_and_cache_body_writes_in_place_and_skips_padding(case: Attentio
     session = _write_session(x)
     key_cache, value_cache = x["key_cache"], x["value_cache"]
     pointers = key_cache.data_ptr(), value_cache.data_ptr()
-    binding = session.bind({n: x[n] for n in ("key", "value", "key_cache", "value_cache")} | {
-        "slot_mapping": x["slot_mapping"]
-    })
+    binding = session.bind(
+        {n: x[n] for n in ("key", "value", "key_cache", "value_cache")}
+        | {"slot_mapping": x["slot_mapping"]}
+    )
     session.session.run_with_iobinding(binding)
     assert tuple(v.data_ptr() for v in binding.get_outputs()) == pointers
     torch.testing.assert_close(key_cache, expected_key, atol=0, rtol=0)
