@@ -5,8 +5,8 @@ reference in :mod:`attnexport.custom_ops.reference` is the test oracle):
 
 * ``ReshapeAndCache``: drops padding tokens (negative slots) with ``NonZero`` + ``Gather`` and
   writes the rest with one ``ScatterND`` per cache whose data input is the cache input and whose
-  output is the node output. When an inlined graph binds one buffer as both, onnxruntime skips the copy
-  and the write costs O(new tokens), not O(cache) (DESIGN.md section 4).
+  output is the node output. When an inlined graph binds one buffer as both, onnxruntime skips
+  the copy and the write costs O(new tokens), not O(cache) (DESIGN.md section 4).
 * ``PagedAttention`` / ``VarlenAttention``: queries are padded per sequence to
   ``[S, max_q, H, D]`` and keys gathered to ``[S, L, Hkv, D]`` (through the block table, or
   from the packed keys); grouped-query matmuls, the soft cap, ALiBi, the causal/window mask,
