@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from models.base import PagedModel
 from tests.models.driver import Runner, module_runner
 
@@ -26,8 +24,26 @@ def make_runner(model: PagedModel, executor: str, block_size: int, workdir: Path
 
 
 def onnx_runner(model: PagedModel, block_size: int, workdir: Path) -> Runner:
-    from attnexport import lowering
+    """Exports ``model`` with ``attnexport.lowering.to_onnx`` and runs it on onnxruntime with IO
+    binding: the caches are updated in place, so the runner returns the same list."""
+    from attnexport.lowering import PagedOrtSession, to_onnx
 
-    if not hasattr(lowering, "to_onnx"):
-        pytest.skip("ONNX leg: attnexport.lowering.to_onnx is not on this branch yet")
-    raise NotImplementedError  # filled in when the lowering lands
+    sample = model.export_sample(block_size)
+    path = workdir / "model.onnx"
+    to_onnx(
+        model,
+        sample.args,
+        path,
+        dynamic_shapes=sample.dynamic_shapes,
+        cache_spec=model.cache_spec(block_size),
+        output_names=["logits"],
+    )
+    session = PagedOrtSession(path)
+    names = sample.input_names
+
+    def run(args: tuple, kv_caches: list) -> tuple:
+        inputs = dict(zip(names[:-1], args, strict=True))
+        inputs[names[-1]] = kv_caches
+        return session.run(inputs)["logits"], kv_caches
+
+    return run
