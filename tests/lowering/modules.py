@@ -242,3 +242,30 @@ class StepPlanner:
             "seq_lens": metadata.seq_lens,
             "query_start_loc": metadata.query_start_loc,
         }
+
+
+def attention_inputs(
+    step: dict,
+    padding: int = 0,
+    *,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_size: int = 8,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> dict:
+    """Random ``query`` [T, heads, D] and ``key``/``value`` [T + padding, kv_heads, D] for a
+    planned ``step`` (whose slot mapping ends with ``padding`` slots of -1), then the step's
+    metadata: the inputs of :class:`PagedAttentionOnly` without the caches, in order."""
+    tokens = int(step["query_start_loc"][-1])
+    generator = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    return {
+        "query": rand(tokens, heads, head_size),
+        "key": rand(tokens + padding, kv_heads, head_size),
+        "value": rand(tokens + padding, kv_heads, head_size),
+        **step,
+    }

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attnexport.lowering import export_program, to_onnx
-from tests.lowering.modules import PagedAttentionOnly, StepPlanner
+from tests.lowering.modules import PagedAttentionOnly, StepPlanner, attention_inputs
 
 ops = torch.ops.attnexport
 BLOCK_SIZE = 4
@@ -15,14 +15,7 @@ BLOCK_SIZE = 4
 
 def _inputs(num_blocks: int = 8, plan=None, padding: int = 1) -> dict:
     step = StepPlanner(num_blocks, BLOCK_SIZE, seed=1).step(plan or {0: 3, 1: 6}, padding)
-    tokens = int(step["query_start_loc"][-1])
-    generator = torch.Generator().manual_seed(0)
-    return {
-        "query": torch.randn(tokens, 4, 8, generator=generator),
-        "key": torch.randn(tokens + padding, 2, 8, generator=generator),
-        "value": torch.randn(tokens + padding, 2, 8, generator=generator),
-        **step,
-    }
+    return attention_inputs(step, padding)
 
 
 def _caches(num_blocks: int = 8) -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from attnexport.lowering import PagedOrtSession, export_program, to_onnx
-from tests.lowering.modules import PagedAttentionOnly, StepPlanner
+from tests.lowering.modules import PagedAttentionOnly, StepPlanner, attention_inputs
 
 BLOCK_SIZE, HEADS, KV_HEADS, HEAD_SIZE = 16, 4, 2, 32
 BLOCK_BYTES = BLOCK_SIZE * KV_HEADS * HEAD_SIZE * 4
@@ -37,14 +37,7 @@ def _step_inputs(num_blocks: int, plan: dict[int, int] | None = None) -> dict:
     planner = StepPlanner(num_blocks, BLOCK_SIZE)
     planner.free = list(range(num_blocks - 8, num_blocks))
     step = planner.step(plan or {0: 5, 1: 1}, padding=2)
-    tokens = int(step["query_start_loc"][-1])
-    generator = torch.Generator().manual_seed(0)
-    return {
-        "query": torch.randn(tokens, HEADS, HEAD_SIZE, generator=generator),
-        "key": torch.randn(tokens + 2, KV_HEADS, HEAD_SIZE, generator=generator),
-        "value": torch.randn(tokens + 2, KV_HEADS, HEAD_SIZE, generator=generator),
-        **step,
-    }
+    return attention_inputs(step, 2, heads=HEADS, kv_heads=KV_HEADS, head_size=HEAD_SIZE)
 
 
 @pytest.fixture(scope="module")

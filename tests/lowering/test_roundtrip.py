@@ -18,6 +18,7 @@ from tests.lowering.modules import (
     PagedAttentionOnly,
     StepPlanner,
     VarlenEncoder,
+    attention_inputs,
 )
 
 FP32_MAX_ERROR = 1e-5
@@ -184,29 +185,19 @@ def test_half_precision_attention_within_dtype_rounding(tmp_path, dtype):
     model = PagedAttentionOnly(sliding_window=7, soft_cap=4.0)
     generator = torch.Generator().manual_seed(0)
 
-    def step_inputs(planner, plan, padding):
+    def step_inputs(planner, plan, padding, seed):
         step = planner.step(plan, padding)
-        tokens = int(step["query_start_loc"][-1])
+        return attention_inputs(step, padding, head_size=16, dtype=dtype, seed=seed)
 
-        def rand(*shape):
-            return torch.randn(*shape, generator=generator).to(dtype)
-
-        return {
-            "query": rand(tokens, 4, 16),
-            "key": rand(tokens + padding, 2, 16),
-            "value": rand(tokens + padding, 2, 16),
-            **step,
-        }
-
-    sample = step_inputs(StepPlanner(8, BLOCK_SIZE), {0: 3, 1: 6}, 2)
+    sample = step_inputs(StepPlanner(8, BLOCK_SIZE), {0: 3, 1: 6}, 2, seed=0)
     caches = [torch.zeros(8, BLOCK_SIZE, 2, 16, dtype=dtype) for _ in range(2)]
     to_onnx(model, (*sample.values(), *caches), tmp_path / "half.onnx")
     session = PagedOrtSession(tmp_path / "half.onnx")
     planner = StepPlanner(40, BLOCK_SIZE, seed=5)
     eager = [torch.randn(40, BLOCK_SIZE, 2, 16, generator=generator).to(dtype) for _ in range(2)]
     ours = [c.clone() for c in eager]
-    for plan, padding in STEPS:
-        step = step_inputs(planner, plan, padding)
+    for index, (plan, padding) in enumerate(STEPS):
+        step = step_inputs(planner, plan, padding, seed=index + 1)
         with torch.no_grad():
             expected = model(*step.values(), *eager)
         got = session.run({**step, "key_cache": ours[0], "value_cache": ours[1]})["output"]

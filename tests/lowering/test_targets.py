@@ -12,7 +12,7 @@ import torch
 
 from attnexport.lowering import PagedOrtSession, export_program, read_metadata, to_onnx
 from attnexport.lowering.schemas import DOMAIN
-from tests.lowering.modules import PagedAttentionOnly, StepPlanner
+from tests.lowering.modules import PagedAttentionOnly, StepPlanner, attention_inputs
 
 BLOCK_SIZE = 4
 WINDOW, SOFT_CAP, SCALE = 7, 4.0, 0.3
@@ -20,18 +20,7 @@ WINDOW, SOFT_CAP, SCALE = 7, 4.0, 0.3
 
 def _inputs(dtype, num_blocks=8, plan=None, padding=1, seed=0) -> dict:
     step = StepPlanner(num_blocks, BLOCK_SIZE, seed=seed).step(plan or {0: 3, 1: 6}, padding)
-    tokens = int(step["query_start_loc"][-1])
-    generator = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=generator).to(dtype)
-
-    return {
-        "query": rand(tokens, 4, 16),
-        "key": rand(tokens + padding, 2, 16),
-        "value": rand(tokens + padding, 2, 16),
-        **step,
-    }
+    return attention_inputs(step, padding, head_size=16, dtype=dtype, seed=seed)
 
 
 def _program(dtype, shared_tokens: bool = False):
