@@ -84,10 +84,18 @@ class ModelMetadata:
         """Parses ``metadata_props`` (or onnxruntime's ``custom_metadata_map``)."""
         if "attnexport_version" not in props:
             raise ValueError("metadata: not an attnexport model (no 'attnexport_version' key)")
-        known = {"attnexport_domain", "cache_layout", *_GEOMETRY}
-        fields = {"target", "attnexport_version", "dtype", "cache_inputs", "cache_outputs"}
-        fields |= {"outputs"}
-        extra = {k: v for k, v in props.items() if k not in known | fields}
+        ours = {
+            *_GEOMETRY,
+            "attnexport_domain",
+            "attnexport_version",
+            "target",
+            "cache_layout",
+            "dtype",
+            "cache_inputs",
+            "cache_outputs",
+            "outputs",
+        }
+        extra = {k: v for k, v in props.items() if k not in ours}
 
         def integer(key):
             return int(props[key]) if key in props else None
