@@ -182,7 +182,7 @@ def plan_varlen(
     if kept != list(query_lens):
         starts = list(itertools.accumulate(query_lens, initial=0))
         keep = _ranges(
-            [s + q - n for s, q, n in zip(starts, query_lens, kept, strict=True)],
+            [s + q - n for s, q, n in zip(starts[:-1], query_lens, kept, strict=True)],
             starts[1:],
             device,
         )
