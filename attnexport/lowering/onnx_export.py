@@ -1,0 +1,184 @@
+"""``to_onnx``: a model on the attnexport ops -> an ONNX file that stock onnxruntime runs.
+
+Pipeline (each step answers a trap of DESIGN.md section 4)::
+
+    export_program            torch.export + cache checks (caches are forward inputs)
+    functionalize_cache_writes in-place reshape_and_cache -> functional twin + copy_
+    torch.onnx.export         optimize=False, custom translations -> attnexport nodes
+    connect_caches_directly   drop torch's no-op copies between caches and their users
+    expose_cache_writes       last write of cache input X -> graph output X_out
+    optimize_ir               onnxscript's optimizer (after exposing, so nothing is dropped)
+    rename_dims, name_outputs readable dimension and output names
+    apply_target              attach bodies / inline them / map to com.microsoft
+    metadata, ir_version 10   then save, onnx.checker full check, in-place structure check
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, TensorArgument
+from torch.utils import _pytree as pytree
+
+from attnexport.lowering import naming, onnx_passes
+from attnexport.lowering.export import DIM_NAMES_META, export_program
+from attnexport.lowering.metadata import ModelMetadata, cache_geometry
+from attnexport.lowering.passes import check_program, functionalize_cache_writes
+from attnexport.lowering.targets import apply_target, check_target
+from attnexport.model_interface import CacheSpec
+
+IR_VERSION = 10
+"""ONNX IR version of the files (onnx 1.23 writes newer ones than onnxruntime 1.31 reads)."""
+DEFAULT_OPSET = 18
+_EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GiB limit, with room for the graph
+
+
+@contextlib.contextmanager
+def _quiet_torch_onnx():
+    """Silences torch.onnx's registry warnings (torchvision ops it cannot find)."""
+    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _sample_inputs(program: ExportedProgram) -> dict[str, torch.Tensor]:
+    """``{input name: sample tensor}`` from the program's example inputs."""
+    specs = [s for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    leaves = pytree.tree_leaves(program.example_inputs) if program.example_inputs else []
+    if len(leaves) != len(specs):
+        return {}
+    return {
+        spec.arg.name: leaf
+        for spec, leaf in zip(specs, leaves, strict=True)
+        if isinstance(spec.arg, TensorArgument) and isinstance(leaf, torch.Tensor)
+    }
+
+
+def _save(model: ir.Model, path: Path) -> onnx.ModelProto:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    weights = sum(
+        value.const_value.nbytes
+        for value in model.graph.initializers.values()
+        if value.const_value is not None
+    )
+    external = weights > _EXTERNAL_DATA_BYTES
+    if external:
+        ir.save(model, path, external_data=f"{path.name}.data")
+    else:
+        ir.save(model, path)
+    onnx.checker.check_model(str(path), full_check=True)
+    return onnx.load(str(path), load_external_data=not external)
+
+
+def to_onnx(
+    module_or_program: torch.nn.Module | ExportedProgram,
+    args: tuple,
+    path: str | os.PathLike,
+    *,
+    dynamic_shapes=None,
+    target: str = "attnexport",
+    kwargs: Mapping | None = None,
+    output_names: Sequence[str] | None = None,
+    metadata: Mapping[str, str] | None = None,
+    cache_spec: CacheSpec | None = None,
+    opset_version: int = DEFAULT_OPSET,
+) -> onnx.ModelProto:
+    """Exports a model on the attnexport ops to an ONNX file that stock onnxruntime runs.
+
+    Graph inputs are the forward's arguments (a list argument ``kv_caches`` flattens to
+    ``kv_caches_0``, ``kv_caches_1``, ...); each cache input ``X`` the model writes is also
+    the output ``X_out``. Bind one buffer to both (see :mod:`attnexport.lowering.ort_session`)
+    and the write happens in place.
+
+    Args:
+        module_or_program: an ``nn.Module`` (exported with :func:`export_program`) or an
+            ``ExportedProgram`` from it (whose example inputs then stand for ``args``).
+        args: sample positional inputs (see :func:`export_program`).
+        path: where to write the ``.onnx`` file (weights over ~1.8 GB go to ``<path>.data``).
+        dynamic_shapes: see :func:`export_program`; only for a module.
+        target: ``"attnexport"`` (custom nodes + function bodies), ``"standard"`` (bodies
+            inlined) or ``"ort-cuda"`` (``com.microsoft.PagedAttention`` where possible).
+        kwargs: sample keyword inputs.
+        output_names: names of the model's outputs (default ``output`` / ``output_<i>``).
+        metadata: extra ``metadata_props`` (e.g. ``{"architecture": "llama"}``).
+        cache_spec: the model's cache geometry, checked against the samples and recorded
+            (``num_layers``/``num_cross_layers`` are otherwise inferred from the cache count).
+        opset_version: standard ONNX opset (>= 18).
+
+    Returns:
+        The saved ``onnx.ModelProto`` (without its weights when they went to external data).
+
+    Raises:
+        ValueError: bad target, a cache captured as a constant or not exposed, or any
+            :func:`export_program` error.
+    """
+    check_target(target)
+    if isinstance(module_or_program, ExportedProgram):
+        if dynamic_shapes is not None:
+            raise ValueError(
+                "dynamic_shapes: only used when exporting a module; this ExportedProgram "
+                "already has its shapes"
+            )
+        program = module_or_program
+    else:
+        program = export_program(
+            module_or_program, args, dynamic_shapes=dynamic_shapes, kwargs=kwargs
+        )
+    caches = check_program(program)
+    samples = _sample_inputs(program)
+    geometry = cache_geometry({n: samples[n] for n in caches.inputs if n in samples}, cache_spec)
+
+    functional, _ = functionalize_cache_writes(program)
+    from attnexport.lowering.translation import translation_table
+
+    with _quiet_torch_onnx():
+        onnx_program = torch.onnx.export(
+            functional,
+            (),
+            dynamo=True,
+            optimize=False,
+            verbose=False,
+            opset_version=opset_version,
+            custom_translation_table=translation_table(),
+        )
+    model = onnx_program.model
+    onnx_passes.connect_caches_directly(model)
+    cache_outputs = onnx_passes.expose_cache_writes(model, caches.written)
+
+    import onnxscript.optimizer
+
+    onnxscript.optimizer.optimize_ir(model)
+    naming.rename_dims(
+        model, naming.input_dim_names(program), program.graph_module.meta.get(DIM_NAMES_META, {})
+    )
+    onnx_passes.name_outputs(model, cache_outputs, output_names)
+    notes = apply_target(model, target)
+
+    model.ir_version = IR_VERSION
+    model.producer_name = "attnexport"
+    info = ModelMetadata(
+        target=target,
+        cache_inputs=caches.inputs,
+        cache_outputs=cache_outputs,
+        outputs=tuple(v.name for v in model.graph.outputs if v.name not in cache_outputs.values()),
+        extra=dict(metadata or {}),
+        **geometry,
+    )
+    model.metadata_props.update(info.to_props())
+    if notes:
+        model.metadata_props["target_notes"] = "\n".join(notes)
+    proto = _save(model, Path(path))
+    onnx_passes.check_cache_io(proto, caches.inputs, cache_outputs)
+    return proto

@@ -1,0 +1,159 @@
+"""Passes on the ONNX graph (``onnx_ir``) that torch.onnx produced from the functionalized
+program: cache outputs, output names, and the in-place check.
+
+torch.onnx drops mutated inputs from the outputs (DESIGN.md section 4). Here the written caches
+come back by structure, not by name: each ``attnexport.ReshapeAndCache`` node's outputs are the
+new values of its cache inputs, so the last write into graph input ``X`` becomes the graph
+output ``X_out``. This runs on the unoptimized graph (nothing dead-code eliminated yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import onnx
+import onnx_ir as ir
+
+from attnexport.lowering.schemas import DOMAIN
+
+_PASSTHROUGH = ("Identity", "CastLike", "Cast")
+
+
+def is_write(node: ir.Node) -> bool:
+    return node.domain == DOMAIN and node.op_type == "ReshapeAndCache"
+
+
+def _same_type(a: ir.Value, b: ir.Value) -> bool:
+    return a.dtype is not None and a.dtype == b.dtype
+
+
+def _strip_passthrough(value: ir.Value) -> ir.Value:
+    """Follows Identity and same-type casts (torch's ``aten.copy`` lowering) upstream."""
+    while True:
+        node = value.producer()
+        if node is None or node.op_type not in _PASSTHROUGH or node.domain not in ("", "ai.onnx"):
+            return value
+        source = node.inputs[0]
+        if source is None or not _same_type(source, value):
+            return value
+        value = source
+
+
+def connect_caches_directly(model: ir.Model) -> None:
+    """Makes every cache read/write take its cache straight from the upstream value, skipping
+    the no-op copies torch emits for ``aten.copy``, so that a write's data input is the graph
+    input itself (required for the in-place update)."""
+    cache_slots = {"ReshapeAndCache": (2, 3), "PagedAttention": (1, 2)}
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.domain != DOMAIN or node.op_type not in cache_slots:
+            continue
+        for index in cache_slots[node.op_type]:
+            value = node.inputs[index]
+            if value is not None:
+                node.replace_input_with(index, _strip_passthrough(value))
+
+
+def expose_cache_writes(model: ir.Model, written: Sequence[str]) -> dict[str, str]:
+    """Adds the final value of each written cache input ``X`` as graph output ``X_out``.
+
+    Args:
+        written: names of the graph inputs that the model writes (from the FX program).
+
+    Returns:
+        ``{cache input: cache output}`` in the order of ``written``.
+
+    Raises:
+        ValueError: a write targets something that is not a graph input (for instance an
+            initializer: a cache captured as a constant), or a written input has no write.
+    """
+    graph = model.graph
+    inputs = {value.name: value for value in graph.inputs}
+    final: dict[str, ir.Value] = {}
+    origin: dict[ir.Value, str] = {}  # a written cache value -> the graph input it updates
+    for node in graph:  # topological order: later writes of a cache replace earlier ones
+        if not is_write(node):
+            continue
+        for index, new_value in zip((2, 3), node.outputs, strict=True):
+            cache = _strip_passthrough(node.inputs[index])
+            if cache.name in inputs and inputs[cache.name] is cache:
+                base = cache.name
+            elif cache in origin:
+                base = origin[cache]
+            else:
+                kind = "an initializer (a constant)" if cache.is_initializer() else "not an input"
+                raise ValueError(
+                    f"ReshapeAndCache node '{node.name}' writes '{cache.name}', which is {kind}; "
+                    f"a written cache must be a graph input"
+                )
+            origin[new_value] = base
+            final[base] = new_value
+    missing = [name for name in written if name not in final]
+    if missing:
+        raise ValueError(f"written caches {missing} have no ReshapeAndCache node in the graph")
+    outputs = {}
+    for name in written:
+        value = final[name]
+        value.name = f"{name}_out"
+        graph.outputs.append(value)
+        outputs[name] = value.name
+    return outputs
+
+
+def name_outputs(model: ir.Model, cache_outputs: dict[str, str], names: Sequence[str] | None):
+    """Names the user outputs (default: ``output`` or ``output_<i>``) and orders the graph
+    outputs: user outputs first, then the cache outputs in cache input order."""
+    graph = model.graph
+    cache_names = set(cache_outputs.values())
+    user = [v for v in graph.outputs if v.name not in cache_names]
+    caches = {v.name: v for v in graph.outputs if v.name in cache_names}
+    if names is None:
+        names = ["output"] if len(user) == 1 else [f"output_{i}" for i in range(len(user))]
+    if len(names) != len(user):
+        raise ValueError(
+            f"output_names: expected {len(user)} names (one per model output), got {list(names)}"
+        )
+    taken = {v.name for v in graph.inputs} | cache_names
+    renamed = []
+    for value, name in zip(user, names, strict=True):
+        if name in taken:
+            raise ValueError(f"output_names: '{name}' is already the name of a graph input/output")
+        if value.is_graph_input() or value in caches.values():
+            # An input or cache returned as is: the output needs a value of its own.
+            copy = ir.Node("", "Identity", [value])
+            graph.append(copy)
+            value = copy.outputs[0]
+        value.name = name
+        taken.add(name)
+        renamed.append(value)
+    graph.outputs.clear()
+    graph.outputs.extend([*renamed, *(caches[n] for n in cache_outputs.values())])
+
+
+def check_cache_io(model: onnx.ModelProto, cache_inputs: Sequence[str], cache_outputs: dict):
+    """Checks the final model: every cache is a graph input (not an initializer), every
+    written cache has its ``_out`` output, produced by a node that takes the cache input itself
+    (so that binding one buffer to both updates it in place).
+
+    Raises:
+        ValueError: naming the cache and what is wrong.
+    """
+    graph = model.graph
+    inputs = {i.name for i in graph.input}
+    initializers = {i.name for i in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    producers = {name: node for node in graph.node for name in node.output}
+    for name in cache_inputs:
+        if name in initializers:
+            raise ValueError(f"cache '{name}' was baked into the model as an initializer")
+        if name not in inputs:
+            raise ValueError(f"cache '{name}' is not a graph input")
+    for name, out in cache_outputs.items():
+        if out not in outputs:
+            raise ValueError(f"written cache '{name}' is not exposed as graph output '{out}'")
+        node = producers.get(out)
+        if node is None or name not in node.input:
+            producer = "a graph input" if node is None else f"{node.op_type} '{node.name}'"
+            raise ValueError(
+                f"cache output '{out}' comes from {producer}, which does not take '{name}' "
+                f"directly: the update could not happen in place"
+            )

@@ -1,0 +1,176 @@
+"""The ``ort-cuda`` target: onnxruntime's ``com.microsoft.PagedAttention`` (CUDA EP).
+
+That contrib op writes the new tokens into the caches and attends in one node, so a pair
+``ReshapeAndCache -> PagedAttention`` (the attention reading the caches the write produced)
+maps onto it::
+
+    com.microsoft.PagedAttention(
+        query [T, H*D], key [T, Hkv*D], value [T, Hkv*D], key_cache, value_cache,
+        cumulative_sequence_length = query_start_loc,
+        past_seqlens = seq_lens - query_lens,
+        block_table = block_tables,
+        slot_mapping = max(int32(slot_mapping), -1))   # negative slots -> -1, "skip"
+      -> output [T, H*D], key_cache_out, value_cache_out   (the caches, aliased in place)
+
+with attributes ``num_heads``, ``kv_num_heads``, ``scale``, ``softcap`` = logits_soft_cap,
+``is_causal`` = causal and ``local_window_size`` = sliding_window - 1 (onnxruntime's window
+covers keys with p - k <= local_window_size; ours p - k < sliding_window).
+
+A node is left as an attnexport node (running its standard-op body, also on the CUDA EP) when
+the contrib op cannot express it: fp32/fp64 dtypes (it takes fp16/bf16), ALiBi (no slope
+input), a read-only attention (it always writes), a window of 1, non-static head counts, or a
+write whose tokens are not the query tokens. The reasons are returned as notes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from attnexport.lowering.schemas import DOMAIN
+
+MS_DOMAIN = "com.microsoft"
+_HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
+def _constant(values, dtype) -> ir.Node:
+    return ir.node("Constant", [], {"value": ir.tensor(np.array(values, dtype=dtype))})
+
+
+class _Emitter:
+    """Inserts new nodes before ``anchor``."""
+
+    def __init__(self, graph: ir.Graph, anchor: ir.Node) -> None:
+        self.graph, self.anchor = graph, anchor
+
+    def __call__(self, op_type, inputs, attributes=None, domain="", num_outputs=1):
+        node = ir.node(op_type, inputs, attributes, domain=domain, num_outputs=num_outputs)
+        self.graph.insert_before(self.anchor, node)
+        return node.outputs[0] if num_outputs == 1 else node.outputs
+
+    def const(self, values, dtype) -> ir.Value:
+        node = _constant(values, dtype)
+        self.graph.insert_before(self.anchor, node)
+        return node.outputs[0]
+
+
+def _attribute(node: ir.Node, name: str, default):
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+def _is_zero(value: ir.Value | None) -> bool:
+    """True for absent or all-zero ALiBi slopes (what the exporter passes without ALiBi)."""
+    if value is None:
+        return True
+    producer = value.producer()
+    if producer is not None and producer.op_type == "ConstantOfShape":
+        fill = producer.attributes.get("value")
+        return fill is None or not np.any(fill.value.numpy())
+    tensor = ir.convenience.get_const_tensor(value)
+    return tensor is not None and not np.any(tensor.numpy())
+
+
+def _static(value: ir.Value, index: int) -> int | None:
+    shape = value.shape
+    if shape is None or len(shape) <= index or not isinstance(shape[index], int):
+        return None
+    return shape[index]
+
+
+def _why_not(attention: ir.Node, write: ir.Node | None) -> str | None:
+    query = attention.inputs[0]
+    if write is None:
+        return "its caches are not written by a ReshapeAndCache in the same graph"
+    if query.dtype not in _HALF:
+        return f"dtype {query.dtype} (com.microsoft.PagedAttention takes float16/bfloat16)"
+    if None in (_static(query, 1), _static(query, 2), _static(attention.inputs[1], 2)):
+        return "num_heads, head_size or num_kv_heads is not static"
+    if not _is_zero(attention.inputs[6] if len(attention.inputs) > 6 else None):
+        return "ALiBi (com.microsoft.PagedAttention has no slope input)"
+    if _attribute(attention, "sliding_window", -1) == 1:
+        return "sliding_window=1 (has no unambiguous local_window_size)"
+    key = write.inputs[0]
+    if key.shape is None or query.shape is None or key.shape[0] != query.shape[0]:
+        return "the written tokens are not known to be the query tokens"
+    return None
+
+
+def _writer(attention: ir.Node) -> ir.Node | None:
+    key_cache, value_cache = attention.inputs[1], attention.inputs[2]
+    node = key_cache.producer()
+    if node is None or node.domain != DOMAIN or node.op_type != "ReshapeAndCache":
+        return None
+    if node.outputs[0] is not key_cache or node.outputs[1] is not value_cache:
+        return None
+    return node
+
+
+def _replace(graph: ir.Graph, attention: ir.Node, write: ir.Node) -> None:
+    emit = _Emitter(graph, attention)
+    query, _, _, block_tables, seq_lens, query_start_loc = attention.inputs[:6]
+    key, value, key_cache, value_cache, slots = write.inputs
+    flat = emit.const([0, -1], np.int64)  # [T, heads * head_size]
+    starts = emit("Slice", [query_start_loc, emit.const([0], np.int64), emit.const([-1], np.int64)])
+    ends = emit("Slice", [query_start_loc, emit.const([1], np.int64), emit.const([2**62], np.int64)])
+    past = emit("Sub", [seq_lens, emit("Sub", [ends, starts])])
+    slots32 = emit("Max", [emit("Cast", [slots], {"to": ir.DataType.INT32}), emit.const(-1, np.int32)])
+    window = _attribute(attention, "sliding_window", -1)
+    outputs = emit(
+        "PagedAttention",
+        [
+            emit("Reshape", [query, flat]),
+            emit("Reshape", [key, flat]),
+            emit("Reshape", [value, flat]),
+            key_cache,
+            value_cache,
+            query_start_loc,
+            past,
+            block_tables,
+            None,  # cos_cache
+            None,  # sin_cache
+            slots32,
+        ],
+        {
+            "num_heads": _static(query, 1),
+            "kv_num_heads": _static(key_cache, 2),
+            "scale": float(_attribute(attention, "scale", 1.0)),
+            "softcap": float(_attribute(attention, "logits_soft_cap", 0.0)),
+            "is_causal": int(_attribute(attention, "causal", 1)),
+            "local_window_size": window - 1 if window >= 0 else -1,
+        },
+        domain=MS_DOMAIN,
+        num_outputs=3,
+    )
+    output = emit("Reshape", [outputs[0], emit("Shape", [query])])
+    for old, new in ((attention.outputs[0], output), *zip(write.outputs, outputs[1:], strict=True)):
+        name = old.name
+        is_output = old.is_graph_output()
+        old.replace_all_uses_with(new, replace_graph_outputs=True)
+        if is_output or name:
+            old.name, new.name = None, name
+    graph.remove([attention, write], safe=True)
+
+
+def map_paged_attention(model: ir.Model) -> list[str]:
+    """Replaces every mappable write + attention pair (module doc); returns why the other
+    PagedAttention nodes stay attnexport nodes."""
+    graph = model.graph
+    notes = []
+    pairs = []
+    for node in graph:
+        if node.domain != DOMAIN or node.op_type != "PagedAttention":
+            continue
+        write = _writer(node)
+        reason = _why_not(node, write)
+        if reason is None and write in {w for _, w in pairs}:
+            reason = "its cache write feeds another attention already mapped"
+        if reason:
+            notes.append(f"PagedAttention '{node.name}' kept with its body: {reason}")
+        else:
+            pairs.append((node, write))
+    for attention, write in pairs:
+        _replace(graph, attention, write)
+    if pairs:
+        model.opset_imports[MS_DOMAIN] = 1
+    return notes

@@ -1,0 +1,177 @@
+"""Passes on the ExportedProgram: cache checks and the in-place -> functional rewrite.
+
+* :func:`check_program` — which forward inputs the attnexport ops
+  use as KV caches, and clear errors when a cache is a module buffer or constant (torch.onnx
+  would bake it into the file), when a cache is written through a view, or when a forward input
+  is modified in place by something other than ``attnexport::reshape_and_cache``.
+* :func:`functionalize_cache_writes` — torch.onnx cannot lower an in-place custom op
+  (DESIGN.md section 4), so each ``reshape_and_cache`` becomes
+  ``reshape_and_cache_functional`` plus ``aten.copy_`` of the results into the caches; the
+  copies turn into input mutations when torch.onnx functionalizes the program.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+_ops = torch.ops.attnexport
+
+# op overload -> ((argument index, argument name), ...) of its cache arguments, and whether
+# the op writes them in place.
+_CACHE_ARGUMENTS = {
+    _ops.reshape_and_cache.default: (((2, "key_cache"), (3, "value_cache")), True),
+    _ops.reshape_and_cache_functional.default: (((2, "key_cache"), (3, "value_cache")), False),
+    _ops.paged_attention.default: (((1, "key_cache"), (2, "value_cache")), False),
+}
+
+_CONSTANT_KINDS = {
+    InputKind.PARAMETER: "parameter",
+    InputKind.BUFFER: "buffer",
+    InputKind.CONSTANT_TENSOR: "constant tensor attribute",
+}
+
+
+def node_argument(node: torch.fx.Node, index: int):
+    """Argument ``index`` of an OpOverload call node, whether passed by position or keyword."""
+    if len(node.args) > index:
+        return node.args[index]
+    argument = node.target._schema.arguments[index]
+    return node.kwargs.get(argument.name, argument.default_value)
+
+
+@dataclass(frozen=True)
+class CacheInputs:
+    """Forward inputs that the attnexport ops use as KV caches, in forward order."""
+
+    inputs: tuple[str, ...]
+    """Every cache input (read or written)."""
+    written: tuple[str, ...]
+    """The cache inputs that ``reshape_and_cache`` writes."""
+
+
+def _user_inputs(ep: ExportedProgram) -> list[str]:
+    return [
+        spec.arg.name
+        for spec in ep.graph_signature.input_specs
+        if spec.kind == InputKind.USER_INPUT and hasattr(spec.arg, "name")
+    ]
+
+
+def _op_label(node: torch.fx.Node) -> str:
+    return str(node.target).removesuffix(".default")
+
+
+def _check_cache_argument(ep: ExportedProgram, node, source, role: str, written: bool) -> None:
+    specs = {spec.arg.name: spec for spec in ep.graph_signature.input_specs}
+    if source.op == "placeholder" and specs[source.name].kind in _CONSTANT_KINDS:
+        spec = specs[source.name]
+        raise ValueError(
+            f"{_op_label(node)}: {role} is the module {_CONSTANT_KINDS[spec.kind]} "
+            f"'{spec.target}', which the export would bake into the graph as a constant; pass "
+            f"KV caches as explicit forward inputs (see attnexport.model_interface)"
+        )
+    if source.op == "get_attr":
+        raise ValueError(
+            f"{_op_label(node)}: {role} is the module attribute '{source.target}', which the "
+            f"export would bake into the graph as a constant; pass KV caches as explicit "
+            f"forward inputs (see attnexport.model_interface)"
+        )
+    if written and source.op != "placeholder":
+        raise ValueError(
+            f"{_op_label(node)}: {role} is '{source.name}', computed inside the model (a view or "
+            f"copy of an input), not a forward input itself; a written cache must be its own "
+            f"forward input so that the ONNX graph can update it in place"
+        )
+
+
+def _check_foreign_mutations(ep: ExportedProgram, user_inputs: set[str]) -> None:
+    """Raises if a forward input is modified in place by an op other than ours."""
+    for node in ep.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if target in _CACHE_ARGUMENTS:
+            continue
+        for index, argument in enumerate(target._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = node_argument(node, index)
+            if isinstance(value, torch.fx.Node) and value.name in user_inputs:
+                raise ValueError(
+                    f"forward input '{value.name}' is modified in place by {target}; the ONNX "
+                    f"graph can only expose cache writes made by attnexport::reshape_and_cache"
+                )
+
+
+def check_program(ep: ExportedProgram) -> CacheInputs:
+    """Checks that ``ep`` can be lowered with in-place cache updates; returns its caches.
+
+    Raises:
+        ValueError: a cache is a module parameter/buffer/constant, a written cache is not a
+            forward input itself, or an input is modified in place by another op.
+    """
+    user_inputs = _user_inputs(ep)
+    used: set[str] = set()
+    written: set[str] = set()
+    for node in ep.graph.nodes:
+        if node.op != "call_function" or node.target not in _CACHE_ARGUMENTS:
+            continue
+        arguments, in_place = _CACHE_ARGUMENTS[node.target]
+        for index, role in arguments:
+            source = node_argument(node, index)
+            _check_cache_argument(ep, node, source, role, in_place)
+            if source.op == "placeholder":
+                used.add(source.name)
+                if in_place:
+                    written.add(source.name)
+    _check_foreign_mutations(ep, set(user_inputs))
+    return CacheInputs(
+        inputs=tuple(name for name in user_inputs if name in used),
+        written=tuple(name for name in user_inputs if name in written),
+    )
+
+
+def _copy_program(ep: ExportedProgram) -> ExportedProgram:
+    """A copy of ``ep`` with its own graph (weights are shared, not copied)."""
+    graph = torch.fx.Graph()
+    graph._codegen = copy.deepcopy(ep.graph._codegen)
+    output = graph.graph_copy(ep.graph, {})
+    graph.output(output)
+    module = torch.fx.GraphModule(ep.graph_module, graph)
+    module.meta.update(ep.graph_module.meta)
+    # ExportedProgram._update is private but identical on torch 2.8 .. 2.13.
+    return ep._update(module, copy.deepcopy(ep.graph_signature))
+
+
+def functionalize_cache_writes(ep: ExportedProgram) -> tuple[ExportedProgram, int]:
+    """A copy of ``ep`` where every in-place ``reshape_and_cache`` is
+    ``reshape_and_cache_functional`` + ``aten.copy_`` into the caches; returns it and the number
+    of rewritten calls. ``ep`` itself is left unchanged."""
+    ep = _copy_program(ep)
+    graph = ep.graph
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _ops.reshape_and_cache.default:
+            continue
+        key, value, key_cache, value_cache, slots = (node_argument(node, i) for i in range(5))
+        with graph.inserting_before(node):
+            written = graph.call_function(
+                _ops.reshape_and_cache_functional.default,
+                (key, value, key_cache, value_cache, slots),
+            )
+            written.meta.update(node.meta)
+            for index, cache in enumerate((key_cache, value_cache)):
+                new_cache = graph.call_function(operator.getitem, (written, index))
+                if "val" in cache.meta:
+                    new_cache.meta["val"] = cache.meta["val"]
+                graph.call_function(torch.ops.aten.copy_.default, (cache, new_cache))
+        graph.erase_node(node)
+        count += 1
+    ep.graph_module.recompile()
+    return ep, count

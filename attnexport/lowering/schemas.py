@@ -1,0 +1,152 @@
+"""The ``attnexport`` ONNX domain: operator schemas of its three nodes (version 1).
+
+:func:`register_schemas` adds them to ``onnx.defs`` (idempotent), which the ONNX translation
+and ``onnx.checker`` need. The nodes implement DESIGN.md section 3; their standard-op
+function bodies are in :mod:`attnexport.lowering.bodies`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import onnx
+from onnx.defs import OpSchema
+
+DOMAIN = "attnexport"
+"""The ONNX domain of the attnexport nodes."""
+DOMAIN_VERSION = 1
+
+FLOAT_TYPES = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"]
+
+_Single = OpSchema.FormalParameterOption.Single
+_Optional = OpSchema.FormalParameterOption.Optional
+
+
+def _param(name: str, type_str: str, doc: str, optional: bool = False) -> OpSchema.FormalParameter:
+    return OpSchema.FormalParameter(
+        name, type_str, doc, param_option=_Optional if optional else _Single
+    )
+
+
+def _default(name: str, value: float | int) -> OpSchema.Attribute:
+    return OpSchema.Attribute(name, onnx.helper.make_attribute(name, value), _ATTR_DOCS[name])
+
+
+_ATTR_DOCS = {
+    "scale": "Multiplies q . k.",
+    "causal": "1: query at position p sees keys k <= p (bottom-right aligned); 0: all keys.",
+    "sliding_window": "If >= 0, key k is visible only when p - k < sliding_window; -1: no window.",
+    "logits_soft_cap": "If > 0, logits become cap * tanh(logits / cap) (before ALiBi); 0: off.",
+}
+
+
+def _mask_attributes(causal_default: int) -> list[OpSchema.Attribute]:
+    return [
+        OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, _ATTR_DOCS["scale"]),
+        _default("causal", causal_default),
+        _default("sliding_window", -1),
+        _default("logits_soft_cap", 0.0),
+    ]
+
+
+_ALIBI_DOC = (
+    "[num_heads] float32 ALiBi slopes: adds slope[h] * (k - p) after the soft cap. The exporter "
+    "always supplies it (zeros for a model without ALiBi), because ONNX function bodies cannot "
+    "test for an omitted input."
+)
+
+
+def reshape_and_cache_schema() -> OpSchema:
+    return OpSchema(
+        "ReshapeAndCache",
+        DOMAIN,
+        DOMAIN_VERSION,
+        doc=(
+            "Writes token t of key/value [T, Hkv, D] into the paged caches "
+            "[num_blocks, block_size, Hkv, D] at slot slot_mapping[t] (block slot // block_size, "
+            "offset slot % block_size); negative slots are padding and are skipped. The outputs "
+            "are the written caches; bind each to the same buffer as its input to update in place."
+        ),
+        inputs=[
+            _param("key", "T", "[num_tokens, num_kv_heads, head_size]"),
+            _param("value", "T", "[num_tokens, num_kv_heads, head_size]"),
+            _param("key_cache", "T", "[num_blocks, block_size, num_kv_heads, head_size]"),
+            _param("value_cache", "T", "[num_blocks, block_size, num_kv_heads, head_size]"),
+            _param("slot_mapping", "S", "[num_tokens] cache slot per token (negative: skip)"),
+        ],
+        outputs=[
+            _param("key_cache_out", "T", "key_cache with the new keys written"),
+            _param("value_cache_out", "T", "value_cache with the new values written"),
+        ],
+        type_constraints=[
+            ("T", FLOAT_TYPES, "Cache and token dtype."),
+            ("S", ["tensor(int32)", "tensor(int64)"], "Slot index type."),
+        ],
+    )
+
+
+def paged_attention_schema() -> OpSchema:
+    return OpSchema(
+        "PagedAttention",
+        DOMAIN,
+        DOMAIN_VERSION,
+        doc=(
+            "Attention of packed ragged queries over a paged KV cache: prefill, decode, chunked "
+            "prefill, mixed batches and non-causal cross-attention. The q_i queries of sequence i "
+            "are its last positions: query j sits at p = seq_lens[i] - q_i + j. Key k < seq_lens[i] "
+            "is visible iff (not causal or k <= p) and (sliding_window < 0 or "
+            "p - k < sliding_window). A query that sees no key outputs zeros."
+        ),
+        inputs=[
+            _param("query", "T", "[num_tokens, num_heads, head_size]"),
+            _param("key_cache", "T", "[num_blocks, block_size, num_kv_heads, head_size]"),
+            _param("value_cache", "T", "[num_blocks, block_size, num_kv_heads, head_size]"),
+            _param("block_tables", "I", "[num_seqs, max_blocks_per_seq] int32"),
+            _param("seq_lens", "I", "[num_seqs] int32, cached + new tokens per sequence"),
+            _param("query_start_loc", "I", "[num_seqs + 1] int32 cumulative query counts"),
+            _param("alibi_slopes", "A", _ALIBI_DOC, optional=True),
+        ],
+        outputs=[_param("output", "T", "[num_tokens, num_heads, head_size]")],
+        type_constraints=[
+            ("T", FLOAT_TYPES, "Query and cache dtype."),
+            ("I", ["tensor(int32)"], "Index type."),
+            ("A", ["tensor(float)"], "ALiBi slope type."),
+        ],
+        attributes=_mask_attributes(causal_default=1),
+    )
+
+
+def varlen_attention_schema() -> OpSchema:
+    return OpSchema(
+        "VarlenAttention",
+        DOMAIN,
+        DOMAIN_VERSION,
+        doc=(
+            "Attention over packed ragged sequences without a cache (encoders, cross-attention at "
+            "prefill). Query j of a sequence with q queries and k keys sits at p = k - q + j "
+            "(bottom-right); masking as in PagedAttention."
+        ),
+        inputs=[
+            _param("query", "T", "[num_query_tokens, num_heads, head_size]"),
+            _param("key", "T", "[num_key_tokens, num_kv_heads, head_size]"),
+            _param("value", "T", "[num_key_tokens, num_kv_heads, head_size]"),
+            _param("cu_seqlens_q", "I", "[num_seqs + 1] int32 cumulative query lengths"),
+            _param("cu_seqlens_k", "I", "[num_seqs + 1] int32 cumulative key lengths"),
+            _param("alibi_slopes", "A", _ALIBI_DOC, optional=True),
+        ],
+        outputs=[_param("output", "T", "[num_query_tokens, num_heads, head_size]")],
+        type_constraints=[
+            ("T", FLOAT_TYPES, "Query and key dtype."),
+            ("I", ["tensor(int32)"], "Index type."),
+            ("A", ["tensor(float)"], "ALiBi slope type."),
+        ],
+        attributes=_mask_attributes(causal_default=0),
+    )
+
+
+@functools.cache
+def register_schemas() -> None:
+    """Registers the attnexport schemas with ``onnx.defs`` once per process."""
+    for schema in (reshape_and_cache_schema(), paged_attention_schema(), varlen_attention_schema()):
+        if not onnx.defs.has(schema.name, schema.domain):
+            onnx.defs.register_schema(schema)

@@ -1,0 +1,68 @@
+"""Export targets: what the attnexport nodes become in the saved file.
+
+* ``attnexport`` (default): the custom nodes, with their standard-op bodies attached as model
+  functions. Stock onnxruntime inlines the bodies; a runtime with kernels for the
+  ``attnexport`` domain uses its kernels instead.
+* ``standard``: the bodies inlined; only standard ONNX ops remain, for other runtimes.
+* ``ort-cuda``: each cache write + paged attention pair that onnxruntime's
+  ``com.microsoft.PagedAttention`` (CUDA execution provider, fp16/bf16) can compute becomes that
+  node; every other attnexport node keeps its body (see :mod:`attnexport.lowering.ort_cuda`).
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnx_ir.passes.common import InlinePass
+
+from attnexport.lowering import bodies
+from attnexport.lowering.schemas import DOMAIN, DOMAIN_VERSION
+
+TARGETS = ("attnexport", "standard", "ort-cuda")
+
+
+def check_target(target: str) -> str:
+    if target not in TARGETS:
+        raise ValueError(f"target: expected one of {', '.join(TARGETS)}, got {target!r}")
+    return target
+
+
+def _used_ops(model: ir.Model) -> set[str]:
+    return {
+        node.op_type
+        for node in ir.traversal.RecursiveGraphIterator(model.graph)
+        if node.domain == DOMAIN
+    }
+
+
+def attach_bodies(model: ir.Model) -> None:
+    """Adds the function bodies of the attnexport ops the graph uses."""
+    used = _used_ops(model)
+    if not used:
+        model.opset_imports.pop(DOMAIN, None)
+        return
+    model.opset_imports[DOMAIN] = DOMAIN_VERSION
+    for proto in bodies.all_bodies(model.opset_imports[""]):
+        if proto.name in used:
+            function = ir.serde.deserialize_function(proto)
+            model.functions[function.identifier()] = function
+
+
+def apply_target(model: ir.Model, target: str) -> list[str]:
+    """Rewrites ``model`` in place for ``target``; returns notes for the caller (why some
+    nodes were not mapped, for ``ort-cuda``)."""
+    check_target(target)
+    notes: list[str] = []
+    if target == "ort-cuda":
+        from attnexport.lowering.ort_cuda import map_paged_attention
+
+        notes = map_paged_attention(model)
+    attach_bodies(model)
+    if target == "standard":
+        InlinePass()(model)
+        for key in [k for k in model.functions if k[0] == DOMAIN]:
+            del model.functions[key]
+        model.opset_imports.pop(DOMAIN, None)
+        left = _used_ops(model)
+        if left:
+            raise RuntimeError(f"standard target: attnexport nodes {sorted(left)} not inlined")
+    return notes

@@ -1,0 +1,27 @@
+"""The attnexport model zoo: architectures written on the attnexport ops, importable from
+local Hugging Face checkpoints::
+
+    from models import load_model
+    model = load_model("llama")                    # tiny config, seeded weights
+    model = load_model("/path/to/hf_checkpoint")   # config.json + *.safetensors
+    sample = model.export_sample(block_size=16)     # args + dynamic shapes for torch.export
+    program = sample.export(model)
+
+See ``docs/models.md`` for the architectures, the Hugging Face configs they import and the
+options they refuse.
+"""
+
+from models.base import ExportSample, PagedModel
+from models.errors import CheckpointError, UnsupportedModelError
+from models.registry import class_for_hf_config, load_model, model_class, zoo_names
+
+__all__ = [
+    "CheckpointError",
+    "ExportSample",
+    "PagedModel",
+    "UnsupportedModelError",
+    "class_for_hf_config",
+    "load_model",
+    "model_class",
+    "zoo_names",
+]

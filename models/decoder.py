@@ -1,0 +1,144 @@
+"""The decoder-only forward convention (``attnexport.model_interface``), shared by every
+causal LM of the zoo. An architecture implements :meth:`DecoderModel.hidden_states` and
+:meth:`DecoderModel.lm_logits`; this class provides forward, the cache spec and the export
+sample."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnexport.model_interface import DECODER_INPUT_NAMES, CacheSpec
+from models.base import (
+    SAMPLE_LOGITS_INDICES,
+    ExportSample,
+    PagedModel,
+    SampleBatch,
+    check_kv_caches,
+    decoder_dims,
+    sample_batch,
+)
+from models.layers import PagedMetadata
+
+
+class DecoderModel(PagedModel):
+    """A causal LM over the paged KV cache."""
+
+    kind = "decoder"
+
+    # Set by each architecture from its config.
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    vocab_size: int
+    lm_head: nn.Linear | None
+
+    def set_lm_head(self, hidden_size: int, vocab_size: int, tied: bool) -> None:
+        """An untied ``lm_head`` (HF name ``lm_head.weight``), or none when the output
+        projection is the input embedding matrix (a tied checkpoint may still store it)."""
+        self.vocab_size = vocab_size
+        self.lm_head = None if tied else nn.Linear(hidden_size, vocab_size, bias=False)
+        if tied:
+            self.ignored_hf_weights = (*self.ignored_hf_weights, "lm_head.weight")
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        logits_indices: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """One step of a packed ragged batch (see ``attnexport.model_interface``).
+
+        Args:
+            input_ids: ``[T]`` int64 new tokens. positions: ``[T]`` int64 absolute positions.
+            slot_mapping: ``[T]`` int64 cache slots. block_tables: ``[S, max_blocks]`` int32.
+            seq_lens: ``[S]`` int32 cached + new tokens. query_start_loc: ``[S + 1]`` int32.
+            logits_indices: ``[N]`` int64 rows of the batch whose logits are returned.
+            kv_caches: ``2 * num_layers`` tensors ``[num_blocks, block_size, Hkv, D]`` in the
+                model dtype, written in place.
+
+        Returns:
+            ``[N, vocab_size]`` float32 logits.
+        """
+        check_kv_caches(kv_caches, 2 * self.num_layers)
+        metadata = PagedMetadata(slot_mapping, block_tables, seq_lens, query_start_loc)
+        hidden = self.hidden_states(input_ids, positions, metadata, kv_caches)
+        return self.lm_logits(hidden.index_select(0, logits_indices)).float()
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: PagedMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """``[T, hidden]`` final hidden states (after the final norm) of the new tokens."""
+        raise NotImplementedError
+
+    def input_embeddings(self) -> nn.Embedding:
+        """The token embedding (the output projection of tied models)."""
+        raise NotImplementedError
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, vocab_size]`` in the model dtype."""
+        head = self.lm_head if self.lm_head is not None else self.input_embeddings()
+        return F.linear(hidden, head.weight)
+
+    def cache_spec(self, block_size: int = 16) -> CacheSpec:
+        return CacheSpec(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            dtype=self.dtype,
+            block_size=block_size,
+        )
+
+    def export_sample(self, block_size: int = 16) -> ExportSample:
+        sample = sample_batch(block_size)
+        device = next(self.parameters()).device
+        args = decoder_sample_args(sample, self.vocab_size)
+        caches = self.cache_spec(block_size).allocate(sample.num_blocks, device)
+        dims = decoder_dims()
+        dynamic_shapes = (
+            *decoder_dynamic_shapes(dims),
+            [{0: dims["num_blocks"]}] * (2 * self.num_layers),
+        )
+        return ExportSample(
+            (*(a.to(device) for a in args), caches),
+            dynamic_shapes,
+            (*DECODER_INPUT_NAMES, "kv_caches"),
+        )
+
+
+def decoder_sample_args(sample: SampleBatch, vocab_size: int) -> tuple[torch.Tensor, ...]:
+    """The sample values of the DECODER_INPUT_NAMES inputs (on the CPU)."""
+    metadata = sample.metadata
+    return (
+        torch.arange(metadata.num_tokens, dtype=torch.int64) % vocab_size,
+        sample.positions,
+        metadata.slot_mapping,
+        metadata.block_tables,
+        metadata.seq_lens,
+        metadata.query_start_loc,
+        torch.tensor(SAMPLE_LOGITS_INDICES, dtype=torch.int64),
+    )
+
+
+def decoder_dynamic_shapes(dims: dict) -> tuple[dict, ...]:
+    """The dynamic shapes of the DECODER_INPUT_NAMES inputs."""
+    tokens, seqs = {0: dims["num_tokens"]}, dims["num_seqs"]
+    return (
+        tokens,
+        tokens,
+        tokens,
+        {0: seqs, 1: dims["max_blocks_per_seq"]},
+        {0: seqs},
+        {0: seqs + 1},
+        {0: dims["num_logits"]},
+    )

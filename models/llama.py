@@ -1,0 +1,192 @@
+"""Llama family: RoPE (default, linear or Llama-3 scaling), grouped-query attention, RMSNorm,
+SwiGLU, tied or untied embeddings, optional attention/MLP biases and per-layer sliding windows.
+
+Mistral (:mod:`models.mistral`) and Qwen2 (:mod:`models.qwen2`) are this network with other
+config fields; they only parse their configs. Parameter names mirror transformers'
+``LlamaForCausalLM``, so checkpoints load by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from models.base import ModelConfig
+from models.decoder import DecoderModel
+from models.errors import UnsupportedModelError
+from models.hf_config import check_model_type, required
+from models.hf_config import field as hf_field
+from models.layers import GatedMLP, PagedAttention, PagedMetadata, RMSNorm, activation
+from models.rope import RopeConfig, RotaryEmbedding, apply_rotary
+
+
+@dataclass(frozen=True)
+class LlamaConfig(ModelConfig):
+    """Llama-style decoder hyper-parameters (field names follow transformers' LlamaConfig)."""
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    """Bias on q/k/v projections."""
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    sliding_windows: tuple[int, ...] = ()
+    """Per-layer sliding window (-1: full attention); empty means full attention everywhere."""
+    max_position_embeddings: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UnsupportedModelError(
+                f"num_key_value_heads: {self.num_key_value_heads} must divide "
+                f"num_attention_heads {self.num_attention_heads}"
+            )
+        if self.sliding_windows and len(self.sliding_windows) != self.num_hidden_layers:
+            raise ValueError(
+                f"sliding_windows: expected {self.num_hidden_layers} entries (one per layer), "
+                f"got {len(self.sliding_windows)}"
+            )
+
+    @classmethod
+    def tiny(cls) -> LlamaConfig:
+        """2 layers, hidden 64, 4 heads over 2 KV heads, vocab 256."""
+        return cls()
+
+    def window(self, layer: int) -> int:
+        """The sliding window of ``layer`` (-1: full attention)."""
+        return self.sliding_windows[layer] if self.sliding_windows else -1
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> LlamaConfig:
+        """From a ``llama`` config.json (``LlamaForCausalLM``)."""
+        check_model_type(hf, ("llama",), ("LlamaForCausalLM",))
+        bias = bool(hf_field(hf, "attention_bias", False))
+        return cls.common_from_hf(
+            hf,
+            attention_bias=bias,
+            o_proj_bias=bias,
+            mlp_bias=bool(hf_field(hf, "mlp_bias", False)),
+        )
+
+    @classmethod
+    def common_from_hf(cls, hf: dict, **overrides) -> LlamaConfig:
+        """The fields Llama, Mistral and Qwen2 configs share, plus ``overrides``."""
+        activation(hf_field(hf, "hidden_act", "silu"))  # refuses an unknown activation early
+        heads = int(required(hf, "num_attention_heads"))
+        hidden = int(required(hf, "hidden_size"))
+        values = {
+            "vocab_size": int(required(hf, "vocab_size")),
+            "hidden_size": hidden,
+            "intermediate_size": int(required(hf, "intermediate_size")),
+            "num_hidden_layers": int(required(hf, "num_hidden_layers")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(hf_field(hf, "num_key_value_heads", heads)),
+            "head_dim": int(hf_field(hf, "head_dim", hidden // heads)),
+            "rms_norm_eps": float(hf_field(hf, "rms_norm_eps", 1e-6)),
+            "hidden_act": hf_field(hf, "hidden_act", "silu"),
+            "tie_word_embeddings": bool(hf_field(hf, "tie_word_embeddings", False)),
+            "rope": RopeConfig.from_hf(hf),
+            "max_position_embeddings": int(hf_field(hf, "max_position_embeddings", 2048)),
+        }
+        values.update(overrides)
+        return cls(**values)
+
+
+# Local fused projections -> the checkpoint tensors they concatenate (along the output dim).
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        heads, kv_heads, dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        hidden, bias = config.hidden_size, config.attention_bias
+        # q, k and v in one matmul; loads from the checkpoint's q/k/v_proj concatenated.
+        self.qkv_proj = nn.Linear(hidden, (heads + 2 * kv_heads) * dim, bias=bias)
+        self.o_proj = nn.Linear(heads * dim, hidden, bias=config.o_proj_bias)
+        self.attn = PagedAttention(
+            heads, kv_heads, dim, dim**-0.5, sliding_window=config.window(layer)
+        )
+        self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
+
+    def forward(self, x, rope, key_cache, value_cache, metadata: PagedMetadata):
+        cos, sin = rope
+        qkv = self.qkv_proj(x).unflatten(-1, (self.heads + 2 * self.kv_heads, self.dim))
+        q, k, v = qkv.split((self.heads, self.kv_heads, self.kv_heads), dim=1)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v, key_cache, value_cache, metadata))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer)
+        self.mlp = GatedMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, rope, key_cache, value_cache, metadata):
+        x = x + self.self_attn(self.input_layernorm(x), rope, key_cache, value_cache, metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBackbone(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
+
+
+class LlamaForCausalLM(DecoderModel):
+    """Llama (and the shared network of Mistral and Qwen2) on the paged KV cache."""
+
+    config_class = LlamaConfig
+    zoo_name = "llama"
+    hf_model_types = ("llama",)
+    hf_architectures = ("LlamaForCausalLM",)
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__(config)
+        self.model = LlamaBackbone(config)
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_size = config.head_dim
+        self.max_model_len = config.max_position_embeddings
+        self.ignored_hf_weights = (r".*rotary_emb\.inv_freq",)  # saved by old transformers
+        self.set_lm_head(config.hidden_size, config.vocab_size, config.tie_word_embeddings)
+
+    def hf_weight_names(self, name: str) -> tuple[str | tuple[str, ...], ...]:
+        for fused, parts in _FUSED.items():
+            if f".{fused}." in name:
+                return (tuple(name.replace(fused, part) for part in parts),)
+        return (name,)
+
+    def hidden_states(self, input_ids, positions, metadata, kv_caches) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary_emb(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, rope, kv_caches[2 * i], kv_caches[2 * i + 1], metadata)
+        return self.model.norm(x)
+
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens

@@ -1,0 +1,150 @@
+"""A minimal step-by-step driver for paged models, for the parity tests.
+
+It keeps per-sequence token lists and block lists, allocates blocks from a shuffled free
+list (so block tables are never contiguous), builds each step's metadata with
+``attnexport.build_attention_metadata`` and calls a *runner*:
+``runner(args: tuple, kv_caches: list) -> (logits, kv_caches)``. Eager modules and
+``ExportedProgram.module()`` update the caches in place and return the same list; an ONNX
+session returns the ``_out`` caches, which replace the old ones.
+
+The real engine (scheduler, preemption, prefix caching) lives in ``attnexport.runtime``; this is
+only enough to drive prefill, chunked prefill and decode steps of a few sequences.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from attnexport.custom_ops import ScheduledSequence, build_attention_metadata
+from attnexport.model_interface import CacheSpec
+
+Runner = Callable[[tuple, list], tuple[torch.Tensor, list]]
+
+
+@dataclass
+class _Sequence:
+    tokens: list[int]
+    num_cached: int = 0
+    blocks: list[int] = field(default_factory=list)
+    encoder_ids: list[int] = field(default_factory=list)
+    cross_blocks: list[int] = field(default_factory=list)
+    encoded: bool = False
+
+
+class PagedDriver:
+    """Runs sequences through a paged model step by step.
+
+    ``step({seq: n})`` computes the next ``n`` not-yet-cached tokens of each named sequence in
+    one packed batch and returns, per sequence, the logits of those tokens (``all_logits``) or
+    of the last one.
+    """
+
+    def __init__(self, runner: Runner, spec: CacheSpec, num_blocks: int, seed: int = 0):
+        self.runner = runner
+        self.spec = spec
+        self.kv_caches = spec.allocate(num_blocks)
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.sequences: list[_Sequence] = []
+
+    def add(self, tokens: Sequence[int], encoder_ids: Sequence[int] = ()) -> int:
+        """Adds a sequence (its prompt, and for encoder-decoder models its encoder input);
+        returns its id."""
+        self.sequences.append(_Sequence(list(tokens), encoder_ids=list(encoder_ids)))
+        return len(self.sequences) - 1
+
+    def append(self, seq: int, token: int) -> None:
+        self.sequences[seq].tokens.append(token)
+
+    def _blocks(self, count: int, have: list[int]) -> None:
+        block_size = self.spec.block_size
+        while len(have) * block_size < count:
+            have.append(self.free.pop())
+
+    def step(self, new_tokens: dict[int, int], all_logits: bool = False) -> dict[int, torch.Tensor]:
+        scheduled, ids, positions, rows = [], [], [], []
+        encoder_ids, encoder_positions = [], []
+        for seq_id, count in new_tokens.items():
+            seq = self.sequences[seq_id]
+            start = seq.num_cached
+            if start + count > len(seq.tokens):
+                raise ValueError(f"sequence {seq_id}: only {len(seq.tokens) - start} tokens left")
+            self._blocks(start + count, seq.blocks)
+            encode_now = bool(seq.encoder_ids) and not seq.encoded
+            if encode_now:
+                self._blocks(len(seq.encoder_ids), seq.cross_blocks)
+                encoder_ids += seq.encoder_ids
+                encoder_positions += range(len(seq.encoder_ids))
+            scheduled.append(
+                ScheduledSequence(
+                    start,
+                    count,
+                    list(seq.blocks),
+                    encoder_len=len(seq.encoder_ids),
+                    encoder_block_ids=list(seq.cross_blocks),
+                    encode_now=encode_now,
+                )
+            )
+            first = len(ids)
+            ids += seq.tokens[start : start + count]
+            positions += range(start, start + count)
+            rows.append(list(range(first, first + count)) if all_logits else [first + count - 1])
+        metadata = build_attention_metadata(scheduled, self.spec.block_size)
+        flat_rows = [r for rs in rows for r in rs]
+        args = (
+            torch.tensor(ids, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            metadata.slot_mapping,
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            torch.tensor(flat_rows, dtype=torch.int64),
+        )
+        if metadata.is_encoder_decoder:
+            args += (
+                torch.tensor(encoder_ids, dtype=torch.int64),
+                torch.tensor(encoder_positions, dtype=torch.int64),
+                metadata.encoder_start_loc,
+                metadata.cross_slot_mapping,
+                metadata.cross_block_tables,
+                metadata.encoder_seq_lens,
+            )
+        logits, self.kv_caches = self.runner(args, self.kv_caches)
+        for seq_id, count in new_tokens.items():
+            self.sequences[seq_id].num_cached += count
+            self.sequences[seq_id].encoded = True
+        out, start = {}, 0
+        for seq_id, seq_rows in zip(new_tokens, rows, strict=True):
+            out[seq_id] = logits[start : start + len(seq_rows)]
+            start += len(seq_rows)
+        return out
+
+    def prefill(self, all_logits: bool = False) -> dict[int, torch.Tensor]:
+        """One step computing every not-yet-cached token of every sequence."""
+        pending = {
+            i: len(s.tokens) - s.num_cached
+            for i, s in enumerate(self.sequences)
+            if len(s.tokens) > s.num_cached
+        }
+        return self.step(pending, all_logits=all_logits)
+
+    def greedy(self, steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """Prefills every sequence, then decodes ``steps`` tokens greedily for all of them in
+        batched steps; returns per sequence the generated tokens and the logits
+        ``[steps, vocab]`` each was chosen from."""
+        generated: list[list[int]] = [[] for _ in self.sequences]
+        chosen_from: list[list[torch.Tensor]] = [[] for _ in self.sequences]
+        logits = self.prefill()
+        for step in range(steps):
+            for seq_id, row in logits.items():
+                token = int(row[-1].argmax())
+                generated[seq_id].append(token)
+                chosen_from[seq_id].append(row[-1])
+                self.append(seq_id, token)
+            if step + 1 < steps:
+                logits = self.step(dict.fromkeys(logits, 1))
+        return generated, [torch.stack(rows) for rows in chosen_from]

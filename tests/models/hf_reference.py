@@ -1,0 +1,47 @@
+"""Hugging Face side of the parity tests: tiny checkpoints built locally and reference outputs.
+
+Checkpoints are ``XForCausalLM(config)`` with ``torch.manual_seed`` and a large
+``initializer_range`` (so that greedy decoding is not stuck on one token), saved with
+``save_pretrained`` (safetensors). ``eos_token_id`` is unset so that ``generate`` never stops
+early.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+
+def build_checkpoint(hf_class_name: str, config, directory: Path, seed: int = 0):
+    """Saves ``transformers.<hf_class_name>(config)`` seeded with ``seed`` into ``directory``;
+    returns the model in eval mode (fp32)."""
+    torch.manual_seed(seed)
+    model = getattr(transformers, hf_class_name)(config).eval()
+    model.save_pretrained(directory)
+    return model
+
+
+@torch.no_grad()
+def causal_lm_logits(hf_model, tokens: list[int]) -> torch.Tensor:
+    """``[len(tokens), vocab]`` float32 logits of one unpadded sequence."""
+    return hf_model(torch.tensor([tokens])).logits[0].float()
+
+
+@torch.no_grad()
+def greedy_generate(
+    hf_model, prompt: list[int], steps: int, **inputs
+) -> tuple[list[int], torch.Tensor]:
+    """``generate`` with greedy search for exactly ``steps`` new tokens: the tokens and the
+    raw logits ``[steps, vocab]`` each was chosen from."""
+    config = transformers.GenerationConfig(
+        max_new_tokens=steps,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    out = hf_model.generate(torch.tensor([prompt]), generation_config=config, **inputs)
+    return out.sequences[0, -steps:].tolist(), torch.cat(out.logits).float()
