@@ -16,8 +16,28 @@ that torch.export/ONNX keep them as graph inputs and outputs)::
                           #   each [num_blocks, block_size, num_kv_heads, head_size]
     ) -> logits           # [N, vocab_size] float32
 
-Encoder-decoder models add their encoder inputs and cross caches (see their module docs);
-encoder-only models take ``input_ids, positions, cu_seqlens`` and no cache.
+*Encoder-decoder* models (``models.bart``) run the encoder and the decoder in one forward, so
+that one exported graph serves every step. After the decoder inputs come::
+
+        encoder_input_ids,   # [T_enc] int64, encoder tokens of the sequences encoded in this
+                             #   step, packed (T_enc may be 0: nothing to encode)
+        encoder_positions,   # [T_enc] int64, position of each in its encoder sequence
+        encoder_start_loc,   # [S + 1] int32, cumulative encoder tokens per sequence this step
+                             #   (a sequence not encoded now contributes 0)
+        cross_slot_mapping,  # [T_enc] int64, cross-cache slot of each encoder token
+        cross_block_tables,  # [S, max_cross_blocks_per_seq] int32, cross-cache blocks
+        encoder_seq_lens,    # [S] int32, encoder length of each sequence (cross-attended keys)
+        kv_caches,           # 2 * num_layers self caches, then 2 * num_layers cross caches:
+                             #   [k_0, v_0, ..., k_{L-1}, v_{L-1}, xk_0, xv_0, ..., xv_{L-1}]
+
+The encoder runs (non-causal ``varlen_attention``) over the sequences being encoded, each
+decoder layer writes their cross keys/values into its cross cache once, and every decoder
+token attends over the cross cache with ``paged_attention(causal=False)``. These are the
+encoder/cross fields of ``AttentionMetadata`` (``ScheduledSequence.encode_now`` marks the step
+that encodes a sequence; later steps pass zero encoder tokens).
+
+*Encoder-only* models take ``input_ids, positions, cu_seqlens, token_type_ids`` and no cache and
+return hidden states ``[T, hidden]``.
 """
 
 from __future__ import annotations
@@ -36,6 +56,20 @@ DECODER_INPUT_NAMES = (
     "logits_indices",
 )
 """The non-cache inputs of a decoder's forward, in order; ``kv_caches`` follows them."""
+
+ENCODER_DECODER_INPUT_NAMES = (
+    *DECODER_INPUT_NAMES,
+    "encoder_input_ids",
+    "encoder_positions",
+    "encoder_start_loc",
+    "cross_slot_mapping",
+    "cross_block_tables",
+    "encoder_seq_lens",
+)
+"""The non-cache inputs of an encoder-decoder forward, in order; ``kv_caches`` follows them."""
+
+ENCODER_INPUT_NAMES = ("input_ids", "positions", "cu_seqlens", "token_type_ids")
+"""The inputs of an encoder-only forward (no cache)."""
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
+
+from attnexport.custom_ops.alibi import alibi_slopes
 
 _TOLERANCES = {
     torch.float64: (1e-10, 1e-10),
@@ -86,17 +87,6 @@ BATCHES = {
     "single": ((1,), (0,)),
     "empty_seq": ((0, 3, 1), (4, 0, 9)),
 }
-
-
-def alibi_slopes(num_heads: int) -> torch.Tensor:
-    """The standard ALiBi slopes of Press et al. (as in BLOOM and vLLM), fp32 [num_heads]."""
-    closest = 2 ** math.floor(math.log2(num_heads))
-    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
-    slopes = [base ** (i + 1) for i in range(closest)]
-    if closest != num_heads:
-        extra_base = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
-        slopes += [extra_base ** (2 * i + 1) for i in range(num_heads - closest)]
-    return torch.tensor(slopes, dtype=torch.float32)
 
 
 def _random(shape, dtype, generator, device) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -57,24 +58,17 @@ class ModelConfig:
     def from_dict(cls, values: dict[str, Any]):
         """Inverse of :meth:`to_dict`."""
         kwargs = {}
-        hints = {f.name: f for f in dataclasses.fields(cls)}
+        hints = typing.get_type_hints(cls)
+        names = {f.name for f in dataclasses.fields(cls)}
         for name, value in values.items():
-            if name not in hints:
+            if name not in names:
                 raise ValueError(f"{cls.__name__}: unknown field {name!r}")
-            nested = _nested_dataclass(cls, name)
-            if nested is not None and isinstance(value, dict):
-                value = nested(**value)
+            if dataclasses.is_dataclass(hints[name]) and isinstance(value, dict):
+                value = hints[name](**value)
             elif isinstance(value, list):
                 value = tuple(value)
             kwargs[name] = value
         return cls(**kwargs)
-
-
-def _nested_dataclass(cls, name: str):
-    default = next(f for f in dataclasses.fields(cls) if f.name == name).default
-    if dataclasses.is_dataclass(default):
-        return type(default)
-    return None
 
 
 class PagedModel(nn.Module):
@@ -87,8 +81,10 @@ class PagedModel(nn.Module):
     hf_model_types: ClassVar[tuple[str, ...]] = ()
     hf_architectures: ClassVar[tuple[str, ...]] = ()
     """Accepted ``architectures`` entries of config.json (others are refused)."""
-    ignored_hf_weights: ClassVar[tuple[str, ...]] = ()
+    ignored_hf_weights: tuple[str, ...] = ()
     """Regexes of checkpoint tensors that carry nothing this model computes."""
+    max_model_len: int | None = None
+    """Longest sequence the model can position (learned position tables), if any."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -129,9 +125,11 @@ class PagedModel(nn.Module):
         model.load_hf_weights(loader.read_weights(path), source=str(path))
         return model.to(dtype).eval()
 
-    def hf_weight_names(self, name: str) -> tuple[str, ...]:
+    def hf_weight_names(self, name: str) -> tuple[str | tuple[str, ...], ...]:
         """Checkpoint names that may hold local parameter/buffer ``name``, in preference order.
-        Default: the same name. Architectures override this for renamed or tied weights."""
+        A tuple candidate names tensors concatenated along dim 0 (a fused projection).
+        Default: the same name. Architectures override this for renamed, tied or fused
+        weights."""
         return (name,)
 
     def convert_hf_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -153,21 +151,27 @@ class PagedModel(nn.Module):
         local.update((n, b) for n, b in self.named_buffers() if n in optional)
         with torch.no_grad():
             for name, target in local.items():
-                found = next((c for c in self.hf_weight_names(name) if c in weights), None)
+                candidates = [(c,) if isinstance(c, str) else c for c in self.hf_weight_names(name)]
+                found = next((c for c in candidates if all(n in weights for n in c)), None)
                 if found is None:
                     if name in optional:
                         target.fill_(optional[name])
                         continue
                     missing.append(name)
                     continue
-                tensor = self.convert_hf_weight(name, weights[found])
+                parts = [weights[n] for n in found]
+                tensor = self.convert_hf_weight(
+                    name, torch.cat(parts) if len(parts) > 1 else parts[0]
+                )
                 if tuple(tensor.shape) != tuple(target.shape):
+                    stored = " + ".join(f"{n} {tuple(weights[n].shape)}" for n in found)
                     raise CheckpointError(
-                        f"{source}: tensor {found!r} has shape {tuple(tensor.shape)}, expected "
+                        f"{source}: checkpoint tensor {stored} gives shape "
+                        f"{tuple(tensor.shape)} for {name}, expected "
                         f"{tuple(target.shape)} from config.json"
                     )
                 target.copy_(tensor.to(target.dtype))
-                used.add(found)
+                used.update(found)
         if missing:
             raise CheckpointError(
                 f"{source}: weights missing for {', '.join(missing[:8])}"
@@ -195,6 +199,7 @@ class PagedModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype of the weights (and of the caches)."""
         return next(self.parameters()).dtype
 
 
@@ -210,16 +215,18 @@ def check_kv_caches(kv_caches: list[torch.Tensor], expected: int) -> None:
 # ----------------------------------------------------------------------------- export samples
 
 # The sample batch: (cached tokens, new tokens) per sequence, one prefill and one chunk with
-# context. Its dynamic dims are all >= 2 and pairwise distinct (num_tokens 5, num_seqs 2,
-# num_seqs + 1 = 3, num_logits 4, max_blocks_per_seq >= 6, num_blocks > max_blocks_per_seq) so
-# that tracing cannot unify two of them by value.
+# context; encoder-decoder samples also encode 4 and 5 encoder tokens. Its dynamic dims are all
+# >= 2 and pairwise distinct (num_tokens 5, num_seqs 2, num_seqs + 1 = 3, num_logits 4,
+# max_blocks_per_seq >= 6, num_encoder_tokens 9, max_cross_blocks_per_seq >= 8, num_blocks
+# larger than any) so that tracing cannot unify two of them by value.
 SAMPLE_LENGTHS = ((0, 3), (4, 2))
+SAMPLE_ENCODER_LENGTHS = (4, 5)
 SAMPLE_LOGITS_INDICES = (0, 2, 3, 4)
-SAMPLE_MIN_TABLE_WIDTH = 6
+_MIN_WIDTH, _MIN_CROSS_WIDTH = 6, 8
 
 
 def decoder_dims() -> dict[str, Any]:
-    """The shared ``torch.export.Dim`` objects of the decoder forward."""
+    """The shared ``torch.export.Dim`` objects of the decoder and encoder-decoder forwards."""
     from torch.export import Dim
 
     return {
@@ -228,21 +235,63 @@ def decoder_dims() -> dict[str, Any]:
         "num_logits": Dim("num_logits", min=1),
         "num_blocks": Dim("num_blocks", min=1),
         "max_blocks_per_seq": Dim("max_blocks_per_seq", min=1),
+        "num_encoder_tokens": Dim("num_encoder_tokens", min=0),
+        "max_cross_blocks_per_seq": Dim("max_cross_blocks_per_seq", min=1),
     }
 
 
-def sample_metadata(block_size: int, lengths=SAMPLE_LENGTHS) -> tuple[Any, torch.Tensor, int]:
-    """``(AttentionMetadata, positions [T] int64, num_blocks)`` of the sample batch: blocks in
-    descending order, the first sequence's table padded to SAMPLE_MIN_TABLE_WIDTH columns."""
-    needed = [-(-(c + n) // block_size) for c, n in lengths]
-    width = max(SAMPLE_MIN_TABLE_WIDTH, *needed)
-    num_blocks = max(width + 1, sum(needed) + 1)
-    free = list(range(num_blocks))  # popped from the end: blocks in descending order
+@dataclass(frozen=True)
+class SampleBatch:
+    """Metadata and positions of the export sample batch."""
+
+    metadata: Any
+    """AttentionMetadata of the sample (with the encoder fields when encoder lengths are given)."""
+    positions: torch.Tensor
+    encoder_positions: torch.Tensor
+    num_blocks: int
+
+
+def _blocks(free: list[int], count: int, width: int | None) -> list[int]:
+    blocks = [free.pop() for _ in range(count)]
+    return blocks + [0] * (width - count) if width else blocks
+
+
+def sample_batch(block_size: int, encoder_lengths: tuple[int, ...] = ()) -> SampleBatch:
+    """The export sample's metadata: blocks taken in descending order, the first sequence's
+    tables padded so that the block tables are wider than any sequence needs."""
+    needed = [-(-(c + n) // block_size) for c, n in SAMPLE_LENGTHS]
+    cross_needed = [-(-n // block_size) for n in encoder_lengths]
+    width = max(_MIN_WIDTH, *needed)
+    cross_width = max(_MIN_CROSS_WIDTH, *cross_needed) if encoder_lengths else 0
+    taken = {5, 2, 3, 4, width, sum(encoder_lengths), cross_width}
+    num_blocks = max(width, cross_width, sum(needed), sum(cross_needed)) + 1
+    while num_blocks in taken:
+        num_blocks += 1
+    free = list(range(num_blocks))  # popped from the end
+    cross_free = list(range(num_blocks))  # cross caches are separate tensors
     sequences = []
-    for i, ((cached, new), count) in enumerate(zip(lengths, needed, strict=True)):
-        blocks = [free.pop() for _ in range(count)]
-        if i == 0:
-            blocks += [0] * (width - count)
-        sequences.append(ScheduledSequence(cached, new, blocks))
-    positions = torch.cat([torch.arange(c, c + n) for c, n in lengths])
-    return build_attention_metadata(sequences, block_size), positions, num_blocks
+    for i, (cached, new) in enumerate(SAMPLE_LENGTHS):
+        encoder_len = encoder_lengths[i] if encoder_lengths else 0
+        pad = i == 0
+        sequences.append(
+            ScheduledSequence(
+                cached,
+                new,
+                _blocks(free, needed[i], width if pad else None),
+                encoder_len=encoder_len,
+                encoder_block_ids=(
+                    _blocks(cross_free, cross_needed[i], cross_width if pad else None)
+                    if encoder_lengths
+                    else ()
+                ),
+                encode_now=bool(encoder_lengths),
+            )
+        )
+    return SampleBatch(
+        metadata=build_attention_metadata(sequences, block_size),
+        positions=torch.cat([torch.arange(c, c + n) for c, n in SAMPLE_LENGTHS]),
+        encoder_positions=torch.cat(
+            [torch.arange(n) for n in encoder_lengths] or [torch.zeros(0)]
+        ).long(),
+        num_blocks=num_blocks,
+    )

@@ -6,15 +6,18 @@ sample."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from attnexport.model_interface import DECODER_INPUT_NAMES, CacheSpec
 from models.base import (
     SAMPLE_LOGITS_INDICES,
     ExportSample,
     PagedModel,
+    SampleBatch,
     check_kv_caches,
     decoder_dims,
-    sample_metadata,
+    sample_batch,
 )
 from models.layers import PagedMetadata
 
@@ -29,6 +32,15 @@ class DecoderModel(PagedModel):
     num_kv_heads: int
     head_size: int
     vocab_size: int
+    lm_head: nn.Linear | None
+
+    def set_lm_head(self, hidden_size: int, vocab_size: int, tied: bool) -> None:
+        """An untied ``lm_head`` (HF name ``lm_head.weight``), or none when the output
+        projection is the input embedding matrix (a tied checkpoint may still store it)."""
+        self.vocab_size = vocab_size
+        self.lm_head = None if tied else nn.Linear(hidden_size, vocab_size, bias=False)
+        if tied:
+            self.ignored_hf_weights = (*self.ignored_hf_weights, "lm_head.weight")
 
     def forward(
         self,
@@ -69,9 +81,14 @@ class DecoderModel(PagedModel):
         """``[T, hidden]`` final hidden states (after the final norm) of the new tokens."""
         raise NotImplementedError
 
+    def input_embeddings(self) -> nn.Embedding:
+        """The token embedding (the output projection of tied models)."""
+        raise NotImplementedError
+
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab_size]`` in the model dtype."""
-        raise NotImplementedError
+        head = self.lm_head if self.lm_head is not None else self.input_embeddings()
+        return F.linear(hidden, head.weight)
 
     def cache_spec(self, block_size: int = 16) -> CacheSpec:
         return CacheSpec(
@@ -83,32 +100,45 @@ class DecoderModel(PagedModel):
         )
 
     def export_sample(self, block_size: int = 16) -> ExportSample:
-        metadata, positions, num_blocks = sample_metadata(block_size)
-        num_tokens = metadata.num_tokens
+        sample = sample_batch(block_size)
         device = next(self.parameters()).device
-        args = (
-            torch.arange(num_tokens, dtype=torch.int64) % self.vocab_size,
-            positions,
-            metadata.slot_mapping,
-            metadata.block_tables,
-            metadata.seq_lens,
-            metadata.query_start_loc,
-            torch.tensor(SAMPLE_LOGITS_INDICES, dtype=torch.int64),
-        )
-        args = (
-            *(a.to(device) for a in args),
-            self.cache_spec(block_size).allocate(num_blocks, device),
-        )
+        args = decoder_sample_args(sample, self.vocab_size)
+        caches = self.cache_spec(block_size).allocate(sample.num_blocks, device)
         dims = decoder_dims()
-        tokens, seqs = {0: dims["num_tokens"]}, dims["num_seqs"]
         dynamic_shapes = (
-            tokens,
-            tokens,
-            tokens,
-            {0: seqs, 1: dims["max_blocks_per_seq"]},
-            {0: seqs},
-            {0: seqs + 1},
-            {0: dims["num_logits"]},
+            *decoder_dynamic_shapes(dims),
             [{0: dims["num_blocks"]}] * (2 * self.num_layers),
         )
-        return ExportSample(args, dynamic_shapes, (*DECODER_INPUT_NAMES, "kv_caches"))
+        return ExportSample(
+            (*(a.to(device) for a in args), caches),
+            dynamic_shapes,
+            (*DECODER_INPUT_NAMES, "kv_caches"),
+        )
+
+
+def decoder_sample_args(sample: SampleBatch, vocab_size: int) -> tuple[torch.Tensor, ...]:
+    """The sample values of the DECODER_INPUT_NAMES inputs (on the CPU)."""
+    metadata = sample.metadata
+    return (
+        torch.arange(metadata.num_tokens, dtype=torch.int64) % vocab_size,
+        sample.positions,
+        metadata.slot_mapping,
+        metadata.block_tables,
+        metadata.seq_lens,
+        metadata.query_start_loc,
+        torch.tensor(SAMPLE_LOGITS_INDICES, dtype=torch.int64),
+    )
+
+
+def decoder_dynamic_shapes(dims: dict) -> tuple[dict, ...]:
+    """The dynamic shapes of the DECODER_INPUT_NAMES inputs."""
+    tokens, seqs = {0: dims["num_tokens"]}, dims["num_seqs"]
+    return (
+        tokens,
+        tokens,
+        tokens,
+        {0: seqs, 1: dims["max_blocks_per_seq"]},
+        {0: seqs},
+        {0: seqs + 1},
+        {0: dims["num_logits"]},
+    )

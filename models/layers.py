@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import attnexport  # noqa: F401  (registers torch.ops.attnexport)
-from attnexport.testing import alibi_slopes as _alibi_slopes
+from attnexport.custom_ops.alibi import alibi_slopes as _alibi_slopes
 from models.errors import UnsupportedModelError
 
 
@@ -83,18 +83,22 @@ def activation(name: str, field: str = "hidden_act") -> Callable[[torch.Tensor],
 
 
 class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))`` (SwiGLU with ``silu``), HF names gate/up/down_proj."""
+    """``down(act(gate(x)) * up(x))`` (SwiGLU with ``silu``).
+
+    gate and up are one fused projection ``gate_up_proj`` (one matmul per step instead of
+    two); it loads from the checkpoint's ``gate_proj`` and ``up_proj`` concatenated.
+    """
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]``."""
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 def alibi_slopes(num_heads: int) -> tuple[float, ...]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.base import ModelConfig
@@ -64,6 +63,7 @@ class LlamaConfig(ModelConfig):
         return cls()
 
     def window(self, layer: int) -> int:
+        """The sliding window of ``layer`` (-1: full attention)."""
         return self.sliding_windows[layer] if self.sliding_windows else -1
 
     @classmethod
@@ -102,6 +102,10 @@ class LlamaConfig(ModelConfig):
         return cls(**values)
 
 
+# Local fused projections -> the checkpoint tensors they concatenate (along the output dim).
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, layer: int) -> None:
         super().__init__()
@@ -111,9 +115,8 @@ class LlamaAttention(nn.Module):
             config.head_dim,
         )
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, heads * dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, kv_heads * dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, kv_heads * dim, bias=bias)
+        # q, k and v in one matmul; loads from the checkpoint's q/k/v_proj concatenated.
+        self.qkv_proj = nn.Linear(hidden, (heads + 2 * kv_heads) * dim, bias=bias)
         self.o_proj = nn.Linear(heads * dim, hidden, bias=config.o_proj_bias)
         self.attn = PagedAttention(
             heads, kv_heads, dim, dim**-0.5, sliding_window=config.window(layer)
@@ -122,9 +125,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, rope, key_cache, value_cache, metadata: PagedMetadata):
         cos, sin = rope
-        q = apply_rotary(self.q_proj(x).unflatten(-1, (self.heads, self.dim)), cos, sin)
-        k = apply_rotary(self.k_proj(x).unflatten(-1, (self.kv_heads, self.dim)), cos, sin)
-        v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.dim))
+        qkv = self.qkv_proj(x).unflatten(-1, (self.heads + 2 * self.kv_heads, self.dim))
+        q, k, v = qkv.split((self.heads, self.kv_heads, self.kv_heads), dim=1)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.o_proj(self.attn(q, k, v, key_cache, value_cache, metadata))
 
 
@@ -165,19 +168,18 @@ class LlamaForCausalLM(DecoderModel):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__(config)
         self.model = LlamaBackbone(config)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
         self.head_size = config.head_dim
-        self.vocab_size = config.vocab_size
-        # Old transformers saved the RoPE table; tied checkpoints may still carry lm_head.
-        self.ignored_hf_weights = (r".*rotary_emb\.inv_freq",) + (
-            ("lm_head.weight",) if config.tie_word_embeddings else ()
-        )
+        self.max_model_len = config.max_position_embeddings
+        self.ignored_hf_weights = (r".*rotary_emb\.inv_freq",)  # saved by old transformers
+        self.set_lm_head(config.hidden_size, config.vocab_size, config.tie_word_embeddings)
+
+    def hf_weight_names(self, name: str) -> tuple[str | tuple[str, ...], ...]:
+        for fused, parts in _FUSED.items():
+            if f".{fused}." in name:
+                return (tuple(name.replace(fused, part) for part in parts),)
+        return (name,)
 
     def hidden_states(self, input_ids, positions, metadata, kv_caches) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
@@ -186,7 +188,5 @@ class LlamaForCausalLM(DecoderModel):
             x = layer(x, rope, kv_caches[2 * i], kv_caches[2 * i + 1], metadata)
         return self.model.norm(x)
 
-    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight)
-        return self.lm_head(hidden)
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens

@@ -15,6 +15,8 @@ from models.llama import LlamaConfig, LlamaForCausalLM
 
 @dataclass(frozen=True)
 class MistralConfig(LlamaConfig):
+    """The Llama config, read from a Mistral config.json."""
+
     @classmethod
     def tiny(cls) -> MistralConfig:
         """The tiny Llama config with a 6-token sliding window on both layers."""
@@ -30,6 +32,8 @@ class MistralConfig(LlamaConfig):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral on the paged KV cache (the Llama network with sliding windows)."""
+
     config_class = MistralConfig
     zoo_name = "mistral"
     hf_model_types = ("mistral",)

@@ -20,6 +20,8 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 @dataclass(frozen=True)
 class Qwen2Config(LlamaConfig):
+    """The Llama config, read from a Qwen2 config.json."""
+
     @classmethod
     def tiny(cls) -> Qwen2Config:
         """The tiny Llama config with q/k/v biases and a 6-token window on layer 1."""
@@ -49,6 +51,8 @@ class Qwen2Config(LlamaConfig):
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 on the paged KV cache (the Llama network with q/k/v biases)."""
+
     config_class = Qwen2Config
     zoo_name = "qwen2"
     hf_model_types = ("qwen2",)

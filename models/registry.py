@@ -20,6 +20,10 @@ _ZOO = {
     "llama": "models.llama:LlamaForCausalLM",
     "mistral": "models.mistral:MistralForCausalLM",
     "qwen2": "models.qwen2:Qwen2ForCausalLM",
+    "bloom": "models.bloom:BloomForCausalLM",
+    "gpt2": "models.gpt2:GPT2LMHeadModel",
+    "bert": "models.bert:BertModel",
+    "bart": "models.bart:BartForConditionalGeneration",
 }
 
 
@@ -37,6 +41,7 @@ def model_class(name: str) -> type[PagedModel]:
 
 
 def model_classes() -> list[type[PagedModel]]:
+    """Every zoo class, in zoo order."""
     return [model_class(name) for name in _ZOO]
 
 
@@ -63,6 +68,7 @@ def class_for_hf_config(hf_config: dict) -> type[PagedModel]:
 
 
 def is_checkpoint(name_or_path: str | Path) -> bool:
+    """True if ``name_or_path`` is a directory (taken as a checkpoint, not a zoo name)."""
     return Path(name_or_path).is_dir()
 
 

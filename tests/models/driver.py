@@ -25,16 +25,6 @@ from attnexport.model_interface import CacheSpec
 Runner = Callable[[tuple, list], tuple[torch.Tensor, list]]
 
 
-def module_runner(module: torch.nn.Module) -> Runner:
-    """A runner for an eager model or ``ExportedProgram.module()`` (caches written in place)."""
-
-    def run(args: tuple, kv_caches: list) -> tuple[torch.Tensor, list]:
-        with torch.no_grad():
-            return module(*args, kv_caches), kv_caches
-
-    return run
-
-
 @dataclass
 class _Sequence:
     tokens: list[int]
@@ -142,16 +132,19 @@ class PagedDriver:
         }
         return self.step(pending, all_logits=all_logits)
 
-    def greedy(self, steps: int) -> list[list[int]]:
+    def greedy(self, steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
         """Prefills every sequence, then decodes ``steps`` tokens greedily for all of them in
-        batched steps; returns the generated tokens per sequence."""
+        batched steps; returns per sequence the generated tokens and the logits
+        ``[steps, vocab]`` each was chosen from."""
         generated: list[list[int]] = [[] for _ in self.sequences]
+        chosen_from: list[list[torch.Tensor]] = [[] for _ in self.sequences]
         logits = self.prefill()
         for step in range(steps):
             for seq_id, row in logits.items():
                 token = int(row[-1].argmax())
                 generated[seq_id].append(token)
+                chosen_from[seq_id].append(row[-1])
                 self.append(seq_id, token)
             if step + 1 < steps:
                 logits = self.step(dict.fromkeys(logits, 1))
-        return generated
+        return generated, [torch.stack(rows) for rows in chosen_from]

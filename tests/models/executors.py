@@ -3,47 +3,63 @@ ONNX file from ``attnexport.lowering.to_onnx`` on onnxruntime."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
-from models.base import PagedModel
-from tests.models.driver import Runner, module_runner
+import pytest
+import torch
+
+from tests.models.driver import Runner
 
 EXECUTORS = ("eager", "exported", "onnx")
 
 
-def make_runner(model: PagedModel, executor: str, block_size: int, workdir: Path) -> Runner:
-    """A runner of ``model`` through ``executor`` for caches of ``block_size``."""
+def compile_module(
+    module: torch.nn.Module, executor: str, block_size: int, workdir: Path | None
+) -> Callable:
+    """``module`` (a zoo model or a wrapper with ``export_sample``) as a callable taking the
+    forward's positional arguments, run through ``executor``."""
     if executor == "eager":
-        return module_runner(model)
-    sample = model.export_sample(block_size)
+        return module
+    sample = module.export_sample(block_size)
     if executor == "exported":
-        return module_runner(sample.export(model).module())
+        return sample.export(module).module()
     if executor == "onnx":
-        return onnx_runner(model, block_size, workdir)
+        return onnx_callable(module, sample, workdir)
     raise ValueError(f"executor: expected one of {EXECUTORS}, got {executor!r}")
 
 
-def onnx_runner(model: PagedModel, block_size: int, workdir: Path) -> Runner:
-    """Exports ``model`` with ``attnexport.lowering.to_onnx`` and runs it on onnxruntime with IO
-    binding: the caches are updated in place, so the runner returns the same list."""
-    from attnexport.lowering import PagedOrtSession, to_onnx
+def make_runner(
+    module: torch.nn.Module, executor: str, block_size: int, workdir: Path | None
+) -> Runner:
+    """A :class:`PagedDriver` runner of a paged model through ``executor``."""
+    call = compile_module(module, executor, block_size, workdir)
 
-    sample = model.export_sample(block_size)
-    path = workdir / "model.onnx"
-    to_onnx(
-        model,
-        sample.args,
-        path,
-        dynamic_shapes=sample.dynamic_shapes,
-        cache_spec=model.cache_spec(block_size),
-        output_names=["logits"],
-    )
-    session = PagedOrtSession(path)
-    names = sample.input_names
-
-    def run(args: tuple, kv_caches: list) -> tuple:
-        inputs = dict(zip(names[:-1], args, strict=True))
-        inputs[names[-1]] = kv_caches
-        return session.run(inputs)["logits"], kv_caches
+    def run(args: tuple, kv_caches: list) -> tuple[torch.Tensor, list]:
+        with torch.no_grad():
+            return call(*args, kv_caches), kv_caches
 
     return run
+
+
+def onnx_callable(module: torch.nn.Module, sample, workdir: Path) -> Callable:
+    """Exports ``module`` with ``attnexport.lowering.to_onnx`` and returns a callable running
+    it in onnxruntime (CPU) through ``PagedOrtSession``: caches bound as input and output, so
+    they are updated in place like the eager ones."""
+    from attnexport import lowering
+
+    if not hasattr(lowering, "to_onnx"):
+        pytest.skip("ONNX leg: attnexport.lowering.to_onnx is not on this branch yet")
+    path = Path(workdir) / "model.onnx"
+    spec = getattr(module, "cache_spec", None)
+    spec = spec(next(iter(sample.args[-1])).shape[1]) if isinstance(sample.args[-1], list) else None
+    lowering.to_onnx(
+        module, sample.args, path, dynamic_shapes=sample.dynamic_shapes, cache_spec=spec
+    )
+    session = lowering.PagedOrtSession(path)
+
+    def call(*args):
+        (output,) = session.run(dict(zip(sample.input_names, args, strict=True))).values()
+        return output
+
+    return call

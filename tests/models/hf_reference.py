@@ -30,11 +30,18 @@ def causal_lm_logits(hf_model, tokens: list[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def greedy_generate(hf_model, prompt: list[int], steps: int, **inputs) -> list[int]:
-    """``generate`` with greedy search for exactly ``steps`` new tokens."""
+def greedy_generate(
+    hf_model, prompt: list[int], steps: int, **inputs
+) -> tuple[list[int], torch.Tensor]:
+    """``generate`` with greedy search for exactly ``steps`` new tokens: the tokens and the
+    raw logits ``[steps, vocab]`` each was chosen from."""
     config = transformers.GenerationConfig(
-        max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0
+        max_new_tokens=steps,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
-    ids = torch.tensor([prompt])
-    out = hf_model.generate(ids, generation_config=config, **inputs)
-    return out[0, -steps:].tolist()
+    out = hf_model.generate(torch.tensor([prompt]), generation_config=config, **inputs)
+    return out.sequences[0, -steps:].tolist(), torch.cat(out.logits).float()

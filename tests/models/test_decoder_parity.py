@@ -24,15 +24,14 @@ DECODE_STEPS = 8
 GREEDY_STEPS = 32
 ATOL = 1e-4
 
+_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 _COMMON = dict(
     vocab_size=128,
     hidden_size=64,
     intermediate_size=96,
     num_hidden_layers=2,
     initializer_range=0.2,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
+    **_SPECIAL_TOKENS,
 )
 
 # name -> (transformers class, config)
@@ -82,6 +81,33 @@ CASES = {
             sliding_window=6,
             max_window_layers=1,
             tie_word_embeddings=True,
+        ),
+    ),
+    "bloom-alibi6heads-postln": (
+        "BloomForCausalLM",
+        lambda: transformers.BloomConfig(
+            vocab_size=128,
+            hidden_size=48,
+            n_layer=2,
+            n_head=6,
+            apply_residual_connection_post_layernorm=True,
+            initializer_range=0.2,
+            **_SPECIAL_TOKENS,
+        ),
+    ),
+    "gpt2-untied-layerscale": (
+        "GPT2LMHeadModel",
+        lambda: transformers.GPT2Config(
+            vocab_size=128,
+            n_positions=80,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_inner=80,
+            scale_attn_by_inverse_layer_idx=True,
+            tie_word_embeddings=False,
+            initializer_range=0.2,
+            **_SPECIAL_TOKENS,
         ),
     ),
 }
@@ -134,9 +160,11 @@ def test_greedy_tokens_match_transformers(loaded, runner):
     driver = _driver(loaded, runner)
     for prompt in PROMPTS:
         driver.add(prompt)
-    ours = driver.greedy(GREEDY_STEPS)
-    for prompt, tokens in zip(PROMPTS, ours, strict=True):
-        assert tokens == greedy_generate(loaded.hf_model, prompt, GREEDY_STEPS)
+    ours, our_logits = driver.greedy(GREEDY_STEPS)
+    for prompt, tokens, logits in zip(PROMPTS, ours, our_logits, strict=True):
+        expected, expected_logits = greedy_generate(loaded.hf_model, prompt, GREEDY_STEPS)
+        assert tokens == expected
+        torch.testing.assert_close(logits, expected_logits, atol=ATOL, rtol=0)
     assert len({t for tokens in ours for t in tokens}) > 3, "degenerate greedy output"
 
 

@@ -1,0 +1,127 @@
+"""Reading checkpoint directories: sharded safetensors, legacy config fields and weight names,
+pytorch_model.bin, and clear errors for directories that do not fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from models import CheckpointError, load_model
+from tests.models.hf_reference import build_checkpoint, causal_lm_logits
+
+TOKENS = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+def _llama_config(**overrides):
+    values = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.2,
+    )
+    values.update(overrides)
+    return transformers.LlamaConfig(**values)
+
+
+def _our_logits(model, tokens):
+    """Logits of every token of one sequence, prefilled in one step."""
+    from tests.models.driver import PagedDriver
+    from tests.models.executors import make_runner
+
+    driver = PagedDriver(make_runner(model, "eager", 4, None), model.cache_spec(4), 16)
+    driver.add(tokens)
+    return driver.prefill(all_logits=True)[0]
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    hf_model = build_checkpoint("LlamaForCausalLM", _llama_config(), tmp_path)
+    hf_model.save_pretrained(tmp_path, max_shard_size="20KB")
+    (tmp_path / "model.safetensors").unlink(missing_ok=True)
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "model.safetensors.index.json").exists()
+    ours = _our_logits(load_model(tmp_path), TOKENS)
+    torch.testing.assert_close(ours, causal_lm_logits(hf_model, TOKENS), atol=1e-4, rtol=0)
+
+
+def test_legacy_rope_fields_in_config_json(tmp_path):
+    rope = {
+        "rope_type": "llama3",
+        "factor": 4.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8,
+    }
+    hf_model = build_checkpoint(
+        "LlamaForCausalLM", _llama_config(rope_parameters={**rope, "rope_theta": 300.0}), tmp_path
+    )
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("rope_parameters")
+    config["rope_theta"] = 300.0
+    config["rope_scaling"] = {**rope, "type": rope["rope_type"]}
+    del config["rope_scaling"]["rope_type"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ours = _our_logits(load_model(tmp_path), TOKENS)
+    torch.testing.assert_close(ours, causal_lm_logits(hf_model, TOKENS), atol=1e-4, rtol=0)
+
+
+def test_gpt2_without_transformer_prefix_and_as_pytorch_bin(tmp_path):
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, initializer_range=0.2
+    )
+    hf_model = build_checkpoint("GPT2LMHeadModel", config, tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").unlink()
+    # The original OpenAI uploads: no "transformer." prefix, the causal-mask buffers included.
+    legacy = {k.removeprefix("transformer."): v for k, v in weights.items()}
+    legacy["h.0.attn.bias"] = torch.ones(1, 1, 32, 32)
+    torch.save(legacy, tmp_path / "pytorch_model.bin")
+    ours = _our_logits(load_model(tmp_path), TOKENS)
+    torch.testing.assert_close(ours, causal_lm_logits(hf_model, TOKENS), atol=1e-4, rtol=0)
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    build_checkpoint("LlamaForCausalLM", _llama_config(), tmp_path)
+    return tmp_path
+
+
+def test_missing_directory_or_config(tmp_path):
+    with pytest.raises(ValueError, match="neither a checkpoint directory nor a zoo name"):
+        load_model(tmp_path / "absent")
+    with pytest.raises(CheckpointError, match=r"config\.json"):
+        load_model(tmp_path)
+
+
+def test_missing_weights_file(llama_dir):
+    (llama_dir / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
+        load_model(llama_dir)
+
+
+def test_shape_that_does_not_fit_the_config(llama_dir):
+    config = json.loads((llama_dir / "config.json").read_text())
+    config["intermediate_size"] = 40
+    (llama_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"gate_proj.weight \(48, 32\).*expected \(80, 32\)"):
+        load_model(llama_dir)
+
+
+def test_missing_and_unused_tensors_are_named(llama_dir):
+    path = llama_dir / "model.safetensors"
+    weights = load_file(path)
+    weights["model.layers.0.self_attn.q_norm.weight"] = torch.ones(8)
+    save_file(weights, path)
+    with pytest.raises(CheckpointError, match=r"does not use.*q_norm"):
+        load_model(llama_dir)
+    del weights["model.layers.0.self_attn.q_norm.weight"]
+    del weights["model.norm.weight"]
+    save_file(weights, path)
+    with pytest.raises(CheckpointError, match=r"missing for model\.norm\.weight"):
+        load_model(llama_dir)

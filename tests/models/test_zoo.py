@@ -1,0 +1,141 @@
+"""The zoo by name: every model builds from its tiny config with seeded weights, runs its own
+export sample, describes its caches, and refuses what it does not implement by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import UnsupportedModelError, class_for_hf_config, load_model, model_class, zoo_names
+from models.rope import RopeConfig
+
+ZOO = zoo_names()
+
+
+def test_zoo_lists_every_architecture():
+    assert set(ZOO) == {"llama", "mistral", "qwen2", "bloom", "gpt2", "bert", "bart"}
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_tiny_model_runs_its_export_sample(name):
+    model = load_model(name)
+    sample = model.export_sample(block_size=8)
+    assert len(sample.args) == len(sample.input_names) == len(sample.dynamic_shapes)
+    with torch.no_grad():
+        out = model(*sample.args)
+    assert torch.isfinite(out).all()
+    spec = model.cache_spec(8)
+    if model.kind == "encoder":
+        assert out.shape == (sample.args[0].shape[0], model.config.hidden_size)
+        assert spec.num_cache_tensors == 0
+        return
+    caches = sample.args[-1]
+    assert out.shape == (sample.args[6].shape[0], model.config.vocab_size)
+    assert out.dtype == torch.float32
+    assert len(caches) == spec.num_cache_tensors
+    assert all(c.shape == spec.cache_shape(caches[0].shape[0]) for c in caches)
+    assert any(bool(c.abs().sum() > 0) for c in caches), "the sample step wrote no cache"
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_export_sample_dims_are_at_least_two_and_distinct(name):
+    sample = load_model(name).export_sample()
+    sizes = {}
+    flat = [*sample.args[:-1], *sample.args[-1]] if isinstance(sample.args[-1], list) else []
+    shapes = [*sample.dynamic_shapes[:-1], *sample.dynamic_shapes[-1]] if flat else []
+    if not flat:
+        flat, shapes = list(sample.args), list(sample.dynamic_shapes)
+    for tensor, dims in zip(flat, shapes, strict=True):
+        for axis, dim in dims.items():
+            sizes.setdefault(str(dim), set()).add(tensor.shape[axis])
+    assert all(len(values) == 1 for values in sizes.values()), sizes
+    values = [next(iter(v)) for v in sizes.values()]
+    assert min(values) >= 2
+    assert len(set(values)) == len(values), sizes
+
+
+def test_seeded_weights_are_deterministic():
+    a, b, c = load_model("llama", seed=0), load_model("llama", seed=0), load_model("llama", seed=1)
+    for (name, pa), pb, pc in zip(
+        a.state_dict().items(), b.state_dict().values(), c.state_dict().values(), strict=True
+    ):
+        assert torch.equal(pa, pb), name
+        assert not torch.equal(pa, pc), name
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_config_round_trips_through_a_dict(name):
+    config = load_model(name).config
+    assert type(config).from_dict(config.to_dict()) == config
+
+
+def test_bfloat16_model_keeps_fp32_logits_and_bf16_caches():
+    fp32 = load_model("qwen2")
+    bf16 = load_model("qwen2", dtype=torch.bfloat16)
+    assert bf16.cache_spec().dtype == torch.bfloat16
+    with torch.no_grad():
+        a, b = fp32(*fp32.export_sample().args), bf16(*bf16.export_sample().args)
+    assert b.dtype == torch.float32
+    torch.testing.assert_close(b, a, atol=0.05, rtol=0.05)
+
+
+def test_unknown_zoo_name_lists_the_names():
+    with pytest.raises(ValueError, match="llama"):
+        load_model("llama-70b")
+    with pytest.raises(ValueError, match="expected one of"):
+        model_class("nope")
+
+
+# ----------------------------------------------------------------------------- refusals
+
+_LLAMA = dict(
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (dict(model_type="mixtral", architectures=["MixtralForCausalLM"]), "'mixtral'"),
+        ({**_LLAMA, "architectures": ["LlamaForSequenceClassification"]}, "LlamaForSequence"),
+        ({**_LLAMA, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
+        ({**_LLAMA, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic'"),
+        ({**_LLAMA, "rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "low_freq"),
+        ({**_LLAMA, "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({**_LLAMA, "hidden_act": "xielu"}, "xielu"),
+        ({**_LLAMA, "num_key_value_heads": 3, "num_attention_heads": 4}, "num_key_value_heads"),
+        (
+            dict(model_type="bert", hidden_size=16, position_embedding_type="relative_key"),
+            "position_embedding_type",
+        ),
+        (dict(model_type="bert", is_decoder=True), "is_decoder"),
+        (dict(model_type="gpt2", add_cross_attention=True), "add_cross_attention"),
+        (dict(model_type="bart", normalize_before=True), "normalize_before"),
+    ],
+)
+def test_unsupported_configs_are_refused_by_name(config, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        class_for_hf_config(config).config_class.from_hf(config)
+
+
+def test_legacy_and_current_rope_fields_agree():
+    legacy = {
+        "rope_theta": 5e5,
+        "rope_scaling": {
+            "type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    }
+    current = {"rope_parameters": {**legacy["rope_scaling"], "rope_theta": 5e5}}
+    current["rope_parameters"]["rope_type"] = current["rope_parameters"].pop("type")
+    assert RopeConfig.from_hf(legacy) == RopeConfig.from_hf(current)
+    assert RopeConfig.from_hf({}) == RopeConfig(theta=10000.0)
