@@ -160,3 +160,51 @@ def test_reshape_and_cache_body_with_nothing_to_write(slots):
     session = _write_session(x)
     session.run({n: x[n] for n in ("key", "value", "key_cache", "value_cache", "slot_mapping")})
     torch.testing.assert_close(x["key_cache"], before, atol=0, rtol=0)
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "key_lens"),
+    [([0, 0], [3, 5]), ([2, 1], [0, 4]), ([0], [0])],
+    ids=["no-queries", "a-sequence-without-keys", "nothing"],
+)
+def test_varlen_attention_body_with_empty_sequences(query_lens, key_lens):
+    """Encoder-decoder decode steps run the encoder on zero tokens."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = {
+        "query": torch.randn(sum(query_lens), 4, 8, generator=generator),
+        "key": torch.randn(sum(key_lens), 2, 8, generator=generator),
+        "value": torch.randn(sum(key_lens), 2, 8, generator=generator),
+        "cu_seqlens_q": _offsets(query_lens),
+        "cu_seqlens_k": _offsets(key_lens),
+        "alibi_slopes": torch.zeros(4),
+    }
+    attributes = {"scale": 0.3, "causal": 0, "sliding_window": -1, "logits_soft_cap": 0.0}
+    session = single_node_session(
+        "VarlenAttention", inputs, {"output": inputs["query"]}, **attributes
+    )
+    out = session.run(inputs)["output"]
+    expected = reference.varlen_attention(*list(inputs.values())[:5], 0.3)
+    assert out.shape == inputs["query"].shape
+    assert_close_to_reference(out, expected)
+
+
+def test_paged_attention_body_with_no_query_tokens():
+    x = make_paged_inputs(AttentionCase("decode", (1, 1), (5, 16)))
+    inputs = {
+        "query": x["query"][:0],
+        "key_cache": x["key_cache"],
+        "value_cache": x["value_cache"],
+        "block_tables": x["block_tables"],
+        "seq_lens": x["seq_lens"],
+        "query_start_loc": torch.zeros(3, dtype=torch.int32),
+        "alibi_slopes": torch.zeros(4),
+    }
+    attributes = {"scale": 0.3, "causal": 0, "sliding_window": -1, "logits_soft_cap": 0.0}
+    session = single_node_session(
+        "PagedAttention", inputs, {"output": inputs["query"]}, **attributes
+    )
+    assert session.run(inputs)["output"].shape == (0, 4, 32)
