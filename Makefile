@@ -2,6 +2,7 @@
 #
 # .venv      newest torch (2.13.0 from this machine's local wheel, else the index) + attnexport[dev,hf]
 # .venv-ipex torch 2.8.* + intel-extension-for-pytorch 2.8.* (IPEX's last release) + attnexport[dev,hf]
+#            + xformers (the constraint resolves it to 0.0.32.post2, the last release for torch 2.8)
 
 PYTHON ?= python3
 VENV := .venv
@@ -12,7 +13,7 @@ IPEX_PINS := "torch==2.8.*" "intel-extension-for-pytorch==2.8.*"
 export TORCHINDUCTOR_COMPILE_THREADS := 1
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: test test-main test-ipex demo lint format clean venv venv-ipex
+.PHONY: test test-main test-ipex test-gpu demo lint format clean venv venv-ipex
 
 test: test-main test-ipex
 
@@ -29,7 +30,7 @@ $(VENV_IPEX)/.installed: pyproject.toml
 	test -x $(VENV_IPEX)/bin/python || $(PYTHON) -m venv $(VENV_IPEX)
 	$(VENV_IPEX)/bin/pip install -q $(IPEX_PINS)
 	echo $(IPEX_PINS) | tr ' ' '\n' > $(VENV_IPEX)/constraints.txt
-	$(VENV_IPEX)/bin/pip install -q -c $(VENV_IPEX)/constraints.txt -e ".[dev,hf]"
+	$(VENV_IPEX)/bin/pip install -q -c $(VENV_IPEX)/constraints.txt -e ".[dev,hf,xformers]"
 	touch $@
 
 test-main: $(VENV)/.installed
@@ -38,6 +39,10 @@ test-main: $(VENV)/.installed
 # The whole suite again on torch 2.8, where the IPEX backend's suites run instead of skipping.
 test-ipex: $(VENV_IPEX)/.installed
 	ATTNEXPORT_REQUIRE_IPEX=1 $(VENV_IPEX)/bin/python -m pytest $(PYTEST_ARGS)
+
+# On a CUDA machine: the xformers GPU tests, the whole suite and the benchmark, logs in gpu-logs/.
+test-gpu:
+	bash scripts/gpu_suite.sh
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/attnexport demo

@@ -3,10 +3,10 @@
 Every body works for any dynamic shape and follows DESIGN.md section 3 exactly (the float64
 reference in :mod:`attnexport.custom_ops.reference` is the test oracle):
 
-* ``ReshapeAndCache``: drops padding tokens (negative slots) with ``Compress`` and writes the
-  rest with one ``ScatterND`` per cache whose data input is the cache input and whose output is
-  the node output. When an inlined graph binds one buffer as both, onnxruntime skips the copy
-  and the write costs O(new tokens), not O(cache) (DESIGN.md section 4).
+* ``ReshapeAndCache``: drops padding tokens (negative slots) with ``NonZero`` + ``Gather`` and
+  writes the rest with one ``ScatterND`` per cache whose data input is the cache input and whose
+  output is the node output. When an inlined graph binds one buffer as both, onnxruntime skips
+  the copy and the write costs O(new tokens), not O(cache) (DESIGN.md section 4).
 * ``PagedAttention`` / ``VarlenAttention``: queries are padded per sequence to
   ``[S, max_q, H, D]`` and keys gathered to ``[S, L, Hkv, D]`` (through the block table, or
   from the packed keys); grouped-query matmuls, the soft cap, ALiBi, the causal/window mask,
@@ -132,15 +132,20 @@ def _attend(
     num_keys = b.Shape(k, start=1, end=2)
     group = b.Div(heads, kv_heads)
     rows = b.Mul(group, num_q)
-    keep2 = b.ints([0, 0])  # Reshape: 0 keeps S and Hkv
+    batch = b.Shape(q, start=0, end=1)
+
+    def reshape(x, *dims):
+        # Explicit sizes with allowzero=1: a computed size of 0 (no queries, no keys) must mean
+        # 0, not "copy the input's dimension".
+        return b.Reshape(x, b.Concat(batch, *dims, axis=0), allowzero=1)
 
     # Rows of one KV head's matrix are (query head in the group, query token): head h uses
     # KV head h // group, as in the reference's repeat_interleave.
-    q5 = b.Reshape(q, b.Concat(keep2, kv_heads, group, head_size, axis=0))  # [S, Q, Hkv, G, D]
-    q4 = b.Reshape(b.Transpose(q5, perm=[0, 2, 3, 1, 4]), b.Concat(keep2, rows, head_size, axis=0))
+    q5 = reshape(q, num_q, kv_heads, group, head_size)  # [S, Q, Hkv, G, D]
+    q4 = reshape(b.Transpose(q5, perm=[0, 2, 3, 1, 4]), kv_heads, rows, head_size)
     logits = b.MatMul(q4, b.Transpose(k, perm=[0, 2, 3, 1]))  # [S, Hkv, G*Q, L]
     logits = b.Mul(logits, b.attribute("scale", "float"))
-    logits = b.Reshape(logits, b.Concat(keep2, group, num_q, num_keys, axis=0))
+    logits = reshape(logits, kv_heads, group, num_q, num_keys)
     logits = _soft_cap(b, logits)
 
     p = b.Unsqueeze(positions, b.ints([2]))  # [S, Q, 1]
@@ -167,28 +172,29 @@ def _attend(
     # there cannot leak through a zero weight (0 * NaN = NaN).
     v = b.Where(b.Unsqueeze(in_sequence, b.ints([2, 3])), v, zero)
 
-    weights = b.Reshape(weights, b.Concat(keep2, rows, num_keys, axis=0))
+    weights = reshape(weights, kv_heads, rows, num_keys)
     out = b.MatMul(weights, b.Transpose(v, perm=[0, 2, 1, 3]))  # [S, Hkv, G*Q, D]
-    out = b.Reshape(out, b.Concat(keep2, group, num_q, head_size, axis=0))
+    out = reshape(out, kv_heads, group, num_q, head_size)
     out = b.Transpose(out, perm=[0, 3, 1, 2, 4])  # [S, Q, Hkv, G, D]
-    return b.Reshape(out, b.Concat(keep2, heads, head_size, axis=0))
+    return reshape(out, num_q, heads, head_size)
 
 
 # --------------------------------------------------------------------------- the three bodies
 
 
 def reshape_and_cache(opset: int) -> onnx.FunctionProto:
-    """``attnexport.ReshapeAndCache`` in standard ops (Compress + ScatterND)."""
+    """``attnexport.ReshapeAndCache`` in standard ops (NonZero + Gather + ScatterND)."""
     b = Builder()
     slots = b.Cast("slot_mapping", to=INT64)
-    keep = b.GreaterOrEqual(slots, b.ints([0]))
-    slots = b.Compress(slots, keep, axis=0)
+    # Rows with a slot >= 0 (Gather, not Compress: Compress's schema has no bfloat16).
+    kept = b.Squeeze(b.NonZero(b.GreaterOrEqual(slots, b.ints([0]))), b.ints([0]))
+    slots = b.Gather(slots, kept, axis=0)
     block_size = b.Shape("key_cache", start=1, end=2)
     blocks = b.Unsqueeze(b.Div(slots, block_size), b.ints([1]))
     offsets = b.Unsqueeze(b.Mod(slots, block_size), b.ints([1]))
     index = b.Concat(blocks, offsets, axis=1)  # [T', 2] = (block, offset)
     for token, cache in (("key", "key_cache"), ("value", "value_cache")):
-        b.op("ScatterND", cache, index, b.Compress(token, keep, axis=0), names=[f"{cache}_out"])
+        b.op("ScatterND", cache, index, b.Gather(token, kept, axis=0), names=[f"{cache}_out"])
     return function(
         b,
         "ReshapeAndCache",
@@ -225,9 +231,10 @@ def paged_attention(opset: int) -> onnx.FunctionProto:
     in_use = b.Less(column, b.Unsqueeze(blocks_used, b.ints([1])))
     table = b.Where(in_use, b.Cast("block_tables", to=INT64), b.ints([0]))
     num_keys = b.Mul(max_blocks, block_size)
-    kv_shape = b.Concat(b.ints([0]), num_keys, b.Shape("key_cache", start=2), axis=0)
-    key = b.Reshape(b.Gather("key_cache", table, axis=0), kv_shape)  # [S, L, Hkv, D]
-    value = b.Reshape(b.Gather("value_cache", table, axis=0), kv_shape)
+    num_seqs = b.Shape("block_tables", start=0, end=1)
+    kv_shape = b.Concat(num_seqs, num_keys, b.Shape("key_cache", start=2), axis=0)
+    key = b.Reshape(b.Gather("key_cache", table, axis=0), kv_shape, allowzero=1)  # [S, L, Hkv, D]
+    value = b.Reshape(b.Gather("value_cache", table, axis=0), kv_shape, allowzero=1)
 
     out = _attend(
         b,

@@ -35,9 +35,9 @@ def export_program(
             sequences, blocks) must be >= 2 in the samples: torch.export fixes sizes 0 and 1.
         dynamic_shapes: as for ``torch.export.export``. Use named ``Dim`` objects shared between
             inputs (``Dim("num_tokens")``); their names become the ONNX dimension names. When
-            None, every dimension is ``Dim.AUTO`` (dynamic unless the model fixes it, relations
-            inferred) and the export fails if a token/sequence/block dimension of an input came
-            out static.
+            None, the first dimension of every tensor and every dimension of integer tensors
+            is ``Dim.AUTO`` (dynamic unless the model fixes it, relations inferred), the others
+            static; the export then fails if a token/sequence/block dimension came out static.
         kwargs: sample keyword inputs.
         strict: passed to ``torch.export.export``.
 

@@ -84,10 +84,18 @@ class ModelMetadata:
         """Parses ``metadata_props`` (or onnxruntime's ``custom_metadata_map``)."""
         if "attnexport_version" not in props:
             raise ValueError("metadata: not an attnexport model (no 'attnexport_version' key)")
-        known = {"attnexport_domain", "cache_layout", *_GEOMETRY}
-        fields = {"target", "attnexport_version", "dtype", "cache_inputs", "cache_outputs"}
-        fields |= {"outputs"}
-        extra = {k: v for k, v in props.items() if k not in known | fields}
+        ours = {
+            *_GEOMETRY,
+            "attnexport_domain",
+            "attnexport_version",
+            "target",
+            "cache_layout",
+            "dtype",
+            "cache_inputs",
+            "cache_outputs",
+            "outputs",
+        }
+        extra = {k: v for k, v in props.items() if k not in ours}
 
         def integer(key):
             return int(props[key]) if key in props else None
@@ -156,7 +164,9 @@ def cache_geometry(
     }
     for key, value in expected.items():
         if found[key] != value:
-            raise ValueError(f"cache_spec: {key} is {value} but the sample caches have {found[key]}")
+            raise ValueError(
+                f"cache_spec: {key} is {value} but the sample caches have {found[key]}"
+            )
     if cache_spec.num_cache_tensors != len(caches):
         raise ValueError(
             f"cache_spec: expected {cache_spec.num_cache_tensors} cache inputs "

@@ -42,12 +42,21 @@ _WRITE_ROLES = ("key", "key", "cache", "cache", "slot_mapping")
 _OP_ROLES = {
     _ops.reshape_and_cache.default: _WRITE_ROLES,
     _ops.reshape_and_cache_functional.default: _WRITE_ROLES,
-    _ops.paged_attention.default: ("query", "cache", "cache", "block_tables", "seq_lens", "offsets"),
+    _ops.paged_attention.default: (
+        "query",
+        "cache",
+        "cache",
+        "block_tables",
+        "seq_lens",
+        "offsets",
+    ),
     _ops.varlen_attention.default: ("query", "varlen_key", "varlen_key", "offsets", "offsets"),
 }
 # The decoder forward of attnexport.model_interface (and common encoder inputs), by name.
 _NAME_ROLES = {
     "input_ids": "slot_mapping",
+    "hidden": "slot_mapping",
+    "hidden_states": "slot_mapping",
     "positions": "slot_mapping",
     "slot_mapping": "slot_mapping",
     "block_tables": "block_tables",
@@ -131,12 +140,15 @@ def user_dim_names(
 
 
 def auto_dynamic_shapes(module: torch.nn.Module, args: tuple, kwargs: Mapping | None) -> dict:
-    """Every dimension of every tensor argument ``Dim.AUTO``: dynamic unless the model fixes
-    it, relations between dimensions inferred by torch.export."""
+    """``Dim.AUTO`` (dynamic unless the model fixes it, relations inferred by torch.export) on
+    the first dimension of every tensor argument and on every dimension of integer tensors
+    (block tables vary in both); the other dimensions of floating-point tensors (heads, head
+    size, block size, hidden size) stay static."""
 
     def spec(value):
         if isinstance(value, torch.Tensor):
-            return {i: torch.export.Dim.AUTO for i in range(value.dim())}
+            dynamic = range(value.dim()) if not value.is_floating_point() else range(1)
+            return {i: torch.export.Dim.AUTO for i in dynamic if i < value.dim()}
         if isinstance(value, (list, tuple)):
             return type(value)(spec(v) for v in value)
         if isinstance(value, Mapping):
@@ -164,6 +176,17 @@ def rename_dims(
     ``{symbol: name}``."""
     symbols: dict[str, str] = {}
     taken: set[str] = set()
+
+    def claim(symbol: str, wanted: str) -> None:
+        name, suffix = wanted, 2
+        while name in taken:
+            name, suffix = f"{wanted}_{suffix}", suffix + 1
+        taken.add(name)
+        symbols[symbol] = name
+
+    # Two passes: names from Dims and roles first, so that a fallback name (<input>_dim<i>)
+    # never takes a symbol that a later input knows a better name for.
+    fallbacks: list[tuple[str, str]] = []
     for value in model.graph.inputs:
         for index, dim in enumerate(value.shape or ()):
             if not isinstance(dim, ir.SymbolicDim) or dim.value is None:
@@ -172,13 +195,15 @@ def rename_dims(
                 continue
             roles = role_names.get(value.name, ())
             wanted = user_names.get((value.name, index)) or (
-                roles[index] if index < len(roles) else f"{value.name}_dim{index}"
+                roles[index] if index < len(roles) else None
             )
-            name, suffix = wanted, 2
-            while name in taken:
-                name, suffix = f"{wanted}_{suffix}", suffix + 1
-            taken.add(name)
-            symbols[dim.value] = name
+            if wanted:
+                claim(dim.value, wanted)
+            else:
+                fallbacks.append((dim.value, f"{value.name}_dim{index}"))
+    for symbol, wanted in fallbacks:
+        if symbol not in symbols:
+            claim(symbol, wanted)
 
     def rename(dim):
         if isinstance(dim, ir.SymbolicDim) and dim.value is not None:

@@ -54,11 +54,15 @@ def _quiet_torch_onnx():
 
 
 def _sample_inputs(program: ExportedProgram) -> dict[str, torch.Tensor]:
-    """``{input name: sample tensor}`` from the program's example inputs."""
+    """``{input name: sample tensor}`` from the program's example inputs, or else the fake
+    tensors the export recorded (same static dims and dtype)."""
     specs = [s for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     leaves = pytree.tree_leaves(program.example_inputs) if program.example_inputs else []
     if len(leaves) != len(specs):
-        return {}
+        placeholders = {
+            n.name: n.meta.get("val") for n in program.graph.find_nodes(op="placeholder")
+        }
+        leaves = [placeholders.get(getattr(spec.arg, "name", None)) for spec in specs]
     return {
         spec.arg.name: leaf
         for spec, leaf in zip(specs, leaves, strict=True)

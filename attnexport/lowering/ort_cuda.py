@@ -112,9 +112,13 @@ def _replace(graph: ir.Graph, attention: ir.Node, write: ir.Node) -> None:
     key, value, key_cache, value_cache, slots = write.inputs
     flat = emit.const([0, -1], np.int64)  # [T, heads * head_size]
     starts = emit("Slice", [query_start_loc, emit.const([0], np.int64), emit.const([-1], np.int64)])
-    ends = emit("Slice", [query_start_loc, emit.const([1], np.int64), emit.const([2**62], np.int64)])
+    ends = emit(
+        "Slice", [query_start_loc, emit.const([1], np.int64), emit.const([2**62], np.int64)]
+    )
     past = emit("Sub", [seq_lens, emit("Sub", [ends, starts])])
-    slots32 = emit("Max", [emit("Cast", [slots], {"to": ir.DataType.INT32}), emit.const(-1, np.int32)])
+    slots32 = emit(
+        "Max", [emit("Cast", [slots], {"to": ir.DataType.INT32}), emit.const(-1, np.int32)]
+    )
     window = _attribute(attention, "sliding_window", -1)
     outputs = emit(
         "PagedAttention",
@@ -143,12 +147,15 @@ def _replace(graph: ir.Graph, attention: ir.Node, write: ir.Node) -> None:
         num_outputs=3,
     )
     output = emit("Reshape", [outputs[0], emit("Shape", [query])])
+    int32 = ir.TensorType(ir.DataType.INT32)
+    for value in (starts, ends, past, slots32):
+        value.type = int32
+    outputs[0].type = query.type
     for old, new in ((attention.outputs[0], output), *zip(write.outputs, outputs[1:], strict=True)):
         name = old.name
-        is_output = old.is_graph_output()
+        new.type, new.shape = old.type, old.shape
         old.replace_all_uses_with(new, replace_graph_outputs=True)
-        if is_output or name:
-            old.name, new.name = None, name
+        old.name, new.name = None, name
     graph.remove([attention, write], safe=True)
 
 

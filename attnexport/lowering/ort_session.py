@@ -76,7 +76,7 @@ def _device(tensor: torch.Tensor) -> tuple[str, int]:
 
 
 def ortvalue_to_torch(value) -> torch.Tensor:
-    """A torch tensor (copy, on CPU) of an onnxruntime ``OrtValue``, bfloat16 included."""
+    """A torch tensor (a copy) of a CPU onnxruntime ``OrtValue``, bfloat16 included."""
     onnx_type = value.element_type()
     dtype = _TORCH_TYPES.get(onnx_type)
     if dtype is None:
@@ -84,8 +84,6 @@ def ortvalue_to_torch(value) -> torch.Tensor:
     if dtype != torch.bfloat16:
         return torch.from_numpy(np.asarray(value.numpy())).clone()
     # numpy has no bfloat16: read the raw buffer.
-    if value.device_name().lower() != "cpu":
-        raise TypeError("bfloat16 outputs are only converted on CPU")
     shape = value.shape()
     count = int(np.prod(shape))
     if count == 0:
@@ -153,8 +151,8 @@ class PagedOrtSession:
                 tensor.data_ptr(),
             )
         # Outputs in session order, so that binding.get_outputs() lines up with output_names.
+        # Non-cache outputs land on the CPU (onnxruntime copies them from the device).
         cache_of = {output: name for name, output in self.metadata.cache_outputs.items()}
-        device = _device(next(iter(flat.values())))[0] if flat else "cpu"
         for output in self.output_names:
             if output in cache_of:
                 cache = flat[cache_of[output]]
@@ -166,7 +164,7 @@ class PagedOrtSession:
                     cache.data_ptr(),
                 )
             else:
-                binding.bind_output(output, device)
+                binding.bind_output(output, "cpu")
         # The bound tensors (including converted copies) must outlive the run.
         binding._attnexport_inputs = flat
         return binding

@@ -90,6 +90,17 @@ def _check_cache_argument(ep: ExportedProgram, node, source, role: str, written:
         )
 
 
+def _view_base(value):
+    """The tensor a chain of view ops (select, slice, view, ...) starts from."""
+    while isinstance(value, torch.fx.Node) and isinstance(value.target, torch._ops.OpOverload):
+        returns = value.target._schema.returns
+        alias = returns[0].alias_info if returns else None
+        if alias is None or alias.is_write or not value.args:
+            break
+        value = value.args[0]
+    return value
+
+
 def _check_foreign_mutations(ep: ExportedProgram, user_inputs: set[str]) -> None:
     """Raises if a forward input is modified in place by an op other than ours."""
     for node in ep.graph.nodes:
@@ -101,7 +112,7 @@ def _check_foreign_mutations(ep: ExportedProgram, user_inputs: set[str]) -> None
         for index, argument in enumerate(target._schema.arguments):
             if argument.alias_info is None or not argument.alias_info.is_write:
                 continue
-            value = node_argument(node, index)
+            value = _view_base(node_argument(node, index))
             if isinstance(value, torch.fx.Node) and value.name in user_inputs:
                 raise ValueError(
                     f"forward input '{value.name}' is modified in place by {target}; the ONNX "
@@ -145,8 +156,17 @@ def _copy_program(ep: ExportedProgram) -> ExportedProgram:
     graph.output(output)
     module = torch.fx.GraphModule(ep.graph_module, graph)
     module.meta.update(ep.graph_module.meta)
-    # ExportedProgram._update is private but identical on torch 2.8 .. 2.13.
-    return ep._update(module, copy.deepcopy(ep.graph_signature))
+    return ExportedProgram(
+        root=module,
+        graph=module.graph,
+        graph_signature=copy.deepcopy(ep.graph_signature),
+        state_dict=ep.state_dict,
+        range_constraints=ep.range_constraints,
+        module_call_graph=ep.module_call_graph,
+        example_inputs=ep.example_inputs,
+        constants=ep.constants,
+        verifiers=ep.verifiers,
+    )
 
 
 def functionalize_cache_writes(ep: ExportedProgram) -> tuple[ExportedProgram, int]:

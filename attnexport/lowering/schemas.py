@@ -92,9 +92,9 @@ def paged_attention_schema() -> OpSchema:
         DOMAIN_VERSION,
         doc=(
             "Attention of packed ragged queries over a paged KV cache: prefill, decode, chunked "
-            "prefill, mixed batches and non-causal cross-attention. The q_i queries of sequence i "
-            "are its last positions: query j sits at p = seq_lens[i] - q_i + j. Key k < seq_lens[i] "
-            "is visible iff (not causal or k <= p) and (sliding_window < 0 or "
+            "prefill, mixed batches and non-causal cross-attention. The q_i queries of sequence "
+            "i are its last positions: query j sits at p = seq_lens[i] - q_i + j. Key "
+            "k < seq_lens[i] is visible iff (not causal or k <= p) and (sliding_window < 0 or "
             "p - k < sliding_window). A query that sees no key outputs zeros."
         ),
         inputs=[

@@ -41,9 +41,7 @@ def _mask_attributes(scale, causal, sliding_window, logits_soft_cap) -> dict:
 def reshape_and_cache_functional(key, value, key_cache, value_cache, slot_mapping):
     """attnexport::reshape_and_cache_functional(Tensor key, Tensor value, Tensor key_cache,
     Tensor value_cache, Tensor slot_mapping) -> (Tensor, Tensor)"""
-    return _attnexport.ReshapeAndCache(
-        key, value, key_cache, value_cache, slot_mapping, _outputs=2
-    )
+    return _attnexport.ReshapeAndCache(key, value, key_cache, value_cache, slot_mapping, _outputs=2)
 
 
 def paged_attention(

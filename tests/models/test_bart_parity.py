@@ -57,20 +57,6 @@ def _config(**overrides):
     return transformers.BartConfig(**values)
 
 
-LOWERING_GAP = (
-    "attnexport.lowering: the VarlenAttention ONNX body fails on zero query tokens (a Reshape "
-    "target with a 0 dim, read as 'copy the input dim' without allowzero=1), and BART's decode "
-    "steps run the encoder on zero tokens"
-)
-
-
-@pytest.fixture(autouse=True)
-def _known_lowering_gap(request):
-    decodes = "logits_match" in request.node.name or "greedy" in request.node.name
-    if decodes and "-onnx" in request.node.name:
-        request.applymarker(pytest.mark.xfail(reason=LOWERING_GAP, raises=RuntimeError))
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def loaded(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)

@@ -1,0 +1,249 @@
+"""Paged attention on a CUDA GPU: the xformers backend against the sdpa backend.
+
+Decode (one query per sequence over its cached context) is memory-bound: the figure of merit is
+the HBM bandwidth achieved reading the K/V cache, reported against this GPU's measured
+device-to-device copy bandwidth. Prefill (whole prompts, no cached context) is compute-bound:
+reported in TFLOP/s. Both run through the ``attnexport`` ops, as a model calls them, with the
+step's metadata reused across iterations as across layers.
+
+    python benchmarks/xformers_attention.py              # full grid, a table
+    python benchmarks/xformers_attention.py --quick      # a minute or so
+    python benchmarks/xformers_attention.py --json > results.json
+
+Needs a CUDA GPU (xFormers has no CPU kernels); without one it exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+
+QUICK = {"batches": [1, 8], "contexts": [1024, 4096], "warmup": 2, "iters": 5}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Benchmark decode and prefill attention: xformers vs sdpa backends (CUDA)."
+    )
+    parser.add_argument("--backends", default="xformers,sdpa", help="comma-separated")
+    parser.add_argument("--modes", default="decode,prefill", help="decode and/or prefill")
+    parser.add_argument("--batches", default="1,8,32,128", help="sequences per batch")
+    parser.add_argument(
+        "--contexts", default="1024,2048,4096,8192,16384", help="tokens per sequence"
+    )
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=65536,
+        help="skip prefill points with more tokens than this (batch * context)",
+    )
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="batches 1,8; contexts 1k,4k")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    else:
+        args.batches = [int(b) for b in args.batches.split(",")]
+        args.contexts = [int(c) for c in args.contexts.split(",")]
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for mode in args.modes:
+        if mode not in ("decode", "prefill"):
+            parser.error(f"--modes: expected decode and/or prefill, got {mode!r}")
+    return args
+
+
+@dataclass
+class Result:
+    mode: str
+    backend: str
+    batch: int
+    context: int
+    ms: float | None
+    gbs: float | None = None
+    """Achieved bandwidth reading K/V (decode)."""
+    fraction_of_copy: float | None = None
+    tflops: float | None = None
+    """Attention matmul throughput (prefill, causal half counted)."""
+    note: str = ""
+
+
+def copy_bandwidth_gbs(nbytes: int = 2**30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read and written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    ms = _time(lambda: dst.copy_(src), warmup=1, iters=10)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def _time(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _decode_inputs(args, batch: int, context: int, dtype: torch.dtype):
+    import attnexport
+
+    bs = args.block_size
+    blocks_per_seq = -(-context // bs)
+    num_blocks = batch * blocks_per_seq
+    perm = torch.randperm(num_blocks).tolist()  # scattered blocks, as after many steps
+    sequences = [
+        attnexport.ScheduledSequence(
+            context - 1, 1, perm[i * blocks_per_seq : (i + 1) * blocks_per_seq]
+        )
+        for i in range(batch)
+    ]
+    step = attnexport.build_attention_metadata(sequences, bs, device="cuda")
+    shape = (num_blocks, bs, args.kv_heads, args.head_size)
+    caches = [torch.randn(shape, device="cuda", dtype=dtype) for _ in range(2)]
+    query = torch.randn(batch, args.heads, args.head_size, device="cuda", dtype=dtype)
+    return query, caches, step
+
+
+def _prefill_inputs(args, batch: int, context: int, dtype: torch.dtype):
+    import attnexport
+
+    bs = args.block_size
+    blocks_per_seq = -(-context // bs)
+    sequences = [
+        attnexport.ScheduledSequence(
+            0, context, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+        )
+        for i in range(batch)
+    ]
+    step = attnexport.build_attention_metadata(sequences, bs, device="cuda")
+    shape = (batch * blocks_per_seq, bs, args.kv_heads, args.head_size)
+    caches = [torch.randn(shape, device="cuda", dtype=dtype) for _ in range(2)]
+    query = torch.randn(batch * context, args.heads, args.head_size, device="cuda", dtype=dtype)
+    return query, caches, step
+
+
+def run_point(args, mode: str, backend: str, batch: int, context: int, copy_gbs: float):
+    import attnexport
+
+    dtype = getattr(torch, args.dtype)
+    make = _decode_inputs if mode == "decode" else _prefill_inputs
+    try:
+        query, (key_cache, value_cache), step = make(args, batch, context, dtype)
+
+        def call():
+            return attnexport.paged_attention(
+                query,
+                key_cache,
+                value_cache,
+                step.block_tables,
+                step.seq_lens,
+                step.query_start_loc,
+                scale=args.head_size**-0.5,
+            )
+
+        with attnexport.use_backend(backend):
+            ms = _time(call, args.warmup, args.iters)
+    except attnexport.BackendUnsupportedError as error:
+        return Result(mode, backend, batch, context, None, note=f"refused: {error}")
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return Result(mode, backend, batch, context, None, note="out of GPU memory")
+    element = torch.finfo(dtype).bits // 8
+    kv_bytes = 2 * batch * context * args.kv_heads * args.head_size * element
+    if mode == "decode":
+        gbs = kv_bytes / (ms * 1e-3) / 1e9
+        return Result(mode, backend, batch, context, ms, gbs, gbs / copy_gbs)
+    # q.k and p.v over the causal half: 2 matmuls * 2 flops * H * D * context^2 / 2
+    flops = 2 * batch * args.heads * args.head_size * context * context
+    return Result(mode, backend, batch, context, ms, tflops=flops / (ms * 1e-3) / 1e12)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print(
+            "error: this benchmark needs a CUDA GPU (torch.cuda.is_available() is False); "
+            "xFormers has no CPU kernels. Run it on a GPU machine, e.g. via scripts/gpu_suite.sh.",
+            file=sys.stderr,
+        )
+        return 2
+    import attnexport
+    from attnexport.custom_ops import get_backend
+
+    for name in args.backends:
+        reason = get_backend(name).unavailable_reason()
+        if reason:
+            print(f"error: backend {name!r} is unavailable: {reason}", file=sys.stderr)
+            return 2
+    torch.manual_seed(0)
+    copy_gbs = copy_bandwidth_gbs()
+    results = []
+    for mode in args.modes:
+        for batch in args.batches:
+            for context in args.contexts:
+                if mode == "prefill" and batch * context > args.max_prefill_tokens:
+                    continue
+                for backend in args.backends:
+                    result = run_point(args, mode, backend, batch, context, copy_gbs)
+                    results.append(result)
+                    if not args.json:
+                        print(_line(result), flush=True)
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "capability": list(torch.cuda.get_device_capability()),
+        "torch": torch.__version__,
+        "attnexport": attnexport.__version__,
+        "xformers": _xformers_version(),
+        "dtype": args.dtype,
+        "heads": [args.heads, args.kv_heads, args.head_size],
+        "block_size": args.block_size,
+        "copy_bandwidth_gbs": round(copy_gbs, 1),
+        "results": [asdict(r) for r in results],
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"device copy bandwidth: {copy_gbs:.0f} GB/s ({report['device']})")
+    return 0
+
+
+def _xformers_version() -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("xformers")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _line(r: Result) -> str:
+    head = f"{r.mode:7s} {r.backend:8s} batch={r.batch:<4d} ctx={r.context:<6d}"
+    if r.ms is None:
+        return f"{head} {r.note}"
+    if r.mode == "decode":
+        return f"{head} {r.ms:8.3f} ms {r.gbs:7.0f} GB/s ({100 * r.fraction_of_copy:4.1f}% of copy)"
+    return f"{head} {r.ms:8.3f} ms {r.tflops:7.1f} TFLOP/s"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

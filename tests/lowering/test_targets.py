@@ -1,0 +1,172 @@
+"""The three targets: attnexport nodes with bodies, standard ops only, and onnxruntime's
+com.microsoft.PagedAttention for the CUDA execution provider (structure here; parity where a
+CUDA GPU and onnxruntime's CUDA EP exist)."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+import torch
+
+from attnexport.lowering import PagedOrtSession, export_program, read_metadata, to_onnx
+from attnexport.lowering.schemas import DOMAIN
+from tests.lowering.modules import PagedAttentionOnly, StepPlanner, attention_inputs
+
+BLOCK_SIZE = 4
+WINDOW, SOFT_CAP, SCALE = 7, 4.0, 0.3
+
+
+def _inputs(dtype, num_blocks=8, plan=None, padding=1, seed=0) -> dict:
+    step = StepPlanner(num_blocks, BLOCK_SIZE, seed=seed).step(plan or {0: 3, 1: 6}, padding)
+    return attention_inputs(step, padding, head_size=16, dtype=dtype, seed=seed)
+
+
+def _program(dtype, shared_tokens: bool = False):
+    """The ops module exported; ``shared_tokens``: one token dimension for queries and keys
+    (no padding rows), as in a model whose q, k and v come from the same hidden states."""
+    model = PagedAttentionOnly(SCALE, sliding_window=WINDOW, soft_cap=SOFT_CAP)
+    caches = [torch.zeros(8, BLOCK_SIZE, 2, 16, dtype=dtype) for _ in range(2)]
+    inputs = _inputs(dtype, padding=0 if shared_tokens else 1)
+    shapes = None
+    if shared_tokens:
+        dim = torch.export.Dim
+        tokens, seqs, blocks = dim("num_tokens"), dim("num_seqs"), dim("num_blocks")
+        shapes = (
+            *({0: tokens} for _ in range(4)),
+            {0: seqs, 1: dim("max_blocks_per_seq")},
+            {0: seqs},
+            {0: seqs + 1},
+            {0: blocks},
+            {0: blocks},
+        )
+    return export_program(model, (*inputs.values(), *caches), dynamic_shapes=shapes)
+
+
+def _domains(model: onnx.ModelProto) -> set[str]:
+    return {node.domain for node in model.graph.node}
+
+
+@pytest.fixture(scope="module")
+def fp32_program():
+    return _program(torch.float32)
+
+
+def test_attnexport_target_attaches_only_the_bodies_it_uses(fp32_program, tmp_path):
+    model = to_onnx(fp32_program, (), tmp_path / "m.onnx")
+    kinds = sorted(n.op_type for n in model.graph.node if n.domain == DOMAIN)
+    assert kinds == ["PagedAttention", "ReshapeAndCache"]
+    assert sorted(f.name for f in model.functions) == ["PagedAttention", "ReshapeAndCache"]
+    assert {o.domain: o.version for o in model.opset_import}[DOMAIN] == 1
+    attention = next(n for n in model.graph.node if n.op_type == "PagedAttention")
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in attention.attribute}
+    assert attributes == {
+        "scale": pytest.approx(SCALE),
+        "causal": 1,
+        "sliding_window": WINDOW,
+        "logits_soft_cap": pytest.approx(SOFT_CAP),
+    }
+
+
+def test_standard_target_has_only_standard_ops(fp32_program, tmp_path):
+    model = to_onnx(fp32_program, (), tmp_path / "m.onnx", target="standard")
+    assert _domains(model) <= {"", "ai.onnx"}
+    assert not model.functions
+    assert DOMAIN not in {o.domain for o in model.opset_import}
+    producers = {out: node for node in model.graph.node for out in node.output}
+    for cache in ("key_cache", "value_cache"):
+        writer = producers[f"{cache}_out"]
+        assert (writer.op_type, writer.input[0]) == ("ScatterND", cache)
+    # ...and it still computes the same thing.
+    session = PagedOrtSession(tmp_path / "m.onnx")
+    inputs = _inputs(torch.float32, 16, {0: 2, 1: 1, 2: 5}, seed=3)
+    caches = [torch.randn(16, BLOCK_SIZE, 2, 16) for _ in range(2)]
+    expected_caches = [c.clone() for c in caches]
+    model_ = PagedAttentionOnly(SCALE, sliding_window=WINDOW, soft_cap=SOFT_CAP)
+    expected = model_(*inputs.values(), *expected_caches)
+    got = session.run({**inputs, "key_cache": caches[0], "value_cache": caches[1]})["output"]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(caches, expected_caches, atol=0, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def ort_cuda_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ort_cuda") / "m.onnx"
+    return to_onnx(_program(torch.float16, shared_tokens=True), (), path, target="ort-cuda"), path
+
+
+def test_ort_cuda_maps_write_and_attention_to_one_contrib_node(ort_cuda_model):
+    model, _ = ort_cuda_model
+    assert DOMAIN not in _domains(model) and not model.functions
+    (node,) = [n for n in model.graph.node if n.domain == "com.microsoft"]
+    assert node.op_type == "PagedAttention"
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert attributes == {
+        "num_heads": 4,
+        "kv_num_heads": 2,
+        "scale": pytest.approx(SCALE),
+        "softcap": pytest.approx(SOFT_CAP),
+        "is_causal": 1,
+        "local_window_size": WINDOW - 1,  # onnxruntime: p - k <= w; attnexport: p - k < w
+    }
+    producers = {out: n for n in model.graph.node for out in n.output}
+    inputs = list(node.input)
+    assert inputs[3:6] == ["key_cache", "value_cache", "query_start_loc"]
+    assert inputs[7] == "block_tables" and inputs[8:10] == ["", ""]
+    assert [producers[name].op_type for name in (inputs[0], inputs[1], inputs[2])] == [
+        "Reshape"
+    ] * 3
+    assert producers[inputs[6]].op_type == "Sub"  # past_seqlens = seq_lens - query lengths
+    clamp = producers[inputs[10]]  # slot_mapping: int32, every negative slot -> -1
+    assert clamp.op_type == "Max" and producers[clamp.input[0]].op_type == "Cast"
+    assert list(node.output[1:]) == ["key_cache_out", "value_cache_out"]
+    output_reshape = producers["output"]
+    assert output_reshape.op_type == "Reshape" and output_reshape.input[0] == node.output[0]
+    assert read_metadata(model).target == "ort-cuda"
+
+
+def test_ort_cuda_keeps_what_the_contrib_op_cannot_compute(tmp_path):
+    """fp32 (the contrib op is fp16/bf16 only): the nodes keep their bodies, with a note."""
+    model = to_onnx(_program(torch.float32), (), tmp_path / "m.onnx", target="ort-cuda")
+    assert "com.microsoft" not in _domains(model)
+    assert sorted(f.name for f in model.functions) == ["PagedAttention", "ReshapeAndCache"]
+    notes = read_metadata(model).extra["target_notes"]
+    assert "kept with its body: dtype" in notes
+
+
+def _cuda_ep_available() -> str | None:
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return "onnxruntime has no CUDAExecutionProvider here (CPU-only build)"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    return None
+
+
+def test_ort_cuda_parity_on_gpu(ort_cuda_model):
+    reason = _cuda_ep_available()
+    if reason:
+        pytest.skip(f"ort-cuda parity needs the CUDA EP: {reason}")
+    _, path = ort_cuda_model
+    session = PagedOrtSession(path, providers=["CUDAExecutionProvider"])
+    model = PagedAttentionOnly(SCALE, sliding_window=WINDOW, soft_cap=SOFT_CAP)
+    step = _inputs(torch.float16, 32, {0: 9, 1: 1}, padding=0, seed=2)
+    inputs = {k: v.cuda() for k, v in step.items()}
+    caches = [torch.randn(32, BLOCK_SIZE, 2, 16, dtype=torch.float16).cuda() for _ in range(2)]
+    expected_caches = [c.clone() for c in caches]
+    expected = model(*inputs.values(), *expected_caches)
+    got = session.run({**inputs, "key_cache": caches[0], "value_cache": caches[1]})["output"]
+    torch.testing.assert_close(got.cuda(), expected, atol=5e-3, rtol=5e-3)
+    torch.testing.assert_close(caches, expected_caches, atol=0, rtol=0)
+
+
+def test_metadata_records_the_caches(ort_cuda_model):
+    model, _ = ort_cuda_model
+    props = {p.key: p.value for p in model.metadata_props}
+    assert json.loads(props["cache_outputs"]) == {
+        "key_cache": "key_cache_out",
+        "value_cache": "value_cache_out",
+    }
+    assert props["dtype"] == "float16"
