@@ -124,6 +124,12 @@ def test_executor_arguments_are_checked(model):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="torch sees no CUDA device"):
             TorchExecutor(model, device="cuda")
+    from attnexport.runtime import OrtExecutor
+
+    with pytest.raises(ValueError, match=r"no such \.onnx file"):
+        OrtExecutor("/nonexistent/model.onnx")
+    with pytest.raises(ValueError, match="device: expected 'cpu' or 'cuda'"):
+        OrtExecutor("/nonexistent/model.onnx", device="meta")
 
 
 def test_engine_from_an_export_directory(pt2_path, eager_tokens, tmp_path):

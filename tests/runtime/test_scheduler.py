@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from attnexport.runtime.block_manager import BlockManager
-from attnexport.runtime.config import SchedulerConfig
+from attnexport.runtime.config import CacheConfig, SchedulerConfig
 from attnexport.runtime.sampling import SamplingParams
 from attnexport.runtime.scheduler import Scheduler
 from attnexport.runtime.sequence import Request, Sequence, Status
@@ -90,3 +92,18 @@ def test_a_request_larger_than_the_pool_fails_alone():
     batch = scheduler.schedule()
     assert batch.failed == [request] and "more KV-cache blocks than the pool" in request.error
     assert scheduler.block_manager.device.num_free == 3
+
+
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs: expected a positive int"),
+        (lambda: SchedulerConfig(max_model_len=-4), "max_model_len: expected a positive int"),
+        (lambda: SchedulerConfig(preemption_mode="drop"), "expected 'swap' or 'recompute'"),
+        (lambda: CacheConfig(num_blocks=-1), "num_blocks: expected a non-negative int"),
+        (lambda: CacheConfig(swap_space_bytes=1.5), "swap_space_bytes: expected a non-negative"),
+    ],
+)
+def test_bad_configs_name_the_field(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()

@@ -72,7 +72,7 @@ class OrtExecutor(Executor):
     ) -> None:
         import onnxruntime as ort
 
-        from attnexport.lowering.metadata import read_metadata
+        from attnexport.lowering.ort_session import PagedOrtSession
 
         device = torch.device(device)
         if device.type not in PROVIDERS:
@@ -87,9 +87,10 @@ class OrtExecutor(Executor):
         if not path.is_file():
             raise ValueError(f"model: no such .onnx file: {path}")
         options = session_options or globals()["session_options"](num_threads)
-        self.session = ort.InferenceSession(str(path), options, providers=[provider])
-        self.path = path
-        self.metadata = read_metadata(self.session)
+        # The lowering's session reads the attnexport metadata; the binding below is ours: it
+        # persists across steps instead of being rebuilt for every run.
+        paged = PagedOrtSession(path, providers=[provider], session_options=options)
+        self.session, self.metadata, self.path = paged.session, paged.metadata, path
         meta = self.metadata
         if meta.block_size is None or not meta.cache_inputs:
             raise ValueError(f"model: {path} has no paged KV caches in its attnexport metadata")
