@@ -1,7 +1,8 @@
 """Generation benchmark on CPU: decode tokens/s and time to first token of a ~125M Llama-like
 model (random weights, seed 0) for
 
-* ``ort``        attnexport's OrtExecutor on the model exported with ``to_onnx``,
+* ``ort``        attnexport's OrtExecutor on the model exported with ``to_onnx``
+                 (``ort-spin``: with spinning worker threads, onnxruntime's default),
 * ``torch-sdpa`` attnexport's TorchExecutor (eager, sdpa backend),
 * ``torch-ipex`` attnexport's TorchExecutor on the ipex backend (run with ``--ipex-python``),
 * ``hf``         Hugging Face transformers ``generate`` (eager, its own contiguous cache),
@@ -45,7 +46,7 @@ QUICK_CONFIG = {
     "num_key_value_heads": 2,
     "vocab_size": 512,
 }
-LEGS = ("ort", "torch-sdpa", "torch-ipex", "hf", "genai")
+LEGS = ("ort", "ort-spin", "torch-sdpa", "torch-ipex", "hf", "genai")
 BLOCK_SIZE = 16
 MAX_POSITIONS = 2048
 # The mixed batch of the memory comparison: prompt lengths, each followed by 32 new tokens.
@@ -151,12 +152,11 @@ def _engine_leg(args, executor) -> dict:
     }
 
 
-def leg_ort(args) -> dict:
+def leg_ort(args, spin: bool = False) -> dict:
     from attnexport.runtime import OrtExecutor
 
-    return _engine_leg(
-        args, OrtExecutor(args.work / "ours" / "model.onnx", num_threads=args.threads)
-    )
+    path = args.work / "ours" / "model.onnx"
+    return _engine_leg(args, OrtExecutor(path, num_threads=args.threads, spin=spin))
 
 
 def leg_torch(args, backend: str) -> dict:
@@ -261,6 +261,7 @@ def run_leg(args) -> dict:
     torch.set_num_threads(args.threads)
     legs = {
         "ort": leg_ort,
+        "ort-spin": lambda a: leg_ort(a, spin=True),
         "torch-sdpa": lambda a: leg_torch(a, "sdpa"),
         "torch-ipex": lambda a: leg_torch(a, "ipex"),
         "hf": leg_hf,
