@@ -105,12 +105,10 @@ def _slots(block_ids: Sequence[int], start: int, stop: int, block_size: int) -> 
 
 
 def _block_table(rows: list[Sequence[int]], device: torch.device | str) -> torch.Tensor:
-    width = max((len(r) for r in rows), default=0)
-    table = torch.zeros(len(rows), max(width, 1), dtype=torch.int32)
-    for i, row in enumerate(rows):
-        if row:
-            table[i, : len(row)] = torch.tensor(list(row), dtype=torch.int32)
-    return table.to(device)
+    width = max(max((len(r) for r in rows), default=0), 1)
+    # One conversion of padded rows: a per-row copy costs a tensor per sequence every step.
+    padded = [[*row, *([0] * (width - len(row)))] for row in rows] or [[0]][:0]
+    return torch.tensor(padded, dtype=torch.int32).view(len(rows), width).to(device)
 
 
 def build_attention_metadata(

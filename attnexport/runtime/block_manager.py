@@ -1,0 +1,258 @@
+"""The paged KV-cache pools: block allocation, reference counts, copy-on-write, prefix caching
+and swapping to a CPU pool.
+
+Only block *ids* live here; the executor owns the cache tensors and applies the block moves the
+manager records (swaps and copy-on-write copies) before each model step.
+
+Prefix caching: a full block is identified by its tokens and the identity of the block before
+it, so a hit on block i implies the whole prefix up to it matches. Blocks whose last reference is
+dropped stay in the cache (and can be hit again) until they are reused, least recently freed
+first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+
+from attnexport.runtime.config import blocks_for_tokens
+from attnexport.runtime.sequence import Sequence
+
+BlockKey = tuple[int, tuple[int, ...]]
+"""(hash of the previous block's key, the block's token ids): what a cached block holds."""
+
+
+class BlockPool:
+    """The blocks of one pool (device or CPU): free list, reference counts, cache index."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_counts = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        # Cached blocks nobody references, oldest first: reusable, and evicted in this order.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._key_of: dict[int, BlockKey] = {}
+        self._block_of: dict[BlockKey, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can take (never-used or evictable cached blocks)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._block_of)
+
+    def allocate(self) -> int:
+        """A block with one reference; evicts the least recently freed cached block if needed."""
+        if self._free:
+            block = self._free.popleft()
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            del self._block_of[self._key_of.pop(block)]
+        else:
+            raise RuntimeError("BlockPool.allocate: no free block (the caller checks first)")
+        self.ref_counts[block] = 1
+        return block
+
+    def incref(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self._evictable[block]
+        self.ref_counts[block] += 1
+
+    def decref(self, block: int) -> None:
+        count = self.ref_counts[block] - 1
+        if count < 0:
+            raise RuntimeError(f"BlockPool.decref: block {block} is already free")
+        self.ref_counts[block] = count
+        if count == 0:
+            if block in self._key_of:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
+
+    def lookup(self, key: BlockKey) -> int | None:
+        """The cached block holding ``key``, if any (its reference count is not changed)."""
+        return self._block_of.get(key)
+
+    def is_evictable(self, block: int) -> bool:
+        return self.ref_counts[block] == 0 and block in self._evictable
+
+    def register(self, block: int, key: BlockKey) -> None:
+        """Records that the full block ``block`` holds ``key`` (first holder wins)."""
+        if self.enable_caching and key not in self._block_of and block not in self._key_of:
+            self._block_of[key] = block
+            self._key_of[block] = key
+
+
+class BlockManager:
+    """Block tables of every sequence over a device pool and a CPU swap pool.
+
+    Block moves decided while scheduling a step accumulate in ``pending_copies`` (copy-on-write,
+    within the device pool); swaps are returned by :meth:`swap_out`/:meth:`swap_in`. The engine
+    hands them to the executor before running the step.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        num_cpu_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.block_size = block_size
+        self.device = BlockPool(num_blocks, enable_prefix_caching)
+        self.cpu = BlockPool(num_cpu_blocks)
+        self.pending_copies: list[tuple[int, int]] = []
+
+    # ------------------------------------------------------------------ prefix cache
+    def _key(self, seq: Sequence, index: int) -> BlockKey:
+        """The cache key of full block ``index`` of ``seq`` (keys are computed once, in order)."""
+        keys = seq.block_hashes
+        bs = self.block_size
+        while len(keys) <= index:
+            i = len(keys)
+            previous = hash(keys[i - 1]) if i else 0
+            keys.append((previous, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
+        return keys[index]
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached device blocks holding the leading full blocks of ``seq``'s tokens (at least one
+        token is left to compute, so the step still produces logits). Nothing is reserved."""
+        if not self.device.enable_caching or seq.block_ids:
+            return []
+        hits = []
+        for index in range((len(seq.token_ids) - 1) // self.block_size):
+            block = self.device.lookup(self._key(seq, index))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def take_prefix(self, seq: Sequence, hits: list[int]) -> None:
+        """Makes the cached blocks ``hits`` (from :meth:`match_prefix`) the first blocks of
+        ``seq`` and marks their tokens computed."""
+        for block in hits:
+            self.device.incref(block)
+        seq.block_ids = list(hits)
+        seq.num_computed = len(hits) * self.block_size
+        seq.num_registered_blocks = len(hits)
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Adds the blocks of ``seq`` that are now full and computed to the prefix cache."""
+        if not self.device.enable_caching:
+            return
+        full = min(seq.num_computed // self.block_size, len(seq.block_ids))
+        for index in range(seq.num_registered_blocks, full):
+            self.device.register(seq.block_ids[index], self._key(seq, index))
+        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+
+    # ------------------------------------------------------------------ growth
+    def blocks_needed(
+        self, plan: Iterable[tuple[Sequence, int]], pool: BlockPool | None = None
+    ) -> int:
+        """Device blocks that :meth:`allocate` will take for the (sequence, new tokens) pairs of
+        ``plan``, allocated in that order: new blocks, plus the copies of shared blocks about to
+        be written (the last holder of a block writes it in place). ``pool`` holds the
+        sequences' blocks now (the CPU pool for swapped sequences)."""
+        pool = pool or self.device
+        needed = 0
+        writers: dict[int, int] = {}
+        for seq, count in plan:
+            total = blocks_for_tokens(seq.num_computed + count, self.block_size)
+            needed += max(0, total - len(seq.block_ids))
+            first = seq.num_computed // self.block_size
+            if first < len(seq.block_ids):
+                block = seq.block_ids[first]
+                writers[block] = writers.get(block, 0) + 1
+        for block, count in writers.items():
+            needed += count if count < pool.ref_counts[block] else count - 1
+        return needed
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Gives ``seq`` the blocks its next ``num_new_tokens`` tokens are written to; a shared
+        block about to be written is copied first (recorded in ``pending_copies``)."""
+        first = seq.num_computed // self.block_size
+        if first < len(seq.block_ids) and self.device.ref_counts[seq.block_ids[first]] > 1:
+            shared = seq.block_ids[first]
+            copy = self.device.allocate()
+            self.pending_copies.append((shared, copy))
+            self.device.decref(shared)
+            seq.block_ids[first] = copy
+        total = blocks_for_tokens(seq.num_computed + num_new_tokens, self.block_size)
+        for _ in range(total - len(seq.block_ids)):
+            seq.block_ids.append(self.device.allocate())
+
+    def fork(self, parent: Sequence, child: Sequence, num_blocks: int | None = None) -> None:
+        """``child`` shares the first ``num_blocks`` blocks of ``parent`` (default: all, with
+        their computed tokens); the tokens they hold must be the same in both."""
+        if num_blocks is None:
+            shared, computed = parent.block_ids, parent.num_computed
+        else:
+            shared, computed = parent.block_ids[:num_blocks], num_blocks * self.block_size
+        for block in shared:
+            self.device.incref(block)
+        child.block_ids = list(shared)
+        child.block_hashes = parent.block_hashes[: len(shared)]
+        child.num_computed = computed
+        child.num_registered_blocks = min(parent.num_registered_blocks, len(shared))
+
+    def free(self, seq: Sequence) -> None:
+        """Drops ``seq``'s references to its device blocks (tail first, so that a prefix stays
+        cached longest) and resets it to nothing computed."""
+        for block in reversed(seq.block_ids):
+            self.device.decref(block)
+        seq.block_ids = []
+        seq.num_computed = 0
+        seq.num_registered_blocks = 0
+
+    # ------------------------------------------------------------------ swapping
+    @staticmethod
+    def _distinct_blocks(seqs: Iterable[Sequence]) -> set[int]:
+        return {block for seq in seqs for block in seq.block_ids}
+
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        return len(self._distinct_blocks(seqs)) <= self.cpu.num_free
+
+    def swap_in_cost(self, seqs: list[Sequence]) -> int:
+        """Device blocks that swapping ``seqs`` back in takes."""
+        return len(self._distinct_blocks(seqs))
+
+    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Moves the blocks of ``seqs`` (one request) to the CPU pool; returns the
+        (device block, CPU block) copies to make. Blocks shared with other requests stay on the
+        device for them."""
+        return self._move(seqs, self.device, self.cpu)
+
+    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Moves the blocks of ``seqs`` back to the device pool; returns the (CPU block,
+        device block) copies to make."""
+        moves = self._move(seqs, self.cpu, self.device)
+        for seq in seqs:
+            seq.num_registered_blocks = 0  # new device blocks: register them again
+        return moves
+
+    @staticmethod
+    def _move(seqs: list[Sequence], src: BlockPool, dst: BlockPool) -> list[tuple[int, int]]:
+        mapping: dict[int, int] = {}
+        for seq in seqs:
+            moved = []
+            for block in seq.block_ids:
+                if block in mapping:
+                    dst.incref(mapping[block])
+                else:
+                    mapping[block] = dst.allocate()
+                src.decref(block)
+                moved.append(mapping[block])
+            seq.block_ids = moved
+        return list(mapping.items())
+
+    # ------------------------------------------------------------------ accounting
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def num_used_blocks(self) -> int:
+        """Device blocks referenced by some sequence."""
+        return self.device.num_blocks - self.device.num_free

@@ -1,0 +1,145 @@
+"""Engine configuration: the KV-cache pool and the scheduler's limits.
+
+Every field has a default sized for the machine, so ``Engine(executor)`` works as is; set a field
+to override it. Sizes are resolved once, when the engine is built (:func:`resolve_num_blocks`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from attnexport.model_interface import CacheSpec
+
+PreemptionMode = Literal["swap", "recompute"]
+
+DEFAULT_MAX_MODEL_LEN = 2048
+# Without an explicit budget the device pool takes at most this share of the available memory.
+_DEFAULT_MEMORY_FRACTION = 0.25
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV-cache pools.
+
+    Give ``num_blocks`` or ``memory_bytes`` (a budget divided by ``CacheSpec.bytes_per_block``),
+    or neither: then the pool holds ``max_num_seqs`` sequences of ``max_model_len`` tokens,
+    capped at a quarter of the memory available on the device.
+    """
+
+    num_blocks: int | None = None
+    """Blocks in the device pool (each holds ``block_size`` tokens of every layer)."""
+    memory_bytes: int | None = None
+    """Budget for the device pool in bytes (used when ``num_blocks`` is None)."""
+    swap_space_bytes: int = 256 * 2**20
+    """Budget of the CPU pool that preempted sequences are swapped to."""
+    num_cpu_blocks: int | None = None
+    """Blocks in the CPU swap pool; overrides ``swap_space_bytes``."""
+    enable_prefix_caching: bool = True
+    """Reuse the cached KV of full prompt blocks shared with earlier requests."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "memory_bytes", "num_cpu_blocks"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"CacheConfig.{name}: expected a non-negative int, got {value!r}")
+        if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
+            raise ValueError(
+                "CacheConfig.swap_space_bytes: expected a non-negative int, "
+                f"got {self.swap_space_bytes!r}"
+            )
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits of one engine step."""
+
+    max_num_seqs: int = 64
+    """Sequences running at once (each of a request's ``n`` samples counts)."""
+    max_num_batched_tokens: int = 2048
+    """Tokens computed in one step, prefill chunks and decodes together."""
+    max_model_len: int | None = None
+    """Prompt + generated tokens per sequence; None takes the model's own limit (or 2048)."""
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than the step's token budget over several steps."""
+    preemption_mode: PreemptionMode = "recompute"
+    """How a sequence is evicted when the pool runs out: ``swap`` its blocks to the CPU pool, or
+    free them and ``recompute`` its tokens later. Swap falls back to recompute when the CPU pool
+    is full."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"SchedulerConfig.{name}: expected a positive int, got {value!r}")
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 1
+        ):
+            raise ValueError(
+                f"SchedulerConfig.max_model_len: expected a positive int or None, "
+                f"got {self.max_model_len!r}"
+            )
+        if self.preemption_mode not in ("swap", "recompute"):
+            raise ValueError(
+                "SchedulerConfig.preemption_mode: expected 'swap' or 'recompute', "
+                f"got {self.preemption_mode!r}"
+            )
+
+
+def available_memory_bytes(device_type: str) -> int:
+    """Memory that could be given to a KV pool on ``device_type`` now (free, not total)."""
+    if device_type == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return int(free)
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``num_tokens`` tokens."""
+    return -(-num_tokens // block_size)
+
+
+def resolve_num_blocks(
+    cache_config: CacheConfig,
+    spec: CacheSpec,
+    max_num_seqs: int,
+    max_model_len: int,
+    device_type: str,
+) -> tuple[int, int]:
+    """The (device, CPU) pool sizes in blocks for ``cache_config``.
+
+    Raises ValueError if the device pool cannot hold one sequence of ``max_model_len`` tokens
+    (no request of that length could ever finish).
+    """
+    per_block = spec.bytes_per_block
+    min_blocks = blocks_for_tokens(max_model_len, spec.block_size)
+    if cache_config.num_blocks is not None:
+        num_blocks = cache_config.num_blocks
+    elif cache_config.memory_bytes is not None:
+        num_blocks = cache_config.memory_bytes // per_block
+    else:
+        wanted = max_num_seqs * min_blocks
+        cap = int(available_memory_bytes(device_type) * _DEFAULT_MEMORY_FRACTION) // per_block
+        num_blocks = max(min(wanted, cap), min_blocks)
+    if num_blocks < min_blocks:
+        raise ValueError(
+            f"CacheConfig: a pool of {num_blocks} blocks ({num_blocks * per_block} bytes) cannot "
+            f"hold one sequence of max_model_len={max_model_len} tokens; expected at least "
+            f"{min_blocks} blocks ({min_blocks * per_block} bytes at {per_block} bytes per block)"
+            " or a smaller max_model_len"
+        )
+    if cache_config.num_cpu_blocks is not None:
+        num_cpu_blocks = cache_config.num_cpu_blocks
+    else:
+        num_cpu_blocks = cache_config.swap_space_bytes // per_block
+    return num_blocks, num_cpu_blocks

@@ -1,0 +1,401 @@
+"""The engine: requests in, tokens out, one continuous-batching step at a time.
+
+    engine = Engine(executor)                      # defaults sized for the machine
+    outputs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=16))
+    for update in engine.stream(prompts, params):  # one RequestOutput per request per step
+        ...
+
+``generate`` and ``stream`` never raise for one bad request: that request comes back with
+``error`` set and finish reason ``"error"`` while the others run. ``add_request`` (the low-level
+API, with ``step``) raises ValueError/TypeError for a bad request instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from attnexport.runtime.block_manager import BlockManager
+from attnexport.runtime.config import (
+    DEFAULT_MAX_MODEL_LEN,
+    CacheConfig,
+    SchedulerConfig,
+    resolve_num_blocks,
+)
+from attnexport.runtime.executors.base import Executor
+from attnexport.runtime.model_input import build_model_input
+from attnexport.runtime.outputs import RequestOutput, snapshot
+from attnexport.runtime.sampling import SamplingParams, make_generator, sample
+from attnexport.runtime.scheduler import ScheduledBatch, Scheduler
+from attnexport.runtime.sequence import Request, Status
+from attnexport.runtime.sequence import Sequence as Seq
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine was built (or :meth:`Engine.reset_stats`)."""
+
+    num_steps: int = 0
+    num_computed_tokens: int = 0
+    """Tokens run through the model (prefill chunks, recomputation and decodes)."""
+    num_prompt_tokens_computed: int = 0
+    """Prompt tokens run through the model (not served by the prefix cache)."""
+    num_prefix_cache_hit_tokens: int = 0
+    num_preemptions: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    num_copied_blocks: int = 0
+    """Copy-on-write block copies."""
+    model_time: float = 0.0
+    """Seconds inside ``executor.execute``."""
+
+
+class Engine:
+    """Continuous-batching generation over a paged KV cache.
+
+    Args:
+        executor: runs the model (:class:`TorchExecutor`, :class:`OrtExecutor`).
+        cache_config: pool sizes and prefix caching (defaults: :class:`CacheConfig`).
+        scheduler_config: step limits and preemption mode (defaults: :class:`SchedulerConfig`).
+    """
+
+    def __init__(
+        self,
+        executor: Executor,
+        cache_config: CacheConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+    ) -> None:
+        self.executor = executor
+        self.cache_config = cache_config or CacheConfig()
+        self.scheduler_config = scheduler_config or SchedulerConfig()
+        self.max_model_len = (
+            self.scheduler_config.max_model_len or executor.max_model_len or DEFAULT_MAX_MODEL_LEN
+        )
+        spec = executor.cache_spec
+        self.num_blocks, self.num_cpu_blocks = resolve_num_blocks(
+            self.cache_config,
+            spec,
+            self.scheduler_config.max_num_seqs,
+            self.max_model_len,
+            executor.device.type,
+        )
+        executor.initialize_cache(self.num_blocks, self.num_cpu_blocks)
+        self.block_manager = BlockManager(
+            self.num_blocks,
+            self.num_cpu_blocks,
+            spec.block_size,
+            self.cache_config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.stats = EngineStats()
+        self._requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._seq_ids = itertools.count()
+
+    # ------------------------------------------------------------------ construction helpers
+    @classmethod
+    def from_path(cls, path, **options) -> Engine:
+        """An engine over an export directory, a ``.onnx`` or a ``.pt2`` file.
+
+        Options: ``executor`` (auto|ort|torch), ``backend``, ``device``, ``num_threads``,
+        ``max_model_len`` (see :func:`attnexport.runtime.loading.load_executor`), and
+        ``cache_config`` / ``scheduler_config``.
+        """
+        from attnexport.runtime.loading import engine_from_path
+
+        return engine_from_path(path, **options)
+
+    # ------------------------------------------------------------------ requests
+    def check_request(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
+        """Validates one request; returns the prompt as a list of ints.
+
+        Raises:
+            TypeError: a prompt that is not a sequence of ints, or params that are not
+                SamplingParams.
+            ValueError: an empty prompt, a prompt longer than ``max_model_len``, a token id
+                outside ``[0, vocab_size)``, or bad sampling parameters.
+        """
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+        params.check()
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Iterable):
+            raise TypeError(f"prompt: expected a list of token ids, got {type(prompt).__name__}")
+        tokens = []
+        for token in prompt:
+            if isinstance(token, bool) or not hasattr(token, "__index__"):
+                raise TypeError(f"prompt: expected int token ids, got {token!r}")
+            tokens.append(operator.index(token))
+        if not tokens:
+            raise ValueError("prompt: expected at least one token, got an empty prompt")
+        if len(tokens) > self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(tokens)} tokens is longer than the model's maximum length "
+                f"(max_model_len={self.max_model_len})"
+            )
+        vocab = self.executor.vocab_size
+        bad = next((t for t in tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(
+                f"prompt: token id {bad} is outside the vocabulary; expected ids in [0, {vocab})"
+            )
+        if params.n > self.scheduler_config.max_num_seqs:
+            raise ValueError(
+                f"n: {params.n} samples exceed max_num_seqs={self.scheduler_config.max_num_seqs}"
+            )
+        budget = self.scheduler_config.max_num_batched_tokens
+        if not self.scheduler_config.enable_chunked_prefill and len(tokens) > budget:
+            raise ValueError(
+                f"prompt: {len(tokens)} tokens exceed max_num_batched_tokens={budget} and "
+                "chunked prefill is disabled"
+            )
+        return tokens
+
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queues a request; returns its id. Raises like :meth:`check_request`."""
+        params = params or SamplingParams()
+        tokens = self.check_request(prompt, params)
+        request = self._new_request(tokens, params, request_id)
+        seq = Seq(next(self._seq_ids), request, list(tokens), 0, make_generator(params, 0))
+        request.seqs.append(seq)
+        self.scheduler.add(request)
+        return request.request_id
+
+    def _new_request(self, tokens: list[int], params, request_id: str | None) -> Request:
+        index = next(self._arrivals)
+        request_id = request_id if request_id is not None else f"req-{index}"
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        request = Request(request_id, tokens, params, index)
+        self._requests[request_id] = request
+        return request
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request; its blocks are freed and its samples end with ``"aborted"``."""
+        request = self._requests.get(request_id)
+        if request is None or request.finished:
+            return
+        for seq in request.unfinished_seqs():
+            seq.finish_reason = "aborted"
+        self.scheduler.finish(request)
+        request.finish_time = time.perf_counter()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_output(self, request_id: str) -> RequestOutput:
+        return snapshot(self._requests[request_id])
+
+    def release(self, request_id: str) -> None:
+        """Forgets a finished request (its output can no longer be fetched)."""
+        request = self._requests.get(request_id)
+        if request is not None and request.finished:
+            del self._requests[request_id]
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduler step and the model; returns the outputs of the requests that
+        changed (new tokens, finished or failed)."""
+        return [snapshot(request) for request in self._step()]
+
+    def kv_cache_usage(self) -> dict[str, int]:
+        """The device pool now: ``num_blocks``, ``blocks_in_use``, ``bytes_in_use`` and
+        ``tokens_stored`` (cached tokens of the running sequences; a block shared by forked
+        samples counts once per sample)."""
+        used = self.block_manager.num_used_blocks()
+        stored = sum(
+            seq.num_computed
+            for request in self._requests.values()
+            for seq in request.seqs
+            if not seq.finished and seq.block_ids and request.status == Status.RUNNING
+        )
+        return {
+            "num_blocks": self.num_blocks,
+            "blocks_in_use": used,
+            "bytes_in_use": used * self.executor.cache_spec.bytes_per_block,
+            "tokens_stored": stored,
+        }
+
+    def _step(self) -> list[Request]:
+        batch = self.scheduler.schedule()
+        changed: list[Request] = []
+        now = time.perf_counter()
+        for request in batch.failed:
+            request.finish_time = now
+            changed.append(request)
+        self._apply_block_moves(batch)
+        if not batch.seqs:
+            return changed
+        model_input = build_model_input(batch, self.executor.cache_spec.block_size)
+        start = time.perf_counter()
+        logits = self.executor.execute(model_input)
+        self.stats.model_time += time.perf_counter() - start
+        self._account(batch)
+
+        for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            request = seq.request
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = start
+            seq.num_computed += count
+            self.block_manager.register_full_blocks(seq)
+
+        rows = model_input.sampling_seqs
+        if rows:
+            seqs = [batch.seqs[i] for i in rows]
+            params = [s.request.params for s in seqs]
+            # A prompt that forks samples all of its n first tokens from the same row.
+            tokens = sample(logits, params, [s.generator for s in seqs])
+            now = time.perf_counter()
+            for seq, token, row in zip(seqs, tokens, range(len(seqs)), strict=True):
+                request = seq.request
+                if len(request.seqs) < request.params.n:
+                    self._fork(seq, logits[row], token)
+                else:
+                    self._append(seq, token)
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                changed.append(request)
+            for request in dict.fromkeys(s.request for s in seqs):
+                if request.finished:
+                    request.finish_time = now
+                    self.scheduler.finish(request)
+        return list(dict.fromkeys(changed))
+
+    def _apply_block_moves(self, batch: ScheduledBatch) -> None:
+        # Order matters: a block swapped out may be reused by a swap-in or a copy in this step,
+        # and a copy-on-write source may be a block that was just swapped in.
+        if batch.swap_out:
+            self.executor.swap_out(batch.swap_out)
+        if batch.swap_in:
+            self.executor.swap_in(batch.swap_in)
+        if batch.copies:
+            self.executor.copy_blocks(batch.copies)
+
+    def _account(self, batch: ScheduledBatch) -> None:
+        stats = self.stats
+        stats.num_steps += 1
+        stats.num_computed_tokens += batch.num_tokens
+        for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            prompt_part = min(seq.num_computed + count, seq.prompt_len) - seq.num_computed
+            stats.num_prompt_tokens_computed += max(0, prompt_part)
+            if seq.num_computed > 0 and seq.request.first_scheduled_time is None:
+                stats.num_prefix_cache_hit_tokens += seq.num_computed
+        stats.num_preemptions += len(batch.preempted)
+        stats.num_swapped_out_blocks += len(batch.swap_out)
+        stats.num_swapped_in_blocks += len(batch.swap_in)
+        stats.num_copied_blocks += len(batch.copies)
+
+    def _append(self, seq: Seq, token: int) -> None:
+        seq.token_ids.append(token)
+        params = seq.request.params
+        if token in params.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.output_ids) >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            seq.finish_reason = "length"
+        if seq.finished:
+            self.scheduler.free_finished_seq(seq)
+
+    def _fork(self, parent: Seq, row, first_token: int) -> None:
+        """The prompt of ``parent``'s request is computed: creates its other samples, each
+        sharing the prompt's blocks and drawing its first token from the same logits row."""
+        request = parent.request
+        children = []
+        for index in range(1, request.params.n):
+            child = Seq(
+                next(self._seq_ids),
+                request,
+                list(parent.token_ids),
+                index,
+                make_generator(request.params, index),
+            )
+            self.block_manager.fork(parent, child)
+            request.seqs.append(child)
+            children.append(child)
+        self._append(parent, first_token)
+        tokens = sample(
+            row.expand(len(children), -1),
+            [request.params] * len(children),
+            [c.generator for c in children],
+        )
+        for child, token in zip(children, tokens, strict=True):
+            self._append(child, token)
+
+    # ------------------------------------------------------------------ batch APIs
+    def _submit(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[Request]:
+        if isinstance(params, SamplingParams) or params is None:
+            params_list = [params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"params: expected one SamplingParams per prompt ({len(prompts)}), "
+                    f"got {len(params_list)}"
+                )
+        requests = []
+        for prompt, p in zip(prompts, params_list, strict=True):
+            try:
+                request_id = self.add_request(prompt, p)
+                requests.append(self._requests[request_id])
+            except (TypeError, ValueError) as error:
+                readable = isinstance(prompt, Iterable) and not isinstance(prompt, (str, bytes))
+                tokens = list(prompt) if readable else []
+                request = self._new_request(tokens, p, None)
+                request.error = str(error)
+                request.finish_time = request.arrival_time
+                requests.append(request)
+        return requests
+
+    def stream(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Runs the prompts to completion, yielding a request's output each time it changes
+        (``new_token_ids`` holds the tokens since its previous output; the last one has
+        ``finished``). Failed requests are yielded first."""
+        requests = self._submit(prompts, params)
+        sent: dict[str, dict[int, int]] = {r.request_id: {} for r in requests}
+        mine = set(sent)
+        for request in requests:
+            if request.error is not None:
+                yield snapshot(request, sent[request.request_id])
+        while any(not r.finished for r in requests):
+            for request in self._step():
+                if request.request_id in mine:
+                    yield snapshot(request, sent[request.request_id])
+        for request in requests:
+            self.release(request.request_id)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Runs the prompts to completion; one output per prompt, in prompt order.
+
+        Args:
+            prompts: token-id lists.
+            params: one SamplingParams for all prompts, or one per prompt (default: greedy,
+                16 tokens).
+        """
+        requests = self._submit(prompts, params)
+        while any(not r.finished for r in requests):
+            self._step()
+        outputs = [snapshot(r) for r in requests]
+        for request in requests:
+            self.release(request.request_id)
+        return outputs
+
+    def reset_stats(self) -> None:
+        self.stats = EngineStats()

@@ -1,0 +1,177 @@
+"""Runs an ONNX file from ``attnexport.lowering.to_onnx`` in onnxruntime, step by step, with
+the KV caches updated in place.
+
+A plain ``InferenceSession.run`` copies every cache input and allocates every cache output
+(O(cache) per step, DESIGN.md section 4). Here each cache tensor is wrapped once, zero-copy, in
+an ``OrtValue`` that is bound *both* as the cache input ``X`` and as its output ``X_out`` of one
+persistent ``IOBinding``; the cache write (``ScatterND``) then finds its output already holding
+its input and writes only the new tokens. Per step only the small index inputs are re-bound.
+The cache memory is a torch tensor as well, so block swaps and copy-on-write copies use the
+shared torch code (:mod:`attnexport.runtime.block_copy`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from attnexport.model_interface import DECODER_INPUT_NAMES, CacheSpec
+from attnexport.runtime.executors.base import Executor
+from attnexport.runtime.model_input import ModelInput
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+_NUMPY_INDEX_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
+# Metadata keys (``metadata_props``) that may give the model's maximum length.
+_MAX_LEN_KEYS = ("max_model_len", "max_position_embeddings")
+
+
+def session_options(num_threads: int | None = None, spin: bool = False):
+    """onnxruntime session options for step-by-step decoding: ``num_threads`` intra-op threads
+    (default: torch's thread count), one inter-op thread, all graph optimizations.
+
+    Worker threads do not spin while waiting (``spin=False``, onnxruntime's default is to
+    spin): a decode step synchronises its threads at ~1600 nodes, and when other processes
+    share the cores a spinning pool loses its time slices. Measured on 2 shared cores (load
+    2.5-3.5), 125M model: 17 -> 27 tokens/s at batch 1 and 65 -> 107 at batch 8. On an idle
+    machine spinning may gain a little: pass ``spin=True``."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = num_threads or torch.get_num_threads()
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    return options
+
+
+class OrtExecutor(Executor):
+    """An attnexport ONNX decoder in onnxruntime.
+
+    Args:
+        model: path of the ``.onnx`` file written by ``attnexport.lowering.to_onnx`` (its
+            ``metadata_props`` name the cache inputs/outputs and give the cache geometry).
+        device: ``cpu`` (CPU execution provider) or ``cuda`` (CUDA execution provider; needs
+            onnxruntime-gpu and a CUDA build of torch, which holds the cache memory).
+        num_threads: intra-op threads (default: ``torch.get_num_threads()``).
+        spin: let idle worker threads spin (see :func:`session_options`).
+        session_options: an ``onnxruntime.SessionOptions`` replacing :func:`session_options`.
+        max_model_len: the model's maximum length when its metadata does not give one.
+    """
+
+    name = "onnxruntime"
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        device: torch.device | str = "cpu",
+        num_threads: int | None = None,
+        spin: bool = False,
+        session_options=None,
+        max_model_len: int | None = None,
+    ) -> None:
+        import onnxruntime as ort
+
+        from attnexport.lowering.ort_session import PagedOrtSession
+
+        device = torch.device(device)
+        if device.type not in PROVIDERS:
+            raise ValueError(f"device: expected 'cpu' or 'cuda', got {str(device)!r}")
+        provider = PROVIDERS[device.type]
+        if provider not in ort.get_available_providers():
+            raise ValueError(
+                f"device: {provider} is not in this onnxruntime build "
+                f"(available: {ort.get_available_providers()}); install onnxruntime-gpu for cuda"
+            )
+        path = Path(model)
+        if not path.is_file():
+            raise ValueError(f"model: no such .onnx file: {path}")
+        options = session_options or globals()["session_options"](num_threads, spin)
+        # The lowering's session reads the attnexport metadata; the binding below is ours: it
+        # persists across steps instead of being rebuilt for every run.
+        paged = PagedOrtSession(path, providers=[provider], session_options=options)
+        self.session, self.metadata, self.path = paged.session, paged.metadata, path
+        meta = self.metadata
+        if meta.block_size is None or not meta.cache_inputs:
+            raise ValueError(f"model: {path} has no paged KV caches in its attnexport metadata")
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        missing = [n for n in DECODER_INPUT_NAMES if n not in inputs]
+        if missing:
+            raise ValueError(
+                f"model: {path} is not a decoder in the attnexport convention; "
+                f"inputs {missing} are missing (it takes {list(inputs)})"
+            )
+        unwritten = [n for n in meta.cache_inputs if n not in meta.cache_outputs]
+        if unwritten:
+            raise ValueError(f"model: cache inputs {unwritten} have no '<name>_out' output")
+        self._index_types = {n: _NUMPY_INDEX_TYPES[inputs[n].type] for n in DECODER_INPUT_NAMES}
+        self._logits_name = meta.outputs[0]
+        logits = next(o for o in self.session.get_outputs() if o.name == self._logits_name)
+        vocab_size = logits.shape[-1]
+        if not isinstance(vocab_size, int):
+            raise ValueError(f"model: the logits output has no static vocabulary dim: {logits}")
+        spec = CacheSpec(
+            num_layers=meta.num_layers,
+            num_kv_heads=meta.num_kv_heads,
+            head_size=meta.head_size,
+            dtype=getattr(torch, meta.dtype),
+            block_size=meta.block_size,
+            num_cross_layers=meta.num_cross_layers,
+        )
+        found = next((int(meta.extra[k]) for k in _MAX_LEN_KEYS if k in meta.extra), None)
+        super().__init__(spec, vocab_size, max_model_len or found, device)
+        self._binding = None
+        self._cache_values: list = []
+
+    def _bind_caches(self) -> None:
+        """Wraps every cache tensor once in an OrtValue (zero copy) and binds that same
+        OrtValue as the cache input and as its ``_out`` output, for every later step."""
+        from onnxruntime import OrtValue
+
+        binding = self.session.io_binding()
+        # Outputs come back in binding order: the logits first, copied to the host (they are
+        # small and the sampler runs there) whatever the execution provider.
+        binding.bind_output(self._logits_name, "cpu")
+        values = []
+        for name, cache in zip(self.metadata.cache_inputs, self.kv_caches, strict=True):
+            value = OrtValue.from_dlpack(cache)
+            binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_output(self.metadata.cache_outputs[name], value)
+            values.append(value)
+        self._binding, self._cache_values = binding, values
+
+    @property
+    def cache_ortvalues(self) -> list:
+        """The OrtValues bound as both cache input and output (they share ``kv_caches``)."""
+        return list(self._cache_values)
+
+    def execute(self, model_input: ModelInput) -> torch.Tensor:
+        if self._binding is None:
+            raise RuntimeError("OrtExecutor.execute: initialize_cache must run first")
+        binding = self._binding
+        # The arrays must outlive the run: onnxruntime may read them in place.
+        arrays = []
+        for name, tensor in zip(
+            DECODER_INPUT_NAMES, model_input.forward_args(self.kv_caches)[:-1], strict=True
+        ):
+            array = tensor.numpy()
+            expected = self._index_types[name]
+            if array.dtype != expected:
+                array = array.astype(expected)
+            binding.bind_cpu_input(name, array)
+            arrays.append(array)
+        # Re-bound each step: onnxruntime would otherwise reuse last step's logits buffer
+        # (of last step's shape).
+        binding.bind_output(self._logits_name, "cpu")
+        self.session.run_with_iobinding(binding)
+        logits = binding.get_outputs()[0]
+        return torch.from_numpy(logits.numpy())
+
+    def describe(self) -> str:
+        provider = PROVIDERS[self.device.type]
+        threads = self.session.get_session_options().intra_op_num_threads
+        return f"onnxruntime {provider} ({threads} threads): {self.path}"

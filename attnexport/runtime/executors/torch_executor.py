@@ -1,0 +1,163 @@
+"""Runs a paged decoder in PyTorch: an eager ``nn.Module`` or a ``torch.export`` program
+(``.pt2``), on a chosen attention backend and device."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from attnexport.custom_ops.dispatch import AUTO, get_backend, use_backend
+from attnexport.model_interface import DECODER_INPUT_NAMES, CacheSpec
+from attnexport.runtime.executors.base import Executor
+from attnexport.runtime.model_input import ModelInput
+
+
+def check_backend(backend: str, device: torch.device) -> str:
+    """``backend`` normalised; raises ValueError if it is unknown or cannot run on ``device``."""
+    name = backend.strip().lower()
+    if name == AUTO:
+        return name
+    implementation = get_backend(name)  # raises with the valid names
+    reason = implementation.unavailable_reason()
+    if reason is not None:
+        raise ValueError(f"backend: {name!r} is not available here: {reason}")
+    if device.type not in implementation.capabilities.devices:
+        devices = sorted(implementation.capabilities.devices)
+        raise ValueError(f"backend: {name!r} does not run on {device.type} (devices: {devices})")
+    return name
+
+
+class TorchExecutor(Executor):
+    """A decoder forward (``model_interface``) run eagerly, step by step.
+
+    Args:
+        model: an ``nn.Module``, a ``torch.export.ExportedProgram``, or the path of a ``.pt2``
+            file saved from one.
+        backend: attention backend the ops dispatch to: ``auto``, ``sdpa``, ``ipex``,
+            ``xformers`` (any registered name).
+        device: ``cpu`` or ``cuda`` (caches and inputs are placed there; an eager module is moved
+            there).
+        block_size: tokens per cache block, for a module whose ``cache_spec(block_size)``
+            accepts any (an exported program has its own).
+        cache_spec, vocab_size, max_model_len: the model's cache geometry, output width and
+            length limit. Found on the model when not given: a ``cache_spec`` attribute or
+            method and ``config.vocab_size`` / ``config.max_position_embeddings`` of a module,
+            or the input and output shapes of an exported program.
+    """
+
+    name = "torch"
+
+    def __init__(
+        self,
+        model: torch.nn.Module | torch.export.ExportedProgram | str | os.PathLike,
+        *,
+        backend: str = AUTO,
+        device: torch.device | str = "cpu",
+        block_size: int | None = None,
+        cache_spec: CacheSpec | None = None,
+        vocab_size: int | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
+        self.backend = check_backend(backend, device)
+        if isinstance(model, (str, os.PathLike)):
+            path = Path(model)
+            if not path.is_file():
+                raise ValueError(f"model: no such .pt2 file: {path}")
+            model = torch.export.load(path)
+        if isinstance(model, torch.export.ExportedProgram):
+            found = _program_facts(model)
+            self.source = "exported program"
+            module = model.module()
+        elif isinstance(model, torch.nn.Module):
+            found = _module_facts(model, block_size)
+            self.source = type(model).__name__
+            module = model
+        else:
+            raise TypeError(
+                "model: expected an nn.Module, an ExportedProgram or a .pt2 path, "
+                f"got {type(model).__name__}"
+            )
+        cache_spec = cache_spec or found.get("cache_spec")
+        vocab_size = vocab_size or found.get("vocab_size")
+        if cache_spec is None:
+            raise ValueError("cache_spec: the model does not describe its caches; pass cache_spec")
+        if block_size is not None and cache_spec.block_size != block_size:
+            raise ValueError(
+                f"block_size: the model's caches use blocks of {cache_spec.block_size} tokens, "
+                f"got block_size={block_size}"
+            )
+        if vocab_size is None:
+            raise ValueError("vocab_size: the model does not state its vocabulary; pass it")
+        super().__init__(
+            cache_spec, vocab_size, max_model_len or found.get("max_model_len"), device
+        )
+        if isinstance(model, torch.nn.Module):
+            module = module.to(device).eval()
+        elif device.type != "cpu":
+            module = module.to(device)
+        self.module = module
+
+    def execute(self, model_input: ModelInput) -> torch.Tensor:
+        if self.device.type != "cpu":
+            model_input = model_input.to(self.device)
+        with use_backend(self.backend), torch.inference_mode():
+            logits = self.module(*model_input.forward_args(self.kv_caches))
+        return logits.to(device="cpu", dtype=torch.float32)
+
+    def describe(self) -> str:
+        return f"torch ({self.source}) on {self.device}, backend {self.backend}"
+
+
+def _module_facts(module: torch.nn.Module, block_size: int | None) -> dict:
+    facts = {}
+    spec = getattr(module, "cache_spec", None)
+    if callable(spec):
+        spec = spec() if block_size is None else spec(block_size=block_size)
+    if isinstance(spec, CacheSpec):
+        facts["cache_spec"] = spec
+    config = getattr(module, "config", None)
+    for key, names in (
+        ("vocab_size", ("vocab_size",)),
+        ("max_model_len", ("max_model_len", "max_position_embeddings")),
+    ):
+        for owner in (module, config):
+            value = next((getattr(owner, n) for n in names if hasattr(owner, n)), None)
+            if isinstance(value, int):
+                facts[key] = value
+                break
+    return facts
+
+
+def _program_facts(program: torch.export.ExportedProgram) -> dict:
+    """Cache geometry and vocabulary read from an exported decoder's example shapes."""
+    user_inputs = program.graph_signature.user_inputs
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    values = [placeholders[name].meta.get("val") for name in user_inputs]
+    caches = values[len(DECODER_INPUT_NAMES) :]
+    facts = {}
+    if caches and all(isinstance(c, torch.Tensor) and c.dim() == 4 for c in caches):
+        dims = [int(d) if isinstance(d, int) else None for d in caches[0].shape[1:]]
+        if None not in dims and len(caches) % 2 == 0:
+            block_size, num_kv_heads, head_size = dims
+            facts["cache_spec"] = CacheSpec(
+                num_layers=len(caches) // 2,
+                num_kv_heads=num_kv_heads,
+                head_size=head_size,
+                dtype=caches[0].dtype,
+                block_size=block_size,
+            )
+    # The graph's outputs list mutated inputs first; the logits are the user output.
+    user_outputs = set(program.graph_signature.user_outputs)
+    output = next(n for n in program.graph.nodes if n.op == "output")
+    for node in output.args[0]:
+        value = getattr(node, "meta", {}).get("val") if hasattr(node, "name") else None
+        if node.name in user_outputs and isinstance(value, torch.Tensor) and value.dim() == 2:
+            if isinstance(value.shape[1], int):
+                facts["vocab_size"] = int(value.shape[1])
+            break
+    return facts

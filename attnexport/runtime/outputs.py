@@ -1,0 +1,111 @@
+"""What the engine returns for each request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from attnexport.runtime.sequence import Request
+
+FINISH_REASONS = ("stop", "length", "error", "aborted")
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request."""
+
+    index: int
+    """Sample index in ``0 .. n-1``."""
+    token_ids: list[int]
+    """The generated tokens (a stop token that ended the sample is included)."""
+    finish_reason: str | None
+    """``"stop"`` (a stop token), ``"length"`` (max_tokens or the model's maximum length),
+    ``"error"``, ``"aborted"``, or None while it is still generating."""
+    new_token_ids: list[int] = field(default_factory=list)
+    """Tokens added since the previous output of this request (streaming)."""
+
+
+@dataclass
+class RequestMetrics:
+    """Timings in seconds on ``time.perf_counter``'s clock, and prefix-cache use."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float | None
+    num_prompt_tokens: int
+    num_cached_prompt_tokens: int
+    """Prompt tokens served from the prefix cache (not computed)."""
+    num_preemptions: int
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        if self.finish_time is None:
+            return None
+        return self.finish_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request: its samples, whether it finished, and its error if it failed.
+
+    A request that fails validation (or cannot ever fit the KV pool) has ``error`` set, no
+    tokens, and finish reason ``"error"``; the other requests are not affected.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    error: str | None
+    metrics: RequestMetrics
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The generated tokens of sample 0."""
+        return self.outputs[0].token_ids if self.outputs else []
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The finish reason of sample 0 (``"error"`` for a failed request)."""
+        if self.error is not None:
+            return "error"
+        return self.outputs[0].finish_reason if self.outputs else None
+
+
+def snapshot(request: Request, sent: dict[int, int] | None = None) -> RequestOutput:
+    """The output of ``request`` now; ``sent`` maps sample index to tokens already reported and
+    is advanced (for streaming deltas)."""
+    outputs = []
+    for seq in request.seqs:
+        tokens = seq.output_ids
+        start = 0
+        if sent is not None:
+            start = sent.get(seq.sample_index, 0)
+            sent[seq.sample_index] = len(tokens)
+        reason = seq.finish_reason
+        if request.error is not None:
+            reason = "error"
+        outputs.append(CompletionOutput(seq.sample_index, tokens, reason, tokens[start:]))
+    outputs.sort(key=lambda o: o.index)
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt_token_ids=list(request.prompt),
+        outputs=outputs,
+        finished=request.finished,
+        error=request.error,
+        metrics=RequestMetrics(
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+            finish_time=request.finish_time,
+            num_prompt_tokens=request.prompt_len,
+            num_cached_prompt_tokens=request.num_cached_prompt_tokens,
+            num_preemptions=request.num_preemptions,
+        ),
+    )

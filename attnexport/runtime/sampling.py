@@ -1,0 +1,121 @@
+"""Sampling parameters and the sampler.
+
+Every sequence that samples at random owns a ``torch.Generator`` seeded from its request's
+``seed`` and its sample index, and draws exactly one number per generated token. A seeded
+request therefore produces the same tokens whatever else is in the batch, however it was
+scheduled (chunked, preempted, recomputed), and on every executor that computes the same logits.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a request is sampled. The defaults are greedy decoding of 16 tokens.
+
+    Values are checked per request by :meth:`check` when the request reaches the engine, so a
+    bad value fails that request only.
+    """
+
+    max_tokens: int = 16
+    """Tokens generated per sample, at most (fewer when a stop token or the model's maximum
+    length is reached)."""
+    temperature: float = 0.0
+    """0 means greedy (argmax); otherwise logits are divided by it before sampling."""
+    top_k: int = 0
+    """Sample among the k most likely tokens; 0 or -1 disables."""
+    top_p: float = 1.0
+    """Sample among the most likely tokens whose probabilities sum to top_p (nucleus)."""
+    seed: int | None = None
+    """Makes random sampling reproducible; None draws a fresh seed."""
+    stop_token_ids: Sequence[int] = field(default=())
+    """Generation of a sample stops after it produces one of these (the token is kept)."""
+    n: int = 1
+    """Samples generated from the prompt; they share the prompt's KV blocks."""
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def check(self) -> None:
+        """Raises ValueError (TypeError for a wrong type) naming the first bad field."""
+        _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("n", self.n, minimum=1)
+        _check_int("top_k", self.top_k, minimum=-1)
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
+            raise TypeError(f"temperature: expected a float, got {self.temperature!r}")
+        if not 0.0 <= self.temperature < float("inf"):
+            raise ValueError(
+                f"temperature: expected a finite value >= 0 (0 = greedy), got {self.temperature}"
+            )
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p: expected a value in (0, 1], got {self.top_p!r}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=None)
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids", token, minimum=0)
+
+
+def _check_int(name: str, value, minimum: int | None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name}: expected an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+
+
+def make_generator(params: SamplingParams, sample_index: int) -> torch.Generator | None:
+    """The random stream of sample ``sample_index`` of a request; None for greedy requests."""
+    if params.greedy:
+        return None
+    seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
+    # Distinct (seed, index) pairs get unrelated streams: sample 1 of seed s is not seed s + 1.
+    return torch.Generator().manual_seed(hash((seed, sample_index)) & (2**63 - 1))
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """One token per row of ``logits``.
+
+    Args:
+        logits: ``[N, vocab]`` float32 on the CPU.
+        params: N sampling parameters (row i uses ``params[i]``).
+        generators: N generators; None for greedy rows.
+
+    Returns:
+        N token ids.
+    """
+    tokens = [0] * len(params)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        rows = logits if len(greedy) == len(params) else logits[greedy]
+        for i, token in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
+            tokens[i] = token
+    for i, p in enumerate(params):
+        if not p.greedy:
+            tokens[i] = _sample_row(logits[i], p, generators[i])
+    return tokens
+
+
+def _sample_row(logits: torch.Tensor, params: SamplingParams, generator) -> int:
+    """Inverse-CDF sampling over the tokens sorted by probability (one uniform per token)."""
+    values, ids = torch.sort(logits.to(torch.float64) / params.temperature, descending=True)
+    if 0 < params.top_k < values.numel():
+        values, ids = values[: params.top_k], ids[: params.top_k]
+    probs = torch.softmax(values, dim=0)
+    if params.top_p < 1.0:
+        # Keep the shortest prefix whose mass reaches top_p (the first token always stays).
+        keep = int(((probs.cumsum(0) - probs) < params.top_p).sum())
+        probs = probs[:keep]
+    cdf = probs.cumsum(0)
+    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
+    index = min(int(torch.searchsorted(cdf, u, right=True)), cdf.numel() - 1)
+    return int(ids[index])

@@ -1,0 +1,261 @@
+"""Continuous batching: which sequences compute how many tokens in the next step.
+
+Each step spends a budget of ``max_num_batched_tokens`` tokens over at most ``max_num_seqs``
+sequences, in this order:
+
+1. running requests, oldest first: one token per decoding sequence, the next chunk of a prompt
+   being prefilled (chunked prefill). When the device pool cannot hold a request's tokens, the
+   youngest running request is preempted (swapped to the CPU pool or freed for recomputation)
+   until it can, and a request that has to preempt itself waits;
+2. if nothing was preempted: swapped requests, oldest first, when their blocks fit again;
+3. if nothing is swapped: waiting requests, oldest first (first the prefix-cache lookup, so a
+   cached prefix costs neither tokens nor blocks).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from attnexport.runtime.block_manager import BlockManager
+from attnexport.runtime.config import SchedulerConfig
+from attnexport.runtime.sequence import Request, Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: the sequences in batch order with their token counts, and the block moves
+    to apply before the model runs, in this order: swap-outs, swap-ins, copy-on-write copies."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    """(device block, CPU block) pairs."""
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    """(source, destination) device blocks (copy-on-write)."""
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    """(CPU block, device block) pairs."""
+    preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)
+    """Requests that can never fit the pool; the engine finishes them with their error."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+
+
+def _insert_by_age(queue: list[Request], request: Request) -> None:
+    bisect.insort(queue, request, key=lambda r: r.arrival_index)
+
+
+class Scheduler:
+    """Queues of requests and the per-step policy above."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        # Running sequences, counted as each request's n before its prompt forks.
+        self._num_running_seqs = 0
+
+    # ------------------------------------------------------------------ queues
+    def add(self, request: Request) -> None:
+        request.status = Status.WAITING
+        _insert_by_age(self.waiting, request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def finish(self, request: Request) -> None:
+        """Removes a finished (or failed, or aborted) request and frees its blocks."""
+        for queue in (self.running, self.waiting, self.swapped):
+            if request in queue:
+                queue.remove(request)
+                if queue is self.running:
+                    self._num_running_seqs -= self._seq_slots(request)
+        pool_of_swapped = request.status == Status.SWAPPED
+        for seq in request.seqs:
+            self._release(seq, pool_of_swapped)
+        request.status = Status.FINISHED
+
+    def free_finished_seq(self, seq: Sequence) -> None:
+        """Frees a sequence that finished while its request goes on."""
+        self._release(seq, swapped=False)
+        self._num_running_seqs -= 1
+
+    def _release(self, seq: Sequence, swapped: bool) -> None:
+        if swapped:
+            for block in seq.block_ids:
+                self.block_manager.cpu.decref(block)
+            seq.block_ids = []
+        else:
+            self.block_manager.free(seq)
+
+    @staticmethod
+    def _seq_slots(request: Request) -> int:
+        """Sequence slots the request holds: n until its prompt forks, then its live samples."""
+        if len(request.seqs) < request.params.n:
+            return request.params.n
+        return len(request.unfinished_seqs())
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            plan, cost = self._plan(request, budget)
+            if not plan:
+                index += 1
+                continue
+            while bm.blocks_needed(plan) > bm.device.num_free:
+                victim = self.running[-1]
+                if victim is request and len(self.running) == 1:
+                    self._fail_too_large(request, batch)
+                    break
+                self._preempt(victim, batch)
+                if victim is request:
+                    break
+            if request.status != Status.RUNNING:
+                continue  # it was preempted or failed: it was the last running request
+            for seq, count in plan:
+                bm.allocate(seq, count)
+                batch.add(seq, count)
+            budget -= cost
+            index += 1
+
+        if not batch.preempted:
+            budget = self._schedule_swapped(batch, budget)
+            if not self.swapped:
+                self._schedule_waiting(batch, budget)
+        if not batch.seqs and not batch.failed and not batch.preempted:
+            # Nothing runs, so the whole pool was free: the oldest queued request can never fit.
+            stuck = self.swapped[0] if self.swapped else self.waiting[0] if self.waiting else None
+            if stuck is not None:
+                self._fail_too_large(stuck, batch)
+        batch.copies = bm.take_pending_copies()
+        return batch
+
+    def _waits_for_leader(self, request: Request, seq: Sequence) -> bool:
+        """After a recomputation, a forked sample waits until the first unfinished sample (the
+        leader) has recomputed the shared prompt blocks, then shares them."""
+        shared = request.shared_prefix_len
+        leader = request.unfinished_seqs()[0]
+        if not shared or seq is leader or seq.block_ids or seq.num_computed:
+            return False
+        if leader.num_computed < shared:
+            return True
+        self.block_manager.fork(leader, seq, shared // self.block_manager.block_size)
+        return False
+
+    def _plan(self, request: Request, budget: int) -> tuple[list[tuple[Sequence, int]], int]:
+        """(sequence, tokens) pairs for ``request`` within ``budget``, and their token total."""
+        plan, cost = [], 0
+        for seq in request.unfinished_seqs():
+            if self._waits_for_leader(request, seq):
+                continue
+            count = min(seq.num_uncomputed, budget - cost)
+            if count <= 0:
+                break
+            if count < seq.num_uncomputed and not self.config.enable_chunked_prefill:
+                break
+            plan.append((seq, count))
+            cost += count
+        return plan, cost
+
+    def _schedule_swapped(self, batch: ScheduledBatch, budget: int) -> int:
+        bm = self.block_manager
+        while self.swapped and budget > 0:
+            request = self.swapped[0]
+            if self._num_running_seqs + self._seq_slots(request) > self.config.max_num_seqs:
+                break
+            plan, cost = self._plan(request, budget)
+            seqs = request.unfinished_seqs()
+            need = bm.swap_in_cost(seqs) + bm.blocks_needed(plan, pool=bm.cpu)
+            if not plan or need > bm.device.num_free:
+                break
+            self.swapped.pop(0)
+            batch.swap_in += bm.swap_in(seqs)
+            self._start_running(request)
+            for seq, count in plan:
+                bm.allocate(seq, count)
+                batch.add(seq, count)
+            budget -= cost
+        return budget
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0:
+            request = self.waiting[0]
+            if self._num_running_seqs + self._seq_slots(request) > self.config.max_num_seqs:
+                break
+            seqs = [s for s in request.unfinished_seqs() if not self._waits_for_leader(request, s)]
+            hits = [bm.match_prefix(seq) for seq in seqs]
+            plan, cost, need = [], 0, 0
+            for seq, seq_hits in zip(seqs, hits, strict=True):
+                remaining = seq.num_uncomputed - len(seq_hits) * bm.block_size
+                count = min(remaining, budget - cost)
+                if count <= 0 or (count < remaining and not self.config.enable_chunked_prefill):
+                    break
+                plan.append((seq, count))
+                cost += count
+                # Hit blocks nobody holds leave the free count when taken.
+                need += sum(bm.device.is_evictable(b) for b in seq_hits)
+                computed = (len(seq_hits)) * bm.block_size + count
+                need += -(-computed // bm.block_size) - len(seq_hits)
+            if len(plan) < len(seqs) or need > bm.device.num_free:
+                break
+            self.waiting.pop(0)
+            for (seq, count), seq_hits in zip(plan, hits, strict=True):
+                bm.take_prefix(seq, seq_hits)
+                bm.allocate(seq, count)
+                batch.add(seq, count)
+            if request.num_preemptions == 0:
+                request.num_cached_prompt_tokens = len(hits[0]) * bm.block_size
+            self._start_running(request)
+            budget -= cost
+
+    def _start_running(self, request: Request) -> None:
+        request.status = Status.RUNNING
+        _insert_by_age(self.running, request)
+        self._num_running_seqs += self._seq_slots(request)
+
+    # ------------------------------------------------------------------ preemption
+    def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
+        """Evicts ``request`` (running, none of its tokens scheduled in this step)."""
+        bm = self.block_manager
+        self.running.remove(request)
+        self._num_running_seqs -= self._seq_slots(request)
+        request.num_preemptions += 1
+        batch.preempted.append(request)
+        seqs = request.unfinished_seqs()
+        if self.config.preemption_mode == "swap" and bm.can_swap_out(seqs):
+            batch.swap_out += bm.swap_out(seqs)
+            request.status = Status.SWAPPED
+            _insert_by_age(self.swapped, request)
+        else:
+            for seq in seqs:
+                bm.free(seq)
+            if len(seqs) > 1:
+                request.shared_prefix_len = request.prompt_len // bm.block_size * bm.block_size
+            request.status = Status.WAITING
+            _insert_by_age(self.waiting, request)
+
+    def _fail_too_large(self, request: Request, batch: ScheduledBatch) -> None:
+        pool = self.block_manager.device.num_blocks
+        request.error = (
+            f"request {request.request_id}: its {len(request.unfinished_seqs())} sequence(s) need "
+            f"more KV-cache blocks than the pool holds ({pool} blocks); use a larger "
+            "CacheConfig.num_blocks/memory_bytes, a smaller n or fewer max_tokens"
+        )
+        batch.failed.append(request)
+        self.finish(request)

@@ -1,0 +1,98 @@
+"""Requests and their sequences: the state the scheduler and the block manager share.
+
+A request with ``n`` samples starts as one sequence that prefills the prompt; when the prompt's
+last token is computed the engine samples ``n`` tokens and forks the sequence, the forks sharing
+every prompt block (copy-on-write).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from attnexport.runtime.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    """Not admitted yet, or preempted by recomputation (its blocks were freed)."""
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    """Preempted by swapping: its blocks live in the CPU pool."""
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of a request: its tokens, how many are in the cache, and its blocks."""
+
+    seq_id: int
+    request: Request
+    token_ids: list[int]
+    """Prompt followed by the generated tokens."""
+    sample_index: int
+    generator: torch.Generator | None
+    num_computed: int = 0
+    """Leading tokens whose keys/values are in the cache."""
+    block_ids: list[int] = field(default_factory=list)
+    """Blocks holding the sequence, in order (device pool ids, or CPU pool ids when swapped)."""
+    block_hashes: list[tuple] = field(default_factory=list)
+    """Prefix-cache keys of the sequence's leading full blocks (computed lazily, in order)."""
+    num_registered_blocks: int = 0
+    """Leading blocks already entered in the prefix cache."""
+    finish_reason: str | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return self.request.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.request.prompt_len :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt and its sampling parameters, with per-request timings."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival_index: int
+    """Admission order: older requests have smaller indices (FCFS, preempt the youngest)."""
+    seqs: list[Sequence] = field(default_factory=list)
+    status: Status = Status.WAITING
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_cached_prompt_tokens: int = 0
+    """Prompt tokens whose prefill was skipped thanks to the prefix cache (first admission)."""
+    num_preemptions: int = 0
+    shared_prefix_len: int = 0
+    """Set when forked samples are preempted by recomputation: the first unfinished sample
+    recomputes these leading prompt tokens (whole blocks) alone, then the others share its
+    blocks instead of computing them again."""
+    error: str | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.finished]
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or all(s.finished for s in self.seqs)

@@ -1,0 +1,442 @@
+"""Generation benchmark on CPU: decode tokens/s and time to first token of a ~125M Llama-like
+model (random weights, seed 0) for
+
+* ``ort``        attnexport's OrtExecutor on the model exported with ``to_onnx``,
+* ``torch-sdpa`` attnexport's TorchExecutor (eager, sdpa backend),
+* ``torch-ipex`` attnexport's TorchExecutor on the ipex backend (run with ``--ipex-python``),
+* ``hf``         Hugging Face transformers ``generate`` (eager, its own contiguous cache),
+* ``genai``      onnxruntime-genai on the model its builder makes from the same checkpoint
+                 (run with ``--genai-python``, an interpreter that has ``onnxruntime_genai``),
+
+at batch 1/8/32 (prompt 128 tokens, 128 new tokens, greedy, ``--threads`` threads), plus the KV
+memory the paged cache allocates for a batch of mixed lengths against onnxruntime-genai's
+contiguous cache. Every leg runs in its own process; all legs of one invocation share the
+machine in turn, so ratios between them are comparable. ``--quick`` is a smoke test on a tiny
+model.
+
+    python benchmarks/generate.py --genai-python /path/to/venv/bin/python \\
+        --ipex-python .venv-ipex/bin/python --write-docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FULL_CONFIG = {
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "vocab_size": 32000,
+}
+QUICK_CONFIG = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+}
+LEGS = ("ort", "torch-sdpa", "torch-ipex", "hf", "genai")
+BLOCK_SIZE = 16
+MAX_POSITIONS = 2048
+# The mixed batch of the memory comparison: prompt lengths, each followed by 32 new tokens.
+MIXED_PROMPTS = (37, 512, 100, 1000, 250, 64, 700, 180)
+MIXED_NEW = 32
+
+
+# ----------------------------------------------------------------------------- preparation
+
+
+def make_checkpoint(directory: Path, quick: bool) -> None:
+    """A transformers LlamaForCausalLM with random weights (seed 0) and a WordLevel tokenizer
+    (onnxruntime-genai's builder insists on one)."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    config = transformers.LlamaConfig(
+        **(QUICK_CONFIG if quick else FULL_CONFIG),
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="t0", bos_token="t1", eos_token="t2"
+    ).save_pretrained(directory)
+
+
+def export_onnx(checkpoint: Path, path: Path) -> float:
+    """Our ONNX export of the checkpoint; returns the seconds it took."""
+    from attnexport.lowering import to_onnx
+    from models import load_model
+
+    model = load_model(checkpoint)
+    sample = model.export_sample(block_size=BLOCK_SIZE)
+    start = time.perf_counter()
+    to_onnx(
+        model,
+        sample.args,
+        path,
+        dynamic_shapes=sample.dynamic_shapes,
+        output_names=["logits"],
+        cache_spec=model.cache_spec(BLOCK_SIZE),
+        metadata={"max_position_embeddings": str(MAX_POSITIONS)},
+    )
+    return time.perf_counter() - start
+
+
+def build_genai(python: str, checkpoint: Path, out: Path, threads: int) -> None:
+    builder = [python, "-m", "onnxruntime_genai.models.builder"]
+    subprocess.run(
+        [*builder, "-i", str(checkpoint), "-o", str(out), "-p", "fp32", "-e", "cpu"],
+        check=True,
+        capture_output=True,
+    )
+    config_path = out / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    options = config["model"]["decoder"]["session_options"]
+    options["intra_op_num_threads"], options["inter_op_num_threads"] = threads, 1
+    config_path.write_text(json.dumps(config, indent=1))
+
+
+# ----------------------------------------------------------------------------- legs
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(3, vocab, size=(batch, length)).tolist()
+
+
+def _engine_leg(args, executor) -> dict:
+    from attnexport.runtime import CacheConfig, Engine, SamplingParams, SchedulerConfig
+
+    length = args.prompt_len + args.new_tokens
+    blocks = args.batch * -(-length // BLOCK_SIZE)
+    engine = Engine(
+        executor,
+        CacheConfig(num_blocks=blocks + 8, enable_prefix_caching=False),
+        SchedulerConfig(
+            max_num_seqs=max(args.batch, 1),
+            max_num_batched_tokens=args.batch * args.prompt_len,
+            max_model_len=length,
+        ),
+    )
+    params = SamplingParams(max_tokens=args.new_tokens)
+    engine.generate(_prompts(args.batch, args.prompt_len, args.vocab, 1), SamplingParams(4))
+    start = time.perf_counter()
+    outputs = engine.generate(_prompts(args.batch, args.prompt_len, args.vocab, 0), params)
+    end = time.perf_counter()
+    first = max(o.metrics.first_token_time for o in outputs)
+    assert all(len(o.token_ids) == args.new_tokens for o in outputs)
+    return {
+        "ttft_s": first - start,
+        "decode_tok_s": args.batch * (args.new_tokens - 1) / (end - first),
+        "describe": engine.executor.describe(),
+    }
+
+
+def leg_ort(args) -> dict:
+    from attnexport.runtime import OrtExecutor
+
+    return _engine_leg(
+        args, OrtExecutor(args.work / "ours" / "model.onnx", num_threads=args.threads)
+    )
+
+
+def leg_torch(args, backend: str) -> dict:
+    from attnexport.custom_ops import registered_backends
+    from attnexport.runtime import TorchExecutor
+    from models import load_model
+
+    if backend not in {b.name for b in registered_backends()}:
+        return {"skipped": f"the {backend} backend is not registered in this build"}
+    model = load_model(args.work / "ckpt")
+    return _engine_leg(args, TorchExecutor(model, backend=backend, block_size=BLOCK_SIZE))
+
+
+def leg_hf(args) -> dict:
+    import torch
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(args.work / "ckpt").eval()
+    kwargs = {"do_sample": False, "pad_token_id": 2}
+
+    def run(prompts, new):
+        ids = torch.tensor(prompts)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kwargs)
+        return time.perf_counter() - start
+
+    run(_prompts(args.batch, args.prompt_len, args.vocab, 1), 4)
+    prompts = _prompts(args.batch, args.prompt_len, args.vocab, 0)
+    ttft = run(prompts, 1)
+    total = run(prompts, args.new_tokens)
+    return {
+        "ttft_s": ttft,
+        "decode_tok_s": args.batch * (args.new_tokens - 1) / (total - ttft),
+        "describe": f"transformers {transformers.__version__} eager",
+    }
+
+
+def leg_genai(args) -> dict:
+    import numpy as np
+    import onnxruntime_genai as og
+
+    model = og.Model(str(args.work / "genai"))
+
+    def run(prompts, new):
+        params = og.GeneratorParams(model)
+        total = args.prompt_len + new
+        params.set_search_options(
+            max_length=total, min_length=total, do_sample=False, batch_size=args.batch
+        )
+        generator = og.Generator(model, params)
+        start = time.perf_counter()
+        generator.append_tokens(np.asarray(prompts, dtype=np.int32))
+        first = time.perf_counter()
+        while not generator.is_done():
+            generator.generate_next_token()
+        return first - start, time.perf_counter() - first
+
+    run(_prompts(args.batch, args.prompt_len, args.vocab, 1), 4)
+    ttft, decode = run(_prompts(args.batch, args.prompt_len, args.vocab, 0), args.new_tokens)
+    return {
+        "ttft_s": ttft,
+        "decode_tok_s": args.batch * (args.new_tokens - 1) / decode,
+        "describe": f"onnxruntime-genai {og.__version__}",
+    }
+
+
+def leg_memory(args) -> dict:
+    """Peak KV blocks the paged engine holds for the mixed batch vs the tokens it stores."""
+    from attnexport.runtime import CacheConfig, Engine, OrtExecutor, SamplingParams, SchedulerConfig
+
+    executor = OrtExecutor(args.work / "ours" / "model.onnx", num_threads=args.threads)
+    prompts = [_prompts(1, n, args.vocab, i)[0] for i, n in enumerate(MIXED_PROMPTS)]
+    engine = Engine(
+        executor,
+        CacheConfig(num_blocks=MAX_POSITIONS // BLOCK_SIZE * 4, enable_prefix_caching=False),
+        SchedulerConfig(max_num_batched_tokens=4096, max_model_len=MAX_POSITIONS),
+    )
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=MIXED_NEW))
+    peak = {"bytes_in_use": 0}
+    while engine.has_unfinished_requests():
+        engine.step()
+        usage = engine.kv_cache_usage()
+        if usage["bytes_in_use"] > peak["bytes_in_use"]:
+            peak = usage
+    spec = executor.cache_spec
+    per_token = spec.bytes_per_block // spec.block_size
+    longest = max(MIXED_PROMPTS) + MIXED_NEW
+    return {
+        "per_token_bytes": per_token,
+        "tokens_stored": peak["tokens_stored"],
+        "paged_bytes": peak["bytes_in_use"],
+        "genai_bytes_longest": len(MIXED_PROMPTS) * longest * per_token,
+        "genai_bytes_default": len(MIXED_PROMPTS) * MAX_POSITIONS * per_token,
+    }
+
+
+def run_leg(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    legs = {
+        "ort": leg_ort,
+        "torch-sdpa": lambda a: leg_torch(a, "sdpa"),
+        "torch-ipex": lambda a: leg_torch(a, "ipex"),
+        "hf": leg_hf,
+        "genai": leg_genai,
+        "memory": leg_memory,
+    }
+    return legs[args.leg](args)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _python_for(leg: str, args) -> str | None:
+    if leg == "torch-ipex":
+        return args.ipex_python
+    if leg == "genai":
+        return args.genai_python
+    return sys.executable
+
+
+def _spawn(leg: str, python: str, args, batch: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TORCHINDUCTOR_COMPILE_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    command = [python, str(Path(__file__).resolve()), "--leg", leg, "--work", str(args.work)]
+    command += ["--batch", str(batch), "--threads", str(args.threads), "--vocab", str(args.vocab)]
+    command += ["--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        return {"error": lines[-1] if lines else f"exit {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _table(results: dict, batches: list[int]) -> list[str]:
+    header = "| executor | " + " | ".join(
+        f"batch {b} decode tok/s | batch {b} TTFT s" for b in batches
+    )
+    lines = [header + " |", "|---" * (1 + 2 * len(batches)) + "|"]
+    for leg, per_batch in results.items():
+        cells = []
+        for b in batches:
+            r = per_batch.get(b, {})
+            if "decode_tok_s" in r:
+                cells += [f"{r['decode_tok_s']:.1f}", f"{r['ttft_s']:.3f}"]
+            else:
+                note = r.get("skipped") or r.get("error") or "not run"
+                cells += [note[:60], ""]
+        lines.append(f"| {leg} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _memory_lines(memory: dict) -> list[str]:
+    if "paged_bytes" not in memory:
+        return [f"KV memory comparison not run: {memory.get('error', memory)}"]
+    stored = memory["tokens_stored"] * memory["per_token_bytes"]
+
+    def row(name, allocated):
+        over = 100 * (allocated / stored - 1)
+        return f"| {name} | {allocated / 2**20:.1f} | {stored / 2**20:.1f} | {over:+.1f}% |"
+
+    lengths = ", ".join(str(n) for n in MIXED_PROMPTS)
+    return [
+        f"KV memory for a batch of {len(MIXED_PROMPTS)} prompts ({lengths} tokens) each "
+        f"generating {MIXED_NEW} tokens, at the peak (block size {BLOCK_SIZE}):",
+        "",
+        "| cache | allocated MiB | tokens stored MiB | overhead |",
+        "|---|---|---|---|",
+        row("attnexport paged (blocks in use)", memory["paged_bytes"]),
+        row("contiguous, max length = longest sequence", memory["genai_bytes_longest"]),
+        row(
+            f"contiguous, max length = {MAX_POSITIONS} (genai default)",
+            memory["genai_bytes_default"],
+        ),
+    ]
+
+
+def write_docs(lines: list[str]) -> None:
+    """Replaces (or appends) the "Generation (CPU)" section of docs/benchmarks.md."""
+    path = ROOT / "docs" / "benchmarks.md"
+    title = "## Generation (CPU)"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    section = "\n".join([title, "", *lines]) + "\n"
+    if title in text:
+        start = text.index(title)
+        following = text.find("\n## ", start + len(title))
+        text = text[:start] + section + (text[following + 1 :] if following >= 0 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, batch 1 and 2")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=1, help="runs per leg; the best counts")
+    parser.add_argument("--legs", nargs="+", default=list(LEGS), choices=LEGS)
+    parser.add_argument("--work", type=Path, default=ROOT / "out" / "bench_generate")
+    parser.add_argument("--ipex-python", default=str(ROOT / ".venv-ipex" / "bin" / "python"))
+    parser.add_argument("--genai-python", default=sys.executable)
+    parser.add_argument("--json", type=Path, help="also write the results as JSON here")
+    parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
+    # Internal: run one leg in this process and print its JSON result.
+    parser.add_argument("--leg", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--vocab", type=int, default=FULL_CONFIG["vocab_size"], help=argparse.SUPPRESS
+    )
+    args = parser.parse_args()
+    if args.leg:
+        print(json.dumps(run_leg(args)))
+        return 0
+
+    if args.quick:
+        args.batches, args.prompt_len, args.new_tokens = [1, 2], 16, 8
+    args.vocab = (QUICK_CONFIG if args.quick else FULL_CONFIG)["vocab_size"]
+    args.work = args.work / ("quick" if args.quick else "full")
+    checkpoint = args.work / "ckpt"
+    if not (checkpoint / "config.json").exists():
+        print(f"checkpoint -> {checkpoint}", file=sys.stderr)
+        make_checkpoint(checkpoint, args.quick)
+    if not (args.work / "ours" / "model.onnx").exists():
+        seconds = export_onnx(checkpoint, args.work / "ours" / "model.onnx")
+        print(f"to_onnx: {seconds:.1f} s", file=sys.stderr)
+    legs = list(args.legs)
+    if "genai" in legs and not (args.work / "genai" / "genai_config.json").exists():
+        try:
+            build_genai(args.genai_python, checkpoint, args.work / "genai", args.threads)
+        except (subprocess.CalledProcessError, OSError) as error:
+            print(f"genai: builder failed ({error}); pass --genai-python", file=sys.stderr)
+
+    results: dict[str, dict[int, dict]] = {leg: {} for leg in legs}
+    # Legs alternate within each repeat, and the best repeat counts: on a shared machine this
+    # gives every leg the same chances of a quiet moment.
+    for repeat in range(args.repeat):
+        for batch in args.batches:
+            for leg in legs:
+                python = _python_for(leg, args)
+                if not python or not Path(python).exists():
+                    results[leg][batch] = {"skipped": f"no interpreter for {leg}: {python}"}
+                    continue
+                result = _spawn(leg, python, args, batch)
+                print(f"repeat {repeat} batch {batch} {leg}: {result}", file=sys.stderr)
+                best = results[leg].get(batch, {})
+                if result.get("decode_tok_s", 0) >= best.get("decode_tok_s", -1):
+                    results[leg][batch] = result
+    memory = _spawn("memory", sys.executable, args, 1) if "ort" in legs else {}
+
+    import platform
+
+    import onnxruntime
+    import torch
+
+    lines = [
+        f"{'Tiny smoke-test model' if args.quick else 'Llama-like ~125M model'} "
+        f"({'x'.join(str(v) for v in (QUICK_CONFIG if args.quick else FULL_CONFIG).values())} "
+        "hidden/intermediate/layers/heads/kv-heads/vocab, fp32, random weights seed 0), "
+        f"prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, {args.threads} threads;"
+        f" {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+        f"onnxruntime {onnxruntime.__version__}. TTFT = prefill of the whole batch. Best of "
+        f"{args.repeat} alternating run(s) per leg.",
+        "",
+        *_table(results, args.batches),
+        "",
+        *_memory_lines(memory),
+    ]
+    print("\n".join(lines))
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "memory": memory}, indent=1))
+    if args.write_docs:
+        write_docs(lines)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Random workloads through the real engine on an exact checksum model: whatever the pool size,
+budgets, preemption mode, prefix sharing and forks, every sample's tokens equal the reference
+and every block is free again at the end."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from attnexport.runtime import CacheConfig, Engine, SamplingParams, SchedulerConfig, TorchExecutor
+from tests.runtime.echo_decoder import EchoDecoder, reference_tokens
+
+MODEL = EchoDecoder()
+PREFIXES = [[1, 2, 3, 4, 5, 6], [9, 8, 7, 6], []]
+
+
+@st.composite
+def workloads(draw):
+    requests = []
+    for _ in range(draw(st.integers(1, 6))):
+        prefix = draw(st.sampled_from(PREFIXES))
+        tail = draw(st.lists(st.integers(0, MODEL.vocab_size - 1), min_size=1, max_size=10))
+        params = SamplingParams(max_tokens=draw(st.integers(1, 12)), n=draw(st.integers(1, 3)))
+        requests.append((prefix + tail, params))
+    block_size = draw(st.sampled_from([2, 4]))
+    max_model_len = 32
+    min_blocks = max_model_len // block_size
+    config = {
+        "num_blocks": draw(st.integers(min_blocks, 3 * min_blocks)),
+        "block_size": block_size,
+        "prefix": draw(st.booleans()),
+        "scheduler": SchedulerConfig(
+            max_num_seqs=draw(st.integers(3, 8)),
+            max_num_batched_tokens=draw(st.integers(4, 40)),
+            max_model_len=max_model_len,
+            preemption_mode=draw(st.sampled_from(["swap", "recompute"])),
+        ),
+        "cpu_blocks": draw(st.sampled_from([4, 64])),
+    }
+    return requests, config
+
+
+def _peak_blocks(prompt: list[int], params: SamplingParams, block_size: int) -> int:
+    """Blocks a request holds at its end, its samples sharing the full prompt blocks."""
+    computed = len(prompt) + params.max_tokens - 1
+    shared = len(prompt) // block_size
+    return shared + params.n * (-(-computed // block_size) - shared)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_random_workloads_are_exact_and_leak_no_block(workload):
+    requests, config = workload
+    executor = TorchExecutor(MODEL, cache_spec=MODEL.cache_spec(config["block_size"]))
+    cache = CacheConfig(
+        num_blocks=config["num_blocks"],
+        num_cpu_blocks=config["cpu_blocks"],
+        enable_prefix_caching=config["prefix"],
+    )
+    engine = Engine(executor, cache, config["scheduler"])
+    outputs = engine.generate([p for p, _ in requests], [params for _, params in requests])
+    for output, (prompt, params) in zip(outputs, requests, strict=True):
+        if _peak_blocks(prompt, params, config["block_size"]) > config["num_blocks"]:
+            assert output.finish_reason == "error" and "more KV-cache blocks" in output.error
+            continue
+        assert output.error is None, output.error
+        expected = reference_tokens(prompt, params.max_tokens, MODEL.vocab_size, 32)
+        assert [c.token_ids for c in output.outputs] == [expected] * params.n
+    bm = engine.block_manager
+    assert bm.device.num_free == engine.num_blocks and not any(bm.device.ref_counts)
+    assert bm.cpu.num_free == engine.num_cpu_blocks and not any(bm.cpu.ref_counts)
+    assert not engine.has_unfinished_requests()

@@ -1,0 +1,157 @@
+"""Greedy generation is identical across executors (eager module, loaded .pt2, onnxruntime)
+and attention backends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnexport.custom_ops import registered_backends
+from attnexport.runtime import CacheConfig, Engine, SamplingParams, SchedulerConfig, TorchExecutor
+from models import load_model
+
+BLOCK_SIZE = 4
+PROMPTS = [[5, 17, 3, 88, 41, 9, 60], [12, 2], list(range(20, 45)), [7, 7, 1, 90, 33]]
+PARAMS = SamplingParams(max_tokens=10)
+CACHE = CacheConfig(num_blocks=48)
+LIMITS = SchedulerConfig(max_model_len=128, max_num_batched_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("llama")
+
+
+@pytest.fixture(scope="module")
+def eager_tokens(model) -> list[list[int]]:
+    engine = Engine(TorchExecutor(model, block_size=BLOCK_SIZE, backend="sdpa"), CACHE, LIMITS)
+    return [o.token_ids for o in engine.generate(PROMPTS, PARAMS)]
+
+
+@pytest.fixture(scope="module")
+def pt2_path(model, tmp_path_factory):
+    sample = model.export_sample(block_size=BLOCK_SIZE)
+    path = tmp_path_factory.mktemp("pt2") / "model.pt2"
+    torch.export.save(sample.export(model), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def onnx_path(model, tmp_path_factory):
+    from attnexport.lowering import to_onnx
+
+    sample = model.export_sample(block_size=BLOCK_SIZE)
+    path = tmp_path_factory.mktemp("onnx") / "model.onnx"
+    to_onnx(
+        model,
+        sample.args,
+        path,
+        dynamic_shapes=sample.dynamic_shapes,
+        output_names=["logits"],
+        cache_spec=model.cache_spec(BLOCK_SIZE),
+    )
+    return path
+
+
+def test_onnxruntime_matches_eager(onnx_path, model, eager_tokens):
+    from attnexport.runtime import OrtExecutor
+
+    executor = OrtExecutor(onnx_path, num_threads=1)
+    assert executor.cache_spec == model.cache_spec(BLOCK_SIZE)
+    assert executor.vocab_size == model.config.vocab_size
+    engine = Engine(executor, CACHE, LIMITS)
+    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == eager_tokens
+
+
+def test_onnxruntime_updates_the_bound_caches_in_place(onnx_path, model):
+    """Each cache is one OrtValue bound as input and as ``_out`` output: its buffer is the torch
+    cache's, never changes across steps, is what onnxruntime returns as the output, and holds
+    the keys/values the eager model writes."""
+    from attnexport.runtime import OrtExecutor
+
+    ort_engine = Engine(OrtExecutor(onnx_path, num_threads=1), CACHE, LIMITS)
+    eager_engine = Engine(TorchExecutor(model, block_size=BLOCK_SIZE), CACHE, LIMITS)
+    executor = ort_engine.executor
+    values = executor.cache_ortvalues
+    pointers = [v.data_ptr() for v in values]
+    assert pointers == [c.data_ptr() for c in executor.kv_caches]
+    before = [c.clone() for c in executor.kv_caches]
+    for engine in (ort_engine, eager_engine):
+        engine.add_request(PROMPTS[2], SamplingParams(max_tokens=4))
+    for step in range(4):
+        ort_engine.step()
+        eager_engine.step()
+        outputs = executor._binding.get_outputs()[1:]  # after the logits, in binding order
+        assert [o.data_ptr() for o in outputs] == pointers, f"step {step}: a cache was copied"
+        assert [v.data_ptr() for v in values] == pointers
+    written = ort_engine.block_manager.num_used_blocks()
+    assert written > 0
+    eager_caches = eager_engine.executor.kv_caches
+    for cache, old, eager in zip(executor.kv_caches, before, eager_caches, strict=True):
+        assert not torch.equal(cache, old)
+        torch.testing.assert_close(cache, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_loaded_pt2_matches_eager(pt2_path, model, eager_tokens):
+    executor = TorchExecutor(pt2_path)
+    assert executor.cache_spec == model.cache_spec(BLOCK_SIZE)
+    assert executor.vocab_size == model.config.vocab_size
+    engine = Engine(executor, CACHE, LIMITS)
+    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == eager_tokens
+
+
+@pytest.mark.parametrize("name", ["ipex", "xformers"])
+def test_other_backends_match_sdpa(name, model, eager_tokens):
+    backend = next((b for b in registered_backends() if b.name == name), None)
+    if backend is None:
+        pytest.skip(f"{name}: backend not registered in this build")
+    reason = backend.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"{name}: {reason}")
+    device = "cpu" if "cpu" in backend.capabilities.devices else "cuda"
+    executor = TorchExecutor(model, block_size=BLOCK_SIZE, backend=name, device=device)
+    engine = Engine(executor, CACHE, LIMITS)
+    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == eager_tokens
+
+
+def test_executor_arguments_are_checked(model):
+    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
+        TorchExecutor(model, backend="nope")
+    with pytest.raises(ValueError, match=r"no such \.pt2 file"):
+        TorchExecutor("/nonexistent/model.pt2")
+    with pytest.raises(TypeError, match=r"model: expected an nn\.Module"):
+        TorchExecutor(42)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees no CUDA device"):
+            TorchExecutor(model, device="cuda")
+    from attnexport.runtime import OrtExecutor
+
+    with pytest.raises(ValueError, match=r"no such \.onnx file"):
+        OrtExecutor("/nonexistent/model.onnx")
+    with pytest.raises(ValueError, match="device: expected 'cpu' or 'cuda'"):
+        OrtExecutor("/nonexistent/model.onnx", device="meta")
+
+
+def test_engine_from_an_export_directory(pt2_path, eager_tokens, tmp_path):
+    directory = tmp_path / "export"
+    directory.mkdir()
+    (directory / "model.pt2").symlink_to(pt2_path)
+    (directory / "manifest.json").write_text('{"config": {"max_position_embeddings": 128}}')
+    engine = Engine.from_path(directory, cache_config=CACHE, scheduler_config=SchedulerConfig())
+    assert engine.max_model_len == 128 and engine.executor.name == "torch"
+    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == eager_tokens
+    with pytest.raises(ValueError, match=r"has no model\.onnx for --executor ort"):
+        Engine.from_path(directory, executor="ort")
+
+
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda d: d / "missing", "does not exist"),
+        (lambda d: d, r"holds neither model\.onnx nor model\.pt2"),
+        (lambda d: (d / "weights.bin").touch() or d / "weights.bin", "expected a .onnx or .pt2"),
+    ],
+)
+def test_bad_artifacts_are_named(make, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        Engine.from_path(make(tmp_path))

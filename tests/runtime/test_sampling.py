@@ -1,0 +1,74 @@
+"""The sampler: greedy, temperature, top-k, top-p, and per-request seeded streams."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnexport.runtime.sampling import SamplingParams, make_generator, sample
+
+
+def _logits(rows: int = 3, vocab: int = 50, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed))
+
+
+def test_greedy_is_argmax_with_first_index_on_ties():
+    logits = _logits()
+    logits[1] = 0.0
+    tokens = sample(logits, [SamplingParams()] * 3, [None] * 3)
+    assert tokens == [int(logits[0].argmax()), 0, int(logits[2].argmax())]
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
+    logits = _logits(rows=4)
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7)
+
+    def draw(rows):
+        generator = make_generator(params, 0)
+        return [sample(logits[r : r + 1], [params], [generator])[0] for r in rows]
+
+    alone = draw([2, 2, 2, 2, 2])
+    assert alone == draw([2, 2, 2, 2, 2])
+    # The same request in a batch next to a greedy and an unseeded one draws the same tokens.
+    mixed = []
+    generator = make_generator(params, 0)
+    for _ in range(5):
+        others = [SamplingParams(), SamplingParams(temperature=1.0)]
+        batch_params = [others[0], params, others[1]]
+        generators = [None, generator, make_generator(others[1], 0)]
+        mixed.append(sample(logits[[0, 2, 3]], batch_params, generators)[1])
+    assert mixed == alone
+    # Different seeds (and different sample indices) give different streams.
+    other = make_generator(SamplingParams(temperature=0.8, seed=8), 0)
+    second = make_generator(params, 1)
+    assert torch.rand(4, generator=other).tolist() != torch.rand(4, generator=second).tolist()
+
+
+def test_top_k_and_top_p_restrict_the_candidates():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0, -1.0]])
+    for params, allowed in (
+        (SamplingParams(temperature=1.0, top_k=1, seed=0), {1}),
+        (SamplingParams(temperature=1.0, top_k=2, seed=0), {1, 2}),
+        (SamplingParams(temperature=1.0, top_p=0.5, seed=0), {1}),
+        (SamplingParams(temperature=100.0, seed=0), {0, 1, 2, 3, 4}),
+    ):
+        generator = make_generator(params, 0)
+        seen = {sample(logits, [params], [generator])[0] for _ in range(200)}
+        assert seen == allowed, params
+
+
+@pytest.mark.parametrize(
+    "changes,error,message",
+    [
+        ({"max_tokens": 0}, ValueError, "max_tokens: expected an int >= 1, got 0"),
+        ({"max_tokens": 2.0}, TypeError, "max_tokens: expected an int"),
+        ({"n": 0}, ValueError, "n: expected an int >= 1"),
+        ({"temperature": -0.5}, ValueError, "temperature: expected a finite value >= 0"),
+        ({"top_p": 0.0}, ValueError, r"top_p: expected a value in \(0, 1\]"),
+        ({"top_k": -2}, ValueError, "top_k: expected an int >= -1"),
+        ({"stop_token_ids": [3, -1]}, ValueError, "stop_token_ids: expected an int >= 0"),
+    ],
+)
+def test_bad_params_name_the_field(changes, error, message):
+    with pytest.raises(error, match=message):
+        SamplingParams(**changes).check()

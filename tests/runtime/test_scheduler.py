@@ -1,0 +1,109 @@
+"""The scheduler without a model: token and sequence budgets, chunked prefill, preemption."""
+
+from __future__ import annotations
+
+import pytest
+
+from attnexport.runtime.block_manager import BlockManager
+from attnexport.runtime.config import CacheConfig, SchedulerConfig
+from attnexport.runtime.sampling import SamplingParams
+from attnexport.runtime.scheduler import Scheduler
+from attnexport.runtime.sequence import Request, Sequence, Status
+
+
+def _scheduler(num_blocks=64, block_size=4, **config) -> Scheduler:
+    bm = BlockManager(num_blocks, 16, block_size, enable_prefix_caching=False)
+    return Scheduler(SchedulerConfig(**config), bm)
+
+
+def _add(scheduler: Scheduler, prompt_len: int, index: int) -> Request:
+    request = Request(f"r{index}", list(range(prompt_len)), SamplingParams(), index)
+    request.seqs.append(Sequence(index, request, list(range(prompt_len)), 0, None))
+    scheduler.add(request)
+    return request
+
+
+def _step(scheduler: Scheduler) -> dict[str, int]:
+    """Schedules a step, pretends the model ran, appends a token to completed sequences;
+    returns tokens per request id."""
+    batch = scheduler.schedule()
+    for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        seq.num_computed += count
+        if seq.num_computed == len(seq.token_ids):
+            seq.token_ids.append(1)
+    pairs = zip(batch.seqs, batch.num_new_tokens, strict=True)
+    return {seq.request.request_id: n for seq, n in pairs}
+
+
+def test_chunked_prefill_fills_the_token_budget_after_decodes():
+    scheduler = _scheduler(max_num_batched_tokens=8)
+    _add(scheduler, 10, 0)
+    _add(scheduler, 7, 1)
+    assert _step(scheduler) == {"r0": 8}
+    assert _step(scheduler) == {"r0": 2, "r1": 6}
+    assert _step(scheduler) == {"r0": 1, "r1": 1}  # r0 decodes, r1 finishes its prompt
+    assert _step(scheduler) == {"r0": 1, "r1": 1}
+
+
+def test_without_chunking_a_prompt_waits_until_it_fits_whole():
+    scheduler = _scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False)
+    _add(scheduler, 6, 0)
+    _add(scheduler, 5, 1)
+    assert _step(scheduler) == {"r0": 6}
+    assert _step(scheduler) == {"r0": 1, "r1": 5}
+
+
+def test_max_num_seqs_limits_running_sequences():
+    scheduler = _scheduler(max_num_seqs=2)
+    for i in range(3):
+        _add(scheduler, 3, i)
+    assert _step(scheduler) == {"r0": 3, "r1": 3}
+    assert _step(scheduler) == {"r0": 1, "r1": 1}
+    scheduler.finish(scheduler.running[0])
+    assert _step(scheduler) == {"r1": 1, "r2": 3}
+
+
+def test_preemption_evicts_the_youngest_running_request():
+    # 5 blocks of 4 tokens: two sequences of 8 tokens fill 4; growing both needs 6.
+    for mode in ("recompute", "swap"):
+        scheduler = _scheduler(num_blocks=5, preemption_mode=mode)
+        old, young = _add(scheduler, 8, 0), _add(scheduler, 8, 1)
+        assert _step(scheduler) == {"r0": 8, "r1": 8}
+        assert _step(scheduler) == {"r0": 1}  # r1 is evicted to give r0 a new block
+        assert old.status == Status.RUNNING and young.num_preemptions == 1
+        if mode == "swap":
+            assert young.status == Status.SWAPPED and young.seqs[0].num_computed == 8
+        else:
+            assert young.status == Status.WAITING and young.seqs[0].num_computed == 0
+        scheduler.finish(old)
+        expected = 1 if mode == "swap" else 9  # recompute: prompt + its first token again
+        assert _step(scheduler) == {"r1": expected}
+        assert scheduler.block_manager.device.num_free == 5 - 3
+
+
+def test_a_request_larger_than_the_pool_fails_alone():
+    scheduler = _scheduler(num_blocks=3, max_num_batched_tokens=64)
+    request = _add(scheduler, 12, 0)
+    request.params = SamplingParams(n=2)  # two samples of 12+ tokens cannot share 3 blocks
+    _step(scheduler)  # prefill: 3 blocks
+    request.seqs.append(Sequence(1, request, list(request.seqs[0].token_ids), 1, None))
+    scheduler.block_manager.fork(request.seqs[0], request.seqs[1])
+    request.seqs[1].token_ids[-1] = 2
+    batch = scheduler.schedule()
+    assert batch.failed == [request] and "more KV-cache blocks than the pool" in request.error
+    assert scheduler.block_manager.device.num_free == 3
+
+
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs: expected a positive int"),
+        (lambda: SchedulerConfig(max_model_len=-4), "max_model_len: expected a positive int"),
+        (lambda: SchedulerConfig(preemption_mode="drop"), "expected 'swap' or 'recompute'"),
+        (lambda: CacheConfig(num_blocks=-1), "num_blocks: expected a non-negative int"),
+        (lambda: CacheConfig(swap_space_bytes=1.5), "swap_space_bytes: expected a non-negative"),
+    ],
+)
+def test_bad_configs_name_the_field(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
