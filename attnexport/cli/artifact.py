@@ -134,8 +134,10 @@ def export_artifact(
         raise ArtifactError(f"--block-size: expected a positive integer, got {options.block_size}")
     source = Path(model_ref) if Path(model_ref).is_dir() else None
     if source is None and ("/" in model_ref or model_ref.startswith(".")):
-        raise ArtifactError(f"MODEL: {model_ref} is not a directory (a checkpoint directory "
-                            "with config.json, or a zoo name)")
+        raise ArtifactError(
+            f"MODEL: {model_ref} is not a directory (a checkpoint directory "
+            "with config.json, or a zoo name)"
+        )
     step(f"loading {model_ref}")
     model = load_model(model_ref, dtype=options.dtype, seed=options.seed)
     out.mkdir(parents=True, exist_ok=True)

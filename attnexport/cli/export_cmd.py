@@ -29,8 +29,13 @@ def add_parser(commands) -> None:
         "only, or com.microsoft.PagedAttention for onnxruntime's CUDA EP",
     )
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
-    parser.add_argument("--block-size", type=int, default=16, metavar="N",
-                        help="tokens per KV-cache block (default 16)")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        metavar="N",
+        help="tokens per KV-cache block (default 16)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="weights seed of zoo models")
     parser.add_argument("--json", action="store_true", help="print the manifest as JSON")
     parser.set_defaults(run=run)
@@ -56,8 +61,11 @@ def run(args: argparse.Namespace) -> int:
     Console().print(
         f"[green]exported[/] {manifest['architecture']} ({manifest['kind']}, "
         f"{manifest['dtype']}) to {args.out}: {files}, manifest.json"
-        + (f", {len(manifest['tokenizer_files'])} tokenizer files"
-           if manifest["tokenizer_files"] else "")
+        + (
+            f", {len(manifest['tokenizer_files'])} tokenizer files"
+            if manifest["tokenizer_files"]
+            else ""
+        )
         + f" in {seconds:.1f} s"
     )
     return 0

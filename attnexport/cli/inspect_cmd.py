@@ -37,13 +37,12 @@ def inspect_onnx(path: Path) -> dict:
     if path.is_dir():
         path = path / "model.onnx"
     if not path.is_file():
-        raise CliError(f"{path}: no such ONNX file (export one with: attnexport export MODEL "
-                       "--out DIR)")
+        raise CliError(
+            f"{path}: no such ONNX file (export one with: attnexport export MODEL --out DIR)"
+        )
     model = onnx.load(str(path), load_external_data=False)
     metadata = {p.key: p.value for p in model.metadata_props}
-    ops = collections.Counter(
-        f"{n.domain or 'ai.onnx'}::{n.op_type}" for n in model.graph.node
-    )
+    ops = collections.Counter(f"{n.domain or 'ai.onnx'}::{n.op_type}" for n in model.graph.node)
     custom = {k: v for k, v in ops.items() if not k.startswith(("ai.onnx::", "com.microsoft"))}
     cache_outputs = json.loads(metadata.get("cache_outputs", "{}"))
     return {

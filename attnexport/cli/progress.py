@@ -15,20 +15,22 @@ def steps(quiet: bool = False) -> Iterator[Callable[[str], None]]:
         yield lambda _description: None
         return
     from rich.console import Console
+    from rich.markup import escape
 
     console = Console(stderr=True)
     current: list = [None, 0.0]
 
     def finish() -> None:
         if current[0] is not None:
-            console.print(f"[dim]  {current[0]} ({time.perf_counter() - current[1]:.1f} s)[/]")
+            elapsed = time.perf_counter() - current[1]
+            console.print(f"[dim]  {escape(current[0])} ({elapsed:.1f} s)[/]")
 
     with console.status("") as status:
 
         def step(description: str) -> None:
             finish()
             current[0], current[1] = description, time.perf_counter()
-            status.update(f"{description}...")
+            status.update(f"{escape(description)}...")
 
         yield step
     finish()
