@@ -29,6 +29,20 @@ def tolerance(dtype: torch.dtype) -> dict[str, float]:
     return {"atol": atol, "rtol": rtol}
 
 
+_MODEL_TOLERANCES = {
+    torch.float64: 1e-8,
+    torch.float32: 1e-4,
+    torch.bfloat16: 1e-1,
+    torch.float16: 2e-2,
+}
+
+
+def model_tolerance(dtype: torch.dtype) -> float:
+    """Max abs error allowed between two runs of a whole model (logits, hidden states, caches)
+    in ``dtype``: eager vs exported vs ONNX vs another backend, or vs transformers."""
+    return _MODEL_TOLERANCES[dtype]
+
+
 @dataclass(frozen=True)
 class AttentionCase:
     """A batch: sequence i has ``context_lens[i]`` cached tokens and ``query_lens[i]`` new ones."""

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models.driver import Runner
+from attnexport.runtime.step_driver import Runner
 
 EXECUTORS = ("eager", "exported", "onnx")
 

@@ -12,11 +12,12 @@ import pytest
 import torch
 import transformers
 
+from attnexport.testing import model_tolerance
 from models import load_model
 from models.bert import SentenceEmbedder, offsets_of
 from tests.models.executors import EXECUTORS, compile_module
 
-ATOL = 1e-4
+ATOL = model_tolerance(torch.float32)
 SEQUENCES = ([5, 17, 3, 99, 42], [7, *range(20, 41)], [11, 2], [9])
 TOKEN_TYPES = ([0, 0, 0, 1, 1], [0] * 10 + [1] * 12, [0, 1], [0])
 

@@ -10,8 +10,11 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from attnexport.testing import model_tolerance
 from models import CheckpointError, load_model
 from tests.models.hf_reference import build_checkpoint, causal_lm_logits
+
+ATOL = model_tolerance(torch.float32)
 
 TOKENS = [3, 1, 4, 1, 5, 9, 2, 6]
 
@@ -32,7 +35,7 @@ def _llama_config(**overrides):
 
 def _our_logits(model, tokens):
     """Logits of every token of one sequence, prefilled in one step."""
-    from tests.models.driver import PagedDriver
+    from attnexport.runtime.step_driver import PagedDriver
     from tests.models.executors import make_runner
 
     driver = PagedDriver(make_runner(model, "eager", 4, None), model.cache_spec(4), 16)
@@ -47,7 +50,9 @@ def test_sharded_checkpoint_loads(tmp_path):
     shards = sorted(tmp_path.glob("model-*.safetensors"))
     assert len(shards) > 1 and (tmp_path / "model.safetensors.index.json").exists()
     ours = _our_logits(load_model(tmp_path), TOKENS)
-    torch.testing.assert_close(ours, causal_lm_logits(hf_model, TOKENS), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        ours, causal_lm_logits(hf_model, TOKENS), atol=model_tolerance(torch.float32), rtol=0
+    )
 
 
 def test_legacy_rope_fields_in_config_json(tmp_path):
@@ -68,7 +73,9 @@ def test_legacy_rope_fields_in_config_json(tmp_path):
     del config["rope_scaling"]["rope_type"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     ours = _our_logits(load_model(tmp_path), TOKENS)
-    torch.testing.assert_close(ours, causal_lm_logits(hf_model, TOKENS), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        ours, causal_lm_logits(hf_model, TOKENS), atol=model_tolerance(torch.float32), rtol=0
+    )
 
 
 def test_gpt2_without_transformer_prefix_and_as_pytorch_bin(tmp_path):
@@ -83,7 +90,9 @@ def test_gpt2_without_transformer_prefix_and_as_pytorch_bin(tmp_path):
     legacy["h.0.attn.bias"] = torch.ones(1, 1, 32, 32)
     torch.save(legacy, tmp_path / "pytorch_model.bin")
     ours = _our_logits(load_model(tmp_path), TOKENS)
-    torch.testing.assert_close(ours, causal_lm_logits(hf_model, TOKENS), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        ours, causal_lm_logits(hf_model, TOKENS), atol=model_tolerance(torch.float32), rtol=0
+    )
 
 
 @pytest.fixture

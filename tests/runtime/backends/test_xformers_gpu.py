@@ -332,8 +332,8 @@ def test_zoo_model_through_the_ops_on_cuda(name, dtype, tmp_path, operators):
     prefill, a chunked prefill mixed with decodes and decode steps (64-token blocks, shuffled):
     under ``auto`` (xformers where it runs, sdpa where it refuses) its logits match
     transformers' fp32 forward of the whole sequence, and xformers took part."""
+    from attnexport.runtime.step_driver import PagedDriver
     from models import load_model
-    from tests.models.driver import PagedDriver
     from tests.models.hf_reference import build_checkpoint, causal_lm_logits
 
     hf_class, config = _zoo_configs()[name]

@@ -1,4 +1,5 @@
-"""A minimal step-by-step driver for paged models, for the parity tests.
+"""A minimal step-by-step driver for paged models, for parity checks (tests, ``attnexport
+verify``).
 
 It keeps per-sequence token lists and block lists, allocates blocks from a shuffled free
 list (so block tables are never contiguous), builds each step's metadata with

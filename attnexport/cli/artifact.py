@@ -1,0 +1,238 @@
+"""Export directories: what ``attnexport export`` writes and how the other commands read it.
+
+An export directory holds ``model.onnx`` and/or ``model.pt2``, the tokenizer files of the
+checkpoint (when it has them) and ``manifest.json``::
+
+    {
+      "format": "attnexport-artifact", "format_version": 1,
+      "architecture": "llama", "kind": "decoder",
+      "source": {"kind": "zoo", "name": "llama", "seed": 0} | {"kind": "checkpoint", "path": ...},
+      "dtype": "float32", "config": {...the zoo config...},
+      "cache": {"block_size": 16, "num_layers": 2, "num_cross_layers": 0, "num_kv_heads": 2,
+                "head_size": 16, "dtype": "float32",
+                "layout": "num_blocks,block_size,num_kv_heads,head_size"} | null,
+      "target": "attnexport", "files": {"onnx": "model.onnx", "pt2": "model.pt2"},
+      "input_names": [...], "vocab_size": 256, "max_model_len": 2048,
+      "generation": {"eos_token_ids": [2], "decoder_start_token_id": null},
+      "tokenizer_files": ["tokenizer.json", ...],
+      "versions": {"attnexport": ..., "torch": ..., "onnx": ..., "onnxruntime": ..., ...},
+      "export_seconds": {"torch.export": 0.5, "onnx": 3.1}
+    }
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from attnexport._version import __version__
+
+MANIFEST = "manifest.json"
+ONNX_FILE = "model.onnx"
+PT2_FILE = "model.pt2"
+FORMATS = ("onnx", "pt2", "both")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "generation_config.json",
+)
+
+
+class ArtifactError(ValueError):
+    """An export directory or model file that cannot be used; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What ``attnexport export`` was asked for."""
+
+    formats: tuple[str, ...] = ("onnx",)
+    target: str = "attnexport"
+    dtype: torch.dtype = torch.float32
+    block_size: int = 16
+    seed: int = 0
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _versions() -> dict[str, str]:
+    import onnx
+    import onnxruntime
+    import onnxscript
+
+    return {
+        "attnexport": __version__,
+        "torch": torch.__version__,
+        "onnx": onnx.__version__,
+        "onnxscript": onnxscript.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def generation_defaults(source: Path | None, model) -> dict:
+    """End-of-sequence tokens and decoder start token, as ``transformers.generate`` would take
+    them: ``generation_config.json`` first, then ``config.json``."""
+    config = getattr(model, "config", None)
+    defaults = {
+        "eos_token_ids": [],
+        "decoder_start_token_id": getattr(config, "decoder_start_token_id", None),
+    }
+    if source is None:
+        return defaults
+    for name in ("config.json", "generation_config.json"):  # the later file wins
+        path = source / name
+        if not path.is_file():
+            continue
+        values = json.loads(path.read_text())
+        if "eos_token_id" in values:
+            defaults["eos_token_ids"] = _as_list(values["eos_token_id"])
+        if values.get("decoder_start_token_id") is not None:
+            defaults["decoder_start_token_id"] = int(values["decoder_start_token_id"])
+    return defaults
+
+
+def export_artifact(
+    model_ref: str,
+    out: Path,
+    options: ExportOptions,
+    *,
+    step: Callable[[str], None] = lambda _: None,
+) -> dict:
+    """Exports zoo model or checkpoint ``model_ref`` into directory ``out``; returns the
+    manifest. ``step(description)`` is called before each long step (for progress display)."""
+    from attnexport import lowering
+    from models import load_model
+
+    if options.target not in ("attnexport", "standard", "ort-cuda"):
+        raise ArtifactError(
+            f"--target: expected attnexport, standard or ort-cuda, got {options.target!r}"
+        )
+    if options.block_size < 1:
+        raise ArtifactError(f"--block-size: expected a positive integer, got {options.block_size}")
+    source = Path(model_ref) if Path(model_ref).is_dir() else None
+    if source is None and ("/" in model_ref or model_ref.startswith(".")):
+        raise ArtifactError(
+            f"MODEL: {model_ref} is not a directory (a checkpoint directory "
+            "with config.json, or a zoo name)"
+        )
+    step(f"loading {model_ref}")
+    model = load_model(model_ref, dtype=options.dtype, seed=options.seed)
+    out.mkdir(parents=True, exist_ok=True)
+
+    sample = model.export_sample(options.block_size)
+    cache_spec = model.cache_spec(options.block_size) if model.kind != "encoder" else None
+    timings = {}
+    step("torch.export")
+    start = time.perf_counter()
+    program = lowering.export_program(model, sample.args, dynamic_shapes=sample.dynamic_shapes)
+    timings["torch.export"] = round(time.perf_counter() - start, 3)
+    files = {}
+    if "pt2" in options.formats:
+        step("saving model.pt2")
+        torch.export.save(program, out / PT2_FILE)
+        files["pt2"] = PT2_FILE
+    if "onnx" in options.formats:
+        step(f"lowering to ONNX (target {options.target})")
+        start = time.perf_counter()
+        lowering.to_onnx(
+            program,
+            sample.args,
+            out / ONNX_FILE,
+            target=options.target,
+            cache_spec=cache_spec,
+            metadata={"architecture": model.zoo_name, "kind": model.kind},
+        )
+        timings["onnx"] = round(time.perf_counter() - start, 3)
+        files["onnx"] = ONNX_FILE
+
+    tokenizer_files = []
+    if source is not None:
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, out / name)
+                tokenizer_files.append(name)
+    manifest = {
+        "format": "attnexport-artifact",
+        "format_version": 1,
+        "architecture": model.zoo_name,
+        "kind": model.kind,
+        "source": (
+            {"kind": "checkpoint", "path": str(source.resolve())}
+            if source is not None
+            else {"kind": "zoo", "name": model_ref, "seed": options.seed}
+        ),
+        "dtype": _dtype_name(options.dtype),
+        "config": model.config.to_dict(),
+        "cache": None
+        if cache_spec is None
+        else {
+            "block_size": cache_spec.block_size,
+            "num_layers": cache_spec.num_layers,
+            "num_cross_layers": cache_spec.num_cross_layers,
+            "num_kv_heads": cache_spec.num_kv_heads,
+            "head_size": cache_spec.head_size,
+            "dtype": _dtype_name(cache_spec.dtype),
+            "layout": "num_blocks,block_size,num_kv_heads,head_size",
+        },
+        "target": options.target if "onnx" in options.formats else None,
+        "files": files,
+        "input_names": list(sample.input_names),
+        "vocab_size": getattr(model.config, "vocab_size", None),
+        "max_model_len": model.max_model_len,
+        "generation": generation_defaults(source, model),
+        "tokenizer_files": [n for n in tokenizer_files if n != "generation_config.json"],
+        "versions": _versions(),
+        "export_seconds": timings,
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def read_manifest(artifact: Path) -> dict | None:
+    """The manifest of an export directory, or of the directory holding a model file; None
+    when there is none."""
+    directory = artifact if artifact.is_dir() else artifact.parent
+    path = directory / MANIFEST
+    if not path.is_file():
+        return None
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != "attnexport-artifact":
+        raise ArtifactError(f"{path}: not an attnexport manifest (no 'format' key)")
+    return manifest
+
+
+def rebuild_eager_model(manifest: dict):
+    """The eager model an artifact was exported from (zoo name + seed, or the checkpoint
+    directory if it still exists); None when the checkpoint is gone."""
+    from models import load_model
+
+    source = manifest["source"]
+    dtype = DTYPES[manifest["dtype"]]
+    if source["kind"] == "zoo":
+        return load_model(source["name"], dtype=dtype, seed=source["seed"])
+    if Path(source["path"]).is_dir():
+        return load_model(source["path"], dtype=dtype)
+    return None

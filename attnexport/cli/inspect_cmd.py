@@ -1,0 +1,112 @@
+"""``attnexport inspect model.onnx``: ops, custom nodes, cache ports and metadata of a file."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+from pathlib import Path
+
+from attnexport.cli.errors import CliError
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser(
+        "inspect", help="summarise an exported ONNX file (ops, cache ports, metadata)"
+    )
+    parser.add_argument("path", type=Path, metavar="MODEL", help="model.onnx or an export dir")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(run=run)
+
+
+def _shape(value_info) -> list:
+    dims = value_info.type.tensor_type.shape.dim
+    return [d.dim_param or d.dim_value for d in dims]
+
+
+def _dtype(value_info) -> str:
+    import onnx
+
+    return onnx.helper.tensor_dtype_to_np_dtype(value_info.type.tensor_type.elem_type).name
+
+
+def inspect_onnx(path: Path) -> dict:
+    """A JSON-able summary of an ONNX file."""
+    import onnx
+
+    if path.is_dir():
+        path = path / "model.onnx"
+    if not path.is_file():
+        raise CliError(
+            f"{path}: no such ONNX file (export one with: attnexport export MODEL --out DIR)"
+        )
+    model = onnx.load(str(path), load_external_data=False)
+    metadata = {p.key: p.value for p in model.metadata_props}
+    ops = collections.Counter(f"{n.domain or 'ai.onnx'}::{n.op_type}" for n in model.graph.node)
+    custom = {k: v for k, v in ops.items() if not k.startswith(("ai.onnx::", "com.microsoft"))}
+    cache_outputs = json.loads(metadata.get("cache_outputs", "{}"))
+    return {
+        "path": str(path),
+        "ir_version": model.ir_version,
+        "opsets": {o.domain or "ai.onnx": o.version for o in model.opset_import},
+        "inputs": [
+            {"name": i.name, "dtype": _dtype(i), "shape": _shape(i)} for i in model.graph.input
+        ],
+        "outputs": [
+            {"name": o.name, "dtype": _dtype(o), "shape": _shape(o)} for o in model.graph.output
+        ],
+        "cache_ports": [{"input": k, "output": v} for k, v in cache_outputs.items()],
+        "nodes": dict(sorted(ops.items())),
+        "custom_nodes": custom,
+        "functions": sorted(f"{f.domain}::{f.name}" for f in model.functions),
+        "parameters": sum(_numel(t) for t in model.graph.initializer),
+        "metadata": metadata,
+    }
+
+
+def _numel(tensor) -> int:
+    count = 1
+    for d in tensor.dims:
+        count *= d
+    return count
+
+
+def run(args: argparse.Namespace) -> int:
+    summary = inspect_onnx(args.path)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(
+        f"[bold]{summary['path']}[/]  IR {summary['ir_version']}, opsets "
+        + ", ".join(f"{d} {v}" for d, v in summary["opsets"].items())
+        + f", {summary['parameters']:,} parameters"
+    )
+    for title, rows in (("inputs", summary["inputs"]), ("outputs", summary["outputs"])):
+        table = Table(title=title, title_justify="left")
+        for column in ("name", "dtype", "shape"):
+            table.add_column(column)
+        for row in rows:
+            table.add_row(row["name"], row["dtype"], str(row["shape"]))
+        console.print(table)
+    console.print(
+        f"cache ports: {len(summary['cache_ports'])} (each input bound in place to its _out)"
+    )
+    table = Table(title="nodes", title_justify="left")
+    table.add_column("op")
+    table.add_column("count", justify="right")
+    for op, count in summary["nodes"].items():
+        table.add_row(op, str(count))
+    console.print(table)
+    if summary["functions"]:
+        console.print("function bodies: " + ", ".join(summary["functions"]))
+    table = Table(title="metadata", title_justify="left")
+    table.add_column("key")
+    table.add_column("value", overflow="fold")
+    for key, value in summary["metadata"].items():
+        table.add_row(key, value)
+    console.print(table)
+    return 0

@@ -1,0 +1,236 @@
+"""``attnexport verify ARTIFACT``: the round trip eager vs ``.pt2`` vs ONNX, and every
+available kernel backend, on a batch unlike the export sample.
+
+Every leg runs the same teacher-forced steps (a ragged prefill, then decode steps with fixed
+tokens) through :class:`~attnexport.runtime.step_driver.PagedDriver` with its own caches; the
+reference is the eager model on the ``sdpa`` backend. Exit code 1 when an error exceeds the
+tolerance of :func:`attnexport.testing.model_tolerance`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from attnexport.cli.artifact import ONNX_FILE, PT2_FILE, read_manifest, rebuild_eager_model
+from attnexport.cli.errors import CliError
+from attnexport.cli.progress import steps
+
+PROMPT_LENGTHS = (7, 3, 12)
+DECODE_STEPS = 3
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser(
+        "verify",
+        help="compare eager, .pt2, ONNX and every available backend on the same steps",
+    )
+    parser.add_argument("artifact", type=Path, metavar="ARTIFACT", help="an export directory")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random token batch")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(run=run)
+
+
+@dataclass
+class Comparison:
+    leg: str
+    output: str
+    max_abs: float
+    max_rel: float
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs <= self.tolerance
+
+
+Leg = Callable[..., torch.Tensor]
+"""Calls the forward with positional arguments; caches (inside them) are updated in place."""
+
+
+def _onnx_leg(path: Path, input_names: list[str]) -> Leg:
+    from attnexport.lowering import PagedOrtSession
+
+    session = PagedOrtSession(path)
+
+    def call(*args):
+        outputs = session.run(dict(zip(input_names, args, strict=True)))
+        return next(iter(outputs.values()))
+
+    return call
+
+
+def _eager_leg(model: torch.nn.Module, backend: str) -> Leg:
+    from attnexport.custom_ops import use_backend
+
+    def call(*args):
+        with use_backend(backend), torch.no_grad():
+            return model(*args)
+
+    return call
+
+
+def _legs(manifest: dict, directory: Path, model) -> dict[str, Leg]:
+    """Every way to run this artifact here, the reference (``eager[sdpa]``) first."""
+    import attnexport  # noqa: F401  (registers backends)
+    from attnexport.custom_ops import registered_backends
+
+    legs: dict[str, Leg] = {}
+    if model is not None:
+        legs["eager[sdpa]"] = _eager_leg(model, "sdpa")
+        for backend in registered_backends():
+            if (
+                backend.name != "sdpa"
+                and backend.is_available()
+                and ("cpu" in backend.capabilities.devices)
+            ):
+                legs[f"eager[{backend.name}]"] = _eager_leg(model, backend.name)
+    if (directory / PT2_FILE).is_file():
+        program = torch.export.load(str(directory / PT2_FILE)).module()
+        legs["pt2"] = _eager_leg(program, "auto")
+    if (directory / ONNX_FILE).is_file():
+        legs["onnx"] = _onnx_leg(directory / ONNX_FILE, manifest["input_names"])
+    return legs
+
+
+def _run_paged(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Teacher-forced steps of a (encoder-)decoder; returns ``{output name: tensor}``."""
+    from attnexport.model_interface import CacheSpec
+    from attnexport.runtime.step_driver import PagedDriver
+
+    cache = manifest["cache"]
+    spec = CacheSpec(
+        num_layers=cache["num_layers"],
+        num_kv_heads=cache["num_kv_heads"],
+        head_size=cache["head_size"],
+        dtype=getattr(torch, cache["dtype"]),
+        block_size=cache["block_size"],
+        num_cross_layers=cache["num_cross_layers"],
+    )
+    rng = random.Random(seed)
+    vocab = manifest["vocab_size"]
+    blocks_needed = sum(
+        -(-(n + DECODE_STEPS) // spec.block_size) + -(-n // spec.block_size) + 1
+        for n in PROMPT_LENGTHS
+    )
+
+    def runner(args, kv_caches):
+        return leg(*args, kv_caches), kv_caches
+
+    driver = PagedDriver(runner, spec, num_blocks=blocks_needed + 4, seed=seed)
+    encoder = manifest["kind"] == "encoder-decoder"
+    for n in PROMPT_LENGTHS:
+        prompt = [rng.randrange(vocab) for _ in range(n)]
+        if encoder:
+            start = manifest["generation"].get("decoder_start_token_id") or 0
+            driver.add([start], encoder_ids=prompt)
+        else:
+            driver.add(prompt)
+    results = {}
+    logits = driver.prefill(all_logits=True)
+    results["prefill logits"] = torch.cat([logits[i] for i in sorted(logits)])
+    for step in range(DECODE_STEPS):
+        for seq in range(len(PROMPT_LENGTHS)):
+            driver.append(seq, rng.randrange(vocab))
+        logits = driver.step(dict.fromkeys(range(len(PROMPT_LENGTHS)), 1))
+        results[f"decode {step + 1} logits"] = torch.cat([logits[i] for i in sorted(logits)])
+    results["kv caches"] = torch.cat([c.reshape(-1) for c in driver.kv_caches])
+    return results
+
+
+def _run_encoder(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    vocab = manifest["vocab_size"]
+    total = sum(PROMPT_LENGTHS)
+    input_ids = torch.randint(0, vocab, (total,), generator=generator)
+    positions = torch.cat([torch.arange(n) for n in PROMPT_LENGTHS])
+    cu_seqlens = torch.tensor(
+        [0, *torch.tensor(PROMPT_LENGTHS).cumsum(0).tolist()], dtype=torch.int32
+    )
+    token_type_ids = torch.zeros(total, dtype=torch.int64)
+    return {"hidden states": leg(input_ids, positions, cu_seqlens, token_type_ids)}
+
+
+def verify_artifact(
+    artifact: Path, seed: int = 0, step=lambda _: None
+) -> tuple[str, list[Comparison]]:
+    """Runs every leg; returns the reference leg's name and each output's comparison with it
+    (the reference is ``eager[sdpa]``, or ``pt2`` when the checkpoint is gone)."""
+    from attnexport.testing import model_tolerance
+
+    manifest = read_manifest(artifact)
+    if manifest is None:
+        raise CliError(
+            f"ARTIFACT: {artifact} has no manifest.json; verify needs an export "
+            "directory made by `attnexport export`"
+        )
+    directory = artifact if artifact.is_dir() else artifact.parent
+    step("rebuilding the eager model")
+    model = rebuild_eager_model(manifest)
+    legs = _legs(manifest, directory, model)
+    if len(legs) < 2:
+        raise CliError(f"ARTIFACT: only {list(legs)} can run here; nothing to compare")
+    run_leg = _run_encoder if manifest["kind"] == "encoder" else _run_paged
+    tolerance = model_tolerance(getattr(torch, manifest["dtype"]))
+    reference_name, *others = legs
+    step(f"running {reference_name}")
+    reference = run_leg(legs[reference_name], manifest, seed)
+    comparisons = []
+    for name in others:
+        step(f"running {name}")
+        outputs = run_leg(legs[name], manifest, seed)
+        for output, expected in reference.items():
+            actual = outputs[output].to(torch.float64)
+            expected = expected.to(torch.float64)
+            diff = (actual - expected).abs()
+            max_abs = float(diff.max()) if diff.numel() else 0.0
+            scale = expected.abs().max().clamp_min(1e-12)
+            comparisons.append(Comparison(name, output, max_abs, max_abs / float(scale), tolerance))
+    return reference_name, comparisons
+
+
+def run(args: argparse.Namespace) -> int:
+    with steps(quiet=args.json) as step:
+        reference, comparisons = verify_artifact(args.artifact, args.seed, step)
+    ok = all(c.ok for c in comparisons)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "ok": ok,
+                    "reference": reference,
+                    "comparisons": [c.__dict__ | {"ok": c.ok} for c in comparisons],
+                }
+            )
+        )
+        return 0 if ok else 1
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=escape(f"verify {args.artifact} (reference: {reference})"))
+    for column in ("leg", "output", "max abs err", "max rel err", "tolerance", ""):
+        table.add_column(column, justify="left" if column in ("leg", "output") else "right")
+    for c in comparisons:
+        table.add_row(
+            c.leg,
+            c.output,
+            f"{c.max_abs:.2e}",
+            f"{c.max_rel:.2e}",
+            f"{c.tolerance:.0e}",
+            "[green]ok[/]" if c.ok else "[red]FAIL[/]",
+        )
+    console = Console()
+    console.print(table)
+    console.print(
+        "[green]all outputs within tolerance[/]"
+        if ok
+        else "[red]some outputs exceed the tolerance[/]"
+    )
+    return 0 if ok else 1

@@ -1,0 +1,86 @@
+"""The user journey on a Hugging Face checkpoint: export it, run it with the CLI, and get the
+tokens transformers' greedy ``generate`` gives (stopping at the checkpoint's EOS)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from attnexport.cli.main import main
+
+PROMPT = [3, 14, 15, 92, 65]
+
+
+def _word_level_tokenizer(path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(vocab_size)} | {"[UNK]": vocab_size - 1}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_llama")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=5000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=7,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(path)
+    _word_level_tokenizer(path, config.vocab_size)
+    return path, model
+
+
+def _greedy(model, prompt, max_new_tokens):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_export_then_run_matches_transformers(checkpoint, tmp_path, capsys):
+    path, model = checkpoint
+    out = tmp_path / "export"
+    assert main(["export", str(path), "--out", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["generation"]["eos_token_ids"] == [7]
+    assert manifest["tokenizer_files"] == ["tokenizer.json"]
+    capsys.readouterr()
+
+    prompts = [PROMPT, [1, 2], [250, 4, 4, 9, 11, 13, 200]]
+    argv = ["run", str(out), "--max-tokens", "16", "--json"]
+    for prompt in prompts:
+        argv += ["--prompt-ids", ",".join(map(str, prompt))]
+    assert main(argv) == 0
+    outputs = json.loads(capsys.readouterr().out)["outputs"]
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected = _greedy(model, prompt, 16)
+        assert output["token_ids"] == expected
+        assert output["finish_reason"] == ("stop" if expected[-1] == 7 else "length")
+
+
+def test_text_prompt_uses_the_exported_tokenizer(checkpoint, tmp_path, capsys):
+    path, model = checkpoint
+    out = tmp_path / "export"
+    assert main(["export", str(path), "--out", str(out), "--format", "pt2"]) == 0
+    capsys.readouterr()
+    assert (
+        main(["run", str(out), "--prompt", "w3 w14 w15 w92 w65", "--max-tokens", "6", "--json"])
+        == 0
+    )
+    output = json.loads(capsys.readouterr().out)["outputs"][0]
+    assert output["token_ids"] == _greedy(model, PROMPT, 6)
