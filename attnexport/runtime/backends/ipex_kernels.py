@@ -41,7 +41,7 @@ def ipex_unavailable_reason() -> str | None:
     """Why IPEX's kernels cannot be used in this process (None when they can); imports IPEX
     once, after checking that its version matches torch (a mismatched IPEX exits on import)."""
     if importlib.util.find_spec(IPEX_MODULE) is None:
-        return f"needs {IPEX_MODULE}, which is not installed: {INSTALL_HINT}"
+        return f"{IPEX_MODULE} is not installed: {INSTALL_HINT}"
     ipex_version = importlib.metadata.version("intel-extension-for-pytorch")
     if _major_minor(ipex_version) != _major_minor(torch.__version__):
         return (
