@@ -58,7 +58,7 @@ def _run_rows(
         value_cache = value_cache.view(-1, 1, *value_cache.shape[2:])
     single = len(plan.chunks) == 1
     for chunk in plan.chunks:
-        torch.ops.attnexport_ipex.single_query_attention(
+        ipex_kernels.raw_single_query_attention(
             rows_out if single else rows_out[chunk.start : chunk.stop],
             rows_query if single else rows_query[chunk.start : chunk.stop],
             key_cache,
@@ -93,7 +93,7 @@ def _run_flash(
 ) -> None:
     flash_query = query if plan.tokens is None else query.index_select(0, plan.tokens)
     flash_out = out if plan.tokens is None else torch.empty_like(flash_query)
-    torch.ops.attnexport_ipex.flash_attn_varlen(
+    ipex_kernels.raw_flash_attn_varlen(
         flash_out,
         flash_query,
         _ipex_layout(key_cache, plan.block_ids),
@@ -181,7 +181,7 @@ class IpexBackend(AttentionBackend):
         plan = ipex_plan.plan_slots(slot_mapping)
         if plan.keep is not None:
             key, value = key.index_select(0, plan.keep), value.index_select(0, plan.keep)
-        torch.ops.attnexport_ipex.reshape_and_cache(
+        ipex_kernels.raw_reshape_and_cache(
             key if key.stride(2) == 1 else key.contiguous(),
             value if value.stride(2) == 1 else value.contiguous(),
             key_cache,

@@ -21,6 +21,8 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -55,13 +57,27 @@ def ipex_unavailable_reason() -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class IpexKernels:
+    """IPEX's three paged-attention kernels (``torch.ops.torch_ipex.*.default``)."""
+
+    reshape_and_cache: Callable
+    single_query_cached_kv_attention: Callable
+    flash_attn_varlen_func: Callable
+
+
 @functools.cache
-def load_ipex():
-    """Imports intel_extension_for_pytorch once and returns its ``torch.ops.torch_ipex`` ops."""
+def load_ipex() -> IpexKernels:
+    """Imports intel_extension_for_pytorch once and returns its kernels."""
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     os.environ["PAGED_ATTENTION_SINGLE_QUERY_KERNEL"] = "1"  # see the module docstring
     importlib.import_module(IPEX_MODULE)
-    return torch.ops.torch_ipex
+    ops = torch.ops.torch_ipex
+    return IpexKernels(
+        ops.reshape_and_cache.default,
+        ops.single_query_cached_kv_attention.default,
+        ops.flash_attn_varlen_func.default,
+    )
 
 
 @functools.cache
@@ -73,54 +89,58 @@ def _head_mapping(num_heads: int, num_kv_heads: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- checks
 
 
-def _check(cond: bool, message: str, error: type[Exception] = ValueError) -> None:
+def _check(cond: bool, message, error: type[Exception] = ValueError) -> None:
+    """Raise ``error(message())`` unless ``cond``; messages are only formatted on failure (these
+    checks run on every layer's call)."""
     if not cond:
-        raise error(message)
+        raise error(message() if callable(message) else message)
 
 
 def _check_index(name: str, tensor: torch.Tensor, rank: int) -> None:
-    _check(tensor.dtype == torch.int32, f"{name}: expected int32, got {tensor.dtype}", TypeError)
-    _check(tensor.dim() == rank, f"{name}: expected a {rank}-D tensor, got {tuple(tensor.shape)}")
-    _check(tensor.is_contiguous(), f"{name}: expected a contiguous tensor (IPEX reads raw rows)")
+    if tensor.dtype != torch.int32:
+        raise TypeError(f"{name}: expected int32, got {tensor.dtype}")
+    if tensor.dim() != rank or not tensor.is_contiguous():
+        raise ValueError(
+            f"{name}: expected a contiguous {rank}-D tensor (IPEX reads raw rows), got shape "
+            f"{tuple(tensor.shape)} with strides {tensor.stride()}"
+        )
 
 
 def _check_rows(name: str, tensor: torch.Tensor, what: str) -> None:
     """IPEX reads each head as ``head_size`` adjacent elements."""
-    _check(tensor.dim() == 3, f"{name}: expected a 3-D tensor {what}, got {tuple(tensor.shape)}")
-    _check(
-        tensor.stride(2) == 1,
-        f"{name}: expected the head_size dimension to be contiguous (stride 1), "
-        f"got strides {tensor.stride()}",
-    )
-
-
-def _check_dtypes(reference_name: str, reference: torch.Tensor, **tensors: torch.Tensor) -> None:
-    _check(
-        reference.dtype in IPEX_DTYPES,
-        f"{reference_name}: expected one of {[str(d) for d in IPEX_DTYPES]}, got {reference.dtype}",
-        TypeError,
-    )
-    for name, tensor in tensors.items():
-        _check(
-            tensor.dtype == reference.dtype,
-            f"{name}: expected {reference.dtype} (the dtype of {reference_name}), "
-            f"got {tensor.dtype} (IPEX would reinterpret the memory)",
-            TypeError,
+    if tensor.dim() != 3 or tensor.stride(2) != 1:
+        raise ValueError(
+            f"{name}: expected a 3-D tensor {what} with a contiguous head_size dimension, got "
+            f"shape {tuple(tensor.shape)} with strides {tensor.stride()}"
         )
 
 
+def _check_dtypes(reference_name: str, reference: torch.Tensor, **tensors: torch.Tensor) -> None:
+    dtype = reference.dtype
+    if dtype not in IPEX_DTYPES:
+        names = [str(d) for d in IPEX_DTYPES]
+        raise TypeError(f"{reference_name}: expected one of {names}, got {dtype}")
+    for name, tensor in tensors.items():
+        if tensor.dtype != dtype:
+            raise TypeError(
+                f"{name}: expected {dtype} (the dtype of {reference_name}), got {tensor.dtype} "
+                f"(IPEX would reinterpret the memory)"
+            )
+
+
 def _check_cache(name: str, cache: torch.Tensor, num_kv_heads: int, head_size: int) -> None:
-    _check(
-        cache.dim() == 4 and cache.shape[2] == num_kv_heads and cache.shape[3] == head_size,
-        f"{name}: expected [num_blocks, block_size, {num_kv_heads}, {head_size}], "
-        f"got {tuple(cache.shape)}",
-    )
-    _check(cache.stride(3) == 1, f"{name}: expected a contiguous head_size dimension")
+    shape = cache.shape
+    if len(shape) != 4 or shape[2] != num_kv_heads or shape[3] != head_size or cache.stride(3) != 1:
+        raise ValueError(
+            f"{name}: expected [num_blocks, block_size, {num_kv_heads}, {head_size}] with a "
+            f"contiguous head_size dimension, got shape {tuple(shape)}, strides {cache.stride()}"
+        )
 
 
 def _check_cpu(**tensors: torch.Tensor) -> None:
     for name, tensor in tensors.items():
-        _check(tensor.device.type == "cpu", f"{name}: expected a CPU tensor, got {tensor.device}")
+        if tensor.device.type != "cpu":
+            raise ValueError(f"{name}: expected a CPU tensor, got {tensor.device}")
 
 
 _slot_values = TensorMemo()
@@ -192,7 +212,7 @@ _lib.define(
 def _check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     _check_rows("key", key, "[num_tokens, num_kv_heads, head_size]")
     _check_rows("value", value, "[num_tokens, num_kv_heads, head_size]")
-    _check(value.shape == key.shape, f"value: expected shape {tuple(key.shape)}")
+    _check(value.shape == key.shape, lambda: f"value: expected shape {tuple(key.shape)}")
     _check_dtypes("key", key, value=value, key_cache=key_cache, value_cache=value_cache)
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         _check_cache(name, cache, key.shape[1], key.shape[2])
@@ -219,9 +239,21 @@ def reshape_and_cache(
     _check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     _check_cpu(key=key, key_cache=key_cache, slot_mapping=slot_mapping)
     _check_slots(slot_mapping, key_cache.shape[0] * key_cache.shape[1])
+    raw_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def raw_reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """:func:`reshape_and_cache` without its checks, for callers whose inputs satisfy them by
+    construction (the ipex backend, after the attnexport op validated them)."""
     if key.shape[0] == 0:
         return
-    load_ipex().reshape_and_cache.default(
+    load_ipex().reshape_and_cache(
         key,
         value,
         key_cache.transpose(1, 2),
@@ -251,7 +283,7 @@ def _check_single_query(
         "query: expected adjacent heads (stride(1) == head_size): IPEX steps through a "
         "KV head's query group by head_size",
     )
-    _check(out.shape == query.shape, f"out: expected shape {tuple(query.shape)}")
+    _check(out.shape == query.shape, lambda: f"out: expected shape {tuple(query.shape)}")
     _check_rows("out", out, "[num_rows, num_heads, head_size]")
     _check_dtypes("query", query, out=out, key_cache=key_cache, value_cache=value_cache)
     _check_cache("key_cache", key_cache, key_cache.shape[2], query.shape[2])
@@ -322,7 +354,7 @@ def single_query_attention(
         sliding_window,
         logits_soft_cap,
     )
-    _check(scale > 0, f"scale: expected > 0, got {scale}")
+    _check(scale > 0, lambda: f"scale: expected > 0, got {scale}")
     _check_cpu(query=query, key_cache=key_cache, block_tables=block_tables)
     if query.shape[0] == 0:
         return
@@ -331,7 +363,38 @@ def single_query_attention(
         _check(int(context_lens.min()) >= 1, "context_lens: every row needs at least one key")
         _check_tables(block_tables, context_lens, max_context_len, *extra[1:])
         _table_values.store((block_tables, context_lens), extra, None)
-    load_ipex().single_query_cached_kv_attention.default(
+    raw_single_query_attention(
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        max_context_len,
+        scale,
+        alibi_slopes,
+        sliding_window,
+        logits_soft_cap,
+    )
+
+
+def raw_single_query_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_context_len: int,
+    scale: float,
+    alibi_slopes: torch.Tensor | None,
+    sliding_window: int,
+    logits_soft_cap: float,
+) -> None:
+    """:func:`single_query_attention` without its checks (see :func:`raw_reshape_and_cache`)."""
+    if query.shape[0] == 0:
+        return
+    load_ipex().single_query_cached_kv_attention(
         out,
         query,
         key_cache.transpose(1, 2),
@@ -352,7 +415,7 @@ def single_query_attention(
 
 def _check_flash(out, query, key_cache, value_cache, cu_seqlens_q, cu_seqlens_k, block_tables):
     _check_rows("query", query, "[num_tokens, num_heads, head_size]")
-    _check(out.shape == query.shape, f"out: expected shape {tuple(query.shape)}")
+    _check(out.shape == query.shape, lambda: f"out: expected shape {tuple(query.shape)}")
     _check_rows("out", out, "[num_tokens, num_heads, head_size]")
     _check_dtypes("query", query, out=out, key_cache=key_cache, value_cache=value_cache)
     _check(
@@ -411,7 +474,7 @@ def flash_attn_varlen(
         scale: must be > 0. logits_soft_cap: 0 (off) or > 0. No ALiBi (IPEX refuses it).
     """
     _check_flash(out, query, key_cache, value_cache, cu_seqlens_q, cu_seqlens_k, block_tables)
-    _check(scale > 0, f"scale: expected > 0, got {scale}")
+    _check(scale > 0, lambda: f"scale: expected > 0, got {scale}")
     _check(
         sliding_window == -1 or sliding_window >= 2,
         f"sliding_window: expected -1 or >= 2, got {sliding_window}",
@@ -427,7 +490,42 @@ def flash_attn_varlen(
         key_lens = _check_offsets("cu_seqlens_k", cu_seqlens_k, None)
         _check_tables(block_tables, key_lens, max_seqlen_k, *extra[3:])
         _table_values.store(tensors, extra, None)
-    load_ipex().flash_attn_varlen_func.default(
+    raw_flash_attn_varlen(
+        out,
+        query,
+        key_cache,
+        value_cache,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        scale,
+        causal,
+        block_tables,
+        sliding_window,
+        logits_soft_cap,
+    )
+
+
+def raw_flash_attn_varlen(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    causal: bool,
+    block_tables: torch.Tensor,
+    sliding_window: int,
+    logits_soft_cap: float,
+) -> None:
+    """:func:`flash_attn_varlen` without its checks (see :func:`raw_reshape_and_cache`)."""
+    if query.shape[0] == 0:
+        return
+    load_ipex().flash_attn_varlen_func(
         out,
         query,
         key_cache,
