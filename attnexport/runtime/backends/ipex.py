@@ -158,7 +158,7 @@ class IpexBackend(AttentionBackend):
         devices=frozenset({"cpu"}),
         dtypes=frozenset(ipex_kernels.IPEX_DTYPES),
         notes=(
-            "needs contiguous caches; import of intel_extension_for_pytorch on first use",
+            "caches must be contiguous; intel_extension_for_pytorch is imported on first use",
             "prefill with ALiBi or sliding_window=1 runs one single-query row per token "
             "(flash_attn_varlen_func refuses ALiBi and cannot express a window of 1)",
             "prefill otherwise copies the sequences' blocks to IPEX's [n, Hkv, bs, D] layout",

@@ -100,6 +100,7 @@ def test_backends_command_lists_ipex(capsys):
     assert "ipex" in printed
     if UNAVAILABLE is not None:
         assert "intel_extension_for_pytorch is not installed" in printed
+        assert "attnexport[ipex]" in printed  # not eaten as rich markup
 
 
 # --------------------------------------------------------------------------- parity
