@@ -19,7 +19,6 @@ import torch
 
 from attnexport.custom_ops.dispatch import OPS, AttentionBackend, AttentionCall, BackendCapabilities
 from attnexport.runtime.backends import ipex_kernels, ipex_plan
-from attnexport.runtime.backends.ipex_plan import AttentionPlan
 
 VARLEN_BLOCK_SIZE = 64
 """Block size of the temporary paged cache built for ``varlen_attention``."""
@@ -112,17 +111,33 @@ def _run_flash(
         out.index_copy_(0, plan.tokens, flash_out)
 
 
-def _run(
-    plan: AttentionPlan,
+def _attend(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
     scale: float,
     causal: bool,
     alibi_slopes: torch.Tensor | None,
     sliding_window: int,
     logits_soft_cap: float,
 ) -> torch.Tensor:
+    """Paged attention with the arguments of ``attnexport::paged_attention`` (causal sequences
+    may also have more queries than keys: the first ones see nothing and get zeros)."""
+    plan = ipex_plan.plan_attention(
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        num_tokens=query.shape[0],
+        block_size=key_cache.shape[1],
+        causal=causal,
+        sliding_window=sliding_window,
+        use_flash=alibi_slopes is None,
+        num_heads=query.shape[1],
+        head_size=query.shape[2],
+    )
     query, scale = _positive_scale(_heads_adjacent(query), scale)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if plan.rows is not None:
@@ -189,43 +204,7 @@ class IpexBackend(AttentionBackend):
             plan.slots,
         )
 
-    def paged_attention(
-        self,
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale,
-        causal,
-        alibi_slopes,
-        sliding_window,
-        logits_soft_cap,
-    ) -> torch.Tensor:
-        plan = ipex_plan.plan_attention(
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            num_tokens=query.shape[0],
-            block_size=key_cache.shape[1],
-            causal=causal,
-            sliding_window=sliding_window,
-            use_flash=alibi_slopes is None,
-            num_heads=query.shape[1],
-            head_size=query.shape[2],
-        )
-        return _run(
-            plan,
-            query,
-            key_cache,
-            value_cache,
-            scale,
-            causal,
-            alibi_slopes,
-            sliding_window,
-            logits_soft_cap,
-        )
+    paged_attention = staticmethod(_attend)
 
     def varlen_attention(
         self,
@@ -245,23 +224,13 @@ class IpexBackend(AttentionBackend):
         key_cache, value_cache = key.new_empty(shape), value.new_empty(shape)
         key_cache.view(-1, *key.shape[1:]).index_copy_(0, paging.key_slots, key)
         value_cache.view(-1, *value.shape[1:]).index_copy_(0, paging.key_slots, value)
-        plan = ipex_plan.plan_attention(
-            paging.block_tables,
-            paging.seq_lens,
-            cu_seqlens_q,
-            num_tokens=query.shape[0],
-            block_size=VARLEN_BLOCK_SIZE,
-            causal=causal,
-            sliding_window=sliding_window,
-            use_flash=alibi_slopes is None,
-            num_heads=query.shape[1],
-            head_size=query.shape[2],
-        )
-        return _run(
-            plan,
+        return _attend(
             query,
             key_cache,
             value_cache,
+            paging.block_tables,
+            paging.seq_lens,
+            cu_seqlens_q,
             scale,
             causal,
             alibi_slopes,

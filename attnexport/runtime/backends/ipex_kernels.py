@@ -190,9 +190,13 @@ def _check_tables(
 
 
 # --------------------------------------------------------------------------- ops
+#
+# Each op has a static check (shapes, dtypes, strides: also its fake kernel), a value check on
+# real tensors (memoised per metadata tensor, so once per step), and the raw call. The op runs
+# all three; the ipex backend calls the raw function directly, its inputs being valid by
+# construction (it runs inside attnexport's own op, which validated them).
 
 _lib = torch.library.Library("attnexport_ipex", "DEF")
-
 _lib.define(
     "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
     "Tensor slot_mapping) -> ()"
@@ -209,37 +213,16 @@ _lib.define(
 )
 
 
-def _check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
-    _check_rows("key", key, "[num_tokens, num_kv_heads, head_size]")
-    _check_rows("value", value, "[num_tokens, num_kv_heads, head_size]")
-    _check(value.shape == key.shape, lambda: f"value: expected shape {tuple(key.shape)}")
-    _check_dtypes("key", key, value=value, key_cache=key_cache, value_cache=value_cache)
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        _check_cache(name, cache, key.shape[1], key.shape[2])
-    _check(value_cache.shape == key_cache.shape, "value_cache: expected the shape of key_cache")
-    _check_index("slot_mapping", slot_mapping, 1)
-    _check(slot_mapping.shape[0] == key.shape[0], "slot_mapping: expected one slot per token")
+def _register(name: str, static, values, raw) -> None:
+    """Registers the CPU kernel (all checks, then ``raw``) and the fake kernel (``static``)."""
 
+    def kernel(*args) -> None:
+        static(*args)
+        values(*args)
+        raw(*args)
 
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """``torch_ipex::reshape_and_cache`` on caches in attnexport's layout, in place.
-
-    Args:
-        key, value: ``[T, Hkv, D]``, head_size dimension contiguous.
-        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]`` of the dtype of key; passed
-            to IPEX as ``transpose(1, 2)`` views (its kernel honours their strides).
-        slot_mapping: ``[T]`` int32, every slot in ``[0, num_blocks * block_size)``.
-    """
-    _check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    _check_cpu(key=key, key_cache=key_cache, slot_mapping=slot_mapping)
-    _check_slots(slot_mapping, key_cache.shape[0] * key_cache.shape[1])
-    raw_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    _lib.impl(name, kernel, "CPU")
+    torch.library.register_fake(f"attnexport_ipex::{name}", static, lib=_lib)
 
 
 def raw_reshape_and_cache(
@@ -249,8 +232,15 @@ def raw_reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """:func:`reshape_and_cache` without its checks, for callers whose inputs satisfy them by
-    construction (the ipex backend, after the attnexport op validated them)."""
+    """``torch_ipex::reshape_and_cache`` on caches in attnexport's layout, in place; the body of
+    ``attnexport_ipex::reshape_and_cache``, without its checks.
+
+    Args:
+        key, value: ``[T, Hkv, D]``, head_size dimension contiguous.
+        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]`` of the dtype of key; passed
+            to IPEX as ``transpose(1, 2)`` views (its kernel honours their strides).
+        slot_mapping: ``[T]`` int32, every slot in ``[0, num_blocks * block_size)``.
+    """
     if key.shape[0] == 0:
         return
     load_ipex().reshape_and_cache(
@@ -265,17 +255,91 @@ def raw_reshape_and_cache(
     )
 
 
-def _check_single_query(
+def _static_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+    _check_rows("key", key, "[num_tokens, num_kv_heads, head_size]")
+    _check_rows("value", value, "[num_tokens, num_kv_heads, head_size]")
+    _check(value.shape == key.shape, lambda: f"value: expected shape {tuple(key.shape)}")
+    _check_dtypes("key", key, value=value, key_cache=key_cache, value_cache=value_cache)
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _check_cache(name, cache, key.shape[1], key.shape[2])
+    _check(value_cache.shape == key_cache.shape, "value_cache: expected the shape of key_cache")
+    _check_index("slot_mapping", slot_mapping, 1)
+    _check(slot_mapping.shape[0] == key.shape[0], "slot_mapping: expected one slot per token")
+
+
+def _values_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+    _check_cpu(key=key, key_cache=key_cache, slot_mapping=slot_mapping)
+    _check_slots(slot_mapping, key_cache.shape[0] * key_cache.shape[1])
+
+
+_register(
+    "reshape_and_cache", _static_reshape_and_cache, _values_reshape_and_cache, raw_reshape_and_cache
+)
+
+
+def raw_single_query_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_context_len: int,
+    scale: float,
+    alibi_slopes: torch.Tensor | None,
+    sliding_window: int,
+    logits_soft_cap: float,
+) -> None:
+    """``torch_ipex::single_query_cached_kv_attention``: one query row over the first
+    ``context_lens[r]`` keys of its block-table row; writes ``out`` in place. The body of
+    ``attnexport_ipex::single_query_attention``, without its checks.
+
+    Row r's query sits at the last of its keys, position ``n - 1`` with ``n = context_lens[r]``:
+    ALiBi adds ``slope[h] * (k - (n - 1))``; a window keeps keys ``k >= n - sliding_window``.
+
+    Args:
+        out, query: ``[R, H, D]``, heads adjacent (``stride(1) == D``).
+        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``, any strides with D
+            contiguous (IPEX gets ``transpose(1, 2)`` views and honours their strides).
+        block_tables: ``[R, W]`` int32 contiguous; context_lens: ``[R]`` int32, each >= 1.
+        max_context_len: at least ``max(context_lens)``.
+        scale: must be > 0 (IPEX applies it after masking, so a negative scale unmasks).
+        alibi_slopes: None or float32 ``[H]``. sliding_window: -1 or > 0.
+        logits_soft_cap: 0 (off) or > 0; not together with a window (IPEX refuses it).
+    """
+    if query.shape[0] == 0:
+        return
+    load_ipex().single_query_cached_kv_attention(
+        out,
+        query,
+        key_cache.transpose(1, 2),
+        value_cache.transpose(1, 2),
+        _head_mapping(query.shape[1], key_cache.shape[2]),
+        scale,
+        block_tables,
+        context_lens,
+        key_cache.shape[1],
+        max_context_len,
+        alibi_slopes,
+        sliding_window,
+        1.0,
+        1.0,
+        logits_soft_cap if logits_soft_cap > 0 else -1.0,
+    )
+
+
+def _static_single_query(
     out,
     query,
     key_cache,
     value_cache,
     block_tables,
     context_lens,
-    max_context_len,
-    alibi_slopes,
-    sliding_window,
-    logits_soft_cap,
+    max_len,
+    scale,
+    alibi,
+    window,
+    cap,
 ) -> None:
     _check_rows("query", query, "[num_rows, num_heads, head_size]")
     _check(
@@ -298,213 +362,41 @@ def _check_single_query(
         block_tables.shape[0] == query.shape[0] and context_lens.shape[0] == query.shape[0],
         "block_tables, context_lens: expected one row per query row",
     )
-    if alibi_slopes is not None:
+    if alibi is not None:
         _check(
-            alibi_slopes.dtype == torch.float32
-            and alibi_slopes.is_contiguous()
-            and tuple(alibi_slopes.shape) == (query.shape[1],),
+            alibi.dtype == torch.float32
+            and alibi.is_contiguous()
+            and tuple(alibi.shape) == (query.shape[1],),
             "alibi_slopes: expected a contiguous float32 [num_heads] tensor",
             TypeError,
         )
-    _check(sliding_window == -1 or sliding_window > 0, "sliding_window: expected -1 or > 0")
+    _check(window == -1 or window > 0, "sliding_window: expected -1 or > 0")
     _check(
-        not (sliding_window > 0 and logits_soft_cap > 0),
+        not (window > 0 and cap > 0),
         "sliding_window with logits_soft_cap: IPEX's single-query kernel refuses the pair",
     )
-
-
-def single_query_attention(
-    out: torch.Tensor,
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    max_context_len: int,
-    scale: float,
-    alibi_slopes: torch.Tensor | None,
-    sliding_window: int,
-    logits_soft_cap: float,
-) -> None:
-    """``torch_ipex::single_query_cached_kv_attention``: one query row over the first
-    ``context_lens[r]`` keys of its block-table row; writes ``out`` in place.
-
-    Row r's query sits at the last of its keys, position ``n - 1`` with ``n = context_lens[r]``:
-    ALiBi adds ``slope[h] * (k - (n - 1))``; a window keeps keys ``k >= n - sliding_window``.
-
-    Args:
-        out, query: ``[R, H, D]``, heads adjacent (``stride(1) == D``).
-        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``, any strides with D
-            contiguous (IPEX gets ``transpose(1, 2)`` views and honours their strides).
-        block_tables: ``[R, W]`` int32 contiguous; context_lens: ``[R]`` int32, each >= 1.
-        max_context_len: at least ``max(context_lens)``.
-        scale: must be > 0 (IPEX applies it after masking, so a negative scale unmasks).
-        alibi_slopes: None or float32 ``[H]``. sliding_window: -1 or > 0.
-        logits_soft_cap: 0 (off) or > 0; not together with a window (IPEX refuses it).
-    """
-    _check_single_query(
-        out,
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        context_lens,
-        max_context_len,
-        alibi_slopes,
-        sliding_window,
-        logits_soft_cap,
-    )
     _check(scale > 0, lambda: f"scale: expected > 0, got {scale}")
+
+
+def _values_single_query(
+    out, query, key_cache, value_cache, block_tables, context_lens, max_len, *options
+) -> None:
     _check_cpu(query=query, key_cache=key_cache, block_tables=block_tables)
     if query.shape[0] == 0:
         return
-    extra = (max_context_len, key_cache.shape[0], key_cache.shape[1])
+    extra = (max_len, key_cache.shape[0], key_cache.shape[1])
     if not _table_values.lookup((block_tables, context_lens), extra)[0]:
         _check(int(context_lens.min()) >= 1, "context_lens: every row needs at least one key")
-        _check_tables(block_tables, context_lens, max_context_len, *extra[1:])
+        _check_tables(block_tables, context_lens, max_len, *extra[1:])
         _table_values.store((block_tables, context_lens), extra, None)
-    raw_single_query_attention(
-        out,
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        context_lens,
-        max_context_len,
-        scale,
-        alibi_slopes,
-        sliding_window,
-        logits_soft_cap,
-    )
 
 
-def raw_single_query_attention(
-    out: torch.Tensor,
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    max_context_len: int,
-    scale: float,
-    alibi_slopes: torch.Tensor | None,
-    sliding_window: int,
-    logits_soft_cap: float,
-) -> None:
-    """:func:`single_query_attention` without its checks (see :func:`raw_reshape_and_cache`)."""
-    if query.shape[0] == 0:
-        return
-    load_ipex().single_query_cached_kv_attention(
-        out,
-        query,
-        key_cache.transpose(1, 2),
-        value_cache.transpose(1, 2),
-        _head_mapping(query.shape[1], key_cache.shape[2]),
-        scale,
-        block_tables,
-        context_lens,
-        key_cache.shape[1],
-        max_context_len,
-        alibi_slopes,
-        sliding_window,
-        1.0,
-        1.0,
-        logits_soft_cap if logits_soft_cap > 0 else -1.0,
-    )
-
-
-def _check_flash(out, query, key_cache, value_cache, cu_seqlens_q, cu_seqlens_k, block_tables):
-    _check_rows("query", query, "[num_tokens, num_heads, head_size]")
-    _check(out.shape == query.shape, lambda: f"out: expected shape {tuple(query.shape)}")
-    _check_rows("out", out, "[num_tokens, num_heads, head_size]")
-    _check_dtypes("query", query, out=out, key_cache=key_cache, value_cache=value_cache)
-    _check(
-        key_cache.dim() == 4 and key_cache.shape[3] == query.shape[2],
-        f"key_cache: expected [num_blocks, num_kv_heads, block_size, {query.shape[2]}] "
-        f"(IPEX's layout), got {tuple(key_cache.shape)}",
-    )
-    _check(value_cache.shape == key_cache.shape, "value_cache: expected the shape of key_cache")
-    _check(
-        key_cache.is_contiguous() and value_cache.is_contiguous(),
-        "key_cache, value_cache: expected contiguous [num_blocks, num_kv_heads, block_size, "
-        "head_size] tensors: flash_attn_varlen_func ignores strides",
-    )
-    _check(
-        query.shape[1] % key_cache.shape[1] == 0,
-        "query: num_heads must be a multiple of num_kv_heads",
-    )
-    _check_index("cu_seqlens_q", cu_seqlens_q, 1)
-    _check_index("cu_seqlens_k", cu_seqlens_k, 1)
-    _check_index("block_tables", block_tables, 2)
-    _check(
-        cu_seqlens_k.shape == cu_seqlens_q.shape
-        and block_tables.shape[0] == cu_seqlens_q.shape[0] - 1,
-        "cu_seqlens_q, cu_seqlens_k, block_tables: expected S + 1, S + 1 and S rows",
-    )
-
-
-def flash_attn_varlen(
-    out: torch.Tensor,
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    scale: float,
-    causal: bool,
-    block_tables: torch.Tensor,
-    sliding_window: int,
-    logits_soft_cap: float,
-) -> None:
-    """``torch_ipex::flash_attn_varlen_func``: packed queries over paged keys, bottom-right
-    aligned (query j of q over k keys sits at ``k - q + j``), as in ``attnexport::paged_attention``;
-    writes ``out`` in place. A query that sees no key gets NaN (callers zero it).
-
-    Args:
-        out, query: ``[T, H, D]``, D contiguous.
-        key_cache, value_cache: contiguous ``[num_blocks, Hkv, block_size, D]`` (IPEX's layout:
-            this kernel ignores strides, so a transposed view of attnexport's layout is wrong).
-        cu_seqlens_q, cu_seqlens_k: ``[S + 1]`` int32 cumulative query and key counts.
-        max_seqlen_q, max_seqlen_k: at least the longest query and key sequence.
-        block_tables: ``[S, W]`` int32 contiguous.
-        sliding_window: -1 or >= 2 (IPEX reads a left window of 0 as "no window", so 1 cannot
-            be expressed).
-        scale: must be > 0. logits_soft_cap: 0 (off) or > 0. No ALiBi (IPEX refuses it).
-    """
-    _check_flash(out, query, key_cache, value_cache, cu_seqlens_q, cu_seqlens_k, block_tables)
-    _check(scale > 0, lambda: f"scale: expected > 0, got {scale}")
-    _check(
-        sliding_window == -1 or sliding_window >= 2,
-        f"sliding_window: expected -1 or >= 2, got {sliding_window}",
-    )
-    _check_cpu(query=query, key_cache=key_cache, block_tables=block_tables)
-    if query.shape[0] == 0:
-        return
-    tensors = (cu_seqlens_q, cu_seqlens_k, block_tables)
-    extra = (query.shape[0], max_seqlen_q, max_seqlen_k, key_cache.shape[0], key_cache.shape[2])
-    if not _table_values.lookup(tensors, extra)[0]:
-        query_lens = _check_offsets("cu_seqlens_q", cu_seqlens_q, query.shape[0])
-        _check(int(query_lens.max()) <= max_seqlen_q, "max_seqlen_q: below the longest query")
-        key_lens = _check_offsets("cu_seqlens_k", cu_seqlens_k, None)
-        _check_tables(block_tables, key_lens, max_seqlen_k, *extra[3:])
-        _table_values.store(tensors, extra, None)
-    raw_flash_attn_varlen(
-        out,
-        query,
-        key_cache,
-        value_cache,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        scale,
-        causal,
-        block_tables,
-        sliding_window,
-        logits_soft_cap,
-    )
+_register(
+    "single_query_attention",
+    _static_single_query,
+    _values_single_query,
+    raw_single_query_attention,
+)
 
 
 def raw_flash_attn_varlen(
@@ -522,7 +414,22 @@ def raw_flash_attn_varlen(
     sliding_window: int,
     logits_soft_cap: float,
 ) -> None:
-    """:func:`flash_attn_varlen` without its checks (see :func:`raw_reshape_and_cache`)."""
+    """``torch_ipex::flash_attn_varlen_func``: packed queries over paged keys, bottom-right
+    aligned (query j of q over k keys sits at ``k - q + j``), as in ``attnexport::paged_attention``;
+    writes ``out`` in place. A query that sees no key gets NaN (callers zero it). The body of
+    ``attnexport_ipex::flash_attn_varlen``, without its checks.
+
+    Args:
+        out, query: ``[T, H, D]``, D contiguous.
+        key_cache, value_cache: contiguous ``[num_blocks, Hkv, block_size, D]`` (IPEX's layout:
+            this kernel ignores strides, so a transposed view of attnexport's layout is wrong).
+        cu_seqlens_q, cu_seqlens_k: ``[S + 1]`` int32 cumulative query and key counts.
+        max_seqlen_q, max_seqlen_k: at least the longest query and key sequence.
+        block_tables: ``[S, W]`` int32 contiguous.
+        sliding_window: -1 or >= 2 (IPEX reads a left window of 0 as "no window", so 1 cannot
+            be expressed).
+        scale: must be > 0. logits_soft_cap: 0 (off) or > 0. No ALiBi (IPEX refuses it).
+    """
     if query.shape[0] == 0:
         return
     load_ipex().flash_attn_varlen_func(
@@ -547,58 +454,56 @@ def raw_flash_attn_varlen(
     )
 
 
-_lib.impl("reshape_and_cache", reshape_and_cache, "CPU")
-_lib.impl("single_query_attention", single_query_attention, "CPU")
-_lib.impl("flash_attn_varlen", flash_attn_varlen, "CPU")
-
-
-@torch.library.register_fake("attnexport_ipex::reshape_and_cache")
-def _(key, value, key_cache, value_cache, slot_mapping) -> None:
-    _check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-
-
-@torch.library.register_fake("attnexport_ipex::single_query_attention")
-def _(
-    out,
-    query,
-    key_cache,
-    value_cache,
-    block_tables,
-    context_lens,
-    max_context_len,
-    scale,
-    alibi_slopes,
-    sliding_window,
-    logits_soft_cap,
+def _static_flash(
+    out, query, key_cache, value_cache, cu_q, cu_k, max_q, max_k, scale, causal, tables, window, cap
 ) -> None:
-    _check_single_query(
-        out,
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        context_lens,
-        max_context_len,
-        alibi_slopes,
-        sliding_window,
-        logits_soft_cap,
+    _check_rows("query", query, "[num_tokens, num_heads, head_size]")
+    _check(out.shape == query.shape, lambda: f"out: expected shape {tuple(query.shape)}")
+    _check_rows("out", out, "[num_tokens, num_heads, head_size]")
+    _check_dtypes("query", query, out=out, key_cache=key_cache, value_cache=value_cache)
+    _check(
+        key_cache.dim() == 4 and key_cache.shape[3] == query.shape[2],
+        lambda: (
+            f"key_cache: expected [num_blocks, num_kv_heads, block_size, {query.shape[2]}] "
+            f"(IPEX's layout), got {tuple(key_cache.shape)}"
+        ),
+    )
+    _check(value_cache.shape == key_cache.shape, "value_cache: expected the shape of key_cache")
+    _check(
+        key_cache.is_contiguous() and value_cache.is_contiguous(),
+        "key_cache, value_cache: expected contiguous [num_blocks, num_kv_heads, block_size, "
+        "head_size] tensors: flash_attn_varlen_func ignores strides",
+    )
+    _check(
+        query.shape[1] % key_cache.shape[1] == 0,
+        "query: num_heads must be a multiple of num_kv_heads",
+    )
+    _check_index("cu_seqlens_q", cu_q, 1)
+    _check_index("cu_seqlens_k", cu_k, 1)
+    _check_index("block_tables", tables, 2)
+    _check(
+        cu_k.shape == cu_q.shape and tables.shape[0] == cu_q.shape[0] - 1,
+        "cu_seqlens_q, cu_seqlens_k, block_tables: expected S + 1, S + 1 and S rows",
+    )
+    _check(scale > 0, lambda: f"scale: expected > 0, got {scale}")
+    _check(
+        window == -1 or window >= 2, lambda: f"sliding_window: expected -1 or >= 2, got {window}"
     )
 
 
-@torch.library.register_fake("attnexport_ipex::flash_attn_varlen")
-def _(
-    out,
-    query,
-    key_cache,
-    value_cache,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    scale,
-    causal,
-    block_tables,
-    sliding_window,
-    logits_soft_cap,
+def _values_flash(
+    out, query, key_cache, value_cache, cu_q, cu_k, max_q, max_k, scale, causal, tables, *options
 ) -> None:
-    _check_flash(out, query, key_cache, value_cache, cu_seqlens_q, cu_seqlens_k, block_tables)
+    _check_cpu(query=query, key_cache=key_cache, block_tables=tables)
+    if query.shape[0] == 0:
+        return
+    extra = (query.shape[0], max_q, max_k, key_cache.shape[0], key_cache.shape[2])
+    if not _table_values.lookup((cu_q, cu_k, tables), extra)[0]:
+        query_lens = _check_offsets("cu_seqlens_q", cu_q, query.shape[0])
+        _check(int(query_lens.max()) <= max_q, "max_seqlen_q: below the longest query")
+        key_lens = _check_offsets("cu_seqlens_k", cu_k, None)
+        _check_tables(tables, key_lens, max_k, *extra[3:])
+        _table_values.store((cu_q, cu_k, tables), extra, None)
+
+
+_register("flash_attn_varlen", _static_flash, _values_flash, raw_flash_attn_varlen)

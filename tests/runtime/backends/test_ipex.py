@@ -23,7 +23,7 @@ from attnexport.testing import (
     make_varlen_inputs,
     standard_cases,
 )
-from tests.helpers import assert_close_to_reference
+from tests.helpers import assert_close_to_reference, paged_args
 
 IPEX = get_backend("ipex")
 UNAVAILABLE = IPEX.unavailable_reason()
@@ -31,17 +31,6 @@ needs_ipex = pytest.mark.skipif(
     UNAVAILABLE is not None, reason=f"needs intel_extension_for_pytorch ({UNAVAILABLE})"
 )
 ops = torch.ops.attnexport_ipex
-
-
-def _paged_args(x: dict) -> tuple:
-    return (
-        x["query"],
-        x["key_cache"],
-        x["value_cache"],
-        x["block_tables"],
-        x["seq_lens"],
-        x["query_start_loc"],
-    )
 
 
 # --------------------------------------------------------------------------- availability
@@ -69,21 +58,21 @@ def test_without_ipex_the_reason_is_reported_and_auto_falls_back():
     assert "intel_extension_for_pytorch" in UNAVAILABLE and "attnexport[ipex]" in UNAVAILABLE
     x = make_paged_inputs(AttentionCase("one", (1,), (5,)))
     with use_backend("ipex"), pytest.raises(BackendUnsupportedError, match="not installed"):
-        attnexport.paged_attention(*_paged_args(x), **x["kwargs"])
+        attnexport.paged_attention(*paged_args(x), **x["kwargs"])
     with use_backend("auto"):
-        out = attnexport.paged_attention(*_paged_args(x), **x["kwargs"])
-    assert_close_to_reference(out, reference.paged_attention(*_paged_args(x), **x["kwargs"]))
+        out = attnexport.paged_attention(*paged_args(x), **x["kwargs"])
+    assert_close_to_reference(out, reference.paged_attention(*paged_args(x), **x["kwargs"]))
 
 
 def test_refuses_float64_and_non_contiguous_caches_with_reasons():
     x = make_paged_inputs(AttentionCase("mixed", (1, 3), (4, 2), dtype=torch.float64))
     with use_backend("ipex"), pytest.raises(BackendUnsupportedError, match=r"dtype=torch\.float64"):
-        attnexport.paged_attention(*_paged_args(x), **x["kwargs"])
+        attnexport.paged_attention(*paged_args(x), **x["kwargs"])
     if UNAVAILABLE is None:
         x = make_paged_inputs(AttentionCase("mixed", (1, 3), (4, 2)))
         key_cache = x["key_cache"].transpose(0, 1).contiguous().transpose(0, 1)
         with use_backend("ipex"), pytest.raises(BackendUnsupportedError, match="non-contiguous"):
-            attnexport.paged_attention(x["query"], key_cache, *_paged_args(x)[2:], 0.1)
+            attnexport.paged_attention(x["query"], key_cache, *paged_args(x)[2:], 0.1)
 
 
 def test_backends_command_lists_ipex(capsys):
@@ -115,7 +104,7 @@ def test_matches_sdpa(case: AttentionCase):
     outputs = {}
     for name in ("ipex", "sdpa"):
         with use_backend(name):
-            paged = attnexport.paged_attention(*_paged_args(x), **x["kwargs"])
+            paged = attnexport.paged_attention(*paged_args(x), **x["kwargs"])
             outputs[name] = (paged, attnexport.varlen_attention(*varlen, **v["kwargs"]))
     for ipex_out, sdpa_out in zip(outputs["ipex"], outputs["sdpa"], strict=True):
         assert_close_to_reference(ipex_out, sdpa_out.to(torch.float64))
@@ -174,8 +163,8 @@ def test_ipex_limits_are_worked_around(name, case, change, scale):
         x = change(x)
     kwargs = x["kwargs"] if scale is None else dict(x["kwargs"], scale=scale)
     with use_backend("ipex"):
-        out = attnexport.paged_attention(*_paged_args(x), **kwargs)
-    assert_close_to_reference(out, reference.paged_attention(*_paged_args(x), **kwargs))
+        out = attnexport.paged_attention(*paged_args(x), **kwargs)
+    assert_close_to_reference(out, reference.paged_attention(*paged_args(x), **kwargs))
 
 
 @needs_ipex
@@ -462,7 +451,7 @@ def test_export_of_a_module_on_ipex_ops():
     reference.reshape_and_cache(
         x["key"], x["value"], x["key_cache"], x["value_cache"], x["slot_mapping"]
     )
-    assert_close_to_reference(actual, reference.paged_attention(*_paged_args(x), 0.125))
+    assert_close_to_reference(actual, reference.paged_attention(*paged_args(x), 0.125))
 
 
 @needs_ipex

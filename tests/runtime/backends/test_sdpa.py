@@ -9,18 +9,7 @@ import attnexport
 from attnexport.custom_ops import reference, use_backend
 from attnexport.runtime.backends import sdpa
 from attnexport.testing import AttentionCase, make_paged_inputs
-from tests.helpers import assert_close_to_reference
-
-
-def _args(x: dict) -> tuple:
-    return (
-        x["query"],
-        x["key_cache"],
-        x["value_cache"],
-        x["block_tables"],
-        x["seq_lens"],
-        x["query_start_loc"],
-    )
+from tests.helpers import assert_close_to_reference, paged_args
 
 
 def _plan(x: dict, case: AttentionCase):
@@ -49,18 +38,18 @@ def test_decode_in_several_chunks_matches_reference(case, monkeypatch):
     monkeypatch.setattr(sdpa, "_DECODE_CHUNK_BYTES", 1)  # one sequence per chunk
     x = make_paged_inputs(case)
     with use_backend("sdpa"):
-        out = attnexport.paged_attention(*_args(x), **x["kwargs"])
+        out = attnexport.paged_attention(*paged_args(x), **x["kwargs"])
     assert len(_plan(x, case).decode) == case.query_lens.count(1)
-    assert_close_to_reference(out, reference.paged_attention(*_args(x), **x["kwargs"]))
+    assert_close_to_reference(out, reference.paged_attention(*paged_args(x), **x["kwargs"]))
 
 
 def test_layers_reuse_the_step_plan_and_the_workspace():
     case = AttentionCase("decode", (1, 1, 1), (30, 2, 17))
     x = make_paged_inputs(case)
     with use_backend("sdpa"):
-        attnexport.paged_attention(*_args(x), **x["kwargs"])  # layer 0
+        attnexport.paged_attention(*paged_args(x), **x["kwargs"])  # layer 0
         plan, buffers = _plan(x, case), dict(sdpa._workspace.buffers)
-        attnexport.paged_attention(*_args(x), **x["kwargs"])  # layer 1
+        attnexport.paged_attention(*paged_args(x), **x["kwargs"])  # layer 1
     assert _plan(x, case) is plan
     assert all(sdpa._workspace.buffers[k] is v for k, v in buffers.items())
     x["seq_lens"][0] -= 1  # the next step edits the metadata in place: planned again
