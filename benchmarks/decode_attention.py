@@ -184,16 +184,21 @@ def _implementations(step: _Step, config: Config, with_ipex: bool) -> dict:
     }
 
 
-def _measure(fn, layers: int, min_time: float, min_rounds: int) -> float:
-    """Seconds per call: the fastest round (one call per layer) of the rounds run."""
-    for layer in range(layers):  # warm-up: plans, workspaces, first-touch of outputs
-        fn(layer)
-    best, rounds, start = float("inf"), 0, time.perf_counter()
-    while rounds < min_rounds or time.perf_counter() - start < min_time:
-        round_start = time.perf_counter()
+def _measure(impls: dict, layers: int, min_time: float, min_rounds: int) -> dict[str, float]:
+    """Seconds per call of each implementation: the fastest of its rounds (a round is one call
+    per layer). Implementations take turns round by round, so a burst of load from other
+    processes hits them alike."""
+    for fn in impls.values():  # warm-up: plans, workspaces, first touch of outputs
         for layer in range(layers):
             fn(layer)
-        best = min(best, (time.perf_counter() - round_start) / layers)
+    best = dict.fromkeys(impls, float("inf"))
+    rounds, start = 0, time.perf_counter()
+    while rounds < min_rounds or time.perf_counter() - start < min_time * len(impls):
+        for name, fn in impls.items():
+            round_start = time.perf_counter()
+            for layer in range(layers):
+                fn(layer)
+            best[name] = min(best[name], (time.perf_counter() - round_start) / layers)
         rounds += 1
     return best
 
@@ -211,8 +216,8 @@ def run(
     results = []
     for config in configs:
         step = _Step(config, cache_budget_bytes)
-        for name, fn in _implementations(step, config, with_ipex).items():
-            seconds = _measure(fn, step.layers, min_time, min_rounds)
+        impls = _implementations(step, config, with_ipex)
+        for name, seconds in _measure(impls, step.layers, min_time, min_rounds).items():
             gb_per_s = config.kv_bytes / seconds / 1e9
             result = Result(
                 config, name, seconds * 1e3, config.batch / seconds, gb_per_s, gb_per_s / dram
@@ -220,7 +225,7 @@ def run(
             results.append(result)
             if progress is not None:
                 progress(result)
-        del step
+        del step, impls
     return results
 
 
