@@ -38,10 +38,9 @@ def _major_minor(version: str) -> str | None:
     return match.group(1) if match else None
 
 
-@functools.cache
-def ipex_unavailable_reason() -> str | None:
-    """Why IPEX's kernels cannot be used in this process (None when they can); imports IPEX
-    once, after checking that its version matches torch (a mismatched IPEX exits on import)."""
+def _install_problem() -> str | None:
+    """Why IPEX cannot even be imported here, found without importing it (a mismatched IPEX
+    exits on import)."""
     if importlib.util.find_spec(IPEX_MODULE) is None:
         return f"{IPEX_MODULE} is not installed: {INSTALL_HINT}"
     ipex_version = importlib.metadata.version("intel-extension-for-pytorch")
@@ -50,6 +49,16 @@ def ipex_unavailable_reason() -> str | None:
             f"{IPEX_MODULE} {ipex_version} needs torch {_major_minor(ipex_version)}.*, "
             f"found torch {torch.__version__}"
         )
+    return None
+
+
+@functools.cache
+def ipex_unavailable_reason() -> str | None:
+    """Why IPEX's kernels cannot be used in this process (None when they can); imports IPEX
+    once when it is installed for this torch."""
+    problem = _install_problem()
+    if problem is not None:
+        return problem
     try:
         load_ipex()
     except Exception as error:  # any import failure makes the backend unavailable, with why
@@ -68,7 +77,11 @@ class IpexKernels:
 
 @functools.cache
 def load_ipex() -> IpexKernels:
-    """Imports intel_extension_for_pytorch once and returns its kernels."""
+    """Imports intel_extension_for_pytorch once and returns its kernels; raises
+    ModuleNotFoundError saying why when it is not installed for this torch."""
+    problem = _install_problem()
+    if problem is not None:
+        raise ModuleNotFoundError(problem)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     os.environ["PAGED_ATTENTION_SINGLE_QUERY_KERNEL"] = "1"  # see the module docstring
     importlib.import_module(IPEX_MODULE)

@@ -62,6 +62,8 @@ def test_without_ipex_the_reason_is_reported_and_auto_falls_back():
     with use_backend("auto"):
         out = attnexport.paged_attention(*paged_args(x), **x["kwargs"])
     assert_close_to_reference(out, reference.paged_attention(*paged_args(x), **x["kwargs"]))
+    with pytest.raises(ModuleNotFoundError, match=r"attnexport\[ipex\]"):  # valid inputs
+        _write(_kernel_inputs())
 
 
 def test_refuses_float64_and_non_contiguous_caches_with_reasons():
