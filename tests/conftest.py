@@ -8,18 +8,18 @@ import os
 import pytest
 
 import attnexport  # noqa: F401  (registers ops and backends)
-from attnexport.custom_ops import registered_backends, use_backend
+from attnexport.custom_ops import get_backend, registered_backends, use_backend
 
 BACKENDS = [b.name for b in registered_backends()]
 
 
 def pytest_sessionstart(session):
     if os.environ.get("ATTNEXPORT_REQUIRE_IPEX") == "1":
-        import importlib.util
-
-        if importlib.util.find_spec("intel_extension_for_pytorch") is None:
+        # Installed is not enough: the IPEX suites must really run, so it must also load.
+        reason = get_backend("ipex").unavailable_reason()
+        if reason is not None:
             raise pytest.UsageError(
-                "ATTNEXPORT_REQUIRE_IPEX=1 but intel_extension_for_pytorch is not installed"
+                f"ATTNEXPORT_REQUIRE_IPEX=1 but the ipex backend is unavailable: {reason}"
             )
 
 

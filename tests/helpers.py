@@ -26,3 +26,15 @@ def skip_unsupported():
         yield
     except BackendUnsupportedError as error:
         pytest.skip(str(error))
+
+
+def paged_args(x: dict) -> tuple:
+    """The positional tensors of ``paged_attention`` from a :func:`make_paged_inputs` dict."""
+    return (
+        x["query"],
+        x["key_cache"],
+        x["value_cache"],
+        x["block_tables"],
+        x["seq_lens"],
+        x["query_start_loc"],
+    )

@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"backends": report}, indent=2))
         return 0
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -54,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     for entry in report:
         if not entry["available"]:
-            console.print(f"[yellow]{entry['name']}[/]: {entry['unavailable_reason']}")
+            # Reasons contain brackets ("attnexport[ipex]") that rich would read as markup.
+            console.print(f"[yellow]{entry['name']}[/]: {escape(entry['unavailable_reason'])}")
         for note in entry["notes"]:
-            console.print(f"[dim]{entry['name']}: {note}[/]")
+            console.print(f"[dim]{entry['name']}: {escape(note)}[/]")
     return 0

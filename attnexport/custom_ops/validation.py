@@ -26,6 +26,8 @@ SLOT_DTYPES = (torch.int32, torch.int64)
 
 def _expect(cond, message: Callable[[], str] | str, error: type[Exception] = ValueError) -> None:
     """Raise ``error(message)`` unless ``cond``; works on plain and symbolic booleans."""
+    if cond is True:  # concrete shapes: skip torch._check_with, a measurable cost per op call
+        return
     torch._check_with(error, cond, message if callable(message) else lambda: message)
 
 
@@ -118,7 +120,7 @@ def _check_offsets(name: str, offsets: torch.Tensor, total: int, total_name: str
     return lengths
 
 
-class _Memo:
+class TensorMemo:
     """Remembers which tuples of tensors passed the value checks, until one of them changes.
 
     Tensors are held by weak reference and compared by identity and ``_version`` (bumped by
@@ -163,9 +165,9 @@ class BatchSummary:
     """Some sequence with more than one query token also has cached context (chunked prefill)."""
 
 
-_paged_memo = _Memo()
-_varlen_memo = _Memo()
-_slot_memo = _Memo()
+_paged_memo = TensorMemo()
+_varlen_memo = TensorMemo()
+_slot_memo = TensorMemo()
 
 
 # --------------------------------------------------------------------------- reshape_and_cache

@@ -8,20 +8,9 @@ import torch
 import attnexport
 from attnexport.custom_ops import reference
 from attnexport.testing import AttentionCase, make_paged_inputs, make_varlen_inputs, standard_cases
-from tests.helpers import assert_close_to_reference, skip_unsupported
+from tests.helpers import assert_close_to_reference, paged_args, skip_unsupported
 
 CASES = standard_cases()
-
-
-def _paged_args(x: dict) -> tuple:
-    return (
-        x["query"],
-        x["key_cache"],
-        x["value_cache"],
-        x["block_tables"],
-        x["seq_lens"],
-        x["query_start_loc"],
-    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -43,8 +32,8 @@ def test_reshape_and_cache_matches_reference(backend, case: AttentionCase):
 def test_paged_attention_matches_reference(backend, case: AttentionCase):
     x = make_paged_inputs(case)
     with skip_unsupported():
-        out = attnexport.paged_attention(*_paged_args(x), **x["kwargs"])
-    expected = reference.paged_attention(*_paged_args(x), **x["kwargs"])
+        out = attnexport.paged_attention(*paged_args(x), **x["kwargs"])
+    expected = reference.paged_attention(*paged_args(x), **x["kwargs"])
     assert out.shape == x["query"].shape and out.dtype == case.dtype
     assert_close_to_reference(out, expected)
 
@@ -66,8 +55,8 @@ def test_write_then_attend_sees_new_tokens(backend, case: AttentionCase):
         attnexport.reshape_and_cache(
             x["key"], x["value"], x["key_cache"], x["value_cache"], x["slot_mapping"]
         )
-        out = attnexport.paged_attention(*_paged_args(x), **x["kwargs"])
-    assert_close_to_reference(out, reference.paged_attention(*_paged_args(x), **x["kwargs"]))
+        out = attnexport.paged_attention(*paged_args(x), **x["kwargs"])
+    assert_close_to_reference(out, reference.paged_attention(*paged_args(x), **x["kwargs"]))
 
 
 def test_functional_cache_write_leaves_inputs_untouched(backend):

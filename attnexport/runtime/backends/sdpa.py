@@ -1,10 +1,16 @@
 """The ``sdpa`` backend: pure PyTorch, every feature, any device torch runs on.
 
-Decode sequences (one query token each) are batched: their KV blocks are gathered into one
-``[Hkv, B, L, D]`` tensor and attended with grouped matmuls (query heads of one KV head share
-its keys), so temporaries are O(batch KV) and no KV head is repeated. Sequences with several
-query tokens run one at a time in query chunks that bound the logits' memory. Logits and
-softmax are computed in fp32 (fp64 for fp64 inputs).
+Keys and values stay token-major (``[B, L, Hkv, D]``, the cache's own layout): attention runs
+one batched matmul per KV head on strided views (the query heads of a KV head are the rows of
+one matrix), so no KV head is repeated and no transposing copy is made. Logits and softmax are
+computed in fp32 (fp64 for fp64 inputs).
+
+Decode sequences (one query token each) run in chunks whose gathered blocks stay cache-resident,
+in workspace buffers reused across calls: with glibc malloc, fresh large temporaries page-fault
+on every call, which made decode several times slower (DESIGN.md section 4). What the step's
+metadata fixes (which sequences decode, their blocks, the masks) is planned once per step and
+reused by every layer. Sequences with several query tokens run one at a time in query chunks
+that bound the logits' memory.
 
 ``F.scaled_dot_product_attention(enable_gqa=True)`` is not used: on CPU it falls back to the
 math path, 10-40x slower than a grouped matmul (DESIGN.md section 4).
@@ -13,13 +19,19 @@ math path, 10-40x slower than a grouped matmul (DESIGN.md section 4).
 from __future__ import annotations
 
 import itertools
+import threading
+from dataclasses import dataclass
 
 import torch
 
 from attnexport.custom_ops.dispatch import AttentionBackend, BackendCapabilities
+from attnexport.custom_ops.validation import TensorMemo
 
 # Logits of one query chunk are kept under this many bytes.
 _LOGITS_BUDGET_BYTES = 64 * 2**20
+# Gathered keys and values of one chunk of decode sequences are kept under this many bytes
+# (unless one sequence alone needs more).
+_DECODE_CHUNK_BYTES = 16 * 2**20
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -45,83 +57,242 @@ def write_cache(
     value_cache.index_put_((blocks, offsets), value)
 
 
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Gathers the blocks ``block_ids`` [B, n] of a cache [NB, BS, Hkv, D] as [Hkv, B, n*BS, D].
+class _Workspace(threading.local):
+    """Per-thread buffers reused across calls, grown on demand."""
 
-    One copy: the head-major output layout lets every batch of the grouped matmuls be a plain
-    matrix, so matmul does not copy again.
-    """
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        numel = 1
+        for size in shape:
+            numel *= size
+        key = (name, dtype, torch.device(device))
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer[:numel].view(shape)
+
+
+_workspace = _Workspace()
+
+
+def gather_blocks(
+    cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gathers the blocks ``block_ids`` [B, n] of a cache [NB, BS, Hkv, D] as token-major
+    [B, n*BS, Hkv, D] in ``dtype``: whole blocks, memcpy speed. With ``out`` (a workspace
+    buffer) no memory is allocated: a conversion goes through the thread's workspace."""
     num_seqs, blocks_per_seq = block_ids.shape
     block_size, num_kv_heads, head_size = cache.shape[1:]
-    by_head = cache.permute(2, 0, 1, 3)  # [Hkv, NB, BS, D] view
-    gathered = by_head.index_select(1, block_ids.reshape(-1))
-    return gathered.view(num_kv_heads, num_seqs, blocks_per_seq * block_size, head_size)
+    shape = (num_seqs, blocks_per_seq * block_size, num_kv_heads, head_size)
+    ids = block_ids.reshape(-1)
+    if out is None:
+        return cache.index_select(0, ids).view(shape).to(dtype)
+    blocks = out.view(num_seqs * blocks_per_seq, *cache.shape[1:])
+    if cache.dtype != dtype:  # gather in the cache dtype, then convert in one contiguous pass
+        blocks = _workspace.get("blocks", blocks.shape, cache.dtype, cache.device)
+    torch.index_select(cache, 0, ids, out=blocks)
+    if blocks.dtype != dtype:
+        out.view_as(blocks).copy_(blocks)
+    return out
 
 
-def grouped_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+@dataclass(frozen=True)
+class Masks:
+    """What the metadata fixes about a padded batch's logits [B, Q, L] (shared by layers)."""
+
+    invisible: torch.Tensor | None
+    """[B, Q, L] bool, True where a key is masked out; None when every key is visible."""
+    no_key: torch.Tensor | None
+    """[B, Q] bool, queries that see no key at all (their output is zero); None if none."""
+    distance: torch.Tensor | None
+    """[B, Q, L] float32 key position minus query position, for ALiBi; None without ALiBi."""
+
+
+def attention_masks(
     query_positions: torch.Tensor,
     key_lens: torch.Tensor,
-    scale: float,
+    num_keys: int,
     causal: bool,
-    alibi_slopes: torch.Tensor | None,
     sliding_window: int,
-    logits_soft_cap: float,
+    alibi: bool,
     key_offset: int = 0,
-) -> torch.Tensor:
-    """Masked attention of a padded batch, computed in the dtype of ``key``.
-
-    Args:
-        query: ``[B, Q, H, D]``.
-        key, value: ``[Hkv, B, L, D]``; key index l has absolute position ``key_offset + l``.
-        query_positions: ``[B, Q]`` int64 absolute positions of the queries.
-        key_lens: ``[B]`` int64; keys at absolute positions >= key_lens[b] are padding.
-
-    Returns:
-        ``[B, Q, H, D]`` in the dtype of ``key``; queries that see no key get zeros.
-    """
-    num_seqs, num_queries, num_heads, head_size = query.shape
-    num_kv_heads, _, num_keys, _ = key.shape
-    group = num_heads // num_kv_heads
-    work_dtype = key.dtype
-
-    # Rows are (query head within the group, query token), so one KV head's batch is a matrix.
-    q = (query.to(work_dtype) * scale).view(num_seqs, num_queries, num_kv_heads, group, head_size)
-    q = q.permute(2, 0, 3, 1, 4).reshape(num_kv_heads, num_seqs, group * num_queries, head_size)
-    logits = torch.matmul(q, key.transpose(-1, -2))  # [Hkv, B, G*Q, L]
-    logits5 = logits.view(num_kv_heads, num_seqs, group, num_queries, num_keys)
-
-    if logits_soft_cap > 0:
-        logits.div_(logits_soft_cap).tanh_().mul_(logits_soft_cap)
-    key_positions = torch.arange(key_offset, key_offset + num_keys, device=key.device)
-    if alibi_slopes is not None:
-        distance = (key_positions[None, None, :] - query_positions[:, :, None]).to(torch.float32)
-        slopes = alibi_slopes.to(torch.float32).view(num_kv_heads, 1, group, 1, 1)
-        logits5.add_((slopes * distance[None, :, None]).to(work_dtype))
-
-    visible = (key_positions[None, None, :] < key_lens[:, None, None]).expand(
-        num_seqs, num_queries, num_keys
-    )
+) -> Masks:
+    """The masks of a padded batch: query_positions [B, Q] and key_lens [B] int64 absolute;
+    key index l sits at position ``key_offset + l`` and is padding from ``key_lens[b]`` on."""
+    key_positions = torch.arange(key_offset, key_offset + num_keys, device=key_lens.device)
+    visible = key_positions[None, None, :] < key_lens[:, None, None]
     if causal:
         visible = visible & (key_positions[None, None, :] <= query_positions[:, :, None])
     if sliding_window >= 0:
         visible = visible & (
             (query_positions[:, :, None] - key_positions[None, None, :]) < sliding_window
         )
-    logits5.masked_fill_(~visible[None, :, None], float("-inf"))
-    weights = torch.softmax(logits, dim=-1)
+    visible = visible.expand(*query_positions.shape, num_keys)
     has_key = visible.any(dim=-1)
-    if not bool(has_key.all()):
-        weights.view_as(logits5).masked_fill_(~has_key[None, :, None, :, None], 0.0)
-    out = torch.matmul(weights, value)  # [Hkv, B, G*Q, D]
+    distance = None
+    if alibi:
+        distance = (key_positions[None, None, :] - query_positions[:, :, None]).to(torch.float32)
+    return Masks(
+        invisible=None if bool(visible.all()) else ~visible,
+        no_key=None if bool(has_key.all()) else ~has_key,
+        distance=distance,
+    )
+
+
+def grouped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    masks: Masks,
+    scale: float,
+    alibi_slopes: torch.Tensor | None,
+    logits_soft_cap: float,
+) -> torch.Tensor:
+    """Masked attention of a padded batch, computed in the dtype of ``key``.
+
+    Args:
+        query: ``[B, Q, H, D]``.
+        key, value: ``[B, L, Hkv, D]``, any strides with D contiguous.
+        masks: from :func:`attention_masks` (with ``alibi`` when alibi_slopes is given).
+
+    Returns:
+        ``[B, Q, H, D]`` in the dtype of ``key``; queries that see no key get zeros.
+    """
+    num_seqs, num_queries, num_heads, head_size = query.shape
+    num_keys, num_kv_heads = key.shape[1], key.shape[2]
+    group = num_heads // num_kv_heads
+    work_dtype = key.dtype
+
+    # Rows are (query head within the group, query token): one matrix per (KV head, sequence),
+    # multiplied with that KV head's keys in place (a strided view, no copy).
+    q = (query.to(work_dtype) * scale).view(num_seqs, num_queries, num_kv_heads, group, head_size)
+    rows = q.permute(2, 0, 3, 1, 4).reshape(num_kv_heads, num_seqs, group * num_queries, head_size)
+    logits = torch.empty(
+        (num_kv_heads, num_seqs, group * num_queries, num_keys),
+        dtype=work_dtype,
+        device=query.device,
+    )
+    for head in range(num_kv_heads):
+        torch.bmm(rows[head], key[:, :, head].transpose(1, 2), out=logits[head])
+    logits5 = logits.view(num_kv_heads, num_seqs, group, num_queries, num_keys)
+
+    if logits_soft_cap > 0:
+        logits.div_(logits_soft_cap).tanh_().mul_(logits_soft_cap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(torch.float32).view(num_kv_heads, 1, group, 1, 1)
+        logits5.add_((slopes * masks.distance[None, :, None]).to(work_dtype))
+    if masks.invisible is not None:
+        logits5.masked_fill_(masks.invisible[None, :, None], float("-inf"))
+    weights = torch.softmax(logits, dim=-1)
+    if masks.no_key is not None:
+        weights.view_as(logits5).masked_fill_(masks.no_key[None, :, None, :, None], 0.0)
+    out = torch.empty(rows.shape, dtype=work_dtype, device=query.device)  # [Hkv, B, G*Q, D]
+    for head in range(num_kv_heads):
+        torch.bmm(weights[head], value[:, :, head], out=out[head])
     out = out.view(num_kv_heads, num_seqs, group, num_queries, head_size)
     return out.permute(1, 3, 0, 2, 4).reshape(num_seqs, num_queries, num_heads, head_size)
 
 
 def _query_chunk(num_heads: int, num_keys: int, element_size: int) -> int:
     return max(1, _LOGITS_BUDGET_BYTES // max(1, num_heads * num_keys * element_size))
+
+
+@dataclass(frozen=True)
+class _DecodeChunk:
+    """Decode sequences ``start:stop`` (in decode order) attended together."""
+
+    start: int
+    stop: int
+    tokens: torch.Tensor | None
+    """[b] int64 query tokens; None when they are ``start:stop`` (a decode-only batch)."""
+    block_ids: torch.Tensor
+    """[b, n] int64 blocks to gather (padding entries clamped to a valid block)."""
+    masks: Masks
+
+
+@dataclass(frozen=True)
+class _Prefill:
+    """A sequence with several query tokens, attended on its own."""
+
+    start: int
+    stop: int
+    seq_len: int
+    block_ids: torch.Tensor
+    """[1, n] int64."""
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    decode: tuple[_DecodeChunk, ...]
+    prefills: tuple[_Prefill, ...]
+
+
+_step_plans = TensorMemo(size=8)
+
+
+def _plan_step(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_tokens: int,
+    cache_shape: torch.Size,
+    work_dtype: torch.dtype,
+    causal: bool,
+    sliding_window: int,
+    alibi: bool,
+) -> _StepPlan:
+    """Host-side work of a paged-attention step, memoised for the step's other layers."""
+    tensors = (block_tables, seq_lens, query_start_loc)
+    extra = (num_tokens, tuple(cache_shape), work_dtype, causal, sliding_window, alibi)
+    found, plan = _step_plans.lookup(tensors, extra)
+    if found:
+        return plan
+    num_blocks, block_size, num_kv_heads, head_size = cache_shape
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    query_lens = [end - start for start, end in itertools.pairwise(starts)]
+    decodes = [i for i, n in enumerate(query_lens) if n == 1]
+    decode_only = len(decodes) == num_tokens
+
+    chunks = []
+    seq_bytes = 2 * max([1, *(lens[i] for i in decodes)]) * num_kv_heads * head_size
+    per_chunk = max(1, _DECODE_CHUNK_BYTES // (seq_bytes * work_dtype.itemsize))
+    for first in range(0, len(decodes), per_chunk):
+        rows = decodes[first : first + per_chunk]
+        chunk_lens = torch.tensor([lens[i] for i in rows], device=seq_lens.device)
+        width = max(1, -(-int(chunk_lens.max()) // block_size))
+        row_ids = torch.tensor(rows, device=block_tables.device)
+        block_ids = block_tables.index_select(0, row_ids)[:, :width].to(torch.int64)
+        masks = attention_masks(
+            (chunk_lens - 1)[:, None], chunk_lens, width * block_size, causal, sliding_window, alibi
+        )
+        tokens = torch.tensor([starts[i] for i in rows], device=query_start_loc.device)
+        chunks.append(
+            _DecodeChunk(
+                start=first,
+                stop=first + len(rows),
+                tokens=None if decode_only else tokens,
+                block_ids=block_ids.clamp_(0, num_blocks - 1),  # padding entries
+                masks=masks,
+            )
+        )
+    prefills = [
+        _Prefill(
+            starts[i],
+            starts[i + 1],
+            lens[i],
+            block_tables[i : i + 1, : -(-lens[i] // block_size)].to(torch.int64),
+        )
+        for i, n in enumerate(query_lens)
+        if n > 1 and lens[i] > 0  # non-causal over an empty sequence: zeros
+    ]
+    plan = _StepPlan(tuple(chunks), tuple(prefills))
+    _step_plans.store(tensors, extra, plan)
+    return plan
 
 
 class SdpaBackend(AttentionBackend):
@@ -154,47 +325,50 @@ class SdpaBackend(AttentionBackend):
         logits_soft_cap,
     ) -> torch.Tensor:
         work_dtype = compute_dtype(query.dtype)
-        num_blocks, block_size = key_cache.shape[:2]
-        starts = query_start_loc.tolist()
-        lens = seq_lens.tolist()
-        query_lens = [end - start for start, end in itertools.pairwise(starts)]
+        plan = _plan_step(
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            query.shape[0],
+            key_cache.shape,
+            work_dtype,
+            causal,
+            sliding_window,
+            alibi_slopes is not None,
+        )
         out = torch.zeros_like(query)
-        options = (scale, causal, alibi_slopes, sliding_window, logits_soft_cap)
-
-        decodes = [i for i, n in enumerate(query_lens) if n == 1]
-        if decodes:
-            rows = torch.tensor(decodes, device=query.device)
-            dec_lens = seq_lens.index_select(0, rows).to(torch.int64)
-            blocks_needed = max(1, -(-max(lens[i] for i in decodes) // block_size))
-            block_ids = block_tables.index_select(0, rows)[:, :blocks_needed]
-            block_ids = block_ids.to(torch.int64).clamp_(0, num_blocks - 1)  # padding entries
-            key = gather_blocks(key_cache, block_ids).to(work_dtype)
-            value = gather_blocks(value_cache, block_ids).to(work_dtype)
-            tokens = query_start_loc.index_select(0, rows).to(torch.int64)
-            all_tokens = len(decodes) == query.shape[0]
-            q = (query if all_tokens else query.index_select(0, tokens)).unsqueeze(1)
-            result = grouped_attention(q, key, value, (dec_lens - 1)[:, None], dec_lens, *options)
-            if all_tokens:
-                out.copy_(result[:, 0])
+        for chunk in plan.decode:
+            shape = (*chunk.block_ids.shape, *key_cache.shape[1:])
+            shape = (shape[0], shape[1] * shape[2], *shape[3:])  # [b, n * BS, Hkv, D]
+            key = gather_blocks(
+                key_cache,
+                chunk.block_ids,
+                work_dtype,
+                _workspace.get("key", shape, work_dtype, query.device),
+            )
+            value = gather_blocks(
+                value_cache,
+                chunk.block_ids,
+                work_dtype,
+                _workspace.get("value", shape, work_dtype, query.device),
+            )
+            q = query[chunk.start : chunk.stop] if chunk.tokens is None else query[chunk.tokens]
+            result = grouped_attention(
+                q.unsqueeze(1), key, value, chunk.masks, scale, alibi_slopes, logits_soft_cap
+            )
+            if chunk.tokens is None:
+                out[chunk.start : chunk.stop] = result[:, 0]
             else:
-                out.index_copy_(0, tokens, result[:, 0].to(query.dtype))
+                out.index_copy_(0, chunk.tokens, result[:, 0].to(query.dtype))
 
-        for i, num_queries in enumerate(query_lens):
-            if num_queries <= 1:
-                continue
-            seq_len = lens[i]
-            if seq_len == 0:
-                continue  # non-causal over an empty sequence: zeros
-            blocks_needed = -(-seq_len // block_size)
-            block_ids = block_tables[i : i + 1, :blocks_needed].to(torch.int64)
-            key = gather_blocks(key_cache, block_ids).to(work_dtype)
-            value = gather_blocks(value_cache, block_ids).to(work_dtype)
+        options = (scale, causal, alibi_slopes, sliding_window, logits_soft_cap)
+        for prefill in plan.prefills:
             self._attend_sequence(
-                query[starts[i] : starts[i + 1]],
-                key,
-                value,
-                seq_len,
-                out[starts[i] : starts[i + 1]],
+                query[prefill.start : prefill.stop],
+                gather_blocks(key_cache, prefill.block_ids, work_dtype),
+                gather_blocks(value_cache, prefill.block_ids, work_dtype),
+                prefill.seq_len,
+                out[prefill.start : prefill.stop],
                 *options,
             )
         return out
@@ -219,8 +393,8 @@ class SdpaBackend(AttentionBackend):
             q0, q1, k0, k1 = q_starts[i], q_starts[i + 1], k_starts[i], k_starts[i + 1]
             if q1 == q0 or k1 == k0:
                 continue
-            k = key[k0:k1].to(work_dtype).permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, L, D]
-            v = value[k0:k1].to(work_dtype).permute(1, 0, 2).unsqueeze(1)
+            k = key[k0:k1].to(work_dtype).unsqueeze(0)  # [1, L, Hkv, D]
+            v = value[k0:k1].to(work_dtype).unsqueeze(0)
             self._attend_sequence(
                 query[q0:q1],
                 k,
@@ -248,7 +422,7 @@ class SdpaBackend(AttentionBackend):
         sliding_window: int,
         logits_soft_cap: float,
     ) -> None:
-        """One sequence: query [q, H, D] (the last q positions) over key/value [Hkv, 1, L, D]
+        """One sequence: query [q, H, D] (the last q positions) over key/value [1, L, Hkv, D]
         (L >= num_keys valid keys); writes ``out`` [q, H, D] in query chunks."""
         num_queries, num_heads, _ = query.shape
         chunk = _query_chunk(num_heads, num_keys, key.element_size())
@@ -266,17 +440,22 @@ class SdpaBackend(AttentionBackend):
             if key_end <= key_start:
                 out[start:stop] = 0
                 continue
-            result = grouped_attention(
-                query[start:stop].unsqueeze(0),
-                key[:, :, key_start:key_end],
-                value[:, :, key_start:key_end],
+            masks = attention_masks(
                 positions,
                 key_lens,
-                scale,
+                key_end - key_start,
                 causal,
-                alibi_slopes,
                 sliding_window,
-                logits_soft_cap,
+                alibi_slopes is not None,
                 key_offset=key_start,
+            )
+            result = grouped_attention(
+                query[start:stop].unsqueeze(0),
+                key[:, key_start:key_end],
+                value[:, key_start:key_end],
+                masks,
+                scale,
+                alibi_slopes,
+                logits_soft_cap,
             )
             out[start:stop] = result[0]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from attnexport.custom_ops.dispatch import AttentionBackend, AttentionCall, BackendCapabilities
-from attnexport.custom_ops.validation import _Memo
+from attnexport.custom_ops.validation import TensorMemo
 from attnexport.runtime.backends import xformers_choice as choice
 from attnexport.runtime.backends import xformers_masks as masks
 from attnexport.runtime.backends.sdpa import write_cache
@@ -379,8 +379,8 @@ class XformersBackend(AttentionBackend):
     )
 
     def __init__(self) -> None:
-        self._paged_plans = _Memo()
-        self._varlen_plans = _Memo()
+        self._paged_plans = TensorMemo()
+        self._varlen_plans = TensorMemo()
 
     def unavailable_reason(self) -> str | None:
         return _unavailable_reason()
