@@ -60,7 +60,11 @@ def test_random_workloads_are_exact_and_leak_no_block(workload):
     engine = Engine(executor, cache, config["scheduler"])
     outputs = engine.generate([p for p, _ in requests], [params for _, params in requests])
     for output, (prompt, params) in zip(outputs, requests, strict=True):
-        if _peak_blocks(prompt, params, config["block_size"]) > config["num_blocks"]:
+        if output.error is not None:
+            # Only a request whose samples cannot all be resident may fail, and only for that
+            # reason (the engine may still finish such a request by running its samples in
+            # turn after a preemption).
+            assert _peak_blocks(prompt, params, config["block_size"]) > config["num_blocks"]
             assert output.finish_reason == "error" and "more KV-cache blocks" in output.error
             continue
         assert output.error is None, output.error
