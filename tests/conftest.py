@@ -8,13 +8,14 @@ import os
 import pytest
 from hypothesis import settings
 
+import attnexport  # noqa: F401  (registers ops and backends)
+from attnexport.custom_ops import get_backend, registered_backends, use_backend
+
 # CI runs must not depend on luck: property tests replay the same examples every run there.
 settings.register_profile("ci", derandomize=True, database=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-import attnexport  # noqa: F401  (registers ops and backends)
-from attnexport.custom_ops import get_backend, registered_backends, use_backend
 
 BACKENDS = [b.name for b in registered_backends()]
 
