@@ -152,7 +152,8 @@ class Scheduler:
         leader = request.unfinished_seqs()[0]
         if not shared or seq is leader or seq.block_ids or seq.num_computed:
             return False
-        if leader.num_computed < shared:
+        if leader.num_computed < shared or request.status is Status.SWAPPED:
+            # While swapped out the leader's block ids are CPU blocks: share them once back.
             return True
         self.block_manager.fork(leader, seq, shared // self.block_manager.block_size)
         return False

@@ -4,7 +4,7 @@ and every block is free again at the end."""
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from attnexport.runtime import CacheConfig, Engine, SamplingParams, SchedulerConfig, TorchExecutor
@@ -47,8 +47,30 @@ def _peak_blocks(prompt: list[int], params: SamplingParams, block_size: int) -> 
     return shared + params.n * (-(-computed // block_size) - shared)
 
 
+# Found by hypothesis: a swapped-out request whose forked sample waits for its leader forked
+# onto the leader's CPU block ids before the swap-in.
+SWAPPED_WAITING_FORK = (
+    [
+        ([1, 2, 3, 4, 5, 6, 0], SamplingParams(max_tokens=8, n=3)),
+        ([1, 2, 3, 4, 5, 6, 0], SamplingParams(max_tokens=1)),
+        ([1, 2, 3, 4, 5, 6, 0], SamplingParams(max_tokens=1)),
+        ([0, 0], SamplingParams(max_tokens=6, n=2)),
+    ],
+    {
+        "num_blocks": 16,
+        "block_size": 2,
+        "prefix": False,
+        "scheduler": SchedulerConfig(
+            max_num_seqs=7, max_num_batched_tokens=23, max_model_len=32, preemption_mode="swap"
+        ),
+        "cpu_blocks": 4,
+    },
+)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
+@example(SWAPPED_WAITING_FORK)
 def test_random_workloads_are_exact_and_leak_no_block(workload):
     requests, config = workload
     executor = TorchExecutor(MODEL, cache_spec=MODEL.cache_spec(config["block_size"]))
