@@ -8,9 +8,9 @@ import json
 
 import pytest
 import torch
-import transformers
 
 from attnexport.cli.main import main
+from tests.models.hf_reference import tiny_bart
 
 FORCED_BOS = 7
 PROMPTS = ([0, 8, 15, 22, 9, 2], [0, *range(30, 51), 2], [5, 1, 1, 9], [3])
@@ -18,26 +18,10 @@ PROMPTS = ([0, 8, 15, 22, 9, 2], [0, *range(30, 51), 2], [5, 1, 1, 9], [3])
 
 @pytest.fixture(scope="module")
 def bart(tmp_path_factory):
-    """A 2+2-layer BART (d_model 32) saved with ``save_pretrained`` and exported (both
-    formats, blocks of 4 tokens)."""
+    """A 2+2-layer BART (d_model 32) saved with ``save_pretrained`` (its generation config
+    forcing a first token) and exported (both formats, blocks of 4 tokens)."""
     path = tmp_path_factory.mktemp("hf_bart")
-    torch.manual_seed(0)
-    config = transformers.BartConfig(
-        vocab_size=120,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=2,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=48,
-        max_position_embeddings=64,
-        init_std=0.3,
-        decoder_start_token_id=2,
-        eos_token_id=2,
-        forced_eos_token_id=2,
-    )
-    model = transformers.BartForConditionalGeneration(config).eval()
+    model = tiny_bart(path, decoder_start_token_id=2, eos_token_id=2, forced_eos_token_id=2)
     model.generation_config.forced_bos_token_id = FORCED_BOS
     model.save_pretrained(path)
     out = tmp_path_factory.mktemp("bart_export")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from attnexport.runtime import (
     CacheConfig,
@@ -21,6 +20,7 @@ from attnexport.runtime.sequence import EncoderInput, Request
 from attnexport.runtime.sequence import Sequence as Seq
 from models import load_model
 from models.bart import BartConfig, BartForConditionalGeneration
+from tests.models.hf_reference import tiny_bart
 
 BLOCK_SIZE = 4
 START = 2
@@ -40,25 +40,9 @@ SEEDED = [SamplingParams(max_tokens=10, temperature=1.0, seed=i) for i in range(
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    """A 2 + 2-layer BART (d_model 32, vocab 96) from a transformers checkpoint initialised
-    wide enough (std 0.3) that greedy tokens vary."""
-    import transformers
-
+    """A 2 + 2-layer BART (d_model 32, vocab 120) from a transformers checkpoint."""
     path = tmp_path_factory.mktemp("bart")
-    torch.manual_seed(0)
-    config = transformers.BartConfig(
-        vocab_size=96,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=2,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=128,
-        max_position_embeddings=64,
-        init_std=0.3,
-    )
-    transformers.BartForConditionalGeneration(config).save_pretrained(path)
+    tiny_bart(path)
     return load_model(path)
 
 
@@ -187,8 +171,8 @@ def test_encoder_decoder_requests_are_checked(model):
     engine = _engine(model, max_num_batched_tokens=8)
     with pytest.raises(ValueError, match="encoder input is not chunked"):
         engine.add_request(list(range(8)))
-    with pytest.raises(ValueError, match="forced_bos_token_id: token id 96 is outside"):
-        engine.add_request([1], SamplingParams(forced_bos_token_id=96))
+    with pytest.raises(ValueError, match="forced_bos_token_id: token id 120 is outside"):
+        engine.add_request([1], SamplingParams(forced_bos_token_id=120))
     with pytest.raises(ValueError, match="decoder_start_token_id 300 is outside"):
         Engine(TorchExecutor(model), encoder_decoder=EncoderDecoderConfig(300))
     with pytest.raises(ValueError, match="expected a token id"):
