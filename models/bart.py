@@ -49,7 +49,13 @@ from models.decoder import decoder_dynamic_shapes, decoder_sample_args
 from models.errors import UnsupportedModelError
 from models.hf_config import check_model_type, refuse, required
 from models.hf_config import field as hf_field
-from models.layers import PagedAttention, PagedMetadata, VarlenAttention, activation
+from models.layers import (
+    EmptySafeLayerNorm,
+    PagedAttention,
+    PagedMetadata,
+    VarlenAttention,
+    activation,
+)
 
 POSITION_OFFSET = 2
 """BART's learned position table starts at index 2 (a fairseq legacy)."""
@@ -125,13 +131,13 @@ class BartLayer(nn.Module):
     """What encoder and decoder layers share: self-attention projections and its norm, and
     the post-LN feed-forward ``final_layer_norm(x + fc2(act(fc1(x))))``."""
 
-    def __init__(self, d_model: int, ffn_dim: int, act: str) -> None:
+    def __init__(self, d_model: int, ffn_dim: int, act: str, norm: type[nn.LayerNorm]) -> None:
         super().__init__()
         self.self_attn = BartProjections(d_model)
-        self.self_attn_layer_norm = nn.LayerNorm(d_model)
+        self.self_attn_layer_norm = norm(d_model)
         self.fc1 = nn.Linear(d_model, ffn_dim)
         self.fc2 = nn.Linear(ffn_dim, d_model)
-        self.final_layer_norm = nn.LayerNorm(d_model)
+        self.final_layer_norm = norm(d_model)
         self.act = activation(act, "activation_function")
 
     def feed_forward(self, x):
@@ -142,7 +148,8 @@ class BartLayer(nn.Module):
 class BartEncoderLayer(BartLayer):
     def __init__(self, config: BartConfig) -> None:
         heads, d = config.encoder_attention_heads, config.d_model
-        super().__init__(d, config.encoder_ffn_dim, config.activation_function)
+        # Decode-only steps run the encoder on zero tokens.
+        super().__init__(d, config.encoder_ffn_dim, config.activation_function, EmptySafeLayerNorm)
         self.attn = VarlenAttention(heads, d // heads, (d // heads) ** -0.5, causal=False)
 
     def forward(self, x, cu_seqlens):
@@ -154,7 +161,7 @@ class BartEncoderLayer(BartLayer):
 class BartDecoderLayer(BartLayer):
     def __init__(self, config: BartConfig) -> None:
         heads, d = config.decoder_attention_heads, config.d_model
-        super().__init__(d, config.decoder_ffn_dim, config.activation_function)
+        super().__init__(d, config.decoder_ffn_dim, config.activation_function, nn.LayerNorm)
         self.encoder_attn = BartProjections(d)
         self.encoder_attn_layer_norm = nn.LayerNorm(d)
         scale = (d // heads) ** -0.5
@@ -186,13 +193,19 @@ class BartDecoderLayer(BartLayer):
 class BartStack(nn.Module):
     """Embeddings (token * scale + learned position) and layers of the encoder or decoder."""
 
-    def __init__(self, config: BartConfig, embed_tokens: nn.Embedding, layers: list) -> None:
+    def __init__(
+        self,
+        config: BartConfig,
+        embed_tokens: nn.Embedding,
+        layers: list,
+        norm: type[nn.LayerNorm] = nn.LayerNorm,
+    ) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
         self.embed_positions = nn.Embedding(
             config.max_position_embeddings + POSITION_OFFSET, config.d_model
         )
-        self.layernorm_embedding = nn.LayerNorm(config.d_model)
+        self.layernorm_embedding = norm(config.d_model)
         self.layers = nn.ModuleList(layers)
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
 
@@ -200,6 +213,14 @@ class BartStack(nn.Module):
         """input_ids, positions ``[T]`` int64 -> ``[T, d_model]`` normalised embeddings."""
         tokens = self.embed_tokens(input_ids) * self.embed_scale
         return self.layernorm_embedding(tokens + self.embed_positions(positions + POSITION_OFFSET))
+
+    def encode(self, input_ids, positions, cu_seqlens):
+        """The encoder stack: ``[T]`` int64 tokens and positions, ``[S + 1]`` int32 sequence
+        starts -> ``[T, d_model]`` hidden states."""
+        x = self.embed(input_ids, positions)
+        for layer in self.layers:
+            x = layer(x, cu_seqlens)
+        return x
 
 
 class BartBackbone(nn.Module):
@@ -213,7 +234,10 @@ class BartBackbone(nn.Module):
             return self.shared if config.tie_word_embeddings else nn.Embedding(vocab, d)
 
         self.encoder = BartStack(
-            config, embed(), [BartEncoderLayer(config) for _ in range(config.encoder_layers)]
+            config,
+            embed(),
+            [BartEncoderLayer(config) for _ in range(config.encoder_layers)],
+            EmptySafeLayerNorm,
         )
         self.decoder = BartStack(
             config, embed(), [BartDecoderLayer(config) for _ in range(config.decoder_layers)]
@@ -291,10 +315,9 @@ class BartForConditionalGeneration(PagedModel):
         """
         layers = self.num_layers
         check_kv_caches(kv_caches, 4 * layers)
-        encoder = self.model.encoder
-        encoder_out = encoder.embed(encoder_input_ids, encoder_positions)
-        for layer in encoder.layers:
-            encoder_out = layer(encoder_out, encoder_start_loc)
+        encoder_out = self.model.encoder.encode(
+            encoder_input_ids, encoder_positions, encoder_start_loc
+        )
 
         self_meta = PagedMetadata(slot_mapping, block_tables, seq_lens, query_start_loc)
         cross_meta = PagedMetadata(

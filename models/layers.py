@@ -228,3 +228,14 @@ class VarlenAttention(nn.Module):
             self.causal,
         )
         return out.flatten(1)
+
+
+class EmptySafeLayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (same parameters) with its affine step outside the kernel: IPEX 2.8's
+    CPU layer_norm raises on zero rows when given weight and bias under ``no_grad``, and the
+    encoder of an encoder-decoder model sees zero rows in every decode-only step."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[..., normalized_shape]`` -> same shape and dtype."""
+        normalized = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
+        return normalized * self.weight + self.bias
