@@ -110,7 +110,9 @@ class TorchExecutor(Executor):
     def execute(self, model_input: ModelInput) -> torch.Tensor:
         if self.device.type != "cpu":
             model_input = model_input.to(self.device)
-        with use_backend(self.backend), torch.inference_mode():
+        # no_grad, not inference_mode: inference tensors have no version counter, and the
+        # backends memoise plans per tensor version (IPEX's varlen path for encoders failed).
+        with use_backend(self.backend), torch.no_grad():
             logits = self.module(*model_input.forward_args(self.kv_caches))
         return logits.to(device="cpu", dtype=torch.float32)
 
