@@ -13,7 +13,8 @@ checkpoint (when it has them) and ``manifest.json``::
                 "layout": "num_blocks,block_size,num_kv_heads,head_size"} | null,
       "target": "attnexport", "files": {"onnx": "model.onnx", "pt2": "model.pt2"},
       "input_names": [...], "vocab_size": 256, "max_model_len": 2048,
-      "generation": {"eos_token_ids": [2], "decoder_start_token_id": null},
+      "generation": {"eos_token_ids": [2], "decoder_start_token_id": null,
+                     "forced_bos_token_id": null, "forced_eos_token_id": null},
       "tokenizer_files": ["tokenizer.json", ...],
       "versions": {"attnexport": ..., "torch": ..., "onnx": ..., "onnxruntime": ..., ...},
       "export_seconds": {"torch.export": 0.5, "onnx": 3.1}
@@ -92,16 +93,24 @@ def _as_list(value) -> list[int]:
     return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
 
 
+GENERATION_TOKENS = (
+    "decoder_start_token_id",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+)
+"""Single-token generation defaults recorded in the manifest (``attnexport run`` uses them)."""
+
+
 def generation_defaults(source: Path | None, model) -> dict:
-    """End-of-sequence tokens and decoder start token, as ``transformers.generate`` would take
-    them: ``generation_config.json`` first, then ``config.json``."""
+    """End-of-sequence tokens, decoder start and forced first/last tokens, as
+    ``transformers.generate`` would take them: ``generation_config.json`` first, then
+    ``config.json``. A zoo model has its config's decoder start token and nothing else."""
     config = getattr(model, "config", None)
-    defaults = {
-        "eos_token_ids": [],
-        "decoder_start_token_id": getattr(config, "decoder_start_token_id", None),
-    }
+    defaults = {"eos_token_ids": [], **dict.fromkeys(GENERATION_TOKENS)}
+    defaults["decoder_start_token_id"] = getattr(config, "decoder_start_token_id", None)
     if source is None:
         return defaults
+    bos = None
     for name in ("config.json", "generation_config.json"):  # the later file wins
         path = source / name
         if not path.is_file():
@@ -109,8 +118,13 @@ def generation_defaults(source: Path | None, model) -> dict:
         values = json.loads(path.read_text())
         if "eos_token_id" in values:
             defaults["eos_token_ids"] = _as_list(values["eos_token_id"])
-        if values.get("decoder_start_token_id") is not None:
-            defaults["decoder_start_token_id"] = int(values["decoder_start_token_id"])
+        bos = values.get("bos_token_id", bos)
+        for key in GENERATION_TOKENS:
+            if key in values:
+                defaults[key] = None if values[key] is None else int(values[key])
+    if defaults["decoder_start_token_id"] is None and model.kind == "encoder-decoder":
+        # transformers starts the decoder from the BOS token when no start token is set.
+        defaults["decoder_start_token_id"] = bos
     return defaults
 
 

@@ -45,6 +45,23 @@ def add_parser(commands) -> None:
         metavar="IDS",
         help="comma-separated stop tokens (default: the checkpoint's eos_token_id; '' for none)",
     )
+    for flag, what in (
+        ("--forced-bos-token-id", "the first generated token"),
+        ("--forced-eos-token-id", "the last token at --max-tokens / the maximum length"),
+    ):
+        parser.add_argument(
+            flag,
+            default=None,
+            metavar="ID",
+            help=f"force {what} (default: the checkpoint's generation config; 'none' for none)",
+        )
+    parser.add_argument(
+        "--decoder-start-token-id",
+        type=int,
+        default=None,
+        metavar="ID",
+        help="encoder-decoder models: the decoder's first token (default: the checkpoint's)",
+    )
     parser.add_argument(
         "--executor",
         choices=("auto", "ort", "torch"),
@@ -70,6 +87,18 @@ def parse_ids(text: str, what: str) -> list[int]:
         raise CliError(
             f"{what}: expected comma-separated integers like 1,2,3, got {text!r}"
         ) from None
+
+
+def optional_token(text: str | None, default: int | None, what: str) -> int | None:
+    """A token flag: ``default`` when not given, None for ``none``, else the id."""
+    if text is None:
+        return default
+    if text.strip().lower() in ("none", ""):
+        return None
+    ids = parse_ids(text, what)
+    if len(ids) != 1:
+        raise CliError(f"{what}: expected one token id or 'none', got {text!r}")
+    return ids[0]
 
 
 def load_tokenizer(artifact: Path, manifest: dict | None):
@@ -115,6 +144,20 @@ def check_backend(name: str, executor: str) -> None:
         raise CliError(f"--backend {name}: not available here: {reason}")
 
 
+def _encoder_decoder(args: argparse.Namespace):
+    """The manifest's decoder start token, or its flag's (None: the manifest has none and the
+    flag is not given; the engine then asks an encoder-decoder for one)."""
+    from attnexport.runtime import EncoderDecoderConfig
+    from attnexport.runtime.loading import encoder_decoder_config
+
+    start = args.decoder_start_token_id
+    if start is None:
+        return encoder_decoder_config(args.artifact)
+    if start < 0:
+        raise CliError(f"--decoder-start-token-id: expected a token id >= 0, got {start}")
+    return EncoderDecoderConfig(start)
+
+
 def run(args: argparse.Namespace) -> int:
     from attnexport.runtime import SamplingParams, engine_from_path
 
@@ -126,19 +169,27 @@ def run(args: argparse.Namespace) -> int:
             "attnexport export MODEL --out DIR)"
         )
     manifest = read_manifest(args.artifact)
-    if manifest and manifest["kind"] != "decoder":
+    if manifest and manifest["kind"] == "encoder":
         raise CliError(
-            f"ARTIFACT: {manifest['architecture']} is an {manifest['kind']} model; `run` "
-            "generates with decoder-only models (use `attnexport verify` to check it)"
+            f"ARTIFACT: {manifest['architecture']} is an encoder model; `run` generates with "
+            "decoder and encoder-decoder models (use `attnexport verify` to check it)"
         )
     check_backend(args.backend, args.executor)
     tokenizer = load_tokenizer(args.artifact, manifest) if args.prompt else None
     prompts = [parse_ids(text, "--prompt-ids") for text in args.prompt_ids]
     prompts += [_encode(tokenizer, text) for text in args.prompt]
+    generation = (manifest or {}).get("generation") or {}
     if args.stop_token_ids is None:
-        stops = ((manifest or {}).get("generation") or {}).get("eos_token_ids", [])
+        stops = generation.get("eos_token_ids", [])
     else:
         stops = parse_ids(args.stop_token_ids, "--stop-token-ids")
+    forced = {
+        name: optional_token(getattr(args, name), generation.get(name), flag)
+        for name, flag in (
+            ("forced_bos_token_id", "--forced-bos-token-id"),
+            ("forced_eos_token_id", "--forced-eos-token-id"),
+        )
+    }
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -146,10 +197,15 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         stop_token_ids=tuple(stops),
+        **forced,
     )
     params.check()  # a bad flag is a user error for every prompt
     engine = engine_from_path(
-        args.artifact, executor=args.executor, backend=args.backend, device=args.device
+        args.artifact,
+        executor=args.executor,
+        backend=args.backend,
+        device=args.device,
+        encoder_decoder=_encoder_decoder(args),
     )
     outputs = engine.generate(prompts, params)
     errors = [o.error for o in outputs if o.error]

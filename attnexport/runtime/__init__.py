@@ -8,7 +8,7 @@ Heavy optional dependencies (onnxruntime, IPEX, xFormers) are imported only wher
     outputs = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=8))
 """
 
-from attnexport.runtime.config import CacheConfig, SchedulerConfig
+from attnexport.runtime.config import CacheConfig, EncoderDecoderConfig, SchedulerConfig
 from attnexport.runtime.engine import Engine, EngineStats
 from attnexport.runtime.executors.base import Executor
 from attnexport.runtime.executors.ort_executor import OrtExecutor
@@ -20,6 +20,7 @@ from attnexport.runtime.sampling import SamplingParams
 __all__ = [
     "CacheConfig",
     "CompletionOutput",
+    "EncoderDecoderConfig",
     "Engine",
     "EngineStats",
     "Executor",

@@ -5,9 +5,16 @@ Only block *ids* live here; the executor owns the cache tensors and applies the 
 manager records (swaps and copy-on-write copies) before each model step.
 
 Prefix caching: a full block is identified by its tokens and the identity of the block before
-it, so a hit on block i implies the whole prefix up to it matches. Blocks whose last reference is
-dropped stay in the cache (and can be hit again) until they are reused, least recently freed
-first.
+it, so a hit on block i implies the whole prefix up to it matches (for an encoder-decoder the
+first block's predecessor is the encoder input, which every decoder block depends on). Blocks
+whose last reference is dropped stay in the cache (and can be hit again) until they are
+reused, least recently freed first.
+
+Encoder-decoder models have a second device pool, ``cross``, of as many blocks: the cross caches
+are tensors of their own (``CacheSpec.num_cross_layers``), so self block ``b`` and cross block
+``b`` are distinct memory. A request's cross blocks hold its encoder output, are shared by its
+samples, and are freed with the request or when it is preempted by recomputation; a request
+swapped out keeps them on the device.
 """
 
 from __future__ import annotations
@@ -16,10 +23,18 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 
 from attnexport.runtime.config import blocks_for_tokens
-from attnexport.runtime.sequence import Sequence
+from attnexport.runtime.sequence import Request, Sequence
 
 BlockKey = tuple[int, tuple[int, ...]]
 """(hash of the previous block's key, the block's token ids): what a cached block holds."""
+
+
+def _first_predecessor(seq: Sequence) -> int:
+    """What a sequence's first block follows: nothing (0), or the encoder input it attends."""
+    encoder = seq.request.encoder
+    if encoder is None:
+        return 0
+    return hash(tuple(encoder.token_ids))
 
 
 class BlockPool:
@@ -100,10 +115,12 @@ class BlockManager:
         num_cpu_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
+        cross: bool = False,
     ) -> None:
         self.block_size = block_size
         self.device = BlockPool(num_blocks, enable_prefix_caching)
         self.cpu = BlockPool(num_cpu_blocks)
+        self.cross = BlockPool(num_blocks if cross else 0)
         self.pending_copies: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ prefix cache
@@ -113,7 +130,7 @@ class BlockManager:
         bs = self.block_size
         while len(keys) <= index:
             i = len(keys)
-            previous = hash(keys[i - 1]) if i else 0
+            previous = hash(keys[i - 1]) if i else _first_predecessor(seq)
             keys.append((previous, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
         return keys[index]
 
@@ -147,6 +164,30 @@ class BlockManager:
         for index in range(seq.num_registered_blocks, full):
             self.device.register(seq.block_ids[index], self._key(seq, index))
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+
+    # ------------------------------------------------------------------ cross-attention blocks
+    def cross_blocks_needed(self, request: Request) -> int:
+        """Cross blocks that :meth:`allocate_cross` will take for ``request`` (0 when it has
+        them, or is not an encoder-decoder request)."""
+        encoder = request.encoder
+        if encoder is None or encoder.block_ids:
+            return 0
+        return blocks_for_tokens(encoder.num_tokens, self.block_size)
+
+    def allocate_cross(self, request: Request) -> None:
+        """Gives ``request`` the cross blocks its encoder output is written to (once)."""
+        for _ in range(self.cross_blocks_needed(request)):
+            request.encoder.block_ids.append(self.cross.allocate())
+
+    def free_cross(self, request: Request) -> None:
+        """Frees ``request``'s cross blocks; its encoder must run again before it decodes."""
+        encoder = request.encoder
+        if encoder is None:
+            return
+        for block in encoder.block_ids:
+            self.cross.decref(block)
+        encoder.block_ids = []
+        encoder.encoded = False
 
     # ------------------------------------------------------------------ growth
     def blocks_needed(

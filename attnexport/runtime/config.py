@@ -6,6 +6,7 @@ to override it. Sizes are resolved once, when the engine is built (:func:`resolv
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -87,6 +88,27 @@ class SchedulerConfig:
             )
 
 
+@dataclass(frozen=True)
+class EncoderDecoderConfig:
+    """How the engine starts the decoder of an encoder-decoder model (``attnexport run`` reads
+    it from the export manifest, i.e. the checkpoint's generation config).
+
+    The encoder runs on the whole prompt: like transformers' ``generate`` for encoder-decoders
+    (which, unlike for decoders, infers no attention mask from pad tokens in ``input_ids``),
+    nothing is masked."""
+
+    decoder_start_token_id: int
+    """The token every decoder sequence starts with (not reported as generated)."""
+
+    def __post_init__(self) -> None:
+        value = self.decoder_start_token_id
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(
+                "EncoderDecoderConfig.decoder_start_token_id: expected a token id (int >= 0), "
+                f"got {value!r}"
+            )
+
+
 def available_memory_bytes(device_type: str) -> int:
     """Memory that could be given to a KV pool on ``device_type`` now (free, not total)."""
     if device_type == "cuda":
@@ -141,5 +163,7 @@ def resolve_num_blocks(
     if cache_config.num_cpu_blocks is not None:
         num_cpu_blocks = cache_config.num_cpu_blocks
     else:
-        num_cpu_blocks = cache_config.swap_space_bytes // per_block
+        # The CPU pool holds self-attention blocks only (cross blocks are never swapped).
+        self_only = dataclasses.replace(spec, num_cross_layers=0)
+        num_cpu_blocks = cache_config.swap_space_bytes // self_only.bytes_per_block
     return num_blocks, num_cpu_blocks

@@ -5,6 +5,11 @@
     for update in engine.stream(prompts, params):  # one RequestOutput per request per step
         ...
 
+An encoder-decoder executor (its cache spec has cross layers, e.g. BART) takes the same calls:
+the prompt is the encoder input, every sample's decoder starts from
+``EncoderDecoderConfig.decoder_start_token_id``, and outputs hold the generated tokens only
+(neither the prompt nor the start token), like a decoder's.
+
 ``generate`` and ``stream`` never raise for one bad request: that request comes back with
 ``error`` set and finish reason ``"error"`` while the others run. ``add_request`` (the low-level
 API, with ``step``) raises ValueError/TypeError for a bad request instead.
@@ -18,19 +23,21 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from attnexport.custom_ops.metadata import ScheduledSequence
 from attnexport.runtime.block_manager import BlockManager
 from attnexport.runtime.config import (
     DEFAULT_MAX_MODEL_LEN,
     CacheConfig,
+    EncoderDecoderConfig,
     SchedulerConfig,
     resolve_num_blocks,
 )
 from attnexport.runtime.executors.base import Executor
-from attnexport.runtime.model_input import build_model_input
+from attnexport.runtime.model_input import ModelInput, StepSequence, pack_step
 from attnexport.runtime.outputs import RequestOutput, snapshot
 from attnexport.runtime.sampling import SamplingParams, make_generator, sample
 from attnexport.runtime.scheduler import ScheduledBatch, Scheduler
-from attnexport.runtime.sequence import Request, Status
+from attnexport.runtime.sequence import EncoderInput, Request, Status
 from attnexport.runtime.sequence import Sequence as Seq
 
 
@@ -44,6 +51,8 @@ class EngineStats:
     num_prompt_tokens_computed: int = 0
     """Prompt tokens run through the model (not served by the prefix cache)."""
     num_prefix_cache_hit_tokens: int = 0
+    num_encoder_tokens_computed: int = 0
+    """Encoder-decoder models: encoder tokens run (again after a recomputation)."""
     num_preemptions: int = 0
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
@@ -60,6 +69,8 @@ class Engine:
         executor: runs the model (:class:`TorchExecutor`, :class:`OrtExecutor`).
         cache_config: pool sizes and prefix caching (defaults: :class:`CacheConfig`).
         scheduler_config: step limits and preemption mode (defaults: :class:`SchedulerConfig`).
+        encoder_decoder: the decoder start token of an encoder-decoder model
+            (default: the start token the executor found on the model); ignored otherwise.
     """
 
     def __init__(
@@ -67,8 +78,24 @@ class Engine:
         executor: Executor,
         cache_config: CacheConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
+        encoder_decoder: EncoderDecoderConfig | None = None,
     ) -> None:
         self.executor = executor
+        self.encoder_decoder = None
+        if executor.cache_spec.num_cross_layers:
+            start = executor.decoder_start_token_id
+            if encoder_decoder is None and start is None:
+                raise ValueError(
+                    "encoder_decoder: the model is an encoder-decoder and states no decoder "
+                    "start token; pass EncoderDecoderConfig(decoder_start_token_id=...)"
+                )
+            self.encoder_decoder = encoder_decoder or EncoderDecoderConfig(start)
+            if self.encoder_decoder.decoder_start_token_id >= executor.vocab_size:
+                raise ValueError(
+                    "encoder_decoder: decoder_start_token_id "
+                    f"{self.encoder_decoder.decoder_start_token_id} is outside the vocabulary "
+                    f"[0, {executor.vocab_size})"
+                )
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
         self.max_model_len = (
@@ -88,6 +115,7 @@ class Engine:
             self.num_cpu_blocks,
             spec.block_size,
             self.cache_config.enable_prefix_caching,
+            cross=self.encoder_decoder is not None,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.stats = EngineStats()
@@ -109,6 +137,10 @@ class Engine:
         return engine_from_path(path, **options)
 
     # ------------------------------------------------------------------ requests
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.encoder_decoder is not None
+
     def check_request(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
         """Validates one request; returns the prompt as a list of ints.
 
@@ -116,7 +148,7 @@ class Engine:
             TypeError: a prompt that is not a sequence of ints, or params that are not
                 SamplingParams.
             ValueError: an empty prompt, a prompt longer than ``max_model_len``, a token id
-                outside ``[0, vocab_size)``, or bad sampling parameters.
+                (prompt or forced) outside ``[0, vocab_size)``, or bad sampling parameters.
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
@@ -141,11 +173,22 @@ class Engine:
             raise ValueError(
                 f"prompt: token id {bad} is outside the vocabulary; expected ids in [0, {vocab})"
             )
+        for name in ("forced_bos_token_id", "forced_eos_token_id"):
+            forced = getattr(params, name)
+            if forced is not None and forced >= vocab:
+                raise ValueError(
+                    f"{name}: token id {forced} is outside the vocabulary; expected [0, {vocab})"
+                )
         if params.n > self.scheduler_config.max_num_seqs:
             raise ValueError(
                 f"n: {params.n} samples exceed max_num_seqs={self.scheduler_config.max_num_seqs}"
             )
         budget = self.scheduler_config.max_num_batched_tokens
+        if self.is_encoder_decoder and len(tokens) + 1 > budget:
+            raise ValueError(
+                f"prompt: {len(tokens)} encoder tokens and the decoder's first token exceed "
+                f"max_num_batched_tokens={budget} (the encoder input is not chunked)"
+            )
         if not self.scheduler_config.enable_chunked_prefill and len(tokens) > budget:
             raise ValueError(
                 f"prompt: {len(tokens)} tokens exceed max_num_batched_tokens={budget} and "
@@ -163,7 +206,10 @@ class Engine:
         params = params or SamplingParams()
         tokens = self.check_request(prompt, params)
         request = self._new_request(tokens, params, request_id)
-        seq = Seq(next(self._seq_ids), request, list(tokens), 0, make_generator(params, 0))
+        if self.encoder_decoder is not None:
+            request.encoder = EncoderInput(list(tokens))
+            request.prompt = [self.encoder_decoder.decoder_start_token_id]
+        seq = Seq(next(self._seq_ids), request, list(request.prompt), 0, make_generator(params, 0))
         request.seqs.append(seq)
         self.scheduler.add(request)
         return request.request_id
@@ -233,11 +279,14 @@ class Engine:
         self._apply_block_moves(batch)
         if not batch.seqs:
             return changed
-        model_input = build_model_input(batch, self.executor.cache_spec.block_size)
+        model_input = self._model_input(batch)
         start = time.perf_counter()
         logits = self.executor.execute(model_input)
         self.stats.model_time += time.perf_counter() - start
         self._account(batch)
+        for seq in batch.seqs:
+            if seq.request.encoder is not None:
+                seq.request.encoder.encoded = True
 
         for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
             request = seq.request
@@ -252,6 +301,7 @@ class Engine:
             params = [s.request.params for s in seqs]
             # A prompt that forks samples all of its n first tokens from the same row.
             tokens = sample(logits, params, [s.generator for s in seqs])
+            tokens = [self._forced(s, t) for s, t in zip(seqs, tokens, strict=True)]
             now = time.perf_counter()
             for seq, token, row in zip(seqs, tokens, range(len(seqs)), strict=True):
                 request = seq.request
@@ -267,6 +317,37 @@ class Engine:
                     request.finish_time = now
                     self.scheduler.finish(request)
         return list(dict.fromkeys(changed))
+
+    def _model_input(self, batch: ScheduledBatch) -> ModelInput:
+        """Packs the batch; a sequence samples when its last token is computed, and the first
+        sequence of a request whose encoder has not run yet runs it."""
+        entries = []
+        encoding: set[int] = set()
+        for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            encoder = seq.request.encoder
+            encode_now = encoder is not None and not encoder.encoded
+            encode_now = encode_now and id(encoder) not in encoding
+            if encode_now:
+                encoding.add(id(encoder))
+                self.stats.num_encoder_tokens_computed += encoder.num_tokens
+            scheduled = ScheduledSequence(
+                seq.num_computed,
+                count,
+                seq.block_ids,
+                encoder_len=encoder.num_tokens if encoder else 0,
+                encoder_block_ids=encoder.block_ids if encoder else (),
+                encode_now=encode_now,
+            )
+            samples = seq.num_computed + count == len(seq.token_ids)
+            entries.append(
+                StepSequence(
+                    scheduled,
+                    seq.token_ids,
+                    int(samples),
+                    encoder.token_ids if encode_now else (),
+                )
+            )
+        return pack_step(entries, self.executor.cache_spec.block_size)
 
     def _apply_block_moves(self, batch: ScheduledBatch) -> None:
         # Order matters: a block swapped out may be reused by a swap-in or a copy in this step,
@@ -291,6 +372,16 @@ class Engine:
         stats.num_swapped_out_blocks += len(batch.swap_out)
         stats.num_swapped_in_blocks += len(batch.swap_in)
         stats.num_copied_blocks += len(batch.copies)
+
+    def _forced(self, seq: Seq, token: int) -> int:
+        """``token``, or the token the request's params force as ``seq``'s next one."""
+        generated = len(seq.output_ids)
+        is_last = (
+            generated + 1 >= seq.request.params.max_tokens
+            or len(seq.token_ids) + 1 >= self.max_model_len
+        )
+        forced = seq.request.params.forced_token(generated, is_last)
+        return token if forced is None else forced
 
     def _append(self, seq: Seq, token: int) -> None:
         seq.token_ids.append(token)
@@ -325,7 +416,7 @@ class Engine:
             [c.generator for c in children],
         )
         for child, token in zip(children, tokens, strict=True):
-            self._append(child, token)
+            self._append(child, self._forced(child, token))
 
     # ------------------------------------------------------------------ batch APIs
     def _submit(

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from attnexport.custom_ops.dispatch import AUTO
-from attnexport.runtime.config import CacheConfig, SchedulerConfig
+from attnexport.runtime.config import CacheConfig, EncoderDecoderConfig, SchedulerConfig
 from attnexport.runtime.engine import Engine
 from attnexport.runtime.executors.base import Executor
 
@@ -16,13 +16,25 @@ EXECUTORS = ("auto", "ort", "torch")
 ONNX_FILE, PT2_FILE, MANIFEST_FILE = "model.onnx", "model.pt2", "manifest.json"
 
 
+def _manifest(path: Path) -> dict:
+    """The manifest of an export directory or of the directory holding a model file ({} when
+    there is none)."""
+    manifest = (path if path.is_dir() else path.parent) / MANIFEST_FILE
+    return json.loads(manifest.read_text()) if manifest.is_file() else {}
+
+
+def encoder_decoder_config(path: str | os.PathLike) -> EncoderDecoderConfig | None:
+    """The decoder start token an export manifest records (its ``generation`` defaults, from
+    the checkpoint); None when it records none."""
+    generation = _manifest(Path(path)).get("generation") or {}
+    start = generation.get("decoder_start_token_id")
+    return None if start is None else EncoderDecoderConfig(start)
+
+
 def _manifest_max_len(directory: Path) -> int | None:
     """``max_model_len`` from a manifest: its own key, else the model config's
     ``max_position_embeddings``."""
-    path = directory / MANIFEST_FILE
-    if not path.is_file():
-        return None
-    manifest = json.loads(path.read_text())
+    manifest = _manifest(directory)
     for value in (
         manifest.get("max_model_len"),
         (manifest.get("config") or {}).get("max_position_embeddings"),
@@ -114,7 +126,12 @@ def engine_from_path(
     *,
     cache_config: CacheConfig | None = None,
     scheduler_config: SchedulerConfig | None = None,
+    encoder_decoder: EncoderDecoderConfig | None = None,
     **executor_options,
 ) -> Engine:
-    """An :class:`Engine` over :func:`load_executor` ``(path, **executor_options)``."""
-    return Engine(load_executor(path, **executor_options), cache_config, scheduler_config)
+    """An :class:`Engine` over :func:`load_executor` ``(path, **executor_options)``; an
+    encoder-decoder takes ``encoder_decoder``, else :func:`encoder_decoder_config` of ``path``."""
+    executor = load_executor(path, **executor_options)
+    if encoder_decoder is None and executor.cache_spec.num_cross_layers:
+        encoder_decoder = encoder_decoder_config(path)
+    return Engine(executor, cache_config, scheduler_config, encoder_decoder)

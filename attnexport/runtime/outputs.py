@@ -60,6 +60,8 @@ class RequestOutput:
 
     request_id: str
     prompt_token_ids: list[int]
+    """The prompt as given (for an encoder-decoder, the encoder input; the decoder start token
+    is in neither this nor the generated tokens)."""
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None
@@ -95,7 +97,7 @@ def snapshot(request: Request, sent: dict[int, int] | None = None) -> RequestOut
     outputs.sort(key=lambda o: o.index)
     return RequestOutput(
         request_id=request.request_id,
-        prompt_token_ids=list(request.prompt),
+        prompt_token_ids=list(request.user_prompt),
         outputs=outputs,
         finished=request.finished,
         error=request.error,
@@ -104,7 +106,7 @@ def snapshot(request: Request, sent: dict[int, int] | None = None) -> RequestOut
             first_scheduled_time=request.first_scheduled_time,
             first_token_time=request.first_token_time,
             finish_time=request.finish_time,
-            num_prompt_tokens=request.prompt_len,
+            num_prompt_tokens=len(request.user_prompt),
             num_cached_prompt_tokens=request.num_cached_prompt_tokens,
             num_preemptions=request.num_preemptions,
         ),

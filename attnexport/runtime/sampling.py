@@ -38,6 +38,13 @@ class SamplingParams:
     """Generation of a sample stops after it produces one of these (the token is kept)."""
     n: int = 1
     """Samples generated from the prompt; they share the prompt's KV blocks."""
+    forced_bos_token_id: int | None = None
+    """The first generated token of every sample is this token (transformers'
+    ``ForcedBOSTokenLogitsProcessor``; mBART/BART checkpoints set it to the target language)."""
+    forced_eos_token_id: int | None = None
+    """The last token a sample can generate (its ``max_tokens``-th, or the one reaching the
+    model's maximum length) is this token (transformers' ``ForcedEOSTokenLogitsProcessor``).
+    It wins over ``forced_bos_token_id`` when both apply to the same token."""
 
     @property
     def greedy(self) -> bool:
@@ -60,6 +67,20 @@ class SamplingParams:
             _check_int("seed", self.seed, minimum=None)
         for token in self.stop_token_ids:
             _check_int("stop_token_ids", token, minimum=0)
+        for name in ("forced_bos_token_id", "forced_eos_token_id"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=0)
+
+    def forced_token(self, num_generated: int, is_last: bool) -> int | None:
+        """The token a sample must generate next, if forced: ``forced_eos_token_id`` for its
+        last token (``is_last``), ``forced_bos_token_id`` for its first (``num_generated`` 0);
+        None when it samples freely. Forcing replaces the sampled token, so a seeded sample
+        still draws one random number per token."""
+        if is_last and self.forced_eos_token_id is not None:
+            return self.forced_eos_token_id
+        if num_generated == 0 and self.forced_bos_token_id is not None:
+            return self.forced_bos_token_id
+        return None
 
 
 def _check_int(name: str, value, minimum: int | None) -> None:

@@ -10,6 +10,11 @@ sequences, in this order:
 2. if nothing was preempted: swapped requests, oldest first, when their blocks fit again;
 3. if nothing is swapped: waiting requests, oldest first (first the prefix-cache lookup, so a
    cached prefix costs neither tokens nor blocks).
+
+An encoder-decoder request is admitted with its cross blocks, and its encoder tokens count
+against the step's budget in the step that admits it (the encoder input is never chunked).
+Preempting it by recomputation frees its cross blocks too: the encoder runs again when it is
+readmitted. Swapping keeps them on the device.
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ class Scheduler:
         pool_of_swapped = request.status == Status.SWAPPED
         for seq in request.seqs:
             self._release(seq, pool_of_swapped)
+        self.block_manager.free_cross(request)
         request.status = Status.FINISHED
 
     def free_finished_seq(self, seq: Sequence) -> None:
@@ -201,7 +207,9 @@ class Scheduler:
                 break
             seqs = [s for s in request.unfinished_seqs() if not self._waits_for_leader(request, s)]
             hits = [bm.match_prefix(seq) for seq in seqs]
-            plan, cost, need = [], 0, 0
+            encoder = request.encoder
+            encoder_cost = encoder.num_tokens if encoder and not encoder.encoded else 0
+            plan, cost, need = [], encoder_cost, 0
             for seq, seq_hits in zip(seqs, hits, strict=True):
                 remaining = seq.num_uncomputed - len(seq_hits) * bm.block_size
                 count = min(remaining, budget - cost)
@@ -215,7 +223,10 @@ class Scheduler:
                 need += -(-computed // bm.block_size) - len(seq_hits)
             if len(plan) < len(seqs) or need > bm.device.num_free:
                 break
+            if bm.cross_blocks_needed(request) > bm.cross.num_free:
+                break
             self.waiting.pop(0)
+            bm.allocate_cross(request)
             for (seq, count), seq_hits in zip(plan, hits, strict=True):
                 bm.take_prefix(seq, seq_hits)
                 bm.allocate(seq, count)
@@ -246,6 +257,7 @@ class Scheduler:
         else:
             for seq in seqs:
                 bm.free(seq)
+            bm.free_cross(request)
             if len(seqs) > 1:
                 request.shared_prefix_len = request.prompt_len // bm.block_size * bm.block_size
             request.status = Status.WAITING

@@ -3,6 +3,10 @@
 A request with ``n`` samples starts as one sequence that prefills the prompt; when the prompt's
 last token is computed the engine samples ``n`` tokens and forks the sequence, the forks sharing
 every prompt block (copy-on-write).
+
+An encoder-decoder request also carries its :class:`EncoderInput`: the user's prompt goes to
+the encoder, the sequences start from the decoder start token, and the request's samples share
+one set of cross-attention blocks, written once by the step that runs the encoder.
 """
 
 from __future__ import annotations
@@ -23,6 +27,23 @@ class Status(enum.Enum):
     SWAPPED = "swapped"
     """Preempted by swapping: its blocks live in the CPU pool."""
     FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class EncoderInput:
+    """The encoder side of an encoder-decoder request."""
+
+    token_ids: list[int]
+    """The prompt: the encoder runs on it (positions ``0 .. len - 1``)."""
+    block_ids: list[int] = field(default_factory=list)
+    """Blocks of the cross-attention pool holding the encoder keys/values (empty while the
+    request is not admitted, or after a preemption by recomputation)."""
+    encoded: bool = False
+    """The encoder has written ``block_ids``; False again when they are freed."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass(eq=False)
@@ -68,6 +89,8 @@ class Request:
 
     request_id: str
     prompt: list[int]
+    """The tokens every sequence starts with: the prompt of a decoder, the decoder start token
+    of an encoder-decoder (whose prompt is ``encoder.prompt``)."""
     params: SamplingParams
     arrival_index: int
     """Admission order: older requests have smaller indices (FCFS, preempt the youngest)."""
@@ -85,6 +108,13 @@ class Request:
     recomputes these leading prompt tokens (whole blocks) alone, then the others share its
     blocks instead of computing them again."""
     error: str | None = None
+    encoder: EncoderInput | None = None
+    """Encoder-decoder requests only."""
+
+    @property
+    def user_prompt(self) -> list[int]:
+        """The prompt as the user gave it (the encoder input of an encoder-decoder)."""
+        return self.encoder.token_ids if self.encoder is not None else self.prompt
 
     @property
     def prompt_len(self) -> int:

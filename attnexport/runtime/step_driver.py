@@ -2,8 +2,8 @@
 verify``).
 
 It keeps per-sequence token lists and block lists, allocates blocks from a shuffled free
-list (so block tables are never contiguous), builds each step's metadata with
-``attnexport.build_attention_metadata`` and calls a *runner*:
+list (so block tables are never contiguous), packs each step's inputs with the engine's
+:func:`attnexport.runtime.model_input.pack_step` and calls a *runner*:
 ``runner(args: tuple, kv_caches: list) -> (logits, kv_caches)``. Eager modules and
 ``ExportedProgram.module()`` update the caches in place and return the same list; an ONNX
 session returns the ``_out`` caches, which replace the old ones.
@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnexport.custom_ops import ScheduledSequence, build_attention_metadata
+from attnexport.custom_ops import ScheduledSequence
 from attnexport.model_interface import CacheSpec
+from attnexport.runtime.model_input import StepSequence, pack_step
 
 Runner = Callable[[tuple, list], tuple[torch.Tensor, list]]
 
@@ -67,8 +68,7 @@ class PagedDriver:
             have.append(self.free.pop())
 
     def step(self, new_tokens: dict[int, int], all_logits: bool = False) -> dict[int, torch.Tensor]:
-        scheduled, ids, positions, rows = [], [], [], []
-        encoder_ids, encoder_positions = [], []
+        entries = []
         for seq_id, count in new_tokens.items():
             seq = self.sequences[seq_id]
             start = seq.num_cached
@@ -78,51 +78,26 @@ class PagedDriver:
             encode_now = bool(seq.encoder_ids) and not seq.encoded
             if encode_now:
                 self._blocks(len(seq.encoder_ids), seq.cross_blocks)
-                encoder_ids += seq.encoder_ids
-                encoder_positions += range(len(seq.encoder_ids))
-            scheduled.append(
-                ScheduledSequence(
-                    start,
-                    count,
-                    list(seq.blocks),
-                    encoder_len=len(seq.encoder_ids),
-                    encoder_block_ids=list(seq.cross_blocks),
-                    encode_now=encode_now,
-                )
+            scheduled = ScheduledSequence(
+                start,
+                count,
+                list(seq.blocks),
+                encoder_len=len(seq.encoder_ids),
+                encoder_block_ids=list(seq.cross_blocks),
+                encode_now=encode_now,
             )
-            first = len(ids)
-            ids += seq.tokens[start : start + count]
-            positions += range(start, start + count)
-            rows.append(list(range(first, first + count)) if all_logits else [first + count - 1])
-        metadata = build_attention_metadata(scheduled, self.spec.block_size)
-        flat_rows = [r for rs in rows for r in rs]
-        args = (
-            torch.tensor(ids, dtype=torch.int64),
-            torch.tensor(positions, dtype=torch.int64),
-            metadata.slot_mapping,
-            metadata.block_tables,
-            metadata.seq_lens,
-            metadata.query_start_loc,
-            torch.tensor(flat_rows, dtype=torch.int64),
+            entries.append(
+                StepSequence(scheduled, seq.tokens, count if all_logits else 1, seq.encoder_ids)
+            )
+        model_input = pack_step(entries, self.spec.block_size)
+        logits, self.kv_caches = self.runner(
+            model_input.forward_args(self.kv_caches)[:-1], self.kv_caches
         )
-        if metadata.is_encoder_decoder:
-            args += (
-                torch.tensor(encoder_ids, dtype=torch.int64),
-                torch.tensor(encoder_positions, dtype=torch.int64),
-                metadata.encoder_start_loc,
-                metadata.cross_slot_mapping,
-                metadata.cross_block_tables,
-                metadata.encoder_seq_lens,
-            )
-        logits, self.kv_caches = self.runner(args, self.kv_caches)
         for seq_id, count in new_tokens.items():
             self.sequences[seq_id].num_cached += count
             self.sequences[seq_id].encoded = True
-        out, start = {}, 0
-        for seq_id, seq_rows in zip(new_tokens, rows, strict=True):
-            out[seq_id] = logits[start : start + len(seq_rows)]
-            start += len(seq_rows)
-        return out
+        rows = torch.tensor(model_input.sampling_seqs)
+        return {seq_id: logits[rows == i] for i, seq_id in enumerate(new_tokens)}
 
     def prefill(self, all_logits: bool = False) -> dict[int, torch.Tensor]:
         """One step computing every not-yet-cached token of every sequence."""

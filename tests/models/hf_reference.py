@@ -45,3 +45,23 @@ def greedy_generate(
     )
     out = hf_model.generate(torch.tensor([prompt]), generation_config=config, **inputs)
     return out.sequences[0, -steps:].tolist(), torch.cat(out.logits).float()
+
+
+def tiny_bart(directory: Path, **overrides):
+    """A 2 + 2-layer transformers BART (d_model 32, vocab 120, 64 positions) initialised wide
+    enough (``init_std`` 0.3) that greedy tokens vary, saved into ``directory``; returns it.
+    ``overrides`` replace ``BartConfig`` fields."""
+    values = dict(
+        vocab_size=120,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=128,
+        max_position_embeddings=64,
+        init_std=0.3,
+    )
+    config = transformers.BartConfig(**{**values, **overrides})
+    return build_checkpoint("BartForConditionalGeneration", config, directory)

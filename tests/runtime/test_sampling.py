@@ -67,8 +67,19 @@ def test_top_k_and_top_p_restrict_the_candidates():
         ({"top_p": 0.0}, ValueError, r"top_p: expected a value in \(0, 1\]"),
         ({"top_k": -2}, ValueError, "top_k: expected an int >= -1"),
         ({"stop_token_ids": [3, -1]}, ValueError, "stop_token_ids: expected an int >= 0"),
+        ({"forced_bos_token_id": -1}, ValueError, "forced_bos_token_id: expected an int >= 0"),
+        ({"forced_eos_token_id": "2"}, TypeError, "forced_eos_token_id: expected an int"),
     ],
 )
 def test_bad_params_name_the_field(changes, error, message):
     with pytest.raises(error, match=message):
         SamplingParams(**changes).check()
+
+
+def test_forced_tokens_first_and_last_eos_wins():
+    params = SamplingParams(forced_bos_token_id=5, forced_eos_token_id=9)
+    assert params.forced_token(0, is_last=False) == 5
+    assert params.forced_token(3, is_last=False) is None
+    assert params.forced_token(3, is_last=True) == 9
+    assert params.forced_token(0, is_last=True) == 9
+    assert SamplingParams().forced_token(0, is_last=True) is None

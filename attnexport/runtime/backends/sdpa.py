@@ -67,7 +67,10 @@ class _Workspace(threading.local):
         numel = 1
         for size in shape:
             numel *= size
-        key = (name, dtype, torch.device(device))
+        # A buffer made under inference_mode (the engine's executor) cannot be written outside
+        # it (a no_grad caller): such callers get buffers of their own.
+        inference = torch.is_inference_mode_enabled()
+        key = (name, dtype, torch.device(device), inference)
         buffer = self.buffers.get(key)
         if buffer is None or buffer.numel() < numel:
             buffer = self.buffers[key] = torch.empty(numel, dtype=dtype, device=device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -23,7 +24,9 @@ class Executor(abc.ABC):
 
     Caches are torch tensors in the standard layout ``[num_blocks, block_size, Hkv, D]``
     (``kv_caches``, on the executor's device) plus a CPU swap pool (``cpu_caches``); an executor
-    whose runtime is not torch shares their memory with it.
+    whose runtime is not torch shares their memory with it. An encoder-decoder's cross caches
+    follow its self caches in ``kv_caches``; block moves (swaps, copy-on-write) concern the self
+    caches only, so the CPU pool has no cross caches.
     """
 
     name: ClassVar[str]
@@ -41,6 +44,8 @@ class Executor(abc.ABC):
         self.device = torch.device(device)
         self.kv_caches: list[torch.Tensor] = []
         self.cpu_caches: list[torch.Tensor] = []
+        self.decoder_start_token_id: int | None = None
+        """Encoder-decoder models: the decoder start token, when the model states it."""
 
     @property
     def num_blocks(self) -> int:
@@ -49,8 +54,14 @@ class Executor(abc.ABC):
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         """Allocates the device pool and the CPU swap pool (zeroed)."""
         self.kv_caches = self.cache_spec.allocate(num_blocks, self.device)
-        self.cpu_caches = self.cache_spec.allocate(num_cpu_blocks, "cpu")
+        self_only = dataclasses.replace(self.cache_spec, num_cross_layers=0)
+        self.cpu_caches = self_only.allocate(num_cpu_blocks, "cpu")
         self._bind_caches()
+
+    @property
+    def self_caches(self) -> list[torch.Tensor]:
+        """The self-attention caches ``[k_0, v_0, ...]`` (all of ``kv_caches`` for a decoder)."""
+        return self.kv_caches[: 2 * self.cache_spec.num_layers]
 
     def _bind_caches(self) -> None:  # noqa: B027  (an optional hook)
         """Hook for executors that must register the cache memory with their runtime."""
@@ -58,18 +69,18 @@ class Executor(abc.ABC):
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copies device blocks to CPU blocks: ``pairs`` of (device block, CPU block)."""
         mapping = _pairs(pairs)
-        for device_cache, cpu_cache in zip(self.kv_caches, self.cpu_caches, strict=True):
+        for device_cache, cpu_cache in zip(self.self_caches, self.cpu_caches, strict=True):
             swap_blocks(device_cache, cpu_cache, mapping)
 
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copies CPU blocks to device blocks: ``pairs`` of (CPU block, device block)."""
         mapping = _pairs(pairs)
-        for device_cache, cpu_cache in zip(self.kv_caches, self.cpu_caches, strict=True):
+        for device_cache, cpu_cache in zip(self.self_caches, self.cpu_caches, strict=True):
             swap_blocks(cpu_cache, device_cache, mapping)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copies device blocks within the pool (copy-on-write): (source, destination) pairs."""
-        copy_blocks(self.kv_caches, _pairs(pairs))
+        copy_blocks(self.self_caches, _pairs(pairs))
 
     @abc.abstractmethod
     def execute(self, model_input: ModelInput) -> torch.Tensor:

@@ -18,7 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from attnexport.model_interface import DECODER_INPUT_NAMES, CacheSpec
+from attnexport.model_interface import (
+    DECODER_INPUT_NAMES,
+    ENCODER_DECODER_INPUT_NAMES,
+    CacheSpec,
+)
 from attnexport.runtime.executors.base import Executor
 from attnexport.runtime.model_input import ModelInput
 
@@ -49,7 +53,7 @@ def session_options(num_threads: int | None = None, spin: bool = False):
 
 
 class OrtExecutor(Executor):
-    """An attnexport ONNX decoder in onnxruntime.
+    """An attnexport ONNX decoder or encoder-decoder in onnxruntime.
 
     Args:
         model: path of the ``.onnx`` file written by ``attnexport.lowering.to_onnx`` (its
@@ -99,16 +103,18 @@ class OrtExecutor(Executor):
         if meta.block_size is None or not meta.cache_inputs:
             raise ValueError(f"model: {path} has no paged KV caches in its attnexport metadata")
         inputs = {i.name: i for i in self.session.get_inputs()}
-        missing = [n for n in DECODER_INPUT_NAMES if n not in inputs]
+        names = ENCODER_DECODER_INPUT_NAMES if meta.num_cross_layers else DECODER_INPUT_NAMES
+        missing = [n for n in names if n not in inputs]
         if missing:
+            kind = "an encoder-decoder" if meta.num_cross_layers else "a decoder"
             raise ValueError(
-                f"model: {path} is not a decoder in the attnexport convention; "
+                f"model: {path} is not {kind} in the attnexport convention; "
                 f"inputs {missing} are missing (it takes {list(inputs)})"
             )
         unwritten = [n for n in meta.cache_inputs if n not in meta.cache_outputs]
         if unwritten:
             raise ValueError(f"model: cache inputs {unwritten} have no '<name>_out' output")
-        self._index_types = {n: _NUMPY_INDEX_TYPES[inputs[n].type] for n in DECODER_INPUT_NAMES}
+        self._index_types = {n: _NUMPY_INDEX_TYPES[inputs[n].type] for n in names}
         self._logits_name = meta.outputs[0]
         logits = next(o for o in self.session.get_outputs() if o.name == self._logits_name)
         vocab_size = logits.shape[-1]
@@ -156,7 +162,7 @@ class OrtExecutor(Executor):
         # The arrays must outlive the run: onnxruntime may read them in place.
         arrays = []
         for name, tensor in zip(
-            DECODER_INPUT_NAMES, model_input.forward_args(self.kv_caches)[:-1], strict=True
+            model_input.input_names, model_input.forward_args(self.kv_caches)[:-1], strict=True
         ):
             array = tensor.numpy()
             expected = self._index_types[name]

@@ -9,7 +9,11 @@ from pathlib import Path
 import torch
 
 from attnexport.custom_ops.dispatch import AUTO, get_backend, use_backend
-from attnexport.model_interface import DECODER_INPUT_NAMES, CacheSpec
+from attnexport.model_interface import (
+    DECODER_INPUT_NAMES,
+    ENCODER_DECODER_INPUT_NAMES,
+    CacheSpec,
+)
 from attnexport.runtime.executors.base import Executor
 from attnexport.runtime.model_input import ModelInput
 
@@ -101,11 +105,14 @@ class TorchExecutor(Executor):
         elif device.type != "cpu":
             module = module.to(device)
         self.module = module
+        self.decoder_start_token_id = found.get("decoder_start_token_id")
 
     def execute(self, model_input: ModelInput) -> torch.Tensor:
         if self.device.type != "cpu":
             model_input = model_input.to(self.device)
-        with use_backend(self.backend), torch.inference_mode():
+        # no_grad, not inference_mode: inference tensors have no version counter, and the
+        # backends memoise plans per tensor version (IPEX's varlen path for encoders failed).
+        with use_backend(self.backend), torch.no_grad():
             logits = self.module(*model_input.forward_args(self.kv_caches))
         return logits.to(device="cpu", dtype=torch.float32)
 
@@ -124,6 +131,7 @@ def _module_facts(module: torch.nn.Module, block_size: int | None) -> dict:
     for key, names in (
         ("vocab_size", ("vocab_size",)),
         ("max_model_len", ("max_model_len", "max_position_embeddings")),
+        ("decoder_start_token_id", ("decoder_start_token_id",)),
     ):
         for owner in (module, config):
             value = next((getattr(owner, n) for n in names if hasattr(owner, n)), None)
@@ -134,23 +142,32 @@ def _module_facts(module: torch.nn.Module, block_size: int | None) -> dict:
 
 
 def _program_facts(program: torch.export.ExportedProgram) -> dict:
-    """Cache geometry and vocabulary read from an exported decoder's example shapes."""
+    """Cache geometry and vocabulary read from an exported (encoder-)decoder's example shapes.
+
+    An encoder-decoder is told by its input count: its ``kv_caches`` (self then cross caches,
+    as many of each) follow the ``ENCODER_DECODER_INPUT_NAMES``."""
     user_inputs = program.graph_signature.user_inputs
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     values = [placeholders[name].meta.get("val") for name in user_inputs]
-    caches = values[len(DECODER_INPUT_NAMES) :]
     facts = {}
-    if caches and all(isinstance(c, torch.Tensor) and c.dim() == 4 for c in caches):
+    for names, cross in ((ENCODER_DECODER_INPUT_NAMES, True), (DECODER_INPUT_NAMES, False)):
+        caches = values[len(names) :]
+        if not caches or not all(isinstance(c, torch.Tensor) and c.dim() == 4 for c in caches):
+            continue
         dims = [int(d) if isinstance(d, int) else None for d in caches[0].shape[1:]]
-        if None not in dims and len(caches) % 2 == 0:
-            block_size, num_kv_heads, head_size = dims
-            facts["cache_spec"] = CacheSpec(
-                num_layers=len(caches) // 2,
-                num_kv_heads=num_kv_heads,
-                head_size=head_size,
-                dtype=caches[0].dtype,
-                block_size=block_size,
-            )
+        if None in dims or len(caches) % (4 if cross else 2):
+            continue
+        block_size, num_kv_heads, head_size = dims
+        layers = len(caches) // (4 if cross else 2)
+        facts["cache_spec"] = CacheSpec(
+            num_layers=layers,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            dtype=caches[0].dtype,
+            block_size=block_size,
+            num_cross_layers=layers if cross else 0,
+        )
+        break
     # The graph's outputs list mutated inputs first; the logits are the user output.
     user_outputs = set(program.graph_signature.user_outputs)
     output = next(n for n in program.graph.nodes if n.op == "output")
