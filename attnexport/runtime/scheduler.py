@@ -221,13 +221,14 @@ class Scheduler:
                 need += sum(bm.device.is_evictable(b) for b in seq_hits)
                 computed = (len(seq_hits)) * bm.block_size + count
                 need += -(-computed // bm.block_size) - len(seq_hits)
-            if len(plan) < len(seqs) or need > bm.device.num_free:
+            # Samples left out by the token budget run in later steps, as running ones do.
+            if not plan or need > bm.device.num_free:
                 break
             if bm.cross_blocks_needed(request) > bm.cross.num_free:
                 break
             self.waiting.pop(0)
             bm.allocate_cross(request)
-            for (seq, count), seq_hits in zip(plan, hits, strict=True):
+            for (seq, count), seq_hits in zip(plan, hits[: len(plan)], strict=True):
                 bm.take_prefix(seq, seq_hits)
                 bm.allocate(seq, count)
                 batch.add(seq, count)

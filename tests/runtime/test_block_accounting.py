@@ -67,10 +67,29 @@ SWAPPED_WAITING_FORK = (
     },
 )
 
+# Found by hypothesis: a recomputed request with two samples and a token budget smaller than
+# their tokens was never readmitted, then failed as too large for the pool.
+BUDGET_SPLITS_SAMPLES = (
+    [
+        ([1, 2, 3, 4, 5, 6, 0], SamplingParams(max_tokens=9)),
+        ([0], SamplingParams(max_tokens=9, n=2)),
+    ],
+    {
+        "num_blocks": 16,
+        "block_size": 2,
+        "prefix": False,
+        "scheduler": SchedulerConfig(
+            max_num_seqs=3, max_num_batched_tokens=4, max_model_len=32, preemption_mode="swap"
+        ),
+        "cpu_blocks": 4,
+    },
+)
+
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 @example(SWAPPED_WAITING_FORK)
+@example(BUDGET_SPLITS_SAMPLES)
 def test_random_workloads_are_exact_and_leak_no_block(workload):
     requests, config = workload
     executor = TorchExecutor(MODEL, cache_spec=MODEL.cache_spec(config["block_size"]))
