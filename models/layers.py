@@ -41,7 +41,9 @@ class RMSNorm(nn.Module):
         """x ``[..., hidden]`` -> same shape and dtype."""
         dtype = x.dtype
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # x / sqrt(...), not x * rsqrt(...): onnxruntime fuses this form (Pow, ReduceMean, Add,
+        # Sqrt, Div, Mul) into one SimplifiedLayerNormalization node; it leaves Reciprocal alone.
+        x32 = x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
 

@@ -126,8 +126,9 @@ class LlamaAttention(nn.Module):
     def forward(self, x, rope, key_cache, value_cache, metadata: PagedMetadata):
         cos, sin = rope
         qkv = self.qkv_proj(x).unflatten(-1, (self.heads + 2 * self.kv_heads, self.dim))
-        q, k, v = qkv.split((self.heads, self.kv_heads, self.kv_heads), dim=1)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qk, v = qkv.split((self.heads + self.kv_heads, self.kv_heads), dim=1)
+        # One rotation for the q and k heads together: half the graph nodes of two.
+        q, k = apply_rotary(qk, cos, sin).split((self.heads, self.kv_heads), dim=1)
         return self.o_proj(self.attn(q, k, v, key_cache, value_cache, metadata))
 
 

@@ -7,18 +7,26 @@ reference in :mod:`attnexport.custom_ops.reference` is the test oracle):
   writes the rest with one ``ScatterND`` per cache whose data input is the cache input and whose
   output is the node output. When an inlined graph binds one buffer as both, onnxruntime skips
   the copy and the write costs O(new tokens), not O(cache) (DESIGN.md section 4).
-* ``PagedAttention`` / ``VarlenAttention``: queries are padded per sequence to
-  ``[S, max_q, H, D]`` and keys gathered to ``[S, L, Hkv, D]`` (through the block table, or
-  from the packed keys); grouped-query matmuls, the soft cap, ALiBi, the causal/window mask,
-  softmax and the value matmul run in float32; the result is gathered back to packed tokens.
-  Memory is O(S * max_q * H * L) for the logits, like a padded batch.
+* ``PagedAttention`` / ``VarlenAttention``: "plan once, run per layer". The plan (gather
+  indices, mask, output rows) depends only on the metadata inputs and on the static geometry
+  attributes (``num_heads``, ``num_kv_heads``, ``head_size``, ``block_size``), so after
+  inlining, onnxruntime's common-subexpression elimination computes it once per step for all
+  layers. Per layer remain: one ``Gather`` each for queries, keys and values straight into the
+  matmul layouts ([S, Hkv, Q * G, D] and [S, Hkv, L, D]; no transposes, no other copies of the
+  keys and values), two matmuls, the mask add, the softmax, and one ``Gather`` of the result
+  rows back to packed tokens. Math in float32. Memory is O(S * H * max_q * max_seq_len) for
+  the logits, like a padded batch.
 
 The soft cap and ALiBi sit in ``If`` branches: the soft-cap condition is an attribute
 (onnxruntime folds it once the function is inlined), the ALiBi one tests the slopes for a
-non-zero value (the exporter passes zeros for models without ALiBi).
+non-zero value (the exporter passes zeros for models without ALiBi). The plan itself has no
+``If``: onnxruntime cannot share what it folds out of one across layers.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import onnx
 
@@ -51,29 +59,141 @@ def _max_or_zero(b: Builder, lengths: str) -> str:
     return b.ReduceMax(b.Concat(lengths, b.ints([0]), axis=0), b.ints([0]), keepdims=1)
 
 
-def _pad_rows(b: Builder, packed: str, starts: str, lengths: str, width: str) -> tuple[str, str]:
-    """Gathers the rows of each sequence from a packed [N, ...] tensor into [S, width, ...];
-    returns it and the validity mask [S, width] (padding rows repeat row 0)."""
-    column = _arange(b, width)
-    valid = b.Less(b.Unsqueeze(column, b.ints([0])), b.Unsqueeze(lengths, b.ints([1])))
-    rows = b.Add(b.Unsqueeze(starts, b.ints([1])), b.Unsqueeze(column, b.ints([0])))
-    rows = b.Where(valid, rows, b.ints([0]))
-    return b.Gather(packed, rows, axis=0), valid
+class _Dims(NamedTuple):
+    """1-element int64 tensors of the static geometry: H, Hkv, D, G = H / Hkv, block size."""
+
+    heads: str
+    kv_heads: str
+    head_size: str
+    group: str
+    block_size: str | None
 
 
-def _unpad_queries(
-    b: Builder, padded: str, starts: str, ends: str, max_q: str, query: str, output: str
-) -> str:
-    """The packed [T, H, D] rows of a padded [S, max_q, H, D] result, cast like ``query``."""
-    num_tokens = b.Shape(query, start=0, end=1)
-    token = _arange(b, num_tokens)
+def _dims(b: Builder, paged: bool) -> _Dims:
+    """The geometry, from the node's attributes (the exporter sets them from the static shapes).
+
+    Once inlined, equal attributes are equal constants, so onnxruntime's common-subexpression
+    elimination computes everything that depends only on them and on the metadata inputs once
+    per step instead of once per layer. Dimensions read with ``Shape`` would be new values in
+    every layer (onnxruntime neither folds a partly dynamic shape nor merges folded constants).
+    """
+
+    def attribute(name: str) -> str:
+        return b.Unsqueeze(b.attribute(name, "int"), b.ints([0]))
+
+    heads, kv_heads = attribute("num_heads"), attribute("num_kv_heads")
+    block_size = attribute("block_size") if paged else None
+    return _Dims(heads, kv_heads, attribute("head_size"), b.Div(heads, kv_heads), block_size)
+
+
+class _Plan(NamedTuple):
+    """What an attention call derives from the step's metadata and the static geometry only,
+    so that onnxruntime computes it once per step for all layers. Index tensors are int64.
+
+    Rows of a KV head's matrices are (query j, head g of its group): query head
+    h = kv_head * G + g uses KV head h // G, as in the reference's repeat_interleave.
+
+    * ``q_index`` [S, Hkv, Q]: rows of the queries viewed as [T * Hkv, G * D] (padding
+      queries read row 0).
+    * ``kv_index`` [S, Hkv, L]: rows of the keys/values viewed as [N * Hkv, D]. Masked keys
+      read the sequence's first key, so slots past a sequence's end (stale or uninitialised
+      cache data, maybe NaN) are never read.
+    * ``bias`` float32 [S, 1, Q * G, L]: 0 where visible, -inf elsewhere.
+    * ``has_key`` bool [S, 1, Q * G, 1]: the query sees at least one key.
+    * ``out_index`` [T, Hkv]: rows of the result viewed as [S * Hkv * Q, G * D].
+    * ``q_shape``: [S, Hkv, Q * G, D]; ``distance`` float32 [S, 1, Q, 1, L]: k - p (ALiBi).
+    """
+
+    q_index: str
+    kv_index: str
+    bias: str
+    has_key: str
+    out_index: str
+    q_shape: str
+    distance: str
+
+
+def _plan(
+    b: Builder,
+    dims: _Dims,
+    cumulative_q: str,
+    key_lens: str,
+    key_rows: Callable[[str], str],
+) -> _Plan:
+    """The :class:`_Plan` of a batch: ``cumulative_q`` int32 [S + 1] query offsets,
+    ``key_lens`` int64 [S]; ``key_rows(key_pos)`` maps key positions [L] to int64 [S, L] rows
+    of the packed keys or of the cache viewed as [NB * BS, Hkv, D] (only valid keys' rows are
+    used)."""
+    starts, ends, query_lens = _offsets(b, cumulative_q)
+    num_seqs = b.Shape(key_lens)
+    max_q = _max_or_zero(b, query_lens)
+    max_k = _max_or_zero(b, key_lens)
+    rows_q = b.Mul(max_q, dims.group)
+    query_pos = b.Unsqueeze(_arange(b, max_q), b.ints([0]))  # [1, Q]
+    key_pos = _arange(b, max_k)  # [L]
+    head = b.Unsqueeze(_arange(b, dims.kv_heads), b.ints([0]))  # [1, Hkv]
+
+    def per_head(rows: str) -> str:  # [S, X] -> [S, Hkv, X]
+        return b.Add(
+            b.Unsqueeze(b.Mul(rows, dims.kv_heads), b.ints([1])),
+            b.Unsqueeze(head, b.ints([2])),
+        )
+
+    query_valid = b.Less(query_pos, b.Unsqueeze(query_lens, b.ints([1])))  # [S, Q]
+    query_rows = b.Add(b.Unsqueeze(starts, b.ints([1])), query_pos)
+    query_rows = b.Where(query_valid, query_rows, b.ints([0]))
+
+    key_valid = b.Less(key_pos, b.Unsqueeze(key_lens, b.ints([1])))  # [S, L]
+    rows = key_rows(key_pos)
+    first = b.Slice(rows, b.ints([0]), b.ints([1]), b.ints([1]))  # [S, 1] ([S, 0] if L = 0)
+    has_keys = b.Unsqueeze(b.Greater(key_lens, b.ints([0])), b.ints([1]))
+    rows = b.Where(key_valid, rows, b.Where(has_keys, first, b.ints([0])))
+
+    # Visibility [S, Q, L]: query j of sequence i sits at p = key_lens[i] - q_i + j.
+    p = b.Add(b.Unsqueeze(b.Sub(key_lens, query_lens), b.ints([1])), query_pos)
+    p = b.Unsqueeze(p, b.ints([2]))  # [S, Q, 1]
+    causal = b.Cast(b.attribute("causal", "int"), to=BOOL)
+    window = b.attribute("sliding_window", "int")
+    causal_ok = b.Or(b.Not(causal), b.LessOrEqual(key_pos, p))
+    window_ok = b.Or(b.Less(window, b.int_scalar(0)), b.Less(b.Sub(p, key_pos), window))
+    visible = b.And(b.And(causal_ok, window_ok), b.Unsqueeze(key_valid, b.ints([1])))
+    visible5 = b.Unsqueeze(visible, b.ints([1, 3]))  # [S, 1, Q, 1, L]
+
+    def grouped(x: Builder, tensor: str, heads: str, last: str) -> str:
+        """[S, X, Q, 1 or G, Y] -> [S, X, Q * G, Y]."""
+        wide = x.Expand(tensor, x.Concat(x.ints([1, 1, 1]), dims.group, x.ints([1]), axis=0))
+        shape = x.Concat(num_seqs, heads, rows_q, last, axis=0)
+        return x.Reshape(wide, shape, allowzero=1)
+
+    bias = b.Where(visible5, b.float_scalar(0.0), b.float_scalar(float("-inf")))
+    bias = grouped(b, bias, b.ints([1]), max_k)
+    # k - p [S, 1, Q, 1, L] for ALiBi (per layer: the slopes are a per-layer input).
+    distance = b.Unsqueeze(b.Cast(b.Sub(key_pos, p), to=FLOAT), b.ints([1, 3]))
+
+    # A query that sees no key gets zeros (its softmax row is all NaN).
+    any_visible = b.ReduceMax(b.Cast(visible, to=FLOAT), b.ints([-1]), keepdims=1)  # [S, Q, 1]
+    any_visible = b.Unsqueeze(b.Greater(any_visible, b.float_scalar(0.0)), b.ints([1, 3]))
+    has_key = grouped(b, any_visible, b.ints([1]), b.ints([1]))
+
+    # Token t of sequence s, query j: result row (s * Hkv + kv_head) * Q + j.
+    token = _arange(b, _max_or_zero(b, ends))
     # Sequence of token t = number of sequences that end at or before t (empty ones included).
     ended = b.LessOrEqual(b.Unsqueeze(ends, b.ints([0])), b.Unsqueeze(token, b.ints([1])))
     seq_of_token = b.ReduceSum(b.Cast(ended, to=INT64), b.ints([1]), keepdims=0)
     index_in_seq = b.Sub(token, b.Gather(starts, seq_of_token, axis=0))
-    row = b.Add(b.Mul(seq_of_token, max_q), index_in_seq)
-    flat = b.Reshape(padded, b.Concat(b.ints([-1]), b.Shape(query, start=1), axis=0))
-    return b.op("CastLike", b.Gather(flat, row, axis=0), query, names=[output])
+    out_index = b.Add(
+        b.Mul(b.Add(b.Unsqueeze(b.Mul(seq_of_token, dims.kv_heads), b.ints([1])), head), max_q),
+        b.Unsqueeze(index_in_seq, b.ints([1])),
+    )
+    return _Plan(
+        q_index=per_head(query_rows),
+        kv_index=per_head(rows),
+        bias=bias,
+        has_key=has_key,
+        out_index=out_index,
+        distance=distance,
+        q_shape=b.Concat(num_seqs, dims.kv_heads, rows_q, dims.head_size, axis=0),
+    )
 
 
 def _soft_cap(b: Builder, logits: str) -> str:
@@ -89,13 +209,17 @@ def _soft_cap(b: Builder, logits: str) -> str:
     )
 
 
-def _alibi(b: Builder, logits: str, slopes: str, distance: str, kv_heads: str, group: str) -> str:
-    """logits [S, Hkv, G, Q, L] + slopes[h] * (k - p), with ``distance`` = k - p [S, Q, L]."""
+def _alibi(b: Builder, logits: str, slopes: str, plan: _Plan, dims: _Dims) -> str:
+    """logits [S, Hkv, Q * G, L] + slopes[h] * (k - p), h = kv_head * G + g. The condition
+    tests the slopes for a non-zero value (the exporter passes zeros for models without ALiBi):
+    with constant slopes onnxruntime folds the ``If``."""
     biased = b.branch()
-    shape = biased.Concat(biased.ints([1]), kv_heads, group, biased.ints([1, 1]), axis=0)
-    per_head = biased.Reshape(biased.Cast(slopes, to=FLOAT), shape)  # [1, Hkv, G, 1, 1]
-    bias = biased.Mul(per_head, biased.Unsqueeze(distance, biased.ints([1, 2])))
-    then_out = biased.Add(logits, bias)
+    slope_shape = biased.Concat(
+        biased.ints([1]), dims.kv_heads, biased.ints([1]), dims.group, biased.ints([1]), axis=0
+    )
+    per_head = biased.Reshape(biased.Cast(slopes, to=FLOAT), slope_shape)  # [1, Hkv, 1, G, 1]
+    bias = biased.Mul(per_head, plan.distance)  # [S, Hkv, Q, G, L]
+    then_out = biased.Add(logits, biased.Reshape(bias, biased.Shape(logits), allowzero=1))
     plain = b.branch()
     else_out = plain.Identity(logits)
     any_slope = b.Greater(b.ReduceMax(b.Abs(slopes), keepdims=0), b.float_scalar(0.0))
@@ -109,74 +233,29 @@ def _alibi(b: Builder, logits: str, slopes: str, distance: str, kv_heads: str, g
 def _attend(
     b: Builder,
     query: str,
-    key: str,
-    value: str,
-    positions: str,
-    query_valid: str,
-    key_lens: str,
-    key_positions: str,
+    keys: str,
+    values: str,
     slopes: str,
+    plan: _Plan,
+    dims: _Dims,
+    output: str,
 ) -> str:
-    """Masked grouped-query attention of a padded batch, in float32.
-
-    query [S, Q, H, D]; key/value [S, L, Hkv, D]; positions (absolute, of the queries) and
-    query_valid [S, Q]; key_lens [S]; key_positions [L] = 0..L-1. Returns [S, Q, H, D] float32.
-    """
-    q = b.Cast(query, to=FLOAT)
-    k = b.Cast(key, to=FLOAT)
-    v = b.Cast(value, to=FLOAT)
-    num_q = b.Shape(q, start=1, end=2)
-    heads = b.Shape(q, start=2, end=3)
-    head_size = b.Shape(q, start=3, end=4)
-    kv_heads = b.Shape(k, start=2, end=3)
-    num_keys = b.Shape(k, start=1, end=2)
-    group = b.Div(heads, kv_heads)
-    rows = b.Mul(group, num_q)
-    batch = b.Shape(q, start=0, end=1)
-
-    def reshape(x, *dims):
-        # Explicit sizes with allowzero=1: a computed size of 0 (no queries, no keys) must mean
-        # 0, not "copy the input's dimension".
-        return b.Reshape(x, b.Concat(batch, *dims, axis=0), allowzero=1)
-
-    # Rows of one KV head's matrix are (query head in the group, query token): head h uses
-    # KV head h // group, as in the reference's repeat_interleave.
-    q5 = reshape(q, num_q, kv_heads, group, head_size)  # [S, Q, Hkv, G, D]
-    q4 = reshape(b.Transpose(q5, perm=[0, 2, 3, 1, 4]), kv_heads, rows, head_size)
-    logits = b.MatMul(q4, b.Transpose(k, perm=[0, 2, 3, 1]))  # [S, Hkv, G*Q, L]
-    logits = b.Mul(logits, b.attribute("scale", "float"))
-    logits = reshape(logits, kv_heads, group, num_q, num_keys)
-    logits = _soft_cap(b, logits)
-
-    p = b.Unsqueeze(positions, b.ints([2]))  # [S, Q, 1]
-    distance = b.Cast(b.Sub(key_positions, p), to=FLOAT)  # k - p, [S, Q, L]
-    logits = _alibi(b, logits, slopes, distance, kv_heads, group)
-
-    in_sequence = b.Less(key_positions, b.Unsqueeze(key_lens, b.ints([1])))  # [S, L]
-    causal = b.Cast(b.attribute("causal", "int"), to=BOOL)
-    window = b.attribute("sliding_window", "int")
-    causal_ok = b.Or(b.Not(causal), b.LessOrEqual(key_positions, p))
-    window_ok = b.Or(b.Less(window, b.int_scalar(0)), b.Less(b.Sub(p, key_positions), window))
-    visible = b.And(b.And(causal_ok, window_ok), b.Unsqueeze(in_sequence, b.ints([1])))
-    visible = b.And(visible, b.Unsqueeze(query_valid, b.ints([2])))  # [S, Q, L]
-
-    neg_inf = b.float_scalar(float("-inf"))
-    masked = b.Where(b.Unsqueeze(visible, b.ints([1, 2])), logits, neg_inf)
-    weights = b.Softmax(masked, axis=-1)
-    # A row with no visible key is all -inf (softmax NaN): the contract gives it zeros.
-    has_key = b.ReduceMax(b.Cast(visible, to=FLOAT), b.ints([-1]), keepdims=1)  # [S, Q, 1]
-    has_key = b.Unsqueeze(b.Greater(has_key, b.float_scalar(0.0)), b.ints([1, 2]))
-    zero = b.float_scalar(0.0)
-    weights = b.Where(has_key, weights, zero)
-    # Slots past a sequence's end hold stale or uninitialised data: zero them so that a NaN
-    # there cannot leak through a zero weight (0 * NaN = NaN).
-    v = b.Where(b.Unsqueeze(in_sequence, b.ints([2, 3])), v, zero)
-
-    weights = reshape(weights, kv_heads, rows, num_keys)
-    out = b.MatMul(weights, b.Transpose(v, perm=[0, 2, 1, 3]))  # [S, Hkv, G*Q, D]
-    out = reshape(out, kv_heads, group, num_q, head_size)
-    out = b.Transpose(out, perm=[0, 3, 1, 2, 4])  # [S, Q, Hkv, G, D]
-    return reshape(out, num_q, heads, head_size)
+    """The per-layer part: query [T, H, D], keys/values [N * Hkv, D] (rows as in ``plan``) ->
+    ``output`` [T, H, D] in the query's dtype. Math in float32; the only copies of keys and
+    values are the two gathers."""
+    group_width = b.Concat(b.ints([-1]), b.Mul(dims.group, dims.head_size), axis=0)
+    q = b.Gather(b.Reshape(query, group_width), plan.q_index, axis=0)  # [S, Hkv, Q, G * D]
+    q = b.Reshape(b.Cast(q, to=FLOAT), plan.q_shape, allowzero=1)  # [S, Hkv, Q * G, D]
+    k = b.Cast(b.Gather(keys, plan.kv_index, axis=0), to=FLOAT)  # [S, Hkv, L, D]
+    v = b.Cast(b.Gather(values, plan.kv_index, axis=0), to=FLOAT)
+    logits = b.MatMul(q, b.Transpose(k, perm=[0, 1, 3, 2]))  # [S, Hkv, Q * G, L]
+    logits = _soft_cap(b, b.Mul(logits, b.attribute("scale", "float")))
+    logits = _alibi(b, logits, slopes, plan, dims)
+    weights = b.Softmax(b.Add(logits, plan.bias), axis=-1)
+    out = b.Where(plan.has_key, b.MatMul(weights, v), b.float_scalar(0.0))  # [S, Hkv, Q*G, D]
+    packed = b.Gather(b.Reshape(out, group_width), plan.out_index, axis=0)  # [T, Hkv, G * D]
+    shape = b.Concat(b.ints([-1]), dims.heads, dims.head_size, axis=0)
+    return b.op("CastLike", b.Reshape(packed, shape), query, names=[output])
 
 
 # --------------------------------------------------------------------------- the three bodies
@@ -189,7 +268,7 @@ def reshape_and_cache(opset: int) -> onnx.FunctionProto:
     # Rows with a slot >= 0 (Gather, not Compress: Compress's schema has no bfloat16).
     kept = b.Squeeze(b.NonZero(b.GreaterOrEqual(slots, b.ints([0]))), b.ints([0]))
     slots = b.Gather(slots, kept, axis=0)
-    block_size = b.Shape("key_cache", start=1, end=2)
+    block_size = b.Unsqueeze(b.attribute("block_size", "int"), b.ints([0]))
     blocks = b.Unsqueeze(b.Div(slots, block_size), b.ints([1]))
     offsets = b.Unsqueeze(b.Mod(slots, block_size), b.ints([1]))
     index = b.Concat(blocks, offsets, axis=1)  # [T', 2] = (block, offset)
@@ -202,52 +281,32 @@ def reshape_and_cache(opset: int) -> onnx.FunctionProto:
         ["key", "value", "key_cache", "value_cache", "slot_mapping"],
         ["key_cache_out", "value_cache_out"],
         opset,
-        {},
+        {"block_size": None},
         doc="Writes key/value into the paged caches; negative slots are skipped.",
     )
 
 
 _MASK_ATTRIBUTES = {"scale": None, "sliding_window": -1, "logits_soft_cap": 0.0}
+_GEOMETRY_ATTRIBUTES = {"num_heads": None, "num_kv_heads": None, "head_size": None}
 
 
 def paged_attention(opset: int) -> onnx.FunctionProto:
     """``attnexport.PagedAttention`` in standard ops."""
     b = Builder()
-    starts, ends, query_lens = _offsets(b, "query_start_loc")
+    dims = _dims(b, paged=True)
+    table = b.Cast("block_tables", to=INT64)
+
+    def slots(key_pos: str) -> str:
+        # Key k of sequence s: slot table[s, k // block_size] * block_size + k % block_size.
+        block = b.Gather(table, b.Div(key_pos, dims.block_size), axis=1)  # [S, L]
+        return b.Add(b.Mul(block, dims.block_size), b.Mod(key_pos, dims.block_size))
+
     seq_lens = b.Cast("seq_lens", to=INT64)
-    max_q = _max_or_zero(b, query_lens)
-    query, query_valid = _pad_rows(b, "query", starts, query_lens, max_q)
-    positions = b.Add(
-        b.Unsqueeze(b.Sub(seq_lens, query_lens), b.ints([1])),
-        b.Unsqueeze(_arange(b, max_q), b.ints([0])),
-    )
-
-    # Keys: the blocks of each sequence; table entries past its last block may be padding
-    # (any value), so they read block 0 instead and are masked.
-    block_size = b.Shape("key_cache", start=1, end=2)
-    max_blocks = b.Shape("block_tables", start=1, end=2)
-    blocks_used = b.Div(b.Sub(b.Add(seq_lens, block_size), b.ints([1])), block_size)
-    column = b.Unsqueeze(_arange(b, max_blocks), b.ints([0]))
-    in_use = b.Less(column, b.Unsqueeze(blocks_used, b.ints([1])))
-    table = b.Where(in_use, b.Cast("block_tables", to=INT64), b.ints([0]))
-    num_keys = b.Mul(max_blocks, block_size)
-    num_seqs = b.Shape("block_tables", start=0, end=1)
-    kv_shape = b.Concat(num_seqs, num_keys, b.Shape("key_cache", start=2), axis=0)
-    key = b.Reshape(b.Gather("key_cache", table, axis=0), kv_shape, allowzero=1)  # [S, L, Hkv, D]
-    value = b.Reshape(b.Gather("value_cache", table, axis=0), kv_shape, allowzero=1)
-
-    out = _attend(
-        b,
-        query,
-        key,
-        value,
-        positions,
-        query_valid,
-        seq_lens,
-        _arange(b, num_keys),
-        "alibi_slopes",
-    )
-    _unpad_queries(b, out, starts, ends, max_q, "query", "output")
+    plan = _plan(b, dims, "query_start_loc", seq_lens, slots)
+    # [num_blocks * block_size * Hkv, D]: row slot * Hkv + kv_head.
+    keys = b.Flatten("key_cache", axis=3)
+    values = b.Flatten("value_cache", axis=3)
+    _attend(b, "query", keys, values, "alibi_slopes", plan, dims, "output")
     return function(
         b,
         "PagedAttention",
@@ -263,7 +322,7 @@ def paged_attention(opset: int) -> onnx.FunctionProto:
         ],
         ["output"],
         opset,
-        {**_MASK_ATTRIBUTES, "causal": 1},
+        {**_MASK_ATTRIBUTES, "causal": 1, **_GEOMETRY_ATTRIBUTES, "block_size": None},
         doc="Attention of packed ragged queries over a paged KV cache.",
     )
 
@@ -271,29 +330,17 @@ def paged_attention(opset: int) -> onnx.FunctionProto:
 def varlen_attention(opset: int) -> onnx.FunctionProto:
     """``attnexport.VarlenAttention`` in standard ops."""
     b = Builder()
-    q_starts, q_ends, query_lens = _offsets(b, "cu_seqlens_q")
-    k_starts, _, key_lens = _offsets(b, "cu_seqlens_k")
-    max_q = _max_or_zero(b, query_lens)
-    max_k = _max_or_zero(b, key_lens)
-    query, query_valid = _pad_rows(b, "query", q_starts, query_lens, max_q)
-    key, _ = _pad_rows(b, "key", k_starts, key_lens, max_k)
-    value, _ = _pad_rows(b, "value", k_starts, key_lens, max_k)
-    positions = b.Add(
-        b.Unsqueeze(b.Sub(key_lens, query_lens), b.ints([1])),
-        b.Unsqueeze(_arange(b, max_q), b.ints([0])),
-    )
-    out = _attend(
-        b,
-        query,
-        key,
-        value,
-        positions,
-        query_valid,
-        key_lens,
-        _arange(b, max_k),
-        "alibi_slopes",
-    )
-    _unpad_queries(b, out, q_starts, q_ends, max_q, "query", "output")
+    dims = _dims(b, paged=False)
+    key_starts, _, key_lens = _offsets(b, "cu_seqlens_k")
+
+    def rows(key_pos: str) -> str:
+        return b.Add(b.Unsqueeze(key_starts, b.ints([1])), b.Unsqueeze(key_pos, b.ints([0])))
+
+    plan = _plan(b, dims, "cu_seqlens_q", key_lens, rows)
+    # [Tk * Hkv, D]: row token * Hkv + kv_head.
+    keys = b.Flatten("key", axis=2)
+    values = b.Flatten("value", axis=2)
+    _attend(b, "query", keys, values, "alibi_slopes", plan, dims, "output")
     return function(
         b,
         "VarlenAttention",
@@ -301,7 +348,7 @@ def varlen_attention(opset: int) -> onnx.FunctionProto:
         ["query", "key", "value", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes"],
         ["output"],
         opset,
-        {**_MASK_ATTRIBUTES, "causal": 0},
+        {**_MASK_ATTRIBUTES, "causal": 0, **_GEOMETRY_ATTRIBUTES},
         doc="Attention over packed ragged sequences without a cache.",
     )
 

@@ -37,15 +37,28 @@ _ATTR_DOCS = {
     "causal": "1: query at position p sees keys k <= p (bottom-right aligned); 0: all keys.",
     "sliding_window": "If >= 0, key k is visible only when p - k < sliding_window; -1: no window.",
     "logits_soft_cap": "If > 0, logits become cap * tanh(logits / cap) (before ALiBi); 0: off.",
+    "num_heads": "H: the query's dim 1.",
+    "num_kv_heads": "Hkv: the heads dim of the keys (of the caches).",
+    "head_size": "D: the query's dim 2.",
+    "block_size": "The caches' dim 1 (tokens per block).",
 }
+# The geometry attributes repeat static input dims (the exporter sets them from the shapes). As
+# constants they let onnxruntime compute the bodies' per-step index arithmetic once for all
+# layers; read with Shape, it would be computed per layer.
+_GEOMETRY = ("num_heads", "num_kv_heads", "head_size")
 
 
-def _mask_attributes(causal_default: int) -> list[OpSchema.Attribute]:
+def _required_int(name: str) -> OpSchema.Attribute:
+    return OpSchema.Attribute(name, OpSchema.AttrType.INT, _ATTR_DOCS[name], required=True)
+
+
+def _mask_attributes(causal_default: int, geometry: tuple[str, ...]) -> list[OpSchema.Attribute]:
     return [
         OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, _ATTR_DOCS["scale"]),
         _default("causal", causal_default),
         _default("sliding_window", -1),
         _default("logits_soft_cap", 0.0),
+        *(_required_int(name) for name in geometry),
     ]
 
 
@@ -82,6 +95,7 @@ def reshape_and_cache_schema() -> OpSchema:
             ("T", FLOAT_TYPES, "Cache and token dtype."),
             ("S", ["tensor(int32)", "tensor(int64)"], "Slot index type."),
         ],
+        attributes=[_required_int("block_size")],
     )
 
 
@@ -112,7 +126,7 @@ def paged_attention_schema() -> OpSchema:
             ("I", ["tensor(int32)"], "Index type."),
             ("A", ["tensor(float)"], "ALiBi slope type."),
         ],
-        attributes=_mask_attributes(causal_default=1),
+        attributes=_mask_attributes(1, (*_GEOMETRY, "block_size")),
     )
 
 
@@ -140,7 +154,7 @@ def varlen_attention_schema() -> OpSchema:
             ("I", ["tensor(int32)"], "Index type."),
             ("A", ["tensor(float)"], "ALiBi slope type."),
         ],
-        attributes=_mask_attributes(causal_default=0),
+        attributes=_mask_attributes(0, _GEOMETRY),
     )
 
 

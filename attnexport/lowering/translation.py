@@ -38,10 +38,40 @@ def _mask_attributes(scale, causal, sliding_window, logits_soft_cap) -> dict:
     }
 
 
+def _static(tensor, axis: int, name: str) -> int:
+    """Dimension ``axis`` of a traced value; it must be static (the nodes take it as an
+    attribute, see :mod:`attnexport.lowering.schemas`)."""
+    shape = getattr(tensor, "shape", None)
+    dim = shape[axis] if shape is not None and axis < len(shape) else None
+    if not isinstance(dim, int):
+        raise ValueError(
+            f"{name}: expected a static dimension {axis} for the ONNX export, got {dim!r} "
+            f"(shape {shape}); heads, head size and block size cannot be dynamic"
+        )
+    return dim
+
+
+def _geometry(query, key, kv_heads_axis: int) -> dict:
+    """The geometry attributes of an attention node (see the schemas)."""
+    return {
+        "num_heads": _static(query, 1, "query"),
+        "num_kv_heads": _static(key, kv_heads_axis, "key"),
+        "head_size": _static(query, 2, "query"),
+    }
+
+
 def reshape_and_cache_functional(key, value, key_cache, value_cache, slot_mapping):
     """attnexport::reshape_and_cache_functional(Tensor key, Tensor value, Tensor key_cache,
     Tensor value_cache, Tensor slot_mapping) -> (Tensor, Tensor)"""
-    return _attnexport.ReshapeAndCache(key, value, key_cache, value_cache, slot_mapping, _outputs=2)
+    return _attnexport.ReshapeAndCache(
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        block_size=_static(key_cache, 1, "key_cache"),
+        _outputs=2,
+    )
 
 
 def paged_attention(
@@ -67,6 +97,8 @@ def paged_attention(
         query_start_loc,
         _slopes_or_zeros(query, alibi_slopes),
         **_mask_attributes(scale, causal, sliding_window, logits_soft_cap),
+        **_geometry(query, key_cache, 2),
+        block_size=_static(key_cache, 1, "key_cache"),
     )
 
 
@@ -91,6 +123,7 @@ def varlen_attention(
         cu_seqlens_k,
         _slopes_or_zeros(query, alibi_slopes),
         **_mask_attributes(scale, causal, sliding_window, logits_soft_cap),
+        **_geometry(query, key, 1),
     )
 
 

@@ -27,11 +27,27 @@ _TYPES = {
 }
 
 
+def geometry(op_type: str, inputs: dict[str, torch.Tensor]) -> dict[str, int]:
+    """The static-shape attributes the exporter sets on ``op_type`` for these inputs."""
+    if op_type == "ReshapeAndCache":
+        return {"block_size": inputs["key_cache"].shape[1]}
+    paged = op_type == "PagedAttention"
+    keys = inputs["key_cache"] if paged else inputs["key"]
+    heads = {
+        "num_heads": inputs["query"].shape[1],
+        "num_kv_heads": keys.shape[-2],
+        "head_size": inputs["query"].shape[2],
+    }
+    return heads | ({"block_size": keys.shape[1]} if paged else {})
+
+
 def single_node_session(
     op_type: str, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor], **attributes
 ) -> PagedOrtSession:
-    """A session of one attnexport node with its body; caches map ``X`` -> ``X_out``."""
+    """A session of one attnexport node with its body; caches map ``X`` -> ``X_out``. The
+    geometry attributes come from the inputs' shapes, as in an export."""
     register_schemas()
+    attributes = geometry(op_type, inputs) | attributes
 
     def info(name, tensor):
         dims = [f"{name}_{i}" for i in range(tensor.dim())]

@@ -66,6 +66,11 @@ def test_attnexport_target_attaches_only_the_bodies_it_uses(fp32_program, tmp_pa
         "causal": 1,
         "sliding_window": WINDOW,
         "logits_soft_cap": pytest.approx(SOFT_CAP),
+        # The static geometry, from the shapes (query [T, 4, 16], caches [N, 4, 2, 16]).
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_size": 16,
+        "block_size": BLOCK_SIZE,
     }
 
 
