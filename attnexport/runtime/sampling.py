@@ -118,7 +118,10 @@ def sample(
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
         rows = logits if len(greedy) == len(params) else logits[greedy]
-        for i, token in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
+        # NumPy's argmax runs on the calling thread. torch's would wake its OpenMP pool, whose
+        # threads then spin on the cores an onnxruntime session is about to use (measured:
+        # 2.6 ms per step at batch 8 against ~0.03 ms). Both pick the first maximum (or NaN).
+        for i, token in zip(greedy, rows.numpy().argmax(axis=-1).tolist(), strict=True):
             tokens[i] = token
     for i, p in enumerate(params):
         if not p.greedy:

@@ -28,6 +28,11 @@ from attnexport.runtime.model_input import ModelInput
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 _NUMPY_INDEX_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
+_NUMPY_FLOAT_TYPES = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+}
 # Metadata keys (``metadata_props``) that may give the model's maximum length.
 _MAX_LEN_KEYS = ("max_model_len", "max_position_embeddings")
 
@@ -118,8 +123,14 @@ class OrtExecutor(Executor):
         self._logits_name = meta.outputs[0]
         logits = next(o for o in self.session.get_outputs() if o.name == self._logits_name)
         vocab_size = logits.shape[-1]
-        if not isinstance(vocab_size, int):
-            raise ValueError(f"model: the logits output has no static vocabulary dim: {logits}")
+        if not isinstance(vocab_size, int) or len(logits.shape) != 2:
+            raise ValueError(
+                f"model: expected logits [num_logits, vocab] with a static vocabulary dim, "
+                f"got {logits.shape}"
+            )
+        if logits.type not in _NUMPY_FLOAT_TYPES:
+            raise ValueError(f"model: expected float logits, got {logits.type}")
+        self._logits_dtype = _NUMPY_FLOAT_TYPES[logits.type]
         spec = CacheSpec(
             num_layers=meta.num_layers,
             num_kv_heads=meta.num_kv_heads,
@@ -170,12 +181,21 @@ class OrtExecutor(Executor):
                 array = array.astype(expected)
             binding.bind_cpu_input(name, array)
             arrays.append(array)
+        if self.device.type == "cpu":
+            # A fresh array per step, bound by address: onnxruntime writes the logits straight
+            # into it, and no step has to wrap all outputs (the caches too) to read them.
+            rows = model_input.logits_indices.shape[0]
+            logits = np.empty((rows, self.vocab_size), dtype=self._logits_dtype)
+            binding.bind_output(
+                self._logits_name, "cpu", 0, logits.dtype, logits.shape, logits.ctypes.data
+            )
+            self.session.run_with_iobinding(binding)
+            return torch.from_numpy(logits)
         # Re-bound each step: onnxruntime would otherwise reuse last step's logits buffer
         # (of last step's shape).
         binding.bind_output(self._logits_name, "cpu")
         self.session.run_with_iobinding(binding)
-        logits = binding.get_outputs()[0]
-        return torch.from_numpy(logits.numpy())
+        return torch.from_numpy(binding.get_outputs()[0].numpy())
 
     def describe(self) -> str:
         provider = PROVIDERS[self.device.type]
