@@ -121,7 +121,9 @@ def sample(
         # NumPy's argmax runs on the calling thread. torch's would wake its OpenMP pool, whose
         # threads then spin on the cores an onnxruntime session is about to use (measured:
         # 2.6 ms per step at batch 8 against ~0.03 ms). Both pick the first maximum (or NaN).
-        for i, token in zip(greedy, rows.numpy().argmax(axis=-1).tolist(), strict=True):
+        if rows.dtype not in (torch.float32, torch.float64):
+            rows = rows.float()  # NumPy has no bfloat16; the float32 values keep the order
+        for i, token in zip(greedy, rows.detach().numpy().argmax(axis=-1).tolist(), strict=True):
             tokens[i] = token
     for i, p in enumerate(params):
         if not p.greedy:

@@ -92,6 +92,27 @@ def test_onnxruntime_updates_the_bound_caches_in_place(onnx_path, model):
         torch.testing.assert_close(cache, eager, atol=1e-5, rtol=1e-5)
 
 
+def test_onnxruntime_logits_are_not_overwritten_by_the_next_step(onnx_path):
+    """The logits are written into a fresh array per step: a step's result stays valid."""
+    from attnexport.runtime import OrtExecutor
+
+    engine = Engine(OrtExecutor(onnx_path, num_threads=1), CACHE, LIMITS)
+    executor, returned = engine.executor, []
+    execute = executor.execute
+
+    def keep(model_input):
+        logits = execute(model_input)
+        returned.append((logits, logits.clone()))
+        return logits
+
+    executor.execute = keep
+    engine.generate(PROMPTS[:2], SamplingParams(max_tokens=3))
+    assert len(returned) >= 3
+    for logits, copy in returned:
+        assert logits.dtype == torch.float32 and logits.shape[1] == executor.vocab_size
+        assert torch.equal(logits, copy)
+
+
 def test_loaded_pt2_matches_eager(pt2_path, model, eager_tokens):
     executor = TorchExecutor(pt2_path)
     assert executor.cache_spec == model.cache_spec(BLOCK_SIZE)

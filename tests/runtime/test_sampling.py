@@ -19,6 +19,14 @@ def test_greedy_is_argmax_with_first_index_on_ties():
     assert tokens == [int(logits[0].argmax()), 0, int(logits[2].argmax())]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_greedy_takes_any_float_dtype(dtype):
+    logits = _logits().to(dtype)
+    logits[2, 7] = logits[2].max()  # a tie after rounding: the first index wins
+    expected = [int(torch.argmax(row.float())) for row in logits]
+    assert sample(logits, [SamplingParams()] * 3, [None] * 3) == expected
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
     logits = _logits(rows=4)
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7)
