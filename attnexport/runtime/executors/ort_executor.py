@@ -42,10 +42,10 @@ def session_options(num_threads: int | None = None, spin: bool = False):
     (default: torch's thread count), one inter-op thread, all graph optimizations.
 
     Worker threads do not spin while waiting (``spin=False``, onnxruntime's default is to
-    spin): a decode step synchronises its threads at ~1600 nodes, and when other processes
-    share the cores a spinning pool loses its time slices. Measured on 2 shared cores (load
-    2.5-3.5), 125M model: 17 -> 27 tokens/s at batch 1 and 65 -> 107 at batch 8. On an idle
-    machine spinning may gain a little: pass ``spin=True``."""
+    spin): when other processes share the cores a spinning pool loses its time slices.
+    Measured on 2 cores with two other busy processes, 125M model, decode tokens/s: 22-28
+    without spinning against 16-23 with it at batch 1, 122-147 against 84-112 at batch 8. On
+    an idle machine spinning gains ~10-20%: pass ``spin=True``."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
