@@ -145,14 +145,13 @@ def check_backend(name: str, executor: str) -> None:
 
 
 def _encoder_decoder(args: argparse.Namespace):
-    """The manifest's decoder start token, or its flag's (None: the manifest has none and the
-    flag is not given; the engine then asks an encoder-decoder for one)."""
+    """The flag's decoder start token; None when it is not given (``engine_from_path`` then
+    takes the manifest's)."""
     from attnexport.runtime import EncoderDecoderConfig
-    from attnexport.runtime.loading import encoder_decoder_config
 
     start = args.decoder_start_token_id
     if start is None:
-        return encoder_decoder_config(args.artifact)
+        return None
     if start < 0:
         raise CliError(f"--decoder-start-token-id: expected a token id >= 0, got {start}")
     return EncoderDecoderConfig(start)

@@ -28,9 +28,7 @@ class StepSequence:
     """Logits rows wanted: 0 (none), 1 (the last new token) or up to ``num_new_tokens`` (the
     last ones)."""
     encoder_ids: Sequence[int] = ()
-    """The encoder tokens, when ``scheduled.encode_now``."""
-    encoder_positions: Sequence[int] | None = None
-    """Their positions in the encoder input (default ``0 .. len - 1``)."""
+    """The encoder tokens, when ``scheduled.encode_now`` (at positions ``0 .. len - 1``)."""
 
 
 @dataclass
@@ -55,13 +53,17 @@ class ModelInput:
 
     @property
     def input_names(self) -> tuple[str, ...]:
-        """Names of the non-cache arguments of :meth:`forward_args`, in order."""
+        """Names of :meth:`index_args`, in order."""
         if self.metadata.is_encoder_decoder:
             return ENCODER_DECODER_INPUT_NAMES
         return DECODER_INPUT_NAMES
 
     def forward_args(self, kv_caches: list[torch.Tensor]) -> tuple:
-        """The positional arguments of the forward, caches last."""
+        """The positional arguments of the forward: :meth:`index_args`, then the caches."""
+        return (*self.index_args(), kv_caches)
+
+    def index_args(self) -> tuple[torch.Tensor, ...]:
+        """The forward's arguments before the caches (named by :attr:`input_names`)."""
         md = self.metadata
         args = (
             self.input_ids,
@@ -81,7 +83,7 @@ class ModelInput:
                 md.cross_block_tables,
                 md.encoder_seq_lens,
             )
-        return (*args, kv_caches)
+        return args
 
     def to(self, device: torch.device | str) -> ModelInput:
         def move(tensor):
@@ -118,11 +120,7 @@ def pack_step(sequences: Sequence[StepSequence], block_size: int) -> ModelInput:
         sampling_seqs += [i] * rows
         if seq.encode_now:
             encoder_ids += entry.encoder_ids
-            encoder_positions += (
-                range(len(entry.encoder_ids))
-                if entry.encoder_positions is None
-                else entry.encoder_positions
-            )
+            encoder_positions += range(len(entry.encoder_ids))
     if not logits_indices:
         logits_indices.append(len(tokens) - 1)
     metadata = build_attention_metadata([s.scheduled for s in sequences], block_size)

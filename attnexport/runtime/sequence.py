@@ -90,7 +90,7 @@ class Request:
     request_id: str
     prompt: list[int]
     """The tokens every sequence starts with: the prompt of a decoder, the decoder start token
-    of an encoder-decoder (whose prompt is ``encoder.prompt``)."""
+    of an encoder-decoder (whose prompt is ``encoder.token_ids``)."""
     params: SamplingParams
     arrival_index: int
     """Admission order: older requests have smaller indices (FCFS, preempt the youngest)."""

@@ -90,9 +90,7 @@ class PagedDriver:
                 StepSequence(scheduled, seq.tokens, count if all_logits else 1, seq.encoder_ids)
             )
         model_input = pack_step(entries, self.spec.block_size)
-        logits, self.kv_caches = self.runner(
-            model_input.forward_args(self.kv_caches)[:-1], self.kv_caches
-        )
+        logits, self.kv_caches = self.runner(model_input.index_args(), self.kv_caches)
         for seq_id, count in new_tokens.items():
             self.sequences[seq_id].num_cached += count
             self.sequences[seq_id].encoded = True

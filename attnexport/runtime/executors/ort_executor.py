@@ -28,11 +28,6 @@ from attnexport.runtime.model_input import ModelInput
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 _NUMPY_INDEX_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
-_NUMPY_FLOAT_TYPES = {
-    "tensor(float)": np.float32,
-    "tensor(float16)": np.float16,
-    "tensor(double)": np.float64,
-}
 # Metadata keys (``metadata_props``) that may give the model's maximum length.
 _MAX_LEN_KEYS = ("max_model_len", "max_position_embeddings")
 
@@ -128,9 +123,8 @@ class OrtExecutor(Executor):
                 f"model: expected logits [num_logits, vocab] with a static vocabulary dim, "
                 f"got {logits.shape}"
             )
-        if logits.type not in _NUMPY_FLOAT_TYPES:
-            raise ValueError(f"model: expected float logits, got {logits.type}")
-        self._logits_dtype = _NUMPY_FLOAT_TYPES[logits.type]
+        if logits.type != "tensor(float)":
+            raise ValueError(f"model: expected float32 logits, got {logits.type}")
         spec = CacheSpec(
             num_layers=meta.num_layers,
             num_kv_heads=meta.num_kv_heads,
@@ -172,30 +166,22 @@ class OrtExecutor(Executor):
         binding = self._binding
         # The arrays must outlive the run: onnxruntime may read them in place.
         arrays = []
-        for name, tensor in zip(
-            model_input.input_names, model_input.forward_args(self.kv_caches)[:-1], strict=True
-        ):
+        for name, tensor in zip(model_input.input_names, model_input.index_args(), strict=True):
             array = tensor.numpy()
             expected = self._index_types[name]
             if array.dtype != expected:
                 array = array.astype(expected)
             binding.bind_cpu_input(name, array)
             arrays.append(array)
-        if self.device.type == "cpu":
-            # A fresh array per step, bound by address: onnxruntime writes the logits straight
-            # into it, and no step has to wrap all outputs (the caches too) to read them.
-            rows = model_input.logits_indices.shape[0]
-            logits = np.empty((rows, self.vocab_size), dtype=self._logits_dtype)
-            binding.bind_output(
-                self._logits_name, "cpu", 0, logits.dtype, logits.shape, logits.ctypes.data
-            )
-            self.session.run_with_iobinding(binding)
-            return torch.from_numpy(logits)
-        # Re-bound each step: onnxruntime would otherwise reuse last step's logits buffer
-        # (of last step's shape).
-        binding.bind_output(self._logits_name, "cpu")
+        # A fresh host array per step, bound by address (whatever the execution provider):
+        # onnxruntime writes the logits straight into it, a step's result is never overwritten
+        # by the next, and no step wraps every output (the caches too) to read one.
+        logits = np.empty((model_input.logits_indices.shape[0], self.vocab_size), np.float32)
+        binding.bind_output(
+            self._logits_name, "cpu", 0, logits.dtype, logits.shape, logits.ctypes.data
+        )
         self.session.run_with_iobinding(binding)
-        return torch.from_numpy(binding.get_outputs()[0].numpy())
+        return torch.from_numpy(logits)
 
     def describe(self) -> str:
         provider = PROVIDERS[self.device.type]
