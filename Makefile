@@ -13,7 +13,12 @@ IPEX_PINS := "torch==2.8.*" "intel-extension-for-pytorch==2.8.*"
 export TORCHINDUCTOR_COMPILE_THREADS := 1
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: test test-main test-ipex test-gpu demo lint format clean venv venv-ipex
+.PHONY: test test-main test-ipex test-gpu demo lint format clean venv venv-ipex ort-kernels
+
+# The native onnxruntime CPU kernels (attnexport/runtime/ort_kernels); the test targets require
+# them (ATTNEXPORT_REQUIRE_ORT_KERNELS=1: their tests fail instead of skipping when unbuilt).
+ORT_KERNELS := attnexport/runtime/ort_kernels/libattnexport_ort.so
+ORT_KERNEL_SOURCES := $(wildcard attnexport/runtime/ort_kernels/*.cc attnexport/runtime/ort_kernels/*.h)
 
 test: test-main test-ipex
 
@@ -33,18 +38,23 @@ $(VENV_IPEX)/.installed: pyproject.toml
 	$(VENV_IPEX)/bin/pip install -q -c $(VENV_IPEX)/constraints.txt -e ".[dev,hf,xformers]"
 	touch $@
 
-test-main: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+ort-kernels: $(ORT_KERNELS)
+
+$(ORT_KERNELS): $(ORT_KERNEL_SOURCES) scripts/build_ort_kernels.sh
+	bash scripts/build_ort_kernels.sh
+
+test-main: $(VENV)/.installed $(ORT_KERNELS)
+	ATTNEXPORT_REQUIRE_ORT_KERNELS=1 $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 # The whole suite again on torch 2.8, where the IPEX backend's suites run instead of skipping.
-test-ipex: $(VENV_IPEX)/.installed
-	ATTNEXPORT_REQUIRE_IPEX=1 $(VENV_IPEX)/bin/python -m pytest $(PYTEST_ARGS)
+test-ipex: $(VENV_IPEX)/.installed $(ORT_KERNELS)
+	ATTNEXPORT_REQUIRE_IPEX=1 ATTNEXPORT_REQUIRE_ORT_KERNELS=1 $(VENV_IPEX)/bin/python -m pytest $(PYTEST_ARGS)
 
 # On a CUDA machine: the xformers GPU tests, the whole suite and the benchmark, logs in gpu-logs/.
 test-gpu:
 	bash scripts/gpu_suite.sh
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.installed $(ORT_KERNELS)
 	$(VENV)/bin/attnexport demo
 
 lint: $(VENV)/.installed
@@ -56,4 +66,4 @@ format: $(VENV)/.installed
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) $(VENV_IPEX) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_IPEX) .pytest_cache .ruff_cache build/ort-headers $(ORT_KERNELS)

@@ -46,7 +46,7 @@ QUICK_CONFIG = {
     "num_key_value_heads": 2,
     "vocab_size": 512,
 }
-LEGS = ("ort", "ort-spin", "torch-sdpa", "torch-ipex", "hf", "genai")
+LEGS = ("ort", "ort-spin", "ort-bodies", "torch-sdpa", "torch-ipex", "hf", "genai")
 BLOCK_SIZE = 16
 MAX_POSITIONS = 2048
 # The mixed batch of the memory comparison: prompt lengths, each followed by 32 new tokens.
@@ -152,11 +152,12 @@ def _engine_leg(args, executor) -> dict:
     }
 
 
-def leg_ort(args, spin: bool = False) -> dict:
+def leg_ort(args, spin: bool = False, kernels: str = "native") -> dict:
     from attnexport.runtime import OrtExecutor
 
     path = args.work / "ours" / "model.onnx"
-    return _engine_leg(args, OrtExecutor(path, num_threads=args.threads, spin=spin))
+    executor = OrtExecutor(path, num_threads=args.threads, spin=spin, kernels=kernels)
+    return _engine_leg(args, executor)
 
 
 def leg_torch(args, backend: str) -> dict:
@@ -262,6 +263,7 @@ def run_leg(args) -> dict:
     legs = {
         "ort": leg_ort,
         "ort-spin": lambda a: leg_ort(a, spin=True),
+        "ort-bodies": lambda a: leg_ort(a, kernels="bodies"),
         "torch-sdpa": lambda a: leg_torch(a, "sdpa"),
         "torch-ipex": lambda a: leg_torch(a, "ipex"),
         "hf": leg_hf,

@@ -10,6 +10,7 @@ from hypothesis import settings
 
 import attnexport  # noqa: F401  (registers ops and backends)
 from attnexport.custom_ops import get_backend, registered_backends, use_backend
+from attnexport.runtime import ort_kernels
 
 # CI runs must not depend on luck: property tests replay the same examples every run there.
 settings.register_profile("ci", derandomize=True, database=None)
@@ -28,6 +29,10 @@ def pytest_sessionstart(session):
             raise pytest.UsageError(
                 f"ATTNEXPORT_REQUIRE_IPEX=1 but the ipex backend is unavailable: {reason}"
             )
+    if os.environ.get("ATTNEXPORT_REQUIRE_ORT_KERNELS") == "1":
+        reason = ort_kernels.unavailable_reason()
+        if reason is not None:
+            raise pytest.UsageError(f"ATTNEXPORT_REQUIRE_ORT_KERNELS=1 but {reason}")
 
 
 @pytest.fixture(params=BACKENDS)

@@ -8,7 +8,21 @@ import pytest
 import torch
 
 from attnexport.custom_ops import BackendUnsupportedError
+from attnexport.runtime import ort_kernels
 from attnexport.testing import tolerance
+
+# How onnxruntime runs the attnexport nodes: their standard-op bodies, or the native kernels
+# (skipped, with the reason, where the library is not built; make's test targets require it).
+ORT_KERNEL_MODES = [
+    "bodies",
+    pytest.param(
+        "native",
+        marks=pytest.mark.skipif(
+            ort_kernels.unavailable_reason() is not None,
+            reason=f"native kernels: {ort_kernels.unavailable_reason()}",
+        ),
+    ),
+]
 
 
 def assert_close_to_reference(actual: torch.Tensor, reference: torch.Tensor) -> None:

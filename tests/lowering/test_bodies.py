@@ -1,9 +1,11 @@
-"""The standard-op function bodies of the attnexport nodes, run by stock onnxruntime, against
-the float64 reference over the standard case matrix (and edge cases of the cache write)."""
+"""The attnexport nodes in onnxruntime against the float64 reference over the standard case
+matrix (and edge cases of the cache write): run by their standard-op function bodies (stock
+onnxruntime) and by the native kernels of :mod:`attnexport.runtime.ort_kernels` (``kernels``)."""
 
 from __future__ import annotations
 
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from onnx import helper
@@ -13,8 +15,9 @@ from attnexport.lowering import bodies
 from attnexport.lowering.metadata import ModelMetadata
 from attnexport.lowering.ort_session import PagedOrtSession
 from attnexport.lowering.schemas import DOMAIN, register_schemas
+from attnexport.runtime import ort_kernels
 from attnexport.testing import AttentionCase, make_paged_inputs, make_varlen_inputs, standard_cases
-from tests.helpers import assert_close_to_reference
+from tests.helpers import ORT_KERNEL_MODES, assert_close_to_reference
 
 CASES = standard_cases()
 OPSET = 18
@@ -41,11 +44,21 @@ def geometry(op_type: str, inputs: dict[str, torch.Tensor]) -> dict[str, int]:
     return heads | ({"block_size": keys.shape[1]} if paged else {})
 
 
+@pytest.fixture(params=ORT_KERNEL_MODES)
+def kernels(request) -> str:
+    return request.param
+
+
 def single_node_session(
-    op_type: str, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor], **attributes
+    op_type: str,
+    inputs: dict[str, torch.Tensor],
+    outputs: dict[str, torch.Tensor],
+    kernels: str = "bodies",
+    **attributes,
 ) -> PagedOrtSession:
-    """A session of one attnexport node with its body; caches map ``X`` -> ``X_out``. The
-    geometry attributes come from the inputs' shapes, as in an export."""
+    """A session of one attnexport node with its body (and, for ``kernels="native"``, the
+    native kernels registered); caches map ``X`` -> ``X_out``. The geometry attributes come
+    from the inputs' shapes, as in an export."""
     register_schemas()
     attributes = geometry(op_type, inputs) | attributes
 
@@ -70,7 +83,11 @@ def single_node_session(
     props = ModelMetadata("attnexport", tuple(written), written).to_props()
     helper.set_model_props(model, props)
     onnx.checker.check_model(model, full_check=True)
-    return PagedOrtSession(model)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    if kernels == "native":
+        ort_kernels.register(options)
+    return PagedOrtSession(model, session_options=options)
 
 
 def _attention_attributes(kwargs: dict) -> dict:
@@ -88,7 +105,7 @@ def _slopes(case: AttentionCase, kwargs: dict) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_paged_attention_body_matches_reference(case: AttentionCase):
+def test_paged_attention_matches_reference(case: AttentionCase, kernels: str):
     x = make_paged_inputs(case)
     inputs = {
         name: x[name]
@@ -106,6 +123,7 @@ def test_paged_attention_body_matches_reference(case: AttentionCase):
         "PagedAttention",
         inputs,
         {"output": x["query"]},
+        kernels,
         **_attention_attributes(x["kwargs"]),
     )
     out = session.run(inputs)["output"]
@@ -138,20 +156,20 @@ WRITE_CASES = [
 ]
 
 
-def _write_session(x: dict) -> PagedOrtSession:
+def _write_session(x: dict, kernels: str) -> PagedOrtSession:
     inputs = {n: x[n] for n in ("key", "value", "key_cache", "value_cache", "slot_mapping")}
     outputs = {"key_cache_out": x["key_cache"], "value_cache_out": x["value_cache"]}
-    return single_node_session("ReshapeAndCache", inputs, outputs)
+    return single_node_session("ReshapeAndCache", inputs, outputs, kernels)
 
 
 @pytest.mark.parametrize("case", WRITE_CASES, ids=lambda c: c.id)
-def test_reshape_and_cache_body_writes_in_place_and_skips_padding(case: AttentionCase):
+def test_reshape_and_cache_writes_in_place_and_skips_padding(case: AttentionCase, kernels: str):
     x = make_paged_inputs(case)
     expected_key, expected_value = x["key_cache"].clone(), x["value_cache"].clone()
     reference.reshape_and_cache(
         x["key"], x["value"], expected_key, expected_value, x["slot_mapping"]
     )
-    session = _write_session(x)
+    session = _write_session(x, kernels)
     key_cache, value_cache = x["key_cache"], x["value_cache"]
     pointers = key_cache.data_ptr(), value_cache.data_ptr()
     binding = session.bind(
@@ -165,7 +183,7 @@ def test_reshape_and_cache_body_writes_in_place_and_skips_padding(case: Attentio
 
 
 @pytest.mark.parametrize("slots", [[-1, -7, -1], []], ids=["all-padding", "no-tokens"])
-def test_reshape_and_cache_body_with_nothing_to_write(slots):
+def test_reshape_and_cache_with_nothing_to_write(slots, kernels: str):
     case = AttentionCase("decode", (1,), (3,))
     x = make_paged_inputs(case)
     count = len(slots)
@@ -173,7 +191,7 @@ def test_reshape_and_cache_body_with_nothing_to_write(slots):
     x["key"], x["value"] = x["key"].contiguous(), x["value"].contiguous()
     x["slot_mapping"] = torch.tensor(slots, dtype=torch.int64)
     before = x["key_cache"].clone()
-    session = _write_session(x)
+    session = _write_session(x, kernels)
     session.run({n: x[n] for n in ("key", "value", "key_cache", "value_cache", "slot_mapping")})
     torch.testing.assert_close(x["key_cache"], before, atol=0, rtol=0)
 
@@ -208,7 +226,7 @@ def test_varlen_attention_body_with_empty_sequences(query_lens, key_lens):
     assert_close_to_reference(out, expected)
 
 
-def test_paged_attention_body_with_no_query_tokens():
+def test_paged_attention_with_no_query_tokens(kernels: str):
     x = make_paged_inputs(AttentionCase("decode", (1, 1), (5, 16)))
     inputs = {
         "query": x["query"][:0],
@@ -221,6 +239,101 @@ def test_paged_attention_body_with_no_query_tokens():
     }
     attributes = {"scale": 0.3, "causal": 0, "sliding_window": -1, "logits_soft_cap": 0.0}
     session = single_node_session(
-        "PagedAttention", inputs, {"output": inputs["query"]}, **attributes
+        "PagedAttention", inputs, {"output": inputs["query"]}, kernels, **attributes
     )
     assert session.run(inputs)["output"].shape == (0, 4, 32)
+
+
+# ------------------------------------------------------------------ the native kernels only
+
+native_only = pytest.mark.skipif(
+    ort_kernels.unavailable_reason() is not None,
+    reason=f"native kernels: {ort_kernels.unavailable_reason()}",
+)
+
+
+def _paged_inputs(case: AttentionCase) -> tuple[dict, dict]:
+    x = make_paged_inputs(case)
+    names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "query_start_loc")
+    inputs = {n: x[n] for n in names} | {"alibi_slopes": _slopes(case, x["kwargs"])}
+    return inputs, _attention_attributes(x["kwargs"])
+
+
+@native_only
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda i: i["block_tables"].__setitem__((0, 0), 10**6),
+            r"block_tables\[0, 0\] = 1000000 is not a block id in \[0, ",
+        ),
+        (
+            lambda i: i["seq_lens"].__setitem__(0, 10**6),
+            r"seq_lens\[0\] = 1000000 is outside \[0, max_blocks \* block_size",
+        ),
+        (
+            lambda i: i["query_start_loc"].__setitem__(-1, 10**6),
+            r"query_start_loc must be non-decreasing and <= num_tokens",
+        ),
+    ],
+    ids=["block-id", "seq-len", "query-offsets"],
+)
+def test_native_paged_attention_refuses_bad_indices_before_reading(change, message):
+    """The kernel reads the cache through these indices: it checks them first and names them."""
+    inputs, attributes = _paged_inputs(AttentionCase("mixed", (1, 9, 1), (4, 0, 3)))
+    session = single_node_session(
+        "PagedAttention", inputs, {"output": inputs["query"]}, "native", **attributes
+    )
+    change(inputs)
+    with pytest.raises(Exception, match=message):
+        session.run(inputs)
+
+
+@native_only
+def test_native_reshape_and_cache_refuses_a_slot_past_the_cache():
+    x = make_paged_inputs(AttentionCase("decode", (1, 1), (5, 16)))
+    session = _write_session(x, "native")
+    x["slot_mapping"] = x["slot_mapping"].clone()
+    x["slot_mapping"][1] = x["key_cache"].shape[0] * x["key_cache"].shape[1]
+    before = x["key_cache"].clone()
+    with pytest.raises(Exception, match=r"slot_mapping\[1\] = \d+ is past the cache's \d+ slots"):
+        session.run({n: x[n] for n in ("key", "value", "key_cache", "value_cache", "slot_mapping")})
+    torch.testing.assert_close(x["key_cache"], before, atol=0, rtol=0)
+
+
+@native_only
+def test_native_reshape_and_cache_without_binding_returns_new_caches():
+    """A plain ``run`` (outputs not bound to the inputs): the kernel copies each cache into its
+    new output before writing, so the result equals the in-place one and the input is kept."""
+    x = make_paged_inputs(WRITE_CASES[0])
+    expected_key, expected_value = x["key_cache"].clone(), x["value_cache"].clone()
+    reference.reshape_and_cache(
+        x["key"], x["value"], expected_key, expected_value, x["slot_mapping"]
+    )
+    before = x["key_cache"].clone()
+    session = _write_session(x, "native").session
+    feeds = {n: x[n].numpy() for n in ("key", "value", "key_cache", "value_cache", "slot_mapping")}
+    key_out, value_out = session.run(["key_cache_out", "value_cache_out"], feeds)
+    torch.testing.assert_close(torch.from_numpy(key_out), expected_key, atol=0, rtol=0)
+    torch.testing.assert_close(torch.from_numpy(value_out), expected_value, atol=0, rtol=0)
+    torch.testing.assert_close(x["key_cache"], before, atol=0, rtol=0)
+
+
+@native_only
+def test_native_kernels_leave_varlen_attention_to_its_body():
+    """A node without a native kernel still runs (its body) in a session with the library."""
+    case = CASES[0]
+    x = make_varlen_inputs(case)
+    inputs = {n: x[n] for n in ("query", "key", "value", "cu_seqlens_q", "cu_seqlens_k")}
+    inputs["alibi_slopes"] = _slopes(case, x["kwargs"])
+    session = single_node_session(
+        "VarlenAttention",
+        inputs,
+        {"output": x["query"]},
+        "native",
+        **_attention_attributes(x["kwargs"]),
+    )
+    out = session.run(inputs)["output"]
+    assert_close_to_reference(
+        out, reference.varlen_attention(*list(inputs.values())[:5], **x["kwargs"])
+    )

@@ -9,6 +9,7 @@ import torch
 from attnexport.custom_ops import registered_backends
 from attnexport.runtime import CacheConfig, Engine, SamplingParams, SchedulerConfig, TorchExecutor
 from models import load_model
+from tests.helpers import ORT_KERNEL_MODES
 
 BLOCK_SIZE = 4
 PROMPTS = [[5, 17, 3, 88, 41, 9, 60], [12, 2], list(range(20, 45)), [7, 7, 1, 90, 33]]
@@ -53,23 +54,26 @@ def onnx_path(model, tmp_path_factory):
     return path
 
 
-def test_onnxruntime_matches_eager(onnx_path, model, eager_tokens):
+@pytest.mark.parametrize("kernels", ORT_KERNEL_MODES)
+def test_onnxruntime_matches_eager(onnx_path, model, eager_tokens, kernels):
     from attnexport.runtime import OrtExecutor
 
-    executor = OrtExecutor(onnx_path, num_threads=1)
+    executor = OrtExecutor(onnx_path, num_threads=1, kernels=kernels)
+    assert executor.kernels == kernels and f"{kernels} kernels" in executor.describe()
     assert executor.cache_spec == model.cache_spec(BLOCK_SIZE)
     assert executor.vocab_size == model.config.vocab_size
     engine = Engine(executor, CACHE, LIMITS)
     assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == eager_tokens
 
 
-def test_onnxruntime_updates_the_bound_caches_in_place(onnx_path, model):
+@pytest.mark.parametrize("kernels", ORT_KERNEL_MODES)
+def test_onnxruntime_updates_the_bound_caches_in_place(onnx_path, model, kernels):
     """Each cache is one OrtValue bound as input and as ``_out`` output: its buffer is the torch
     cache's, never changes across steps, is what onnxruntime returns as the output, and holds
     the keys/values the eager model writes."""
     from attnexport.runtime import OrtExecutor
 
-    ort_engine = Engine(OrtExecutor(onnx_path, num_threads=1), CACHE, LIMITS)
+    ort_engine = Engine(OrtExecutor(onnx_path, num_threads=1, kernels=kernels), CACHE, LIMITS)
     eager_engine = Engine(TorchExecutor(model, block_size=BLOCK_SIZE), CACHE, LIMITS)
     executor = ort_engine.executor
     values = executor.cache_ortvalues
@@ -151,6 +155,12 @@ def test_executor_arguments_are_checked(model):
         OrtExecutor("/nonexistent/model.onnx")
     with pytest.raises(ValueError, match="device: expected 'cpu' or 'cuda'"):
         OrtExecutor("/nonexistent/model.onnx", device="meta")
+    with pytest.raises(
+        ValueError, match=r"kernels: expected one of \('auto', 'native', 'bodies'\)"
+    ):
+        OrtExecutor("/nonexistent/model.onnx", kernels="fused")
+    with pytest.raises(ValueError, match="kernels='native': the attnexport kernels are CPU"):
+        OrtExecutor("/nonexistent/model.onnx", device="cuda", kernels="native")
 
 
 def test_engine_from_an_export_directory(pt2_path, eager_tokens, tmp_path):

@@ -27,6 +27,7 @@ from attnexport.runtime.executors.base import Executor
 from attnexport.runtime.model_input import ModelInput
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+KERNELS = ("auto", "native", "bodies")
 _NUMPY_INDEX_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
 # Metadata keys (``metadata_props``) that may give the model's maximum length.
 _MAX_LEN_KEYS = ("max_model_len", "max_position_embeddings")
@@ -64,6 +65,10 @@ class OrtExecutor(Executor):
         spin: let idle worker threads spin (see :func:`session_options`).
         session_options: an ``onnxruntime.SessionOptions`` replacing :func:`session_options`.
         max_model_len: the model's maximum length when its metadata does not give one.
+        kernels: how the attnexport nodes run: ``native``, the C++ CPU kernels of
+            :mod:`attnexport.runtime.ort_kernels` (an error if that library is not built or
+            the device is cuda); ``bodies``, their standard-op function bodies; ``auto``
+            (default), native on cpu when the library is built, else the bodies.
     """
 
     name = "onnxruntime"
@@ -77,14 +82,20 @@ class OrtExecutor(Executor):
         spin: bool = False,
         session_options=None,
         max_model_len: int | None = None,
+        kernels: str = "auto",
     ) -> None:
         import onnxruntime as ort
 
         from attnexport.lowering.ort_session import PagedOrtSession
+        from attnexport.runtime import ort_kernels
 
         device = torch.device(device)
         if device.type not in PROVIDERS:
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {str(device)!r}")
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels: expected one of {KERNELS}, got {kernels!r}")
+        if kernels == "native" and device.type != "cpu":
+            raise ValueError("kernels='native': the attnexport kernels are CPU kernels")
         provider = PROVIDERS[device.type]
         if provider not in ort.get_available_providers():
             raise ValueError(
@@ -95,6 +106,12 @@ class OrtExecutor(Executor):
         if not path.is_file():
             raise ValueError(f"model: no such .onnx file: {path}")
         options = session_options or globals()["session_options"](num_threads, spin)
+        native = kernels == "native" or (
+            kernels == "auto" and device.type == "cpu" and ort_kernels.unavailable_reason() is None
+        )
+        if native:
+            ort_kernels.register(options)
+        self.kernels = "native" if native else "bodies"
         # The lowering's session reads the attnexport metadata; the binding below is ours: it
         # persists across steps instead of being rebuilt for every run.
         paged = PagedOrtSession(path, providers=[provider], session_options=options)
@@ -186,4 +203,4 @@ class OrtExecutor(Executor):
     def describe(self) -> str:
         provider = PROVIDERS[self.device.type]
         threads = self.session.get_session_options().intra_op_num_threads
-        return f"onnxruntime {provider} ({threads} threads): {self.path}"
+        return f"onnxruntime {provider} ({threads} threads, {self.kernels} kernels): {self.path}"

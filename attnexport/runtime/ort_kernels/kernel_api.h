@@ -1,0 +1,55 @@
+// What every attnexport onnxruntime kernel shares: the C API table, reading inputs, errors.
+#pragma once
+
+#include <onnxruntime_c_api.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace attnexport {
+
+// The API version the kernels need (KernelContext_ParallelFor arrived in 1.17).
+constexpr uint32_t kApiVersion = 17;
+
+const OrtApi& api();
+void set_api(const OrtApi* api);
+
+// An error for onnxruntime to raise; the message names the node's input and what was expected.
+OrtStatus* invalid(const std::string& message);
+
+// A borrowed tensor: element type, dims and data pointer of an input or output.
+struct Tensor {
+  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  std::vector<int64_t> dims;
+  void* data = nullptr;
+
+  int64_t numel() const;
+  std::string shape() const;  // "[2, 3]"
+};
+
+// Bytes per element of the float types the kernels take (float32, float16, bfloat16), else 0.
+size_t element_size(ONNXTensorElementDataType type);
+
+// Reads input `index`; returns an error status (nullptr on success).
+OrtStatus* read_input(OrtKernelContext* context, size_t index, Tensor* out);
+// Allocates (or fetches the pre-bound buffer of) output `index` with the given dims.
+OrtStatus* make_output(OrtKernelContext* context, size_t index, const std::vector<int64_t>& dims,
+                       Tensor* out);
+
+OrtStatus* int_attribute(const OrtKernelInfo* info, const char* name, int64_t* out);
+OrtStatus* float_attribute(const OrtKernelInfo* info, const char* name, float* out);
+
+// Runs fn(i) for i in [0, total) on onnxruntime's intra-op thread pool.
+template <typename Fn>
+OrtStatus* parallel_for(OrtKernelContext* context, size_t total, Fn& fn) {
+  auto trampoline = [](void* data, size_t i) { (*static_cast<Fn*>(data))(i); };
+  return api().KernelContext_ParallelFor(context, trampoline, total, 0, &fn);
+}
+
+}  // namespace attnexport
+
+#define ATTNEXPORT_RETURN_IF_ERROR(expr)      \
+  do {                                        \
+    if (OrtStatus* _status = (expr)) return _status; \
+  } while (0)

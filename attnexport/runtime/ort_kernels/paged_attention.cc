@@ -1,0 +1,363 @@
+// attnexport.PagedAttention for onnxruntime's CPU execution provider, float32.
+//
+// The standard-op body gathers every visible key and value row into a padded batch before two
+// matmuls; that copy is most of its time. This kernel reads the rows where they lie in the
+// paged cache: one work item per (sequence, KV head, tile of queries), the G query heads of the
+// KV head's group sharing every key and value row they load. Semantics: DESIGN.md section 3.
+
+#include "paged_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "kernel_api.h"
+#include "vector_math.h"
+
+namespace attnexport {
+
+constexpr int64_t kQueryTile = 16;
+// Below this many multiply-adds (~50 us on one core) waking the thread pool costs more than it
+// saves: a decode step of a short batch runs on the calling thread.
+constexpr int64_t kParallelWork = 1 << 20;
+constexpr ONNXTensorElementDataType kFloat32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+constexpr ONNXTensorElementDataType kFloat16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+constexpr ONNXTensorElementDataType kBFloat16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
+
+enum Input : size_t { kQuery, kKeyCache, kValueCache, kBlockTables, kSeqLens, kQueryStart, kSlopes };
+
+struct WorkItem {
+  int64_t seq;
+  int64_t kv_head;
+  int64_t first_query;  // index within the sequence's queries
+  int64_t num_queries;
+};
+
+// Where one KV head's rows lie in a cache [num_blocks, block_size, num_kv_heads, head_size].
+struct Geometry {
+  int64_t block_size, num_kv_heads, head_size, kv_head;
+};
+
+// Pointers into the inputs; query, caches and output hold the node's float type.
+struct Batch {
+  const void* query;
+  const void* key_cache;
+  const void* value_cache;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* query_start;
+  std::vector<float> slopes;  // empty: no ALiBi (all slopes zero)
+  int64_t max_blocks;
+  void* out;
+  int64_t multiply_adds;  // an upper bound for the whole batch
+};
+
+namespace {
+
+OrtStatus* expect_shape(const Tensor& t, const char* name, const std::vector<int64_t>& dims,
+                        const char* layout) {
+  if (t.dims == dims) return nullptr;
+  Tensor expected;
+  expected.dims = dims;
+  return invalid(std::string("PagedAttention: ") + name + ": expected " + layout + " = " +
+                 expected.shape() + ", got " + t.shape());
+}
+
+}  // namespace
+
+OrtStatus* PagedAttention::init(const OrtKernelInfo* info) {
+  ATTNEXPORT_RETURN_IF_ERROR(int_attribute(info, "num_heads", &num_heads));
+  ATTNEXPORT_RETURN_IF_ERROR(int_attribute(info, "num_kv_heads", &num_kv_heads));
+  ATTNEXPORT_RETURN_IF_ERROR(int_attribute(info, "head_size", &head_size));
+  ATTNEXPORT_RETURN_IF_ERROR(int_attribute(info, "block_size", &block_size));
+  ATTNEXPORT_RETURN_IF_ERROR(float_attribute(info, "scale", &scale));
+  // Optional attributes keep the schema's defaults when absent.
+  if (OrtStatus* s = int_attribute(info, "causal", &causal)) api().ReleaseStatus(s);
+  if (OrtStatus* s = int_attribute(info, "sliding_window", &sliding_window)) api().ReleaseStatus(s);
+  if (OrtStatus* s = float_attribute(info, "logits_soft_cap", &soft_cap)) api().ReleaseStatus(s);
+  if (num_heads < 1 || num_kv_heads < 1 || num_heads % num_kv_heads != 0)
+    return invalid("PagedAttention: num_heads (" + std::to_string(num_heads) +
+                   ") must be a positive multiple of num_kv_heads (" +
+                   std::to_string(num_kv_heads) + ")");
+  if (head_size < 1 || block_size < 1)
+    return invalid("PagedAttention: head_size and block_size must be positive");
+  return nullptr;
+}
+
+OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
+  Tensor query, key_cache, value_cache, tables, seq_lens, query_start, slopes;
+  ATTNEXPORT_RETURN_IF_ERROR(read_input(context, kQuery, &query));
+  ATTNEXPORT_RETURN_IF_ERROR(read_input(context, kKeyCache, &key_cache));
+  ATTNEXPORT_RETURN_IF_ERROR(read_input(context, kValueCache, &value_cache));
+  ATTNEXPORT_RETURN_IF_ERROR(read_input(context, kBlockTables, &tables));
+  ATTNEXPORT_RETURN_IF_ERROR(read_input(context, kSeqLens, &seq_lens));
+  ATTNEXPORT_RETURN_IF_ERROR(read_input(context, kQueryStart, &query_start));
+  ATTNEXPORT_RETURN_IF_ERROR(read_input(context, kSlopes, &slopes));
+
+  // Every check runs before any memory is read through an index.
+  const int64_t tokens = query.dims.empty() ? 0 : query.dims[0];
+  ATTNEXPORT_RETURN_IF_ERROR(
+      expect_shape(query, "query", {tokens, num_heads, head_size}, "[num_tokens, num_heads, head_size]"));
+  const int64_t num_blocks = key_cache.dims.empty() ? 0 : key_cache.dims[0];
+  const std::vector<int64_t> cache_dims{num_blocks, block_size, num_kv_heads, head_size};
+  const char* cache_layout = "[num_blocks, block_size, num_kv_heads, head_size]";
+  ATTNEXPORT_RETURN_IF_ERROR(expect_shape(key_cache, "key_cache", cache_dims, cache_layout));
+  ATTNEXPORT_RETURN_IF_ERROR(expect_shape(value_cache, "value_cache", cache_dims, cache_layout));
+  if (tables.dims.size() != 2)
+    return invalid("PagedAttention: block_tables: expected [num_seqs, max_blocks], got " + tables.shape());
+  const int64_t num_seqs = tables.dims[0], max_blocks = tables.dims[1];
+  ATTNEXPORT_RETURN_IF_ERROR(expect_shape(seq_lens, "seq_lens", {num_seqs}, "[num_seqs]"));
+  ATTNEXPORT_RETURN_IF_ERROR(
+      expect_shape(query_start, "query_start_loc", {num_seqs + 1}, "[num_seqs + 1]"));
+  ATTNEXPORT_RETURN_IF_ERROR(expect_shape(slopes, "alibi_slopes", {num_heads}, "[num_heads]"));
+
+  const ONNXTensorElementDataType type = query.type;
+  if (type != kFloat32 && type != kFloat16 && type != kBFloat16)
+    return invalid("PagedAttention: query: expected float32, float16 or bfloat16");
+  if (key_cache.type != type || value_cache.type != type)
+    return invalid("PagedAttention: key_cache and value_cache must have the query's dtype");
+  std::vector<float> slope_values(num_heads);
+  for (int64_t h = 0; h < num_heads; ++h) {
+    if (slopes.type == kFloat32) slope_values[h] = static_cast<const float*>(slopes.data)[h];
+    else if (slopes.type == kFloat16) slope_values[h] = to_float(static_cast<const Half*>(slopes.data)[h]);
+    else if (slopes.type == kBFloat16) slope_values[h] = to_float(static_cast<const BFloat16*>(slopes.data)[h]);
+    else return invalid("PagedAttention: alibi_slopes: expected float32, float16 or bfloat16");
+  }
+
+  Batch batch{query.data,
+              key_cache.data,
+              value_cache.data,
+              static_cast<const int32_t*>(tables.data),
+              static_cast<const int32_t*>(seq_lens.data),
+              static_cast<const int32_t*>(query_start.data),
+              {},
+              max_blocks,
+              nullptr,
+              0};
+  if (std::any_of(slope_values.begin(), slope_values.end(), [](float s) { return s != 0.0f; }))
+    batch.slopes = std::move(slope_values);
+
+  std::vector<WorkItem> items;
+  int64_t previous_end = batch.query_start[0];
+  if (previous_end < 0) return invalid("PagedAttention: query_start_loc[0] must be >= 0");
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t begin = batch.query_start[s], end = batch.query_start[s + 1];
+    const int64_t length = batch.seq_lens[s];
+    if (end < begin || end > tokens)
+      return invalid("PagedAttention: query_start_loc must be non-decreasing and <= num_tokens (" +
+                     std::to_string(tokens) + "); entry " + std::to_string(s + 1) + " is " +
+                     std::to_string(end));
+    if (length < 0 || length > max_blocks * block_size)
+      return invalid("PagedAttention: seq_lens[" + std::to_string(s) + "] = " +
+                     std::to_string(length) + " is outside [0, max_blocks * block_size = " +
+                     std::to_string(max_blocks * block_size) + "]");
+    const int32_t* row = batch.block_tables + s * max_blocks;
+    for (int64_t b = 0; b < (length + block_size - 1) / block_size; ++b)
+      if (row[b] < 0 || row[b] >= num_blocks)
+        return invalid("PagedAttention: block_tables[" + std::to_string(s) + ", " +
+                       std::to_string(b) + "] = " + std::to_string(row[b]) +
+                       " is not a block id in [0, " + std::to_string(num_blocks) + ")");
+    batch.multiply_adds += 2 * (end - begin) * length * num_heads * head_size;
+    for (int64_t first = 0; first < end - begin; first += kQueryTile)
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        items.push_back({s, h, first, std::min(kQueryTile, end - begin - first)});
+    previous_end = end;
+  }
+
+  Tensor output;
+  ATTNEXPORT_RETURN_IF_ERROR(make_output(context, 0, {tokens, num_heads, head_size}, &output));
+  batch.out = output.data;
+  // Rows outside every sequence's queries are zeros (all-zero bits in every float type).
+  const size_t row_bytes = num_heads * head_size * element_size(type);
+  auto* out_bytes = static_cast<char*>(batch.out);
+  std::memset(out_bytes, 0, row_bytes * batch.query_start[0]);
+  std::memset(out_bytes + row_bytes * previous_end, 0, row_bytes * (tokens - previous_end));
+
+  if (type == kFloat32) return run_all<float>(context, batch, items);
+  if (type == kFloat16) return run_all<Half>(context, batch, items);
+  return run_all<BFloat16>(context, batch, items);
+}
+
+template <typename T>
+OrtStatus* PagedAttention::run_all(OrtKernelContext* context, const Batch& batch,
+                                   const std::vector<WorkItem>& items) const {
+  // Rows are held as NV vectors of 16 floats (head_size rounded up to 16, zero padded).
+  switch ((head_size + 15) / 16) {
+#define ATTNEXPORT_CASE(NV)                                                   \
+  case NV: {                                                                 \
+    auto run = [&](size_t i) { attend<T, NV>(batch, items[i]); };            \
+    if (batch.multiply_adds < kParallelWork) {                               \
+      for (size_t i = 0; i < items.size(); ++i) run(i);                      \
+      return nullptr;                                                        \
+    }                                                                        \
+    return parallel_for(context, items.size(), run);                         \
+  }
+    ATTNEXPORT_CASE(1)
+    ATTNEXPORT_CASE(2)
+    ATTNEXPORT_CASE(3)
+    ATTNEXPORT_CASE(4)
+    ATTNEXPORT_CASE(5)
+    ATTNEXPORT_CASE(6)
+    ATTNEXPORT_CASE(7)
+    ATTNEXPORT_CASE(8)
+    ATTNEXPORT_CASE(12)
+    ATTNEXPORT_CASE(16)
+#undef ATTNEXPORT_CASE
+    default:
+      return invalid("PagedAttention: head_size " + std::to_string(head_size) +
+                     " is not supported by the native kernel (up to 128 any, 192, 256)");
+  }
+}
+
+namespace {
+
+// Rows [first, end) of one block of a cache for one KV head, as float rows of NV * 16 lanes:
+// the cache itself for float32 rows whose head size is a multiple of 16, else a converted,
+// zero-padded copy.
+template <typename T, int NV>
+struct BlockRows {
+  const float* base;
+  int64_t stride;
+
+  BlockRows(const T* cache, int64_t block, int64_t first, int64_t end, const Geometry& g,
+            std::vector<float>& scratch) {
+    const T* rows = cache + ((block * g.block_size + first) * g.num_kv_heads + g.kv_head) * g.head_size;
+    const int64_t slot_stride = g.num_kv_heads * g.head_size;
+    if constexpr (std::is_same_v<T, float>) {
+      if (g.head_size == NV * 16) {
+        base = reinterpret_cast<const float*>(rows) - first * slot_stride;
+        stride = slot_stride;
+        return;
+      }
+    }
+    scratch.assign(g.block_size * NV * 16, 0.0f);
+    for (int64_t k = first; k < end; ++k)
+      for (int64_t d = 0; d < g.head_size; ++d)
+        scratch[k * NV * 16 + d] = to_float(rows[(k - first) * slot_stride + d]);
+    base = scratch.data();
+    stride = NV * 16;
+  }
+
+  const float* row(int64_t offset) const { return base + offset * stride; }
+};
+
+}  // namespace
+
+template <typename T, int NV>
+void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
+  constexpr int64_t W = NV * 16;  // padded row width
+  const int64_t group = num_heads / num_kv_heads, D = head_size;
+  const int64_t length = batch.seq_lens[item.seq];
+  const int64_t seq_start = batch.query_start[item.seq];
+  const int64_t num_queries = batch.query_start[item.seq + 1] - seq_start;
+  const int32_t* table = batch.block_tables + item.seq * batch.max_blocks;
+  const int64_t rows = item.num_queries * group;
+  const Geometry geometry{block_size, num_kv_heads, head_size, item.kv_head};
+
+  // Visible keys of each query j of the tile: [lo[j], hi[j]); position p = length - q + j.
+  int64_t lo[kQueryTile], hi[kQueryTile], position[kQueryTile];
+  int64_t first_key = length, end_key = 0;
+  for (int64_t j = 0; j < item.num_queries; ++j) {
+    const int64_t p = length - num_queries + item.first_query + j;
+    position[j] = p;
+    lo[j] = sliding_window >= 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
+    hi[j] = causal ? std::min(length, p + 1) : length;
+    if (lo[j] < hi[j]) {
+      first_key = std::min(first_key, lo[j]);
+      end_key = std::max(end_key, hi[j]);
+    }
+  }
+  const int64_t width = std::max<int64_t>(end_key - first_key, 0);
+
+  // Query row r = j * group + g is head kv_head * group + g of token seq_start + first + j
+  // (the G heads of a token are adjacent), scaled, zero padded to W.
+  thread_local std::vector<float> queries, scores, outputs, scratch;
+  queries.assign(rows * W, 0.0f);
+  const T* query = static_cast<const T*>(batch.query);
+  for (int64_t j = 0; j < item.num_queries; ++j) {
+    const T* src = query + ((seq_start + item.first_query + j) * num_heads + item.kv_head * group) * D;
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < D; ++d) queries[(j * group + g) * W + d] = scale * to_float(src[g * D + d]);
+  }
+  scores.resize(rows * width);
+  outputs.assign(rows * W, 0.0f);
+
+  // The part of block b's keys [k0, k1) that query j sees.
+  auto visible_part = [&](int64_t j, int64_t k0, int64_t k1, int64_t* a, int64_t* e) {
+    *a = std::max(lo[j], k0);
+    *e = std::min(hi[j], k1);
+    return *a < *e;
+  };
+  const int64_t first_block = first_key / block_size, end_block = (end_key + block_size - 1) / block_size;
+  const T* key_cache = static_cast<const T*>(batch.key_cache);
+  const T* value_cache = static_cast<const T*>(batch.value_cache);
+
+  for (int64_t b = first_block; b < end_block; ++b) {
+    const int64_t k0 = std::max(b * block_size, first_key), k1 = std::min((b + 1) * block_size, end_key);
+    const BlockRows<T, NV> keys(key_cache, table[b], k0 - b * block_size, k1 - b * block_size, geometry, scratch);
+    for (int64_t j = 0; j < item.num_queries; ++j) {
+      int64_t a, e;
+      if (!visible_part(j, k0, k1, &a, &e)) continue;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = j * group + g;
+        f32x16 q[NV];
+        for (int v = 0; v < NV; ++v) q[v] = load16(queries.data() + r * W + v * 16);
+        float* out = scores.data() + r * width - first_key;
+        for (int64_t k = a; k < e; ++k) {
+          const float* key = keys.row(k - b * block_size);
+          f32x16 acc = q[0] * load16(key);
+          for (int v = 1; v < NV; ++v) acc += q[v] * load16(key + v * 16);
+          out[k] = horizontal_sum(acc);
+        }
+      }
+    }
+  }
+
+  for (int64_t j = 0; j < item.num_queries; ++j) {
+    if (lo[j] >= hi[j]) continue;  // no visible key: zeros
+    for (int64_t g = 0; g < group; ++g) {
+      float* row = scores.data() + (j * group + g) * width + (lo[j] - first_key);
+      const int64_t n = hi[j] - lo[j];
+      if (soft_cap > 0.0f)
+        for (int64_t i = 0; i < n; ++i) row[i] = soft_cap * std::tanh(row[i] / soft_cap);
+      if (!batch.slopes.empty()) {
+        const float slope = batch.slopes[item.kv_head * group + g];
+        for (int64_t i = 0; i < n; ++i)
+          row[i] += slope * static_cast<float>(lo[j] + i - position[j]);
+      }
+      softmax_inplace(row, n);
+    }
+  }
+
+  for (int64_t b = first_block; b < end_block; ++b) {
+    const int64_t k0 = std::max(b * block_size, first_key), k1 = std::min((b + 1) * block_size, end_key);
+    const BlockRows<T, NV> values(value_cache, table[b], k0 - b * block_size, k1 - b * block_size, geometry, scratch);
+    for (int64_t j = 0; j < item.num_queries; ++j) {
+      int64_t a, e;
+      if (!visible_part(j, k0, k1, &a, &e)) continue;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = j * group + g;
+        f32x16 acc[NV];
+        for (int v = 0; v < NV; ++v) acc[v] = load16(outputs.data() + r * W + v * 16);
+        const float* weights = scores.data() + r * width - first_key;
+        for (int64_t k = a; k < e; ++k) {
+          const float* value = values.row(k - b * block_size);
+          const f32x16 w = splat16(weights[k]);
+          for (int v = 0; v < NV; ++v) acc[v] += w * load16(value + v * 16);
+        }
+        for (int v = 0; v < NV; ++v) store16(outputs.data() + r * W + v * 16, acc[v]);
+      }
+    }
+  }
+
+  T* out = static_cast<T*>(batch.out);
+  for (int64_t j = 0; j < item.num_queries; ++j) {
+    T* dst = out + ((seq_start + item.first_query + j) * num_heads + item.kv_head * group) * D;
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < D; ++d) dst[g * D + d] = from_float<T>(outputs[(j * group + g) * W + d]);
+  }
+}
+
+}  // namespace attnexport

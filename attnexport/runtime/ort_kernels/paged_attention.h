@@ -1,0 +1,31 @@
+#pragma once
+
+#include <onnxruntime_c_api.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace attnexport {
+
+struct Batch;
+struct WorkItem;
+
+// The node's attributes; compute() reads the seven inputs and writes output [T, H, D] in the
+// query's type (float32, float16 or bfloat16; math in float32).
+struct PagedAttention {
+  int64_t num_heads = 0, num_kv_heads = 0, head_size = 0, block_size = 0;
+  int64_t causal = 1, sliding_window = -1;
+  float scale = 1.0f, soft_cap = 0.0f;
+
+  OrtStatus* init(const OrtKernelInfo* info);
+  OrtStatus* compute(OrtKernelContext* context) const;
+
+ private:
+  template <typename T>
+  OrtStatus* run_all(OrtKernelContext* context, const Batch& batch,
+                     const std::vector<WorkItem>& items) const;
+  template <typename T, int NV>
+  void attend(const Batch& batch, const WorkItem& item) const;
+};
+
+}  // namespace attnexport

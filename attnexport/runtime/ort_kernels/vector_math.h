@@ -1,0 +1,123 @@
+// float32 vector helpers (GCC/Clang vector extensions) and the 16-bit storage types.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace attnexport {
+
+// 16 float32 lanes (one AVX-512 register, two AVX2 ones: the compiler splits it as needed).
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef float f32x16_unaligned __attribute__((vector_size(64), aligned(4)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+
+inline f32x16 load16(const float* p) { return *reinterpret_cast<const f32x16_unaligned*>(p); }
+inline void store16(float* p, f32x16 v) { *reinterpret_cast<f32x16_unaligned*>(p) = v; }
+inline f32x16 splat16(float x) { return f32x16{} + x; }
+
+inline float horizontal_sum(f32x16 v) {
+  f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  b += __builtin_shufflevector(b, b, 2, 3, 0, 1);
+  return b[0] + b[1];
+}
+
+// exp(x) for x <= 0 to ~1 ulp, lane-wise: 2^n * e^r with n = round(x / ln2), |r| <= ln2 / 2,
+// e^r by its degree-7 Taylor polynomial. Arguments below -87 give exp(-87) ~ 1.6e-38 (as a
+// softmax weight, nothing). Adding and subtracting 1.5 * 2^23 rounds to the nearest integer.
+template <typename V, typename I>
+inline V exp_nonpositive(V x) {
+  x = x < -87.0f ? V{} - 87.0f : x;
+  const V n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
+  const V r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  V p = V{} + 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  I bits;
+  if constexpr (sizeof(V) == sizeof(float)) {
+    bits = (static_cast<I>(n) + 127) << 23;
+  } else {
+    bits = (__builtin_convertvector(n, I) + 127) << 23;
+  }
+  V scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// row[0:n] <- softmax(row[0:n]), n >= 1.
+inline void softmax_inplace(float* row, int64_t n) {
+  float max = row[0];
+  for (int64_t i = 1; i < n; ++i) max = row[i] > max ? row[i] : max;
+  f32x16 sums{};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const f32x16 e = exp_nonpositive<f32x16, i32x16>(load16(row + i) - max);
+    store16(row + i, e);
+    sums += e;
+  }
+  float sum = horizontal_sum(sums);
+  for (; i < n; ++i) {
+    row[i] = exp_nonpositive<float, int32_t>(row[i] - max);
+    sum += row[i];
+  }
+  const float inverse = 1.0f / sum;
+  for (i = 0; i < n; ++i) row[i] *= inverse;
+}
+
+}  // namespace attnexport
+
+namespace attnexport {
+
+// Storage types the kernels read and write; all math is float32.
+struct Half {
+  uint16_t bits;
+};
+struct BFloat16 {
+  uint16_t bits;
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(Half x) {
+  _Float16 h;
+  std::memcpy(&h, &x.bits, sizeof h);
+  return static_cast<float>(h);
+}
+inline float to_float(BFloat16 x) {
+  const uint32_t bits = uint32_t{x.bits} << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline T from_float(float x);
+template <>
+inline float from_float<float>(float x) {
+  return x;
+}
+template <>
+inline Half from_float<Half>(float x) {
+  const _Float16 h = static_cast<_Float16>(x);
+  Half out;
+  std::memcpy(&out.bits, &h, sizeof h);
+  return out;
+}
+template <>
+inline BFloat16 from_float<BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return BFloat16{static_cast<uint16_t>((bits >> 16) | 0x40)};
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+  return BFloat16{static_cast<uint16_t>(bits >> 16)};
+}
+
+
+}  // namespace attnexport
