@@ -2,7 +2,10 @@
 model (random weights, seed 0) for
 
 * ``ort``        attnexport's OrtExecutor on the model exported with ``to_onnx``
-                 (``ort-spin``: with spinning worker threads, onnxruntime's default),
+                 (its defaults: native kernels, spinning worker threads as in onnxruntime and
+                 onnxruntime-genai; ``ort-nospin``: threads that do not spin, for shared
+                 cores; ``ort-bodies``: the attnexport nodes' standard-op bodies instead of the
+                 native kernels),
 * ``torch-sdpa`` attnexport's TorchExecutor (eager, sdpa backend),
 * ``torch-ipex`` attnexport's TorchExecutor on the ipex backend (run with ``--ipex-python``),
 * ``hf``         Hugging Face transformers ``generate`` (eager, its own contiguous cache),
@@ -46,7 +49,7 @@ QUICK_CONFIG = {
     "num_key_value_heads": 2,
     "vocab_size": 512,
 }
-LEGS = ("ort", "ort-spin", "ort-bodies", "torch-sdpa", "torch-ipex", "hf", "genai")
+LEGS = ("ort", "ort-nospin", "ort-bodies", "torch-sdpa", "torch-ipex", "hf", "genai")
 BLOCK_SIZE = 16
 MAX_POSITIONS = 2048
 # The mixed batch of the memory comparison: prompt lengths, each followed by 32 new tokens.
@@ -152,7 +155,7 @@ def _engine_leg(args, executor) -> dict:
     }
 
 
-def leg_ort(args, spin: bool = False, kernels: str = "native") -> dict:
+def leg_ort(args, spin: bool = True, kernels: str = "native") -> dict:
     from attnexport.runtime import OrtExecutor
 
     path = args.work / "ours" / "model.onnx"
@@ -262,7 +265,7 @@ def run_leg(args) -> dict:
     torch.set_num_threads(args.threads)
     legs = {
         "ort": leg_ort,
-        "ort-spin": lambda a: leg_ort(a, spin=True),
+        "ort-nospin": lambda a: leg_ort(a, spin=False),
         "ort-bodies": lambda a: leg_ort(a, kernels="bodies"),
         "torch-sdpa": lambda a: leg_torch(a, "sdpa"),
         "torch-ipex": lambda a: leg_torch(a, "ipex"),

@@ -4,90 +4,27 @@ onnxruntime) and by the native kernels of :mod:`attnexport.runtime.ort_kernels` 
 
 from __future__ import annotations
 
-import onnx
-import onnxruntime as ort
 import pytest
 import torch
-from onnx import helper
 
 from attnexport.custom_ops import reference
-from attnexport.lowering import bodies
-from attnexport.lowering.metadata import ModelMetadata
 from attnexport.lowering.ort_session import PagedOrtSession
-from attnexport.lowering.schemas import DOMAIN, register_schemas
 from attnexport.runtime import ort_kernels
-from attnexport.testing import AttentionCase, make_paged_inputs, make_varlen_inputs, standard_cases
+from attnexport.testing import (
+    AttentionCase,
+    make_paged_inputs,
+    make_varlen_inputs,
+    single_node_session,
+    standard_cases,
+)
 from tests.helpers import ORT_KERNEL_MODES, assert_close_to_reference
 
 CASES = standard_cases()
-OPSET = 18
-_TYPES = {
-    torch.float32: onnx.TensorProto.FLOAT,
-    torch.float16: onnx.TensorProto.FLOAT16,
-    torch.bfloat16: onnx.TensorProto.BFLOAT16,
-    torch.int32: onnx.TensorProto.INT32,
-    torch.int64: onnx.TensorProto.INT64,
-}
-
-
-def geometry(op_type: str, inputs: dict[str, torch.Tensor]) -> dict[str, int]:
-    """The static-shape attributes the exporter sets on ``op_type`` for these inputs."""
-    if op_type == "ReshapeAndCache":
-        return {"block_size": inputs["key_cache"].shape[1]}
-    paged = op_type == "PagedAttention"
-    keys = inputs["key_cache"] if paged else inputs["key"]
-    heads = {
-        "num_heads": inputs["query"].shape[1],
-        "num_kv_heads": keys.shape[-2],
-        "head_size": inputs["query"].shape[2],
-    }
-    return heads | ({"block_size": keys.shape[1]} if paged else {})
 
 
 @pytest.fixture(params=ORT_KERNEL_MODES)
 def kernels(request) -> str:
     return request.param
-
-
-def single_node_session(
-    op_type: str,
-    inputs: dict[str, torch.Tensor],
-    outputs: dict[str, torch.Tensor],
-    kernels: str = "bodies",
-    **attributes,
-) -> PagedOrtSession:
-    """A session of one attnexport node with its body (and, for ``kernels="native"``, the
-    native kernels registered); caches map ``X`` -> ``X_out``. The geometry attributes come
-    from the inputs' shapes, as in an export."""
-    register_schemas()
-    attributes = geometry(op_type, inputs) | attributes
-
-    def info(name, tensor):
-        dims = [f"{name}_{i}" for i in range(tensor.dim())]
-        return helper.make_tensor_value_info(name, _TYPES[tensor.dtype], dims)
-
-    node = helper.make_node(op_type, list(inputs), list(outputs), domain=DOMAIN, **attributes)
-    graph = helper.make_graph(
-        [node],
-        op_type,
-        [info(n, t) for n, t in inputs.items()],
-        [info(n, t) for n, t in outputs.items()],
-    )
-    written = {n.removesuffix("_out"): n for n in outputs if n.endswith("_out")}
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)],
-        functions=bodies.all_bodies(OPSET),
-        ir_version=10,
-    )
-    props = ModelMetadata("attnexport", tuple(written), written).to_props()
-    helper.set_model_props(model, props)
-    onnx.checker.check_model(model, full_check=True)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 2
-    if kernels == "native":
-        ort_kernels.register(options)
-    return PagedOrtSession(model, session_options=options)
 
 
 def _attention_attributes(kwargs: dict) -> dict:
@@ -337,3 +274,18 @@ def test_native_kernels_leave_varlen_attention_to_its_body():
     assert_close_to_reference(
         out, reference.varlen_attention(*list(inputs.values())[:5], **x["kwargs"])
     )
+
+
+@native_only
+@pytest.mark.parametrize("head_size", [8, 40, 160])
+def test_native_paged_attention_pads_other_head_sizes(head_size):
+    """Head sizes that are not a compiled row width run zero padded to the next one."""
+    case = AttentionCase("mixed", (1, 9, 1), (4, 0, 3), head_size=head_size, sliding_window=5)
+    inputs, attributes = _paged_inputs(case)
+    session = single_node_session(
+        "PagedAttention", inputs, {"output": inputs["query"]}, "native", **attributes
+    )
+    expected = reference.paged_attention(
+        *list(inputs.values())[:6], **make_paged_inputs(case)["kwargs"]
+    )
+    assert_close_to_reference(session.run(inputs)["output"], expected)

@@ -19,6 +19,7 @@
 namespace attnexport {
 
 constexpr int64_t kQueryTile = 16;
+constexpr int64_t kMaxHeadSize = 256;
 // Below this many multiply-adds (~50 us on one core) waking the thread pool costs more than it
 // saves: a decode step of a short batch runs on the calling thread.
 constexpr int64_t kParallelWork = 1 << 20;
@@ -83,6 +84,10 @@ OrtStatus* PagedAttention::init(const OrtKernelInfo* info) {
                    std::to_string(num_kv_heads) + ")");
   if (head_size < 1 || block_size < 1)
     return invalid("PagedAttention: head_size and block_size must be positive");
+  if (head_size > kMaxHeadSize)
+    return invalid("PagedAttention: head_size " + std::to_string(head_size) +
+                   " is past the native kernel's " + std::to_string(kMaxHeadSize) +
+                   "; run the model with OrtExecutor(..., kernels='bodies')");
   return nullptr;
 }
 
@@ -183,8 +188,9 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
 template <typename T>
 OrtStatus* PagedAttention::run_all(OrtKernelContext* context, const Batch& batch,
                                    const std::vector<WorkItem>& items) const {
-  // Rows are held as NV vectors of 16 floats (head_size rounded up to 16, zero padded).
-  switch ((head_size + 15) / 16) {
+  // Rows are held as NV vectors of 16 floats, zero padded: the smallest compiled NV that fits.
+  const int64_t needed = (head_size + 15) / 16;
+  switch (needed <= 8 ? needed : needed <= 12 ? 12 : 16) {
 #define ATTNEXPORT_CASE(NV)                                                   \
   case NV: {                                                                 \
     auto run = [&](size_t i) { attend<T, NV>(batch, items[i]); };            \
@@ -205,9 +211,8 @@ OrtStatus* PagedAttention::run_all(OrtKernelContext* context, const Batch& batch
     ATTNEXPORT_CASE(12)
     ATTNEXPORT_CASE(16)
 #undef ATTNEXPORT_CASE
-    default:
-      return invalid("PagedAttention: head_size " + std::to_string(head_size) +
-                     " is not supported by the native kernel (up to 128 any, 192, 256)");
+    default:  // init() refused head sizes past kMaxHeadSize
+      return invalid("PagedAttention: unsupported head_size");
   }
 }
 
