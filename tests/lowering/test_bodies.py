@@ -70,7 +70,9 @@ def test_paged_attention_matches_reference(case: AttentionCase, kernels: str):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_varlen_attention_body_matches_reference(case: AttentionCase):
+def test_varlen_attention_body_matches_reference(case: AttentionCase, kernels: str):
+    """``native``: a session with the kernel library still runs this node (no native kernel)
+    through its body."""
     x = make_varlen_inputs(case)
     inputs = {n: x[n] for n in ("query", "key", "value", "cu_seqlens_q", "cu_seqlens_k")}
     inputs["alibi_slopes"] = _slopes(case, x["kwargs"])
@@ -78,6 +80,7 @@ def test_varlen_attention_body_matches_reference(case: AttentionCase):
         "VarlenAttention",
         inputs,
         {"output": x["query"]},
+        kernels,
         **_attention_attributes(x["kwargs"]),
     )
     out = session.run(inputs)["output"]
@@ -254,26 +257,6 @@ def test_native_reshape_and_cache_without_binding_returns_new_caches():
     torch.testing.assert_close(torch.from_numpy(key_out), expected_key, atol=0, rtol=0)
     torch.testing.assert_close(torch.from_numpy(value_out), expected_value, atol=0, rtol=0)
     torch.testing.assert_close(x["key_cache"], before, atol=0, rtol=0)
-
-
-@native_only
-def test_native_kernels_leave_varlen_attention_to_its_body():
-    """A node without a native kernel still runs (its body) in a session with the library."""
-    case = CASES[0]
-    x = make_varlen_inputs(case)
-    inputs = {n: x[n] for n in ("query", "key", "value", "cu_seqlens_q", "cu_seqlens_k")}
-    inputs["alibi_slopes"] = _slopes(case, x["kwargs"])
-    session = single_node_session(
-        "VarlenAttention",
-        inputs,
-        {"output": x["query"]},
-        "native",
-        **_attention_attributes(x["kwargs"]),
-    )
-    out = session.run(inputs)["output"]
-    assert_close_to_reference(
-        out, reference.varlen_attention(*list(inputs.values())[:5], **x["kwargs"])
-    )
 
 
 @native_only

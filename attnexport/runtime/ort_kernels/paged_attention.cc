@@ -289,36 +289,36 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
   scores.resize(rows * width);
   outputs.assign(rows * W, 0.0f);
 
-  // The part of block b's keys [k0, k1) that query j sees.
-  auto visible_part = [&](int64_t j, int64_t k0, int64_t k1, int64_t* a, int64_t* e) {
-    *a = std::max(lo[j], k0);
-    *e = std::min(hi[j], k1);
-    return *a < *e;
-  };
-  const int64_t first_block = first_key / block_size, end_block = (end_key + block_size - 1) / block_size;
-  const T* key_cache = static_cast<const T*>(batch.key_cache);
-  const T* value_cache = static_cast<const T*>(batch.value_cache);
-
-  for (int64_t b = first_block; b < end_block; ++b) {
-    const int64_t k0 = std::max(b * block_size, first_key), k1 = std::min((b + 1) * block_size, end_key);
-    const BlockRows<T, NV> keys(key_cache, table[b], k0 - b * block_size, k1 - b * block_size, geometry, scratch);
-    for (int64_t j = 0; j < item.num_queries; ++j) {
-      int64_t a, e;
-      if (!visible_part(j, k0, k1, &a, &e)) continue;
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t r = j * group + g;
-        f32x16 q[NV];
-        for (int v = 0; v < NV; ++v) q[v] = load16(queries.data() + r * W + v * 16);
-        float* out = scores.data() + r * width - first_key;
-        for (int64_t k = a; k < e; ++k) {
-          const float* key = keys.row(k - b * block_size);
-          f32x16 acc = q[0] * load16(key);
-          for (int v = 1; v < NV; ++v) acc += q[v] * load16(key + v * 16);
-          out[k] = horizontal_sum(acc);
-        }
+  // Visits every block of the item's keys once, and in it every query row r = j * group + g
+  // with the keys [a, e) it sees there: visit(rows, r, a, e), rows.row(k - block_start).
+  const int64_t first_block = first_key / block_size;
+  const int64_t end_block = (end_key + block_size - 1) / block_size;
+  auto for_each_visible = [&](const void* cache, auto&& visit) {
+    for (int64_t b = first_block; b < end_block; ++b) {
+      const int64_t start = b * block_size;
+      const int64_t k0 = std::max(start, first_key), k1 = std::min(start + block_size, end_key);
+      const BlockRows<T, NV> block(static_cast<const T*>(cache), table[b], k0 - start, k1 - start,
+                                   geometry, scratch);
+      for (int64_t j = 0; j < item.num_queries; ++j) {
+        const int64_t a = std::max(lo[j], k0), e = std::min(hi[j], k1);
+        if (a >= e) continue;
+        for (int64_t r = j * group; r < (j + 1) * group; ++r) visit(block, start, r, a, e);
       }
     }
-  }
+  };
+
+  for_each_visible(batch.key_cache, [&](const BlockRows<T, NV>& keys, int64_t start, int64_t r,
+                                        int64_t a, int64_t e) {
+    f32x16 q[NV];
+    for (int v = 0; v < NV; ++v) q[v] = load16(queries.data() + r * W + v * 16);
+    float* out = scores.data() + r * width - first_key;
+    for (int64_t k = a; k < e; ++k) {
+      const float* key = keys.row(k - start);
+      f32x16 acc = q[0] * load16(key);
+      for (int v = 1; v < NV; ++v) acc += q[v] * load16(key + v * 16);
+      out[k] = horizontal_sum(acc);
+    }
+  });
 
   for (int64_t j = 0; j < item.num_queries; ++j) {
     if (lo[j] >= hi[j]) continue;  // no visible key: zeros
@@ -336,26 +336,18 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
     }
   }
 
-  for (int64_t b = first_block; b < end_block; ++b) {
-    const int64_t k0 = std::max(b * block_size, first_key), k1 = std::min((b + 1) * block_size, end_key);
-    const BlockRows<T, NV> values(value_cache, table[b], k0 - b * block_size, k1 - b * block_size, geometry, scratch);
-    for (int64_t j = 0; j < item.num_queries; ++j) {
-      int64_t a, e;
-      if (!visible_part(j, k0, k1, &a, &e)) continue;
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t r = j * group + g;
-        f32x16 acc[NV];
-        for (int v = 0; v < NV; ++v) acc[v] = load16(outputs.data() + r * W + v * 16);
-        const float* weights = scores.data() + r * width - first_key;
-        for (int64_t k = a; k < e; ++k) {
-          const float* value = values.row(k - b * block_size);
-          const f32x16 w = splat16(weights[k]);
-          for (int v = 0; v < NV; ++v) acc[v] += w * load16(value + v * 16);
-        }
-        for (int v = 0; v < NV; ++v) store16(outputs.data() + r * W + v * 16, acc[v]);
-      }
+  for_each_visible(batch.value_cache, [&](const BlockRows<T, NV>& values, int64_t start,
+                                          int64_t r, int64_t a, int64_t e) {
+    f32x16 acc[NV];
+    for (int v = 0; v < NV; ++v) acc[v] = load16(outputs.data() + r * W + v * 16);
+    const float* weights = scores.data() + r * width - first_key;
+    for (int64_t k = a; k < e; ++k) {
+      const float* value = values.row(k - start);
+      const f32x16 w = splat16(weights[k]);
+      for (int v = 0; v < NV; ++v) acc[v] += w * load16(value + v * 16);
     }
-  }
+    for (int v = 0; v < NV; ++v) store16(outputs.data() + r * W + v * 16, acc[v]);
+  });
 
   T* out = static_cast<T*>(batch.out);
   for (int64_t j = 0; j < item.num_queries; ++j) {
