@@ -10,10 +10,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from attnexport.custom_ops.alibi import alibi_slopes
+
+if TYPE_CHECKING:
+    from attnexport.lowering.ort_session import PagedOrtSession
 
 _TOLERANCES = {
     torch.float64: (1e-10, 1e-10),
@@ -240,7 +244,7 @@ def single_node_session(
     num_threads: int = 2,
     opset: int = 18,
     **attributes,
-):
+) -> PagedOrtSession:
     """A :class:`~attnexport.lowering.ort_session.PagedOrtSession` of one attnexport node
     (``op_type``) with its body and, for ``kernels="native"``, the native kernels registered.
     ``inputs``/``outputs`` name the node's tensors (their dtypes and ranks make the graph's

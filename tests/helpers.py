@@ -11,18 +11,14 @@ from attnexport.custom_ops import BackendUnsupportedError
 from attnexport.runtime import ort_kernels
 from attnexport.testing import tolerance
 
-# How onnxruntime runs the attnexport nodes: their standard-op bodies, or the native kernels
-# (skipped, with the reason, where the library is not built; make's test targets require it).
-ORT_KERNEL_MODES = [
-    "bodies",
-    pytest.param(
-        "native",
-        marks=pytest.mark.skipif(
-            ort_kernels.unavailable_reason() is not None,
-            reason=f"native kernels: {ort_kernels.unavailable_reason()}",
-        ),
-    ),
-]
+# Tests of the native onnxruntime kernels skip, with the reason, where the library is not built
+# (make's test targets require it: ATTNEXPORT_REQUIRE_ORT_KERNELS=1).
+requires_ort_kernels = pytest.mark.skipif(
+    ort_kernels.unavailable_reason() is not None,
+    reason=f"native kernels: {ort_kernels.unavailable_reason()}",
+)
+# How onnxruntime runs the attnexport nodes: their standard-op bodies, or the native kernels.
+ORT_KERNEL_MODES = ["bodies", pytest.param("native", marks=requires_ort_kernels)]
 
 
 def assert_close_to_reference(actual: torch.Tensor, reference: torch.Tensor) -> None:

@@ -54,10 +54,17 @@ Leg = Callable[..., torch.Tensor]
 """Calls the forward with positional arguments; caches (inside them) are updated in place."""
 
 
-def _onnx_leg(path: Path, input_names: list[str]) -> Leg:
-    from attnexport.lowering import PagedOrtSession
+def _onnx_leg(path: Path, input_names: list[str], native: bool) -> Leg:
+    """The ONNX model in onnxruntime: the attnexport nodes' bodies, or the native kernels."""
+    import onnxruntime as ort
 
-    session = PagedOrtSession(path)
+    from attnexport.lowering import PagedOrtSession
+    from attnexport.runtime import ort_kernels
+
+    options = ort.SessionOptions()
+    if native:
+        ort_kernels.register(options)
+    session = PagedOrtSession(path, session_options=options)
 
     def call(*args):
         outputs = session.run(dict(zip(input_names, args, strict=True)))
@@ -95,7 +102,13 @@ def _legs(manifest: dict, directory: Path, model) -> dict[str, Leg]:
         program = torch.export.load(str(directory / PT2_FILE)).module()
         legs["pt2"] = _eager_leg(program, "auto")
     if (directory / ONNX_FILE).is_file():
-        legs["onnx"] = _onnx_leg(directory / ONNX_FILE, manifest["input_names"])
+        from attnexport.runtime import ort_kernels
+
+        legs["onnx"] = _onnx_leg(directory / ONNX_FILE, manifest["input_names"], native=False)
+        if ort_kernels.unavailable_reason() is None:
+            legs["onnx[native]"] = _onnx_leg(
+                directory / ONNX_FILE, manifest["input_names"], native=True
+            )
     return legs
 
 

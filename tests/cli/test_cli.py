@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from attnexport.cli.main import main
+from attnexport.runtime import ort_kernels
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -110,6 +111,8 @@ def test_verify_table_and_json(llama_export, capsys):
     assert code == 0 and report["ok"] and report["reference"] == "eager[sdpa]"
     legs = {c["leg"] for c in report["comparisons"]}
     assert {"pt2", "onnx"} <= legs
+    if ort_kernels.unavailable_reason() is None:
+        assert "onnx[native]" in legs
     assert all(c["max_abs"] <= c["tolerance"] for c in report["comparisons"])
     code, out, _ = _run(capsys, "verify", str(llama_export))
     assert code == 0 and "onnx" in out and "within tolerance" in out

@@ -9,7 +9,6 @@ import torch
 
 from attnexport.custom_ops import reference
 from attnexport.lowering.ort_session import PagedOrtSession
-from attnexport.runtime import ort_kernels
 from attnexport.testing import (
     AttentionCase,
     make_paged_inputs,
@@ -17,7 +16,7 @@ from attnexport.testing import (
     single_node_session,
     standard_cases,
 )
-from tests.helpers import ORT_KERNEL_MODES, assert_close_to_reference
+from tests.helpers import ORT_KERNEL_MODES, assert_close_to_reference, requires_ort_kernels
 
 CASES = standard_cases()
 
@@ -41,32 +40,35 @@ def _slopes(case: AttentionCase, kwargs: dict) -> torch.Tensor:
     return slopes if slopes is not None else torch.zeros(case.num_heads)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_paged_attention_matches_reference(case: AttentionCase, kernels: str):
+def _paged_inputs(case: AttentionCase) -> tuple[dict, dict]:
+    """The PagedAttention node's inputs for ``case`` and the reference's keyword arguments."""
     x = make_paged_inputs(case)
-    inputs = {
-        name: x[name]
-        for name in (
-            "query",
-            "key_cache",
-            "value_cache",
-            "block_tables",
-            "seq_lens",
-            "query_start_loc",
-        )
-    }
-    inputs["alibi_slopes"] = _slopes(case, x["kwargs"])
-    session = single_node_session(
+    names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "query_start_loc")
+    inputs = {n: x[n] for n in names} | {"alibi_slopes": _slopes(case, x["kwargs"])}
+    return inputs, x["kwargs"]
+
+
+def _paged_session(inputs: dict, kwargs: dict, kernels: str) -> PagedOrtSession:
+    return single_node_session(
         "PagedAttention",
         inputs,
-        {"output": x["query"]},
+        {"output": inputs["query"]},
         kernels,
-        **_attention_attributes(x["kwargs"]),
+        **_attention_attributes(kwargs),
     )
-    out = session.run(inputs)["output"]
-    expected = reference.paged_attention(*list(inputs.values())[:6], **x["kwargs"])
-    assert out.shape == x["query"].shape and out.dtype == case.dtype
+
+
+def _check_paged_attention(case: AttentionCase, kernels: str) -> None:
+    inputs, kwargs = _paged_inputs(case)
+    out = _paged_session(inputs, kwargs, kernels).run(inputs)["output"]
+    expected = reference.paged_attention(*list(inputs.values())[:6], **kwargs)
+    assert out.shape == inputs["query"].shape and out.dtype == case.dtype
     assert_close_to_reference(out, expected)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_paged_attention_matches_reference(case: AttentionCase, kernels: str):
+    _check_paged_attention(case, kernels)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -186,20 +188,8 @@ def test_paged_attention_with_no_query_tokens(kernels: str):
 
 # ------------------------------------------------------------------ the native kernels only
 
-native_only = pytest.mark.skipif(
-    ort_kernels.unavailable_reason() is not None,
-    reason=f"native kernels: {ort_kernels.unavailable_reason()}",
-)
 
-
-def _paged_inputs(case: AttentionCase) -> tuple[dict, dict]:
-    x = make_paged_inputs(case)
-    names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "query_start_loc")
-    inputs = {n: x[n] for n in names} | {"alibi_slopes": _slopes(case, x["kwargs"])}
-    return inputs, _attention_attributes(x["kwargs"])
-
-
-@native_only
+@requires_ort_kernels
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -220,16 +210,14 @@ def _paged_inputs(case: AttentionCase) -> tuple[dict, dict]:
 )
 def test_native_paged_attention_refuses_bad_indices_before_reading(change, message):
     """The kernel reads the cache through these indices: it checks them first and names them."""
-    inputs, attributes = _paged_inputs(AttentionCase("mixed", (1, 9, 1), (4, 0, 3)))
-    session = single_node_session(
-        "PagedAttention", inputs, {"output": inputs["query"]}, "native", **attributes
-    )
+    inputs, kwargs = _paged_inputs(AttentionCase("mixed", (1, 9, 1), (4, 0, 3)))
+    session = _paged_session(inputs, kwargs, "native")
     change(inputs)
     with pytest.raises(Exception, match=message):
         session.run(inputs)
 
 
-@native_only
+@requires_ort_kernels
 def test_native_reshape_and_cache_refuses_a_slot_past_the_cache():
     x = make_paged_inputs(AttentionCase("decode", (1, 1), (5, 16)))
     session = _write_session(x, "native")
@@ -241,7 +229,7 @@ def test_native_reshape_and_cache_refuses_a_slot_past_the_cache():
     torch.testing.assert_close(x["key_cache"], before, atol=0, rtol=0)
 
 
-@native_only
+@requires_ort_kernels
 def test_native_reshape_and_cache_without_binding_returns_new_caches():
     """A plain ``run`` (outputs not bound to the inputs): the kernel copies each cache into its
     new output before writing, so the result equals the in-place one and the input is kept."""
@@ -259,16 +247,27 @@ def test_native_reshape_and_cache_without_binding_returns_new_caches():
     torch.testing.assert_close(x["key_cache"], before, atol=0, rtol=0)
 
 
-@native_only
+@requires_ort_kernels
+def test_native_paged_attention_refuses_query_offsets_past_the_tokens_without_sequences():
+    """No sequence, ``query_start_loc = [5]`` over 2 tokens: the offset is checked too (the
+    kernel zeroes the output rows before the first offset)."""
+    inputs, kwargs = _paged_inputs(AttentionCase("decode", (1, 1), (5, 16)))
+    inputs["query"] = inputs["query"][:2]
+    session = _paged_session(inputs, kwargs, "native")
+    inputs |= {
+        "block_tables": inputs["block_tables"][:0],
+        "seq_lens": inputs["seq_lens"][:0],
+        "query_start_loc": torch.tensor([5], dtype=torch.int32),
+    }
+    with pytest.raises(
+        Exception, match=r"query_start_loc\[0\] = 5 is outside \[0, num_tokens = 2\]"
+    ):
+        session.run(inputs)
+
+
+@requires_ort_kernels
 @pytest.mark.parametrize("head_size", [8, 40, 160])
 def test_native_paged_attention_pads_other_head_sizes(head_size):
     """Head sizes that are not a compiled row width run zero padded to the next one."""
     case = AttentionCase("mixed", (1, 9, 1), (4, 0, 3), head_size=head_size, sliding_window=5)
-    inputs, attributes = _paged_inputs(case)
-    session = single_node_session(
-        "PagedAttention", inputs, {"output": inputs["query"]}, "native", **attributes
-    )
-    expected = reference.paged_attention(
-        *list(inputs.values())[:6], **make_paged_inputs(case)["kwargs"]
-    )
-    assert_close_to_reference(session.run(inputs)["output"], expected)
+    _check_paged_attention(case, "native")

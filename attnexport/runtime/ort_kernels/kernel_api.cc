@@ -18,11 +18,13 @@ int64_t Tensor::numel() const {
   return n;
 }
 
-std::string Tensor::shape() const {
+std::string format_dims(const std::vector<int64_t>& dims) {
   std::string s = "[";
   for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
   return s + "]";
 }
+
+std::string Tensor::shape() const { return format_dims(dims); }
 
 size_t element_size(ONNXTensorElementDataType type) {
   switch (type) {

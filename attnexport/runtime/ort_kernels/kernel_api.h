@@ -25,8 +25,10 @@ struct Tensor {
   void* data = nullptr;
 
   int64_t numel() const;
-  std::string shape() const;  // "[2, 3]"
+  std::string shape() const;  // format_dims(dims)
 };
+
+std::string format_dims(const std::vector<int64_t>& dims);  // "[2, 3]"
 
 // Bytes per element of the float types the kernels take (float32, float16, bfloat16), else 0.
 size_t element_size(ONNXTensorElementDataType type);

@@ -1,4 +1,5 @@
-// attnexport.PagedAttention for onnxruntime's CPU execution provider, float32.
+// attnexport.PagedAttention for onnxruntime's CPU execution provider: float32, float16 and
+// bfloat16 queries and caches, math in float32.
 //
 // The standard-op body gathers every visible key and value row into a padded batch before two
 // matmuls; that copy is most of its time. This kernel reads the rows where they lie in the
@@ -60,10 +61,8 @@ namespace {
 OrtStatus* expect_shape(const Tensor& t, const char* name, const std::vector<int64_t>& dims,
                         const char* layout) {
   if (t.dims == dims) return nullptr;
-  Tensor expected;
-  expected.dims = dims;
   return invalid(std::string("PagedAttention: ") + name + ": expected " + layout + " = " +
-                 expected.shape() + ", got " + t.shape());
+                 format_dims(dims) + ", got " + t.shape());
 }
 
 }  // namespace
@@ -146,7 +145,9 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
 
   std::vector<WorkItem> items;
   int64_t previous_end = batch.query_start[0];
-  if (previous_end < 0) return invalid("PagedAttention: query_start_loc[0] must be >= 0");
+  if (previous_end < 0 || previous_end > tokens)
+    return invalid("PagedAttention: query_start_loc[0] = " + std::to_string(previous_end) +
+                   " is outside [0, num_tokens = " + std::to_string(tokens) + "]");
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t begin = batch.query_start[s], end = batch.query_start[s + 1];
     const int64_t length = batch.seq_lens[s];

@@ -8,7 +8,6 @@
 
 #include <onnxruntime_c_api.h>
 
-#include <mutex>
 #include <new>
 #include <vector>
 
@@ -95,13 +94,9 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(
     return api_base->GetApi(1)->CreateStatus(
         ORT_FAIL, "the attnexport kernels need onnxruntime >= 1.17 (C API version 17)");
   set_api(ort);
-  // A domain must outlive every session that uses it: one per registration, kept for good.
-  static std::mutex mutex;
-  static std::vector<OrtCustomOpDomain*> domains;
-  std::lock_guard<std::mutex> lock(mutex);
+  // Never released: a domain must outlive every session that uses it (one per registration).
   OrtCustomOpDomain* domain = nullptr;
   ATTNEXPORT_RETURN_IF_ERROR(ort->CreateCustomOpDomain("attnexport", &domain));
-  domains.push_back(domain);
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &paged_attention_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &reshape_and_cache_op));
   return ort->AddCustomOpDomain(options, domain);

@@ -72,10 +72,6 @@ inline void softmax_inplace(float* row, int64_t n) {
   for (i = 0; i < n; ++i) row[i] *= inverse;
 }
 
-}  // namespace attnexport
-
-namespace attnexport {
-
 // Storage types the kernels read and write; all math is float32.
 struct Half {
   uint16_t bits;
@@ -118,6 +114,5 @@ inline BFloat16 from_float<BFloat16>(float x) {
   bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
   return BFloat16{static_cast<uint16_t>(bits >> 16)};
 }
-
 
 }  // namespace attnexport
