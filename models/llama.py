@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from attnexport import rotary_embedding
 from models.base import ModelConfig
 from models.decoder import DecoderModel
 from models.errors import UnsupportedModelError
 from models.hf_config import check_model_type, required
 from models.hf_config import field as hf_field
 from models.layers import GatedMLP, PagedAttention, PagedMetadata, RMSNorm, activation
-from models.rope import RopeConfig, RotaryEmbedding, apply_rotary
+from models.rope import RopeConfig, RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -127,8 +128,8 @@ class LlamaAttention(nn.Module):
         cos, sin = rope
         qkv = self.qkv_proj(x).unflatten(-1, (self.heads + 2 * self.kv_heads, self.dim))
         qk, v = qkv.split((self.heads + self.kv_heads, self.kv_heads), dim=1)
-        # One rotation for the q and k heads together: half the graph nodes of two.
-        q, k = apply_rotary(qk, cos, sin).split((self.heads, self.kv_heads), dim=1)
+        # One rotation for the q and k heads together: one fused node in the graph.
+        q, k = rotary_embedding(qk, cos, sin).split((self.heads, self.kv_heads), dim=1)
         return self.o_proj(self.attn(q, k, v, key_cache, value_cache, metadata))
 
 

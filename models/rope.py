@@ -102,7 +102,8 @@ def _required(params: dict, key: str, rope_type: str):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for the positions of one step, and their application to q and k.
+    """cos/sin tables for the positions of one step (``attnexport.rotary_embedding`` applies
+    them to q and k).
 
     The inverse frequencies are kept as Python floats (exact fp32 values) and turned into a
     constant inside forward, so casting the model to bf16 never rounds them.
@@ -114,15 +115,9 @@ class RotaryEmbedding(nn.Module):
         self._inv_freq = tuple(rope.inv_freq(head_dim).tolist())
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """positions ``[T]`` int64 -> (cos, sin), each ``[T, 1, head_dim]`` in ``dtype``."""
+        """positions ``[T]`` int64 -> (cos, sin), each ``[T, head_dim]`` in ``dtype``: the
+        tables of ``attnexport.rotary_embedding``, computed once per step for every layer."""
         inv_freq = torch.tensor(self._inv_freq, dtype=torch.float32, device=positions.device)
         freqs = positions.float()[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates ``x`` ``[T, heads, head_dim]`` by the tables of :class:`RotaryEmbedding`."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

@@ -25,6 +25,7 @@ from attnexport.custom_ops.ops import (
     paged_attention,
     reshape_and_cache,
     reshape_and_cache_functional,
+    rotary_embedding,
     varlen_attention,
 )
 
@@ -43,6 +44,7 @@ __all__ = [
     "registered_backends",
     "reshape_and_cache",
     "reshape_and_cache_functional",
+    "rotary_embedding",
     "select_backend",
     "set_default_backend",
     "use_backend",

@@ -167,3 +167,24 @@ def varlen_attention(
             compute_dtype,
         )
     return out
+
+
+def rotary_embedding(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    compute_dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Reference of ``attnexport::rotary_embedding``; returns [T, H, D] in ``compute_dtype``.
+
+    With halves ``x1 = x[..., :D/2]`` and ``x2 = x[..., D/2:]``, element i of a head becomes
+    ``x[i] * cos[i] - x2[i] * sin[i]`` in the first half and ``x[i] * cos[i] + x1[i - D/2] *
+    sin[i]`` in the second.
+    """
+    x, cos, sin = (t.to(compute_dtype) for t in (x, cos, sin))
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    first = x1 * cos[..., :half] - x2 * sin[..., :half]
+    second = x2 * cos[..., half:] + x1 * sin[..., half:]
+    return torch.cat((first, second), dim=-1)

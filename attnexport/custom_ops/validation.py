@@ -488,3 +488,29 @@ def check_block_mapping(
             )
     if torch.unique(dst).numel() != dst.numel():
         raise ValueError(f"{name}: expected distinct destination blocks, got a block written twice")
+
+
+# --------------------------------------------------------------------------- rotary_embedding
+
+
+def check_rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Validates a rotary-embedding call (shapes and dtypes only; it reads no index)."""
+    _expect_floating("x", x)
+    _expect_rank("x", x, 3, "[num_tokens, num_heads, head_size]")
+    _expect(
+        x.shape[2] % 2 == 0,
+        lambda: f"x: expected an even head_size (it rotates halves), got shape {tuple(x.shape)}",
+    )
+    for name, table in (("cos", cos), ("sin", sin)):
+        _expect_rank(name, table, 2, "[num_tokens, head_size]")
+        if table.dtype != x.dtype:
+            raise TypeError(f"{name}: expected dtype {x.dtype} (the dtype of x), got {table.dtype}")
+        for axis, x_axis in ((0, 0), (1, 2)):
+            _expect(
+                table.shape[axis] == x.shape[x_axis],
+                lambda name=name, table=table: (
+                    f"{name}: expected shape [{x.shape[0]}, {x.shape[2]}] (num_tokens and "
+                    f"head_size of x), got {tuple(table.shape)}"
+                ),
+            )
+    _expect_same_device([("x", x), ("cos", cos), ("sin", sin)])

@@ -258,7 +258,7 @@ def _attend(
     return b.op("CastLike", b.Reshape(packed, shape), query, names=[output])
 
 
-# --------------------------------------------------------------------------- the three bodies
+# --------------------------------------------------------------------------- the bodies
 
 
 def reshape_and_cache(opset: int) -> onnx.FunctionProto:
@@ -353,8 +353,38 @@ def varlen_attention(opset: int) -> onnx.FunctionProto:
     )
 
 
+def rotary_embedding(opset: int) -> onnx.FunctionProto:
+    """``attnexport.RotaryEmbedding`` in standard ops (math in float32, like the other bodies:
+    onnxruntime's CPU elementwise kernels have no bfloat16)."""
+    b = Builder()
+    x = b.Cast("x", to=FLOAT)
+    half = b.Div(b.Shape(x, start=2), b.ints([2]))
+    first = b.Slice(x, b.ints([0]), half, b.ints([2]))
+    second = b.Slice(x, half, b.ints([_INT64_MAX]), b.ints([2]))
+    rotated = b.Concat(b.Neg(second), first, axis=2)
+    heads_axis = b.ints([1])
+    cos = b.Unsqueeze(b.Cast("cos", to=FLOAT), heads_axis)
+    sin = b.Unsqueeze(b.Cast("sin", to=FLOAT), heads_axis)
+    b.op("CastLike", b.Add(b.Mul(x, cos), b.Mul(rotated, sin)), "x", names=["output"])
+    return function(
+        b,
+        "RotaryEmbedding",
+        DOMAIN,
+        ["x", "cos", "sin"],
+        ["output"],
+        opset,
+        {},
+        doc="Rotary position embedding, rotate-half layout.",
+    )
+
+
 def all_bodies(opset: int) -> list[onnx.FunctionProto]:
     """The bodies of every attnexport node, for a model of standard opset ``opset`` (>= 18)."""
     if opset < 18:
         raise ValueError(f"opset: expected a standard ONNX opset >= 18, got {opset}")
-    return [reshape_and_cache(opset), paged_attention(opset), varlen_attention(opset)]
+    return [
+        reshape_and_cache(opset),
+        paged_attention(opset),
+        varlen_attention(opset),
+        rotary_embedding(opset),
+    ]

@@ -1,4 +1,4 @@
-"""The ``attnexport`` ONNX domain: operator schemas of its three nodes (version 1).
+"""The ``attnexport`` ONNX domain: operator schemas of its nodes (version 1).
 
 :func:`register_schemas` adds them to ``onnx.defs`` (idempotent), which the ONNX translation
 and ``onnx.checker`` need. The nodes implement DESIGN.md section 3; their standard-op
@@ -158,9 +158,35 @@ def varlen_attention_schema() -> OpSchema:
     )
 
 
+def rotary_embedding_schema() -> OpSchema:
+    return OpSchema(
+        "RotaryEmbedding",
+        DOMAIN,
+        DOMAIN_VERSION,
+        doc=(
+            "Rotary position embedding in the rotate-half (GPT-NeoX) layout: output = x * cos + "
+            "rotate_half(x) * sin, rotate_half(x) = concat(-x[..., D/2:], x[..., :D/2]), with "
+            "the [num_tokens, head_size] tables broadcast over the heads."
+        ),
+        inputs=[
+            _param("x", "T", "[num_tokens, num_heads, head_size], head_size even"),
+            _param("cos", "T", "[num_tokens, head_size] cosines of each token's angles"),
+            _param("sin", "T", "[num_tokens, head_size] sines of each token's angles"),
+        ],
+        outputs=[_param("output", "T", "[num_tokens, num_heads, head_size]")],
+        type_constraints=[("T", FLOAT_TYPES, "Input and table dtype.")],
+    )
+
+
 @functools.cache
 def register_schemas() -> None:
     """Registers the attnexport schemas with ``onnx.defs`` once per process."""
-    for schema in (reshape_and_cache_schema(), paged_attention_schema(), varlen_attention_schema()):
+    schemas = (
+        reshape_and_cache_schema(),
+        paged_attention_schema(),
+        varlen_attention_schema(),
+        rotary_embedding_schema(),
+    )
+    for schema in schemas:
         if not onnx.defs.has(schema.name, schema.domain):
             onnx.defs.register_schema(schema)

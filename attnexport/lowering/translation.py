@@ -127,6 +127,11 @@ def varlen_attention(
     )
 
 
+def rotary_embedding(x, cos, sin):
+    """attnexport::rotary_embedding(Tensor x, Tensor cos, Tensor sin) -> Tensor"""
+    return _attnexport.RotaryEmbedding(x, cos, sin)
+
+
 def translation_table() -> dict[Callable, Callable]:
     """``{torch op overload: translation}`` for ``torch.onnx.export(custom_translation_table=)``."""
     ops = torch.ops.attnexport
@@ -134,4 +139,5 @@ def translation_table() -> dict[Callable, Callable]:
         ops.reshape_and_cache_functional.default: reshape_and_cache_functional,
         ops.paged_attention.default: paged_attention,
         ops.varlen_attention.default: varlen_attention,
+        ops.rotary_embedding.default: rotary_embedding,
     }

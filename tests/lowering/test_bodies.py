@@ -4,6 +4,8 @@ onnxruntime) and by the native kernels of :mod:`attnexport.runtime.ort_kernels` 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from attnexport.testing import (
     single_node_session,
     standard_cases,
 )
+from tests.custom_ops.test_rotary_embedding import rotary_inputs
 from tests.helpers import ORT_KERNEL_MODES, assert_close_to_reference, requires_ort_kernels
 
 CASES = standard_cases()
@@ -271,3 +274,41 @@ def test_native_paged_attention_pads_other_head_sizes(head_size):
     """Head sizes that are not a compiled row width run zero padded to the next one."""
     case = AttentionCase("mixed", (1, 9, 1), (4, 0, 3), head_size=head_size, sliding_window=5)
     _check_paged_attention(case, "native")
+
+
+ROTARY_CASES = [
+    ((1, 16, 64), torch.float32),
+    ((9, 5, 80), torch.float32),
+    ((300, 12, 128), torch.float32),  # past the native kernel's parallel threshold
+    ((4, 3, 32), torch.float16),
+    ((4, 3, 32), torch.bfloat16),
+    ((0, 2, 16), torch.float32),
+]
+
+
+@pytest.mark.parametrize(
+    "shape,dtype", ROTARY_CASES, ids=[f"{'x'.join(map(str, s))}-{d}" for s, d in ROTARY_CASES]
+)
+def test_rotary_embedding_matches_reference(shape, dtype, kernels: str):
+    x, cos, sin = rotary_inputs(*shape, dtype=dtype)
+    inputs = {"x": x, "cos": cos, "sin": sin}
+    out = single_node_session("RotaryEmbedding", inputs, {"output": x}, kernels).run(inputs)
+    assert out["output"].shape == x.shape and out["output"].dtype == dtype
+    assert_close_to_reference(out["output"], reference.rotary_embedding(x, cos, sin))
+
+
+@requires_ort_kernels
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda x, c, s: (x[..., :7], c[:, :7], s[:, :7]), "an even head_size"),
+        (lambda x, c, s: (x, c[:-1], s[:-1]), "cos, sin: expected [3, 8]"),
+    ],
+    ids=["odd-head-size", "table-tokens"],
+)
+def test_native_rotary_embedding_refuses_bad_inputs(change, message):
+    x, cos, sin = change(*rotary_inputs(3, 2, 8))
+    inputs = {"x": x, "cos": cos, "sin": sin}
+    session = single_node_session("RotaryEmbedding", inputs, {"output": x}, "native")
+    with pytest.raises(Exception, match=re.escape(message)):
+        session.run(inputs)

@@ -54,6 +54,19 @@ def onnx_path(model, tmp_path_factory):
     return path
 
 
+def test_onnx_model_has_one_node_per_attnexport_op_and_layer(onnx_path, model):
+    """The rotation of q and k is one fused node per layer (native kernel or body), beside the
+    cache write and the attention."""
+    import onnx
+
+    graph = onnx.load(onnx_path, load_external_data=False).graph
+    kinds = [n.op_type for n in graph.node if n.domain == "attnexport"]
+    layers = model.config.num_hidden_layers
+    assert sorted(kinds) == sorted(
+        ["PagedAttention", "ReshapeAndCache", "RotaryEmbedding"] * layers
+    )
+
+
 @pytest.mark.parametrize("kernels", ORT_KERNEL_MODES)
 def test_onnxruntime_matches_eager(onnx_path, model, eager_tokens, kernels):
     from attnexport.runtime import OrtExecutor

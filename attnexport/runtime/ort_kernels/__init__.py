@@ -1,11 +1,12 @@
 """Native onnxruntime CPU kernels for the attnexport domain (``libattnexport_ort.so``).
 
 Stock onnxruntime runs an attnexport node through its standard-op function body. Registering
-this library with a session replaces the bodies of ``PagedAttention`` and ``ReshapeAndCache``
-by C++ kernels (float32, float16, bfloat16 on the CPU execution provider): attention reads the
-key and value rows where they lie in the paged cache instead of gathering them into a padded
-batch first. Nodes the kernels do not cover (``VarlenAttention``, nodes placed on another
-execution provider) keep their bodies. ``scripts/build_ort_kernels.sh`` (run by ``make``)
+this library with a session replaces the bodies of ``PagedAttention``, ``ReshapeAndCache`` and
+``RotaryEmbedding`` by C++ kernels (float32, float16, bfloat16 on the CPU execution provider):
+attention reads the key and value rows where they lie in the paged cache instead of gathering
+them into a padded batch first, and the rotation is one node instead of seven. Nodes the
+kernels do not cover (``VarlenAttention``, nodes placed on another execution provider) keep
+their bodies. ``scripts/build_ort_kernels.sh`` (run by ``make``)
 builds the library next to this file.
 """
 

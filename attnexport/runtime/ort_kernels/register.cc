@@ -14,6 +14,7 @@
 #include "kernel_api.h"
 #include "paged_attention.h"
 #include "reshape_and_cache.h"
+#include "rotary_embedding.h"
 
 namespace attnexport {
 namespace {
@@ -82,6 +83,7 @@ Op<PagedAttention> paged_attention_op(
     "PagedAttention", {kAnyType, kAnyType, kAnyType, kInt32, kInt32, kInt32, kAnyType}, {0});
 Op<ReshapeAndCache> reshape_and_cache_op(
     "ReshapeAndCache", {kAnyType, kAnyType, kAnyType, kAnyType, kAnyType}, {2, 3});
+Op<RotaryEmbedding> rotary_embedding_op("RotaryEmbedding", {kAnyType, kAnyType, kAnyType}, {0});
 
 }  // namespace
 }  // namespace attnexport
@@ -99,5 +101,6 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(
   ATTNEXPORT_RETURN_IF_ERROR(ort->CreateCustomOpDomain("attnexport", &domain));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &paged_attention_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &reshape_and_cache_op));
+  ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &rotary_embedding_op));
   return ort->AddCustomOpDomain(options, domain);
 }
