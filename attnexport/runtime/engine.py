@@ -375,7 +375,7 @@ class Engine:
 
     def _forced(self, seq: Seq, token: int) -> int:
         """``token``, or the token the request's params force as ``seq``'s next one."""
-        generated = len(seq.output_ids)
+        generated = seq.num_output_tokens
         is_last = (
             generated + 1 >= seq.request.params.max_tokens
             or len(seq.token_ids) + 1 >= self.max_model_len
@@ -388,7 +388,7 @@ class Engine:
         params = seq.request.params
         if token in params.stop_token_ids:
             seq.finish_reason = "stop"
-        elif len(seq.output_ids) >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        elif seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"
         if seq.finished:
             self.scheduler.free_finished_seq(seq)

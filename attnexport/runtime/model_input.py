@@ -12,6 +12,7 @@ from attnexport.custom_ops.metadata import (
     AttentionMetadata,
     ScheduledSequence,
     build_attention_metadata,
+    index_tensor,
 )
 from attnexport.model_interface import DECODER_INPUT_NAMES, ENCODER_DECODER_INPUT_NAMES
 
@@ -126,11 +127,11 @@ def pack_step(sequences: Sequence[StepSequence], block_size: int) -> ModelInput:
     metadata = build_attention_metadata([s.scheduled for s in sequences], block_size)
     encoder = metadata.is_encoder_decoder
     return ModelInput(
-        input_ids=torch.tensor(tokens, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+        input_ids=index_tensor(tokens, torch.int64),
+        positions=index_tensor(positions, torch.int64),
+        logits_indices=index_tensor(logits_indices, torch.int64),
         metadata=metadata,
         sampling_seqs=sampling_seqs,
-        encoder_input_ids=torch.tensor(encoder_ids, dtype=torch.int64) if encoder else None,
-        encoder_positions=torch.tensor(encoder_positions, dtype=torch.int64) if encoder else None,
+        encoder_input_ids=index_tensor(encoder_ids, torch.int64) if encoder else None,
+        encoder_positions=index_tensor(encoder_positions, torch.int64) if encoder else None,
     )

@@ -75,6 +75,10 @@ class Sequence:
         return self.token_ids[self.request.prompt_len :]
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.request.prompt_len
+
+    @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
 
