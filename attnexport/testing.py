@@ -3,7 +3,7 @@
 * :func:`tolerance` — the one place where per-dtype error tolerances live.
 * :class:`AttentionCase` and :func:`make_paged_inputs` / :func:`make_varlen_inputs` — named,
   reproducible random batches (ragged lengths, randomly permuted blocks, padding slots) that
-  every backend's suite runs.
+  every backend's suite runs; :func:`make_rotary_inputs` for ``rotary_embedding``.
 * :func:`single_node_session` — one attnexport node in onnxruntime (body or native kernels).
 """
 
@@ -191,6 +191,20 @@ def attention_kwargs(case: AttentionCase, device="cpu") -> dict:
     }
 
 
+def make_rotary_inputs(
+    tokens: int, heads: int, head_size: int, dtype=torch.float32, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random ``x`` ``[T, H, D]`` and the cos/sin tables ``[T, D]`` of random positions < 4096
+    (RoPE with theta 10000, as models build them), for ``rotary_embedding``."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, heads, head_size, generator=generator).to(dtype)
+    positions = torch.randint(0, 4096, (tokens,), generator=generator)
+    inv_freq = 10000.0 ** -(torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)
+    angles = positions[:, None].double() * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    return x, angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def standard_cases() -> list[AttentionCase]:
     """The parametrized matrix every backend suite runs (each backend skips, with its reasons,
     the cases it does not support)."""
@@ -224,7 +238,7 @@ def standard_cases() -> list[AttentionCase]:
 
 def _geometry(op_type: str, inputs: dict[str, torch.Tensor]) -> dict[str, int]:
     """The static-shape attributes the exporter sets on ``op_type`` for these inputs."""
-    if op_type == "RotaryEmbedding":
+    if op_type == "NeoxRotaryEmbedding":
         return {}
     if op_type == "ReshapeAndCache":
         return {"block_size": inputs["key_cache"].shape[1]}

@@ -354,7 +354,7 @@ def varlen_attention(opset: int) -> onnx.FunctionProto:
 
 
 def rotary_embedding(opset: int) -> onnx.FunctionProto:
-    """``attnexport.RotaryEmbedding`` in standard ops (math in float32, like the other bodies:
+    """``attnexport.NeoxRotaryEmbedding`` in standard ops (math in float32, like the other bodies:
     onnxruntime's CPU elementwise kernels have no bfloat16)."""
     b = Builder()
     x = b.Cast("x", to=FLOAT)
@@ -368,7 +368,7 @@ def rotary_embedding(opset: int) -> onnx.FunctionProto:
     b.op("CastLike", b.Add(b.Mul(x, cos), b.Mul(rotated, sin)), "x", names=["output"])
     return function(
         b,
-        "RotaryEmbedding",
+        "NeoxRotaryEmbedding",
         DOMAIN,
         ["x", "cos", "sin"],
         ["output"],

@@ -160,7 +160,7 @@ def varlen_attention_schema() -> OpSchema:
 
 def rotary_embedding_schema() -> OpSchema:
     return OpSchema(
-        "RotaryEmbedding",
+        "NeoxRotaryEmbedding",
         DOMAIN,
         DOMAIN_VERSION,
         doc=(
@@ -180,7 +180,11 @@ def rotary_embedding_schema() -> OpSchema:
 
 @functools.cache
 def register_schemas() -> None:
-    """Registers the attnexport schemas with ``onnx.defs`` once per process."""
+    """Registers the attnexport schemas with ``onnx.defs`` once per process.
+
+    A name must not be a standard op's (ONNX 23 has ``RotaryEmbedding``): ``onnx.reference``,
+    which onnxscript imports, refuses two schemas of one name in different domains, so the
+    import of onnxscript would fail in any process that registered first."""
     schemas = (
         reshape_and_cache_schema(),
         paged_attention_schema(),
@@ -188,5 +192,7 @@ def register_schemas() -> None:
         rotary_embedding_schema(),
     )
     for schema in schemas:
+        if onnx.defs.has(schema.name, ""):
+            raise ValueError(f"attnexport node {schema.name}: a standard ONNX op has this name")
         if not onnx.defs.has(schema.name, schema.domain):
             onnx.defs.register_schema(schema)

@@ -129,7 +129,7 @@ def varlen_attention(
 
 def rotary_embedding(x, cos, sin):
     """attnexport::rotary_embedding(Tensor x, Tensor cos, Tensor sin) -> Tensor"""
-    return _attnexport.RotaryEmbedding(x, cos, sin)
+    return _attnexport.NeoxRotaryEmbedding(x, cos, sin)
 
 
 def translation_table() -> dict[Callable, Callable]:

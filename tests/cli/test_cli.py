@@ -138,7 +138,7 @@ def test_inspect(llama_export, capsys):
     assert summary["custom_nodes"] == {
         "attnexport::PagedAttention": 2,
         "attnexport::ReshapeAndCache": 2,
-        "attnexport::RotaryEmbedding": 2,
+        "attnexport::NeoxRotaryEmbedding": 2,
     }
     assert len(summary["cache_ports"]) == 4
     assert summary["cache_ports"][0] == {"input": "kv_caches_0", "output": "kv_caches_0_out"}

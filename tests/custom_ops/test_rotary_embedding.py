@@ -10,27 +10,17 @@ import torch
 
 import attnexport
 from attnexport.custom_ops import reference
+from attnexport.testing import make_rotary_inputs
 from tests.helpers import assert_close_to_reference
 
 SHAPES = [(1, 1, 2), (1, 16, 64), (7, 5, 80), (33, 3, 128), (0, 4, 32)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
-def rotary_inputs(tokens: int, heads: int, head_size: int, dtype=torch.float32, seed: int = 0):
-    """x [T, H, D] and the cos/sin tables of random positions (as models build them)."""
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, heads, head_size, generator=generator).to(dtype)
-    positions = torch.randint(0, 4096, (tokens,), generator=generator)
-    inv_freq = 10000.0 ** -(torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)
-    angles = positions[:, None].double() * inv_freq[None, :]
-    angles = torch.cat((angles, angles), dim=-1)
-    return x, angles.cos().to(dtype), angles.sin().to(dtype)
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_matches_reference(shape, dtype):
-    x, cos, sin = rotary_inputs(*shape, dtype=dtype)
+    x, cos, sin = make_rotary_inputs(*shape, dtype=dtype)
     out = attnexport.rotary_embedding(x, cos, sin)
     assert out.shape == x.shape and out.dtype == dtype
     assert_close_to_reference(out, reference.rotary_embedding(x, cos, sin))
@@ -39,7 +29,7 @@ def test_matches_reference(shape, dtype):
 def test_rotates_each_pair_by_its_angle():
     """Element i and i + D/2 of a head are a 2-D vector rotated by the token's angle i: the norm
     of every pair is kept and a rotation by 0 is the identity."""
-    x, cos, sin = rotary_inputs(5, 3, 16, dtype=torch.float64)
+    x, cos, sin = make_rotary_inputs(5, 3, 16, dtype=torch.float64)
     out = attnexport.rotary_embedding(x, cos, sin)
     half = x.shape[-1] // 2
     norms = x[..., :half].square() + x[..., half:].square()
@@ -50,7 +40,7 @@ def test_rotates_each_pair_by_its_angle():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_opcheck(dtype):
-    x, cos, sin = rotary_inputs(6, 4, 32, dtype=dtype)
+    x, cos, sin = make_rotary_inputs(6, 4, 32, dtype=dtype)
     torch.library.opcheck(
         torch.ops.attnexport.rotary_embedding.default,
         (x, cos, sin),
@@ -88,6 +78,6 @@ ERRORS = {
 
 @pytest.mark.parametrize("change,error,message", ERRORS.values(), ids=ERRORS.keys())
 def test_rejects(change, error, message):
-    args = change(*rotary_inputs(3, 2, 8))
+    args = change(*make_rotary_inputs(3, 2, 8))
     with pytest.raises(error, match=re.escape(message)):
         attnexport.rotary_embedding(*args)

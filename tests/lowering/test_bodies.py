@@ -5,6 +5,8 @@ onnxruntime) and by the native kernels of :mod:`attnexport.runtime.ort_kernels` 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,11 +16,11 @@ from attnexport.lowering.ort_session import PagedOrtSession
 from attnexport.testing import (
     AttentionCase,
     make_paged_inputs,
+    make_rotary_inputs,
     make_varlen_inputs,
     single_node_session,
     standard_cases,
 )
-from tests.custom_ops.test_rotary_embedding import rotary_inputs
 from tests.helpers import ORT_KERNEL_MODES, assert_close_to_reference, requires_ort_kernels
 
 CASES = standard_cases()
@@ -290,9 +292,9 @@ ROTARY_CASES = [
     "shape,dtype", ROTARY_CASES, ids=[f"{'x'.join(map(str, s))}-{d}" for s, d in ROTARY_CASES]
 )
 def test_rotary_embedding_matches_reference(shape, dtype, kernels: str):
-    x, cos, sin = rotary_inputs(*shape, dtype=dtype)
+    x, cos, sin = make_rotary_inputs(*shape, dtype=dtype)
     inputs = {"x": x, "cos": cos, "sin": sin}
-    out = single_node_session("RotaryEmbedding", inputs, {"output": x}, kernels).run(inputs)
+    out = single_node_session("NeoxRotaryEmbedding", inputs, {"output": x}, kernels).run(inputs)
     assert out["output"].shape == x.shape and out["output"].dtype == dtype
     assert_close_to_reference(out["output"], reference.rotary_embedding(x, cos, sin))
 
@@ -307,8 +309,20 @@ def test_rotary_embedding_matches_reference(shape, dtype, kernels: str):
     ids=["odd-head-size", "table-tokens"],
 )
 def test_native_rotary_embedding_refuses_bad_inputs(change, message):
-    x, cos, sin = change(*rotary_inputs(3, 2, 8))
+    x, cos, sin = change(*make_rotary_inputs(3, 2, 8))
     inputs = {"x": x, "cos": cos, "sin": sin}
-    session = single_node_session("RotaryEmbedding", inputs, {"output": x}, "native")
+    session = single_node_session("NeoxRotaryEmbedding", inputs, {"output": x}, "native")
     with pytest.raises(Exception, match=re.escape(message)):
         session.run(inputs)
+
+
+def test_schemas_registered_first_leave_onnxscript_importable():
+    """No attnexport node shares a name with a standard op: onnx.reference (imported by
+    onnxscript) refuses two schemas of one name, so registering first broke the import."""
+    code = (
+        "from attnexport.lowering.schemas import register_schemas\n"
+        "register_schemas()\n"
+        "import onnxscript, onnx.reference\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

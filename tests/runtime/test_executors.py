@@ -63,7 +63,7 @@ def test_onnx_model_has_one_node_per_attnexport_op_and_layer(onnx_path, model):
     kinds = [n.op_type for n in graph.node if n.domain == "attnexport"]
     layers = model.config.num_hidden_layers
     assert sorted(kinds) == sorted(
-        ["PagedAttention", "ReshapeAndCache", "RotaryEmbedding"] * layers
+        ["PagedAttention", "ReshapeAndCache", "NeoxRotaryEmbedding"] * layers
     )
 
 

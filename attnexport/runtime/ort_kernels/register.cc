@@ -83,7 +83,7 @@ Op<PagedAttention> paged_attention_op(
     "PagedAttention", {kAnyType, kAnyType, kAnyType, kInt32, kInt32, kInt32, kAnyType}, {0});
 Op<ReshapeAndCache> reshape_and_cache_op(
     "ReshapeAndCache", {kAnyType, kAnyType, kAnyType, kAnyType, kAnyType}, {2, 3});
-Op<RotaryEmbedding> rotary_embedding_op("RotaryEmbedding", {kAnyType, kAnyType, kAnyType}, {0});
+Op<NeoxRotaryEmbedding> rotary_embedding_op("NeoxRotaryEmbedding", {kAnyType, kAnyType, kAnyType}, {0});
 
 }  // namespace
 }  // namespace attnexport

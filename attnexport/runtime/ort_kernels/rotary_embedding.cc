@@ -1,4 +1,4 @@
-// attnexport.RotaryEmbedding for onnxruntime's CPU execution provider: one pass over x instead
+// attnexport.NeoxRotaryEmbedding for onnxruntime's CPU execution provider: one pass over x instead
 // of the ~7 nodes (slices, negation, concatenation, products, sum) of its function body.
 //
 // With h = D / 2, head row x of token t becomes
@@ -63,20 +63,20 @@ OrtStatus* run(OrtKernelContext* context, const Tensor& x, const Tensor& cos, co
 
 }  // namespace
 
-OrtStatus* RotaryEmbedding::compute(OrtKernelContext* context) const {
+OrtStatus* NeoxRotaryEmbedding::compute(OrtKernelContext* context) const {
   Tensor x, cos, sin;
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 0, &x));
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 1, &cos));
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 2, &sin));
   if (x.dims.size() != 3 || x.dims[2] % 2 != 0)
-    return invalid("RotaryEmbedding: x: expected [num_tokens, num_heads, head_size] with an even "
+    return invalid("NeoxRotaryEmbedding: x: expected [num_tokens, num_heads, head_size] with an even "
                    "head_size, got " + x.shape());
   const std::vector<int64_t> table_dims{x.dims[0], x.dims[2]};
   if (cos.dims != table_dims || sin.dims != table_dims)
-    return invalid("RotaryEmbedding: cos, sin: expected " + format_dims(table_dims) +
+    return invalid("NeoxRotaryEmbedding: cos, sin: expected " + format_dims(table_dims) +
                    " ([num_tokens, head_size] of x), got " + cos.shape() + " and " + sin.shape());
   if (element_size(x.type) == 0 || cos.type != x.type || sin.type != x.type)
-    return invalid("RotaryEmbedding: x, cos and sin must share one float32, float16 or bfloat16 "
+    return invalid("NeoxRotaryEmbedding: x, cos and sin must share one float32, float16 or bfloat16 "
                    "dtype");
   Tensor out;
   ATTNEXPORT_RETURN_IF_ERROR(make_output(context, 0, x.dims, &out));
