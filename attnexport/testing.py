@@ -238,7 +238,7 @@ def standard_cases() -> list[AttentionCase]:
 
 def _geometry(op_type: str, inputs: dict[str, torch.Tensor]) -> dict[str, int]:
     """The static-shape attributes the exporter sets on ``op_type`` for these inputs."""
-    if op_type == "NeoxRotaryEmbedding":
+    if op_type in ("NeoxRotaryEmbedding", "SiluAndMul", "FusedAddRMSNorm"):
         return {}
     if op_type == "ReshapeAndCache":
         return {"block_size": inputs["key_cache"].shape[1]}

@@ -398,8 +398,11 @@ def main() -> int:
     if "genai" in legs and not (args.work / "genai" / "genai_config.json").exists():
         try:
             build_genai(args.genai_python, checkpoint, args.work / "genai", args.threads)
-        except (subprocess.CalledProcessError, OSError) as error:
-            print(f"genai: builder failed ({error}); pass --genai-python", file=sys.stderr)
+        except subprocess.CalledProcessError as error:
+            last = error.stderr.decode(errors="replace").strip().splitlines()[-1:]
+            print(f"genai: the builder failed: {''.join(last) or error}", file=sys.stderr)
+        except OSError as error:
+            print(f"genai: cannot run the builder ({error}); pass --genai-python", file=sys.stderr)
 
     results: dict[str, dict[int, dict]] = {leg: {} for leg in legs}
     # Legs alternate within each repeat, and the best repeat counts: on a shared machine this

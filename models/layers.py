@@ -46,6 +46,13 @@ class RMSNorm(nn.Module):
         x32 = x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)`` for x, residual ``[T, hidden]``: one
+        ``attnexport::fused_add_rms_norm`` (one node of an exported graph, not two)."""
+        return torch.ops.attnexport.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
 
 def _gelu_tanh_formula(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3.0))))
@@ -96,10 +103,14 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
+        self.is_silu = self.act is F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]``."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.is_silu:  # one attnexport::silu_and_mul (one node of an exported graph)
+            return self.down_proj(torch.ops.attnexport.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 

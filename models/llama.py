@@ -143,9 +143,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, rope, key_cache, value_cache, metadata):
-        x = x + self.self_attn(self.input_layernorm(x), rope, key_cache, value_cache, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, key_cache, value_cache, metadata):
+        """The layer on ``x`` [T, hidden] with the residual stream kept apart (as in vLLM):
+        ``residual`` is None in the first layer, whose input is the residual; otherwise the
+        layer input is ``x + residual``, added by the fused norm. Returns ``(x, residual)``
+        of the next layer."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, rope, key_cache, value_cache, metadata)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaBackbone(nn.Module):
@@ -186,9 +195,12 @@ class LlamaForCausalLM(DecoderModel):
     def hidden_states(self, input_ids, positions, metadata, kv_caches) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb(positions, x.dtype)
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, kv_caches[2 * i], kv_caches[2 * i + 1], metadata)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, kv_caches[2 * i], kv_caches[2 * i + 1], metadata)
+        if residual is None:  # no layers
+            return self.model.norm(x)
+        return self.model.norm.add_and_norm(x, residual)[0]
 
     def input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens

@@ -22,10 +22,12 @@ from attnexport.custom_ops.metadata import (
     build_attention_metadata,
 )
 from attnexport.custom_ops.ops import (
+    fused_add_rms_norm,
     paged_attention,
     reshape_and_cache,
     reshape_and_cache_functional,
     rotary_embedding,
+    silu_and_mul,
     varlen_attention,
 )
 
@@ -38,6 +40,7 @@ __all__ = [
     "ScheduledSequence",
     "build_attention_metadata",
     "current_backend_name",
+    "fused_add_rms_norm",
     "get_backend",
     "paged_attention",
     "register_backend",
@@ -47,6 +50,7 @@ __all__ = [
     "rotary_embedding",
     "select_backend",
     "set_default_backend",
+    "silu_and_mul",
     "use_backend",
     "varlen_attention",
 ]

@@ -370,3 +370,69 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 def _(x, cos, sin):
     validation.check_rotary_embedding(x, cos, sin)
     return torch.empty_like(x)
+
+
+# --------------------------------------------------------------------------- silu_and_mul
+
+
+@torch.library.custom_op("attnexport::silu_and_mul", mutates_args=(), schema="(Tensor x) -> Tensor")
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate: ``silu(x[:, :d]) * x[:, d:]`` (the halves of a fused gate/up projection).
+
+    One op instead of a split, a sigmoid and two products, so that an exported graph runs it
+    as one kernel (the native onnxruntime kernels do), like vLLM's op of the same name.
+
+    Args:
+        x: ``[T, 2 * d]`` floating point.
+
+    Returns:
+        ``[T, d]`` in the dtype of x (silu, then the product, each rounded to that dtype).
+    """
+    validation.check_silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@silu_and_mul.register_fake
+def _(x):
+    validation.check_silu_and_mul(x)
+    return x.new_empty(x.shape[0], x.shape[1] // 2)
+
+
+# --------------------------------------------------------------------------- fused_add_rms_norm
+
+
+@torch.library.custom_op(
+    "attnexport::fused_add_rms_norm",
+    mutates_args=(),
+    schema="(Tensor x, Tensor residual, Tensor weight, float epsilon) -> (Tensor, Tensor)",
+)
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add followed by Llama's RMSNorm, as one op (vLLM's ``fused_add_rms_norm``,
+    without its in-place writes): one node of an exported graph instead of an Add and a norm.
+
+    Args:
+        x: ``[T, hidden]`` floating point, the block's output.
+        residual: ``[T, hidden]`` in the dtype of x, the residual stream.
+        weight: ``[hidden]`` in the dtype of x.
+        epsilon: added to the mean square.
+
+    Returns:
+        ``(normed, total)``, both ``[T, hidden]`` in the dtype of x: ``total = x + residual``
+        (rounded to that dtype) and ``normed = weight * (t / sqrt(mean(t^2) + epsilon))`` with
+        ``t`` = total in float32 (float64 too), the quotient rounded to the dtype before the
+        weight is applied (transformers' LlamaRMSNorm).
+    """
+    validation.check_fused_add_rms_norm(x, residual, weight)
+    total = x + residual
+    t = total.float()
+    normed = t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + epsilon)
+    return weight * normed.to(x.dtype), total
+
+
+@fused_add_rms_norm.register_fake
+def _(x, residual, weight, epsilon):
+    validation.check_fused_add_rms_norm(x, residual, weight)
+    return torch.empty_like(x), torch.empty_like(x)

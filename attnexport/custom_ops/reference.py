@@ -188,3 +188,26 @@ def rotary_embedding(
     first = x1 * cos[..., :half] - x2 * sin[..., :half]
     second = x2 * cos[..., half:] + x1 * sin[..., half:]
     return torch.cat((first, second), dim=-1)
+
+
+def silu_and_mul(x: torch.Tensor, compute_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Reference of ``attnexport::silu_and_mul``: ``g / (1 + exp(-g)) * u`` for the halves
+    ``g, u`` of x, in ``compute_dtype``."""
+    x = x.to(compute_dtype)
+    half = x.shape[-1] // 2
+    gate, up = x[..., :half], x[..., half:]
+    return gate / (1 + torch.exp(-gate)) * up
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    epsilon: float,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of ``attnexport::fused_add_rms_norm``: ``(normed, total)`` in ``compute_dtype``
+    (the sum is not rounded to the input dtype)."""
+    total = x.to(compute_dtype) + residual.to(compute_dtype)
+    rms = torch.sqrt((total * total).mean(-1, keepdim=True) + epsilon)
+    return weight.to(compute_dtype) * (total / rms), total

@@ -514,3 +514,40 @@ def check_rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ),
             )
     _expect_same_device([("x", x), ("cos", cos), ("sin", sin)])
+
+
+# --------------------------------------------------------------------------- silu_and_mul
+
+
+def check_silu_and_mul(x: torch.Tensor) -> None:
+    """Validates a silu_and_mul call: a 2-D float tensor whose last dim holds two halves."""
+    _expect_floating("x", x)
+    _expect_rank("x", x, 2, "[num_tokens, 2 * d]")
+    _expect(
+        x.shape[1] % 2 == 0,
+        lambda: f"x: expected an even last dim (gate and up halves), got shape {tuple(x.shape)}",
+    )
+
+
+# --------------------------------------------------------------------------- fused_add_rms_norm
+
+
+def check_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
+    """Validates a fused_add_rms_norm call (shapes, dtypes and devices)."""
+    _expect_floating("x", x)
+    _expect_rank("x", x, 2, "[num_tokens, hidden]")
+    for name, tensor, shape in (
+        ("residual", residual, tuple(x.shape)),
+        ("weight", weight, (x.shape[1],)),
+    ):
+        if tensor.dtype != x.dtype:
+            raise TypeError(
+                f"{name}: expected dtype {x.dtype} (the dtype of x), got {tensor.dtype}"
+            )
+        _expect(
+            tuple(tensor.shape) == shape,
+            lambda name=name, tensor=tensor, shape=shape: (
+                f"{name}: expected shape {list(shape)} (from x), got {tuple(tensor.shape)}"
+            ),
+        )
+    _expect_same_device([("x", x), ("residual", residual), ("weight", weight)])

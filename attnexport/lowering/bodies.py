@@ -378,6 +378,44 @@ def rotary_embedding(opset: int) -> onnx.FunctionProto:
     )
 
 
+def silu_and_mul(opset: int) -> onnx.FunctionProto:
+    """``attnexport.SiluAndMul`` in standard ops (math in float32)."""
+    b = Builder()
+    gate, up = b.Split(b.Cast("x", to=FLOAT), axis=-1, num_outputs=2, outputs=2)
+    b.op("CastLike", b.Mul(b.Mul(gate, b.Sigmoid(gate)), up), "x", names=["output"])
+    return function(
+        b, "SiluAndMul", DOMAIN, ["x"], ["output"], opset, {}, doc="silu(x[:, :d]) * x[:, d:]."
+    )
+
+
+def fused_add_rms_norm(opset: int) -> onnx.FunctionProto:
+    """``attnexport.FusedAddRMSNorm`` in standard ops: the sum and the product by the weight
+    are rounded to the input dtype like the torch op's, computed in float32 (onnxruntime's CPU
+    elementwise kernels have no bfloat16)."""
+    b = Builder()
+    total = b.op(
+        "CastLike",
+        b.Add(b.Cast("x", to=FLOAT), b.Cast("residual", to=FLOAT)),
+        "x",
+        names=["residual_out"],
+    )
+    t = b.Cast(total, to=FLOAT)
+    mean_square = b.ReduceMean(b.Mul(t, t), b.ints([-1]), keepdims=1)
+    normed = b.CastLike(b.Div(t, b.Sqrt(b.Add(mean_square, b.attribute("epsilon", "float")))), "x")
+    scaled = b.Mul(b.Cast("weight", to=FLOAT), b.Cast(normed, to=FLOAT))
+    b.op("CastLike", scaled, "x", names=["output"])
+    return function(
+        b,
+        "FusedAddRMSNorm",
+        DOMAIN,
+        ["x", "residual", "weight"],
+        ["output", "residual_out"],
+        opset,
+        {"epsilon": None},
+        doc="Residual add, then RMSNorm.",
+    )
+
+
 def all_bodies(opset: int) -> list[onnx.FunctionProto]:
     """The bodies of every attnexport node, for a model of standard opset ``opset`` (>= 18)."""
     if opset < 18:
@@ -387,4 +425,6 @@ def all_bodies(opset: int) -> list[onnx.FunctionProto]:
         paged_attention(opset),
         varlen_attention(opset),
         rotary_embedding(opset),
+        silu_and_mul(opset),
+        fused_add_rms_norm(opset),
     ]

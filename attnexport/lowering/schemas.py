@@ -178,6 +178,47 @@ def rotary_embedding_schema() -> OpSchema:
     )
 
 
+def silu_and_mul_schema() -> OpSchema:
+    return OpSchema(
+        "SiluAndMul",
+        DOMAIN,
+        DOMAIN_VERSION,
+        doc=(
+            "SwiGLU's gate of a fused gate/up projection: output = silu(x[:, :d]) * x[:, d:] with "
+            "silu(g) = g * sigmoid(g)."
+        ),
+        inputs=[_param("x", "T", "[num_tokens, 2 * d]: the gate half, then the up half")],
+        outputs=[_param("output", "T", "[num_tokens, d]")],
+        type_constraints=[("T", FLOAT_TYPES, "Input and output dtype.")],
+    )
+
+
+def fused_add_rms_norm_schema() -> OpSchema:
+    return OpSchema(
+        "FusedAddRMSNorm",
+        DOMAIN,
+        DOMAIN_VERSION,
+        doc=(
+            "A residual add and Llama's RMSNorm: residual_out = x + residual (in T); output = "
+            "weight * T(t / sqrt(mean(t^2 over the last axis) + epsilon)), t = residual_out in "
+            "float32."
+        ),
+        inputs=[
+            _param("x", "T", "[num_tokens, hidden] the block's output"),
+            _param("residual", "T", "[num_tokens, hidden] the residual stream"),
+            _param("weight", "T", "[hidden] the norm's scale"),
+        ],
+        outputs=[
+            _param("output", "T", "[num_tokens, hidden] the normalized sum"),
+            _param("residual_out", "T", "[num_tokens, hidden] x + residual"),
+        ],
+        type_constraints=[("T", FLOAT_TYPES, "Input and output dtype.")],
+        attributes=[
+            OpSchema.Attribute("epsilon", OpSchema.AttrType.FLOAT, "Added to the mean square.")
+        ],
+    )
+
+
 @functools.cache
 def register_schemas() -> None:
     """Registers the attnexport schemas with ``onnx.defs`` once per process.
@@ -190,6 +231,8 @@ def register_schemas() -> None:
         paged_attention_schema(),
         varlen_attention_schema(),
         rotary_embedding_schema(),
+        silu_and_mul_schema(),
+        fused_add_rms_norm_schema(),
     )
     for schema in schemas:
         if onnx.defs.has(schema.name, ""):

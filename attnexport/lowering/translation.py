@@ -132,6 +132,17 @@ def rotary_embedding(x, cos, sin):
     return _attnexport.NeoxRotaryEmbedding(x, cos, sin)
 
 
+def silu_and_mul(x):
+    """attnexport::silu_and_mul(Tensor x) -> Tensor"""
+    return _attnexport.SiluAndMul(x)
+
+
+def fused_add_rms_norm(x, residual, weight, epsilon: float):
+    """attnexport::fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float epsilon)
+    -> (Tensor, Tensor)"""
+    return _attnexport.FusedAddRMSNorm(x, residual, weight, epsilon=float(epsilon), _outputs=2)
+
+
 def translation_table() -> dict[Callable, Callable]:
     """``{torch op overload: translation}`` for ``torch.onnx.export(custom_translation_table=)``."""
     ops = torch.ops.attnexport
@@ -140,4 +151,6 @@ def translation_table() -> dict[Callable, Callable]:
         ops.paged_attention.default: paged_attention,
         ops.varlen_attention.default: varlen_attention,
         ops.rotary_embedding.default: rotary_embedding,
+        ops.silu_and_mul.default: silu_and_mul,
+        ops.fused_add_rms_norm.default: fused_add_rms_norm,
     }

@@ -139,6 +139,8 @@ def test_inspect(llama_export, capsys):
         "attnexport::PagedAttention": 2,
         "attnexport::ReshapeAndCache": 2,
         "attnexport::NeoxRotaryEmbedding": 2,
+        "attnexport::SiluAndMul": 2,
+        "attnexport::FusedAddRMSNorm": 4,
     }
     assert len(summary["cache_ports"]) == 4
     assert summary["cache_ports"][0] == {"input": "kv_caches_0", "output": "kv_caches_0_out"}

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+import attnexport
 from attnexport.custom_ops import reference
 from attnexport.lowering.ort_session import PagedOrtSession
 from attnexport.testing import (
@@ -313,6 +314,60 @@ def test_native_rotary_embedding_refuses_bad_inputs(change, message):
     inputs = {"x": x, "cos": cos, "sin": sin}
     session = single_node_session("NeoxRotaryEmbedding", inputs, {"output": x}, "native")
     with pytest.raises(Exception, match=re.escape(message)):
+        session.run(inputs)
+
+
+MLP_CASES = [
+    ((1, 4096), torch.float32),
+    ((9, 74), torch.float32),  # a row that is not a multiple of the kernel's 16 lanes
+    ((300, 1024), torch.float32),  # past the native kernel's parallel threshold
+    ((4, 64), torch.float16),
+    ((4, 64), torch.bfloat16),
+    ((0, 16), torch.float32),
+]
+_MLP_IDS = [f"{'x'.join(map(str, s))}-{d}" for s, d in MLP_CASES]
+
+
+def _seeded(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("shape,dtype", MLP_CASES, ids=_MLP_IDS)
+def test_silu_and_mul_matches_reference(shape, dtype, kernels: str):
+    x = _seeded(*shape, dtype=dtype, seed=0) * 4
+    half = x[:, : shape[1] // 2]
+    out = single_node_session("SiluAndMul", {"x": x}, {"output": half}, kernels).run({"x": x})
+    assert out["output"].shape == half.shape and out["output"].dtype == dtype
+    assert_close_to_reference(out["output"], reference.silu_and_mul(x))
+
+
+@pytest.mark.parametrize("shape,dtype", MLP_CASES, ids=_MLP_IDS)
+def test_fused_add_rms_norm_matches_torch_op(shape, dtype, kernels: str):
+    """The sum bit for bit; the normalized output to the op dtype's tolerance (the mean's
+    summation order differs)."""
+    inputs = {
+        "x": _seeded(*shape, dtype=dtype, seed=1),
+        "residual": _seeded(*shape, dtype=dtype, seed=2),
+        "weight": _seeded(shape[1], dtype=dtype, seed=3),
+    }
+    outputs = {"output": inputs["x"], "total": inputs["x"]}
+    session = single_node_session("FusedAddRMSNorm", inputs, outputs, kernels, epsilon=1e-5)
+    out = session.run(inputs)
+    normed, total = attnexport.fused_add_rms_norm(*inputs.values(), 1e-5)
+    torch.testing.assert_close(out["total"], total, atol=0, rtol=0)
+    assert_close_to_reference(out["output"], normed.double())
+
+
+@requires_ort_kernels
+def test_native_mlp_kernels_refuse_bad_inputs():
+    x = torch.ones(3, 5)
+    session = single_node_session("SiluAndMul", {"x": x}, {"output": x}, "native")
+    with pytest.raises(Exception, match=re.escape("expected [num_tokens, 2 * d] (an even")):
+        session.run({"x": x})
+    inputs = {"x": torch.ones(3, 8), "residual": torch.ones(3, 8), "weight": torch.ones(4)}
+    outputs = {"output": inputs["x"], "total": inputs["x"]}
+    session = single_node_session("FusedAddRMSNorm", inputs, outputs, "native", epsilon=1e-5)
+    with pytest.raises(Exception, match=re.escape("weight: expected [8] ([hidden] of x), got [4]")):
         session.run(inputs)
 
 

@@ -49,6 +49,24 @@ OrtStatus* parallel_for(OrtKernelContext* context, size_t total, Fn& fn) {
   return api().KernelContext_ParallelFor(context, trampoline, total, 0, &fn);
 }
 
+// Runs fn(first_row, end_row) over [0, rows) in ranges of 64 rows: on the calling thread when the
+// work (rows * row_elements) is small, where waking the pool costs more than it saves; on
+// the intra-op thread pool otherwise.
+template <typename Fn>
+OrtStatus* for_row_ranges(OrtKernelContext* context, int64_t rows, int64_t row_elements, Fn fn) {
+  constexpr int64_t kRowsPerItem = 64;
+  constexpr int64_t kParallelElements = 1 << 18;
+  if (rows * row_elements < kParallelElements) {
+    fn(int64_t{0}, rows);
+    return nullptr;
+  }
+  auto item = [&](size_t i) {
+    const int64_t first = static_cast<int64_t>(i) * kRowsPerItem;
+    fn(first, first + kRowsPerItem < rows ? first + kRowsPerItem : rows);
+  };
+  return parallel_for(context, static_cast<size_t>((rows + kRowsPerItem - 1) / kRowsPerItem), item);
+}
+
 }  // namespace attnexport
 
 #define ATTNEXPORT_RETURN_IF_ERROR(expr)      \

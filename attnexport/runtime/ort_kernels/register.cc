@@ -9,12 +9,15 @@
 #include <onnxruntime_c_api.h>
 
 #include <new>
+#include <string>
 #include <vector>
 
+#include "fused_add_rms_norm.h"
 #include "kernel_api.h"
 #include "paged_attention.h"
 #include "reshape_and_cache.h"
 #include "rotary_embedding.h"
+#include "silu_and_mul.h"
 
 namespace attnexport {
 namespace {
@@ -23,17 +26,52 @@ constexpr ONNXTensorElementDataType kInt32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32
 // Any element type: the kernel checks (slot_mapping may be int32 or int64).
 constexpr ONNXTensorElementDataType kAnyType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
 
+// Sets output `index` to `like`'s type and shape with its last dim divided by `divisor` (a
+// symbolic last dim S becomes the symbol "S/divisor": an unnamed -1 would read as a value).
+OrtStatus* set_divided_shape(OrtShapeInferContext* context, size_t index,
+                             const OrtTensorTypeAndShapeInfo* like, int64_t divisor) {
+  ONNXTensorElementDataType type;
+  size_t rank = 0;
+  ATTNEXPORT_RETURN_IF_ERROR(api().GetTensorElementType(like, &type));
+  ATTNEXPORT_RETURN_IF_ERROR(api().GetDimensionsCount(like, &rank));
+  std::vector<int64_t> dims(rank);
+  std::vector<const char*> symbols(rank);
+  ATTNEXPORT_RETURN_IF_ERROR(api().GetDimensions(like, dims.data(), rank));
+  ATTNEXPORT_RETURN_IF_ERROR(api().GetSymbolicDimensions(like, symbols.data(), rank));
+  std::string divided;
+  if (rank > 0 && dims[rank - 1] > 0) {
+    dims[rank - 1] /= divisor;
+  } else if (rank > 0) {
+    divided = std::string(symbols[rank - 1]) + "/" + std::to_string(divisor);
+    symbols[rank - 1] = divided.c_str();
+  }
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  ATTNEXPORT_RETURN_IF_ERROR(api().CreateTensorTypeAndShapeInfo(&info));
+  OrtStatus* status = api().SetTensorElementType(info, type);
+  if (status == nullptr) status = api().SetDimensions(info, dims.data(), rank);
+  if (status == nullptr) status = api().SetSymbolicDimensions(info, symbols.data(), rank);
+  if (status == nullptr) status = api().ShapeInferContext_SetOutputTypeShape(context, index, info);
+  api().ReleaseTensorTypeAndShapeInfo(info);
+  return status;
+}
+
 // An OrtCustomOp for a kernel class K with init(info) and compute(context). Output i has the
-// type and shape of input like_input[i] (for the graph's type inference; the kernel checks).
+// type and shape of input like_input[i], its last dim divided by last_dim_divisor (for the
+// graph's type inference; the kernel checks).
 template <typename K>
 struct Op : OrtCustomOp {
   const char* name;
   std::vector<ONNXTensorElementDataType> inputs;
   std::vector<size_t> like_input;
+  int64_t last_dim_divisor;
 
   Op(const char* op_name, std::vector<ONNXTensorElementDataType> input_types,
-     std::vector<size_t> output_like_input)
-      : OrtCustomOp{}, name(op_name), inputs(input_types), like_input(output_like_input) {
+     std::vector<size_t> output_like_input, int64_t output_last_dim_divisor = 1)
+      : OrtCustomOp{},
+        name(op_name),
+        inputs(input_types),
+        like_input(output_like_input),
+        last_dim_divisor(output_last_dim_divisor) {
     version = kApiVersion;
     GetName = [](const OrtCustomOp* op) { return self(op)->name; };
     GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };  // CPU
@@ -47,8 +85,11 @@ struct Op : OrtCustomOp {
         OrtTensorTypeAndShapeInfo* info = nullptr;  // owned by the context (releasing it
                                                     // is a double free in onnxruntime 1.31)
         ATTNEXPORT_RETURN_IF_ERROR(api().ShapeInferContext_GetInputTypeShape(context, like[i], &info));
-        OrtStatus* status = api().ShapeInferContext_SetOutputTypeShape(context, i, info);
-        ATTNEXPORT_RETURN_IF_ERROR(status);
+        if (self(op)->last_dim_divisor == 1) {
+          ATTNEXPORT_RETURN_IF_ERROR(api().ShapeInferContext_SetOutputTypeShape(context, i, info));
+        } else {
+          ATTNEXPORT_RETURN_IF_ERROR(set_divided_shape(context, i, info, self(op)->last_dim_divisor));
+        }
       }
       return nullptr;
     };
@@ -84,6 +125,8 @@ Op<PagedAttention> paged_attention_op(
 Op<ReshapeAndCache> reshape_and_cache_op(
     "ReshapeAndCache", {kAnyType, kAnyType, kAnyType, kAnyType, kAnyType}, {2, 3});
 Op<NeoxRotaryEmbedding> rotary_embedding_op("NeoxRotaryEmbedding", {kAnyType, kAnyType, kAnyType}, {0});
+Op<SiluAndMul> silu_and_mul_op("SiluAndMul", {kAnyType}, {0}, 2);  // [T, 2d] -> [T, d]
+Op<FusedAddRMSNorm> fused_add_rms_norm_op("FusedAddRMSNorm", {kAnyType, kAnyType, kAnyType}, {0, 0});
 
 }  // namespace
 }  // namespace attnexport
@@ -102,5 +145,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &paged_attention_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &reshape_and_cache_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &rotary_embedding_op));
+  ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &silu_and_mul_op));
+  ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &fused_add_rms_norm_op));
   return ort->AddCustomOpDomain(options, domain);
 }

@@ -8,7 +8,6 @@
 
 #include "rotary_embedding.h"
 
-#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -17,9 +16,6 @@
 
 namespace attnexport {
 namespace {
-
-constexpr int64_t kRowsPerItem = 64;
-constexpr int64_t kParallelElements = 1 << 18;
 
 template <typename T>
 void rotate_rows(const T* x, const T* cos, const T* sin, T* out, int64_t first_row, int64_t end_row,
@@ -50,15 +46,9 @@ OrtStatus* run(OrtKernelContext* context, const Tensor& x, const Tensor& cos, co
   const auto* cs = static_cast<const T*>(cos.data);
   const auto* ss = static_cast<const T*>(sin.data);
   auto* dst = static_cast<T*>(out.data);
-  if (rows * head_size < kParallelElements) {
-    rotate_rows(xs, cs, ss, dst, 0, rows, heads, head_size);
-    return nullptr;
-  }
-  auto item = [&](size_t i) {
-    const int64_t first = static_cast<int64_t>(i) * kRowsPerItem;
-    rotate_rows(xs, cs, ss, dst, first, std::min(rows, first + kRowsPerItem), heads, head_size);
-  };
-  return parallel_for(context, (rows + kRowsPerItem - 1) / kRowsPerItem, item);
+  return for_row_ranges(context, rows, head_size, [&](int64_t first, int64_t end) {
+    rotate_rows(xs, cs, ss, dst, first, end, heads, head_size);
+  });
 }
 
 }  // namespace

@@ -115,4 +115,25 @@ inline BFloat16 from_float<BFloat16>(float x) {
   return BFloat16{static_cast<uint16_t>(bits >> 16)};
 }
 
+// 16 elements of a storage type as float32 lanes, and back (rounded to nearest even).
+template <typename T>
+inline f32x16 load16_float(const T* p) {
+  if constexpr (sizeof(T) == sizeof(float)) {
+    return load16(reinterpret_cast<const float*>(p));
+  } else {
+    f32x16 v;
+    for (int i = 0; i < 16; ++i) v[i] = to_float(p[i]);
+    return v;
+  }
+}
+
+template <typename T>
+inline void store16_float(T* p, f32x16 v) {
+  if constexpr (sizeof(T) == sizeof(float)) {
+    store16(reinterpret_cast<float*>(p), v);
+  } else {
+    for (int i = 0; i < 16; ++i) p[i] = from_float<T>(v[i]);
+  }
+}
+
 }  // namespace attnexport

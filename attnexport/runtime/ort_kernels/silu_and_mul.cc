@@ -1,0 +1,71 @@
+// attnexport.SiluAndMul for onnxruntime's CPU execution provider: one pass instead of the split,
+// sigmoid and two products of its function body (whose split copies both halves first).
+//
+// sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) for g < 0, with e = exp(-|g|) <= 1: the
+// exponential never overflows, and exp_nonpositive computes it 16 lanes at a time.
+
+#include "silu_and_mul.h"
+
+#include "kernel_api.h"
+#include "vector_math.h"
+
+namespace attnexport {
+namespace {
+
+inline f32x16 silu16(f32x16 g) {
+  const f32x16 magnitude = g < 0.0f ? -g : g;
+  const f32x16 e = exp_nonpositive<f32x16, i32x16>(-magnitude);
+  const f32x16 numerator = g < 0.0f ? e : splat16(1.0f);
+  return g * (numerator / (1.0f + e));
+}
+
+template <typename T>
+void silu_and_mul_rows(const T* x, T* out, int64_t first_row, int64_t end_row, int64_t d) {
+  for (int64_t row = first_row; row < end_row; ++row) {
+    const T* gate = x + row * 2 * d;
+    const T* up = gate + d;
+    T* dst = out + row * d;
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16)
+      store16_float(dst + i, silu16(load16_float(gate + i)) * load16_float(up + i));
+    if (i == d) continue;
+    T gate_tail[16] = {}, up_tail[16] = {}, result[16];  // zero-filled past the row's end
+    for (int64_t j = i; j < d; ++j) gate_tail[j - i] = gate[j], up_tail[j - i] = up[j];
+    store16_float(result, silu16(load16_float(gate_tail)) * load16_float(up_tail));
+    for (int64_t j = i; j < d; ++j) dst[j] = result[j - i];
+  }
+}
+
+template <typename T>
+OrtStatus* run(OrtKernelContext* context, const Tensor& x, Tensor& out) {
+  const int64_t rows = x.dims[0], d = x.dims[1] / 2;
+  const auto* xs = static_cast<const T*>(x.data);
+  auto* dst = static_cast<T*>(out.data);
+  return for_row_ranges(context, rows, 2 * d, [&](int64_t first, int64_t end) {
+    silu_and_mul_rows(xs, dst, first, end, d);
+  });
+}
+
+}  // namespace
+
+OrtStatus* SiluAndMul::compute(OrtKernelContext* context) const {
+  Tensor x;
+  ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 0, &x));
+  if (x.dims.size() != 2 || x.dims[1] % 2 != 0)
+    return invalid("SiluAndMul: x: expected [num_tokens, 2 * d] (an even last dim), got " +
+                   x.shape());
+  if (element_size(x.type) == 0)
+    return invalid("SiluAndMul: x: expected float32, float16 or bfloat16");
+  Tensor out;
+  ATTNEXPORT_RETURN_IF_ERROR(make_output(context, 0, {x.dims[0], x.dims[1] / 2}, &out));
+  switch (x.type) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
+      return run<Half>(context, x, out);
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
+      return run<BFloat16>(context, x, out);
+    default:
+      return run<float>(context, x, out);
+  }
+}
+
+}  // namespace attnexport
