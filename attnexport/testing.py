@@ -240,6 +240,8 @@ def _geometry(op_type: str, inputs: dict[str, torch.Tensor]) -> dict[str, int]:
     """The static-shape attributes the exporter sets on ``op_type`` for these inputs."""
     if op_type in ("NeoxRotaryEmbedding", "SiluAndMul", "FusedAddRMSNorm"):
         return {}
+    if op_type == "NeoxQKVRotaryEmbedding":
+        return {}  # the head counts are not in the shapes: the caller passes them
     if op_type == "ReshapeAndCache":
         return {"block_size": inputs["key_cache"].shape[1]}
     paged = op_type == "PagedAttention"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from attnexport import rotary_embedding
+from attnexport import qkv_rotary_embedding
 from models.base import ModelConfig
 from models.decoder import DecoderModel
 from models.errors import UnsupportedModelError
@@ -126,10 +126,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, rope, key_cache, value_cache, metadata: PagedMetadata):
         cos, sin = rope
-        qkv = self.qkv_proj(x).unflatten(-1, (self.heads + 2 * self.kv_heads, self.dim))
-        qk, v = qkv.split((self.heads + self.kv_heads, self.kv_heads), dim=1)
-        # One rotation for the q and k heads together: one fused node in the graph.
-        q, k = rotary_embedding(qk, cos, sin).split((self.heads, self.kv_heads), dim=1)
+        # The split into heads and the rotation of q and k: one fused node in the graph.
+        q, k, v = qkv_rotary_embedding(self.qkv_proj(x), cos, sin, self.heads, self.kv_heads)
         return self.o_proj(self.attn(q, k, v, key_cache, value_cache, metadata))
 
 

@@ -24,6 +24,7 @@ from attnexport.custom_ops.metadata import (
 from attnexport.custom_ops.ops import (
     fused_add_rms_norm,
     paged_attention,
+    qkv_rotary_embedding,
     reshape_and_cache,
     reshape_and_cache_functional,
     rotary_embedding,
@@ -43,6 +44,7 @@ __all__ = [
     "fused_add_rms_norm",
     "get_backend",
     "paged_attention",
+    "qkv_rotary_embedding",
     "register_backend",
     "registered_backends",
     "reshape_and_cache",

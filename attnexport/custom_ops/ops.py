@@ -361,6 +361,11 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
         ``rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])``, computed in that dtype.
     """
     validation.check_rotary_embedding(x, cos, sin)
+    return _rotate(x, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` for x ``[T, H, D]``, tables ``[T, D]``: a new tensor."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -370,6 +375,49 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 def _(x, cos, sin):
     validation.check_rotary_embedding(x, cos, sin)
     return torch.empty_like(x)
+
+
+@torch.library.custom_op(
+    "attnexport::qkv_rotary_embedding",
+    mutates_args=(),
+    schema=(
+        "(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads) "
+        "-> (Tensor, Tensor, Tensor)"
+    ),
+)
+def qkv_rotary_embedding(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The heads of a fused q/k/v projection, with :func:`rotary_embedding` applied to the
+    query and key heads: one op (one node of an exported graph) instead of a reshape, two
+    splits and the rotation.
+
+    Args:
+        qkv: ``[T, (H + 2 * Hkv) * D]`` floating point: H query heads, then Hkv key heads,
+            then Hkv value heads, each D wide (D even, the width of the tables).
+        cos, sin: ``[T, D]`` in the dtype of qkv.
+        num_heads, num_kv_heads: H and Hkv (positive).
+
+    Returns:
+        ``(query [T, H, D], key [T, Hkv, D], value [T, Hkv, D])`` in the dtype of qkv, new
+        tensors: query and key rotated as by :func:`rotary_embedding`, value copied.
+    """
+    validation.check_qkv_rotary_embedding(qkv, cos, sin, num_heads, num_kv_heads)
+    heads = qkv.unflatten(1, (num_heads + 2 * num_kv_heads, cos.shape[1]))
+    query, key, value = heads.split((num_heads, num_kv_heads, num_kv_heads), dim=1)
+    # Outputs of a custom op must not alias its inputs or each other: three new tensors.
+    return _rotate(query, cos, sin), _rotate(key, cos, sin), value.clone()
+
+
+@qkv_rotary_embedding.register_fake
+def _(qkv, cos, sin, num_heads, num_kv_heads):
+    validation.check_qkv_rotary_embedding(qkv, cos, sin, num_heads, num_kv_heads)
+    tokens, head_size = qkv.shape[0], cos.shape[1]
+    return (
+        qkv.new_empty(tokens, num_heads, head_size),
+        qkv.new_empty(tokens, num_kv_heads, head_size),
+        qkv.new_empty(tokens, num_kv_heads, head_size),
+    )
 
 
 # --------------------------------------------------------------------------- silu_and_mul

@@ -7,6 +7,8 @@ the executable definition of the masking rules.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -188,6 +190,22 @@ def rotary_embedding(
     first = x1 * cos[..., :half] - x2 * sin[..., :half]
     second = x2 * cos[..., half:] + x1 * sin[..., half:]
     return torch.cat((first, second), dim=-1)
+
+
+def qkv_rotary_embedding(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of ``attnexport::qkv_rotary_embedding``: the heads of qkv ``[T, H + 2 Hkv,
+    D]`` split into query, key, value, the first two rotated by :func:`rotary_embedding`."""
+    heads = qkv.unflatten(1, (num_heads + 2 * num_kv_heads, cos.shape[1]))
+    query, key, value = heads.split((num_heads, num_kv_heads, num_kv_heads), dim=1)
+    rotate = functools.partial(rotary_embedding, cos=cos, sin=sin, compute_dtype=compute_dtype)
+    return rotate(query), rotate(key), value.to(compute_dtype)
 
 
 def silu_and_mul(x: torch.Tensor, compute_dtype: torch.dtype = torch.float64) -> torch.Tensor:

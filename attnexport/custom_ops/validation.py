@@ -501,19 +501,54 @@ def check_rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         x.shape[2] % 2 == 0,
         lambda: f"x: expected an even head_size (it rotates halves), got shape {tuple(x.shape)}",
     )
+    _check_rotary_tables(x, cos, sin, "x", x.shape[2])
+
+
+def check_qkv_rotary_embedding(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int
+) -> None:
+    """Validates a qkv_rotary_embedding call (shapes and dtypes only; it reads no index)."""
+    _expect_floating("qkv", qkv)
+    _expect_rank("qkv", qkv, 2, "[num_tokens, (num_heads + 2 * num_kv_heads) * head_size]")
+    for name, count in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if count < 1:
+            raise ValueError(f"{name}: expected a positive head count, got {count}")
+    _expect_rank("cos", cos, 2, "[num_tokens, head_size]")
+    head_size = cos.shape[1]
+    _expect(
+        head_size % 2 == 0,
+        lambda: f"cos: expected an even head_size (it rotates halves), got {tuple(cos.shape)}",
+    )
+    width = (num_heads + 2 * num_kv_heads) * head_size
+    _expect(
+        qkv.shape[1] == width,
+        lambda: (
+            f"qkv: expected {width} columns ((num_heads {num_heads} + 2 * num_kv_heads "
+            f"{num_kv_heads}) * head_size {head_size}), got shape {tuple(qkv.shape)}"
+        ),
+    )
+    _check_rotary_tables(qkv, cos, sin, "qkv", head_size)
+
+
+def _check_rotary_tables(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_name: str, head_size
+) -> None:
+    """cos and sin: ``[T, head_size]`` in the dtype and on the device of ``x``."""
     for name, table in (("cos", cos), ("sin", sin)):
         _expect_rank(name, table, 2, "[num_tokens, head_size]")
         if table.dtype != x.dtype:
-            raise TypeError(f"{name}: expected dtype {x.dtype} (the dtype of x), got {table.dtype}")
-        for axis, x_axis in ((0, 0), (1, 2)):
+            raise TypeError(
+                f"{name}: expected dtype {x.dtype} (the dtype of {x_name}), got {table.dtype}"
+            )
+        for axis, size in ((0, x.shape[0]), (1, head_size)):
             _expect(
-                table.shape[axis] == x.shape[x_axis],
+                table.shape[axis] == size,
                 lambda name=name, table=table: (
-                    f"{name}: expected shape [{x.shape[0]}, {x.shape[2]}] (num_tokens and "
-                    f"head_size of x), got {tuple(table.shape)}"
+                    f"{name}: expected shape [{x.shape[0]}, {head_size}] (num_tokens and "
+                    f"head_size of {x_name}), got {tuple(table.shape)}"
                 ),
             )
-    _expect_same_device([("x", x), ("cos", cos), ("sin", sin)])
+    _expect_same_device([(x_name, x), ("cos", cos), ("sin", sin)])
 
 
 # --------------------------------------------------------------------------- silu_and_mul

@@ -353,19 +353,29 @@ def varlen_attention(opset: int) -> onnx.FunctionProto:
     )
 
 
+def _rotary_tables(b: Builder) -> tuple[str, str]:
+    """The node's cos and sin inputs in float32, ``[T, 1, D]`` (broadcast over the heads)."""
+    heads_axis = b.ints([1])
+    return tuple(b.Unsqueeze(b.Cast(name, to=FLOAT), heads_axis) for name in ("cos", "sin"))
+
+
+def _rotate(b: Builder, x: str, tables: tuple[str, str], output: str) -> None:
+    """``output = x * cos + rotate_half(x) * sin`` for x ``[T, heads, D]``, in float32, cast
+    back to the dtype of x."""
+    cos, sin = tables
+    x32 = b.Cast(x, to=FLOAT)
+    half = b.Div(b.Shape(x32, start=2), b.ints([2]))
+    first = b.Slice(x32, b.ints([0]), half, b.ints([2]))
+    second = b.Slice(x32, half, b.ints([_INT64_MAX]), b.ints([2]))
+    rotated = b.Concat(b.Neg(second), first, axis=2)
+    b.op("CastLike", b.Add(b.Mul(x32, cos), b.Mul(rotated, sin)), x, names=[output])
+
+
 def rotary_embedding(opset: int) -> onnx.FunctionProto:
     """``attnexport.NeoxRotaryEmbedding`` in standard ops (math in float32, like the other bodies:
     onnxruntime's CPU elementwise kernels have no bfloat16)."""
     b = Builder()
-    x = b.Cast("x", to=FLOAT)
-    half = b.Div(b.Shape(x, start=2), b.ints([2]))
-    first = b.Slice(x, b.ints([0]), half, b.ints([2]))
-    second = b.Slice(x, half, b.ints([_INT64_MAX]), b.ints([2]))
-    rotated = b.Concat(b.Neg(second), first, axis=2)
-    heads_axis = b.ints([1])
-    cos = b.Unsqueeze(b.Cast("cos", to=FLOAT), heads_axis)
-    sin = b.Unsqueeze(b.Cast("sin", to=FLOAT), heads_axis)
-    b.op("CastLike", b.Add(b.Mul(x, cos), b.Mul(rotated, sin)), "x", names=["output"])
+    _rotate(b, "x", _rotary_tables(b), "output")
     return function(
         b,
         "NeoxRotaryEmbedding",
@@ -375,6 +385,31 @@ def rotary_embedding(opset: int) -> onnx.FunctionProto:
         opset,
         {},
         doc="Rotary position embedding, rotate-half layout.",
+    )
+
+
+def qkv_rotary_embedding(opset: int) -> onnx.FunctionProto:
+    """``attnexport.NeoxQKVRotaryEmbedding`` in standard ops: a Reshape to heads, one Split,
+    the rotation of the query and key heads (in float32) and a copy of the value heads."""
+    b = Builder()
+    heads, kv_heads, head_size = _dims(b, paged=False)[:3]
+    all_heads = b.Add(heads, b.Add(kv_heads, kv_heads))  # not -1: T may be 0
+    shape = b.Concat(b.ints([0]), all_heads, head_size, axis=0)
+    sizes = b.Concat(heads, kv_heads, kv_heads, axis=0)
+    query, key, value = b.Split(b.Reshape("qkv", shape), sizes, axis=1, outputs=3)
+    tables = _rotary_tables(b)
+    _rotate(b, query, tables, "query")
+    _rotate(b, key, tables, "key")
+    b.op("Identity", value, names=["value"])
+    return function(
+        b,
+        "NeoxQKVRotaryEmbedding",
+        DOMAIN,
+        ["qkv", "cos", "sin"],
+        ["query", "key", "value"],
+        opset,
+        dict.fromkeys(("num_heads", "num_kv_heads", "head_size")),
+        doc="Split a fused q/k/v projection into heads; rotate the query and key heads.",
     )
 
 
@@ -425,6 +460,7 @@ def all_bodies(opset: int) -> list[onnx.FunctionProto]:
         paged_attention(opset),
         varlen_attention(opset),
         rotary_embedding(opset),
+        qkv_rotary_embedding(opset),
         silu_and_mul(opset),
         fused_add_rms_norm(opset),
     ]

@@ -178,6 +178,31 @@ def rotary_embedding_schema() -> OpSchema:
     )
 
 
+def qkv_rotary_embedding_schema() -> OpSchema:
+    return OpSchema(
+        "NeoxQKVRotaryEmbedding",
+        DOMAIN,
+        DOMAIN_VERSION,
+        doc=(
+            "The heads of a fused q/k/v projection [num_tokens, (num_heads + 2 * num_kv_heads) "
+            "* head_size]: query = its first num_heads heads, key the next num_kv_heads, value "
+            "the last num_kv_heads, query and key rotated as by NeoxRotaryEmbedding."
+        ),
+        inputs=[
+            _param("qkv", "T", "[num_tokens, (num_heads + 2 * num_kv_heads) * head_size]"),
+            _param("cos", "T", "[num_tokens, head_size] cosines of each token's angles"),
+            _param("sin", "T", "[num_tokens, head_size] sines of each token's angles"),
+        ],
+        outputs=[
+            _param("query", "T", "[num_tokens, num_heads, head_size], rotated"),
+            _param("key", "T", "[num_tokens, num_kv_heads, head_size], rotated"),
+            _param("value", "T", "[num_tokens, num_kv_heads, head_size]"),
+        ],
+        type_constraints=[("T", FLOAT_TYPES, "Input and table dtype.")],
+        attributes=[_required_int(name) for name in _GEOMETRY],
+    )
+
+
 def silu_and_mul_schema() -> OpSchema:
     return OpSchema(
         "SiluAndMul",
@@ -231,6 +256,7 @@ def register_schemas() -> None:
         paged_attention_schema(),
         varlen_attention_schema(),
         rotary_embedding_schema(),
+        qkv_rotary_embedding_schema(),
         silu_and_mul_schema(),
         fused_add_rms_norm_schema(),
     )

@@ -132,6 +132,20 @@ def rotary_embedding(x, cos, sin):
     return _attnexport.NeoxRotaryEmbedding(x, cos, sin)
 
 
+def qkv_rotary_embedding(qkv, cos, sin, num_heads: int, num_kv_heads: int):
+    """attnexport::qkv_rotary_embedding(Tensor qkv, Tensor cos, Tensor sin, int num_heads,
+    int num_kv_heads) -> (Tensor, Tensor, Tensor)"""
+    return _attnexport.NeoxQKVRotaryEmbedding(
+        qkv,
+        cos,
+        sin,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=_static(cos, 1, "cos"),
+        _outputs=3,
+    )
+
+
 def silu_and_mul(x):
     """attnexport::silu_and_mul(Tensor x) -> Tensor"""
     return _attnexport.SiluAndMul(x)
@@ -151,6 +165,7 @@ def translation_table() -> dict[Callable, Callable]:
         ops.paged_attention.default: paged_attention,
         ops.varlen_attention.default: varlen_attention,
         ops.rotary_embedding.default: rotary_embedding,
+        ops.qkv_rotary_embedding.default: qkv_rotary_embedding,
         ops.silu_and_mul.default: silu_and_mul,
         ops.fused_add_rms_norm.default: fused_add_rms_norm,
     }

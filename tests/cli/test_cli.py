@@ -138,7 +138,7 @@ def test_inspect(llama_export, capsys):
     assert summary["custom_nodes"] == {
         "attnexport::PagedAttention": 2,
         "attnexport::ReshapeAndCache": 2,
-        "attnexport::NeoxRotaryEmbedding": 2,
+        "attnexport::NeoxQKVRotaryEmbedding": 2,
         "attnexport::SiluAndMul": 2,
         "attnexport::FusedAddRMSNorm": 4,
     }

@@ -317,6 +317,35 @@ def test_native_rotary_embedding_refuses_bad_inputs(change, message):
         session.run(inputs)
 
 
+QKV_CASES = [
+    ((1, 12, 4, 64), torch.float32),
+    ((9, 4, 2, 80), torch.float32),
+    ((300, 12, 4, 64), torch.float32),  # past the native kernel's parallel threshold
+    ((4, 4, 2, 32), torch.float16),
+    ((4, 4, 2, 32), torch.bfloat16),
+    ((0, 2, 1, 16), torch.float32),
+]
+
+
+@pytest.mark.parametrize(
+    "shape,dtype", QKV_CASES, ids=[f"{'x'.join(map(str, s))}-{d}" for s, d in QKV_CASES]
+)
+def test_qkv_rotary_embedding_matches_reference(shape, dtype, kernels: str):
+    tokens, heads, kv_heads, head_size = shape
+    _, cos, sin = make_rotary_inputs(tokens, 1, head_size, dtype=dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_size).to(dtype)
+    inputs = {"qkv": qkv, "cos": cos, "sin": sin}
+    expected = reference.qkv_rotary_embedding(qkv, cos, sin, heads, kv_heads)
+    names = ("query", "key", "value")
+    geometry = {"num_heads": heads, "num_kv_heads": kv_heads, "head_size": head_size}
+    outputs = {name: ref.to(dtype) for name, ref in zip(names, expected, strict=True)}
+    session = single_node_session("NeoxQKVRotaryEmbedding", inputs, outputs, kernels, **geometry)
+    out = session.run(inputs)
+    for name, ref in zip(names, expected, strict=True):
+        assert out[name].shape == ref.shape and out[name].dtype == dtype
+        assert_close_to_reference(out[name], ref)
+
+
 MLP_CASES = [
     ((1, 4096), torch.float32),
     ((9, 74), torch.float32),  # a row that is not a multiple of the kernel's 16 lanes
@@ -356,6 +385,21 @@ def test_fused_add_rms_norm_matches_torch_op(shape, dtype, kernels: str):
     normed, total = attnexport.fused_add_rms_norm(*inputs.values(), 1e-5)
     torch.testing.assert_close(out["total"], total, atol=0, rtol=0)
     assert_close_to_reference(out["output"], normed.double())
+
+
+@requires_ort_kernels
+def test_native_qkv_rotary_embedding_refuses_a_wrong_width():
+    _, cos, sin = make_rotary_inputs(3, 1, 8)
+    inputs = {"qkv": torch.ones(3, 40), "cos": cos, "sin": sin}
+    outputs = {
+        "query": torch.ones(3, 2, 8),
+        "key": torch.ones(3, 1, 8),
+        "value": torch.ones(3, 1, 8),
+    }
+    geometry = {"num_heads": 2, "num_kv_heads": 1, "head_size": 8}
+    session = single_node_session("NeoxQKVRotaryEmbedding", inputs, outputs, "native", **geometry)
+    with pytest.raises(Exception, match=re.escape("qkv: expected [num_tokens, 32]")):
+        session.run(inputs)
 
 
 @requires_ort_kernels

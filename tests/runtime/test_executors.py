@@ -55,15 +55,16 @@ def onnx_path(model, tmp_path_factory):
 
 
 def test_onnx_model_has_one_node_per_attnexport_op_and_layer(onnx_path, model):
-    """The rotation of q and k, the gated activation and each residual add with the norm
-    after it are one fused node per layer (native kernel or body), beside the cache write and
-    the attention (the first layer's input is the residual: its first norm adds nothing)."""
+    """The split of the fused qkv projection with the rotation of q and k, the gated activation
+    and each residual add with the norm after it are one fused node per layer (native kernel or
+    body), beside the cache write and the attention (the first layer's input is the residual:
+    its first norm adds nothing)."""
     import onnx
 
     graph = onnx.load(onnx_path, load_external_data=False).graph
     kinds = [n.op_type for n in graph.node if n.domain == "attnexport"]
     layers = model.config.num_hidden_layers
-    per_layer = ["PagedAttention", "ReshapeAndCache", "NeoxRotaryEmbedding", "SiluAndMul"]
+    per_layer = ["PagedAttention", "ReshapeAndCache", "NeoxQKVRotaryEmbedding", "SiluAndMul"]
     assert sorted(kinds) == sorted(per_layer * layers + ["FusedAddRMSNorm"] * (2 * layers))
 
 

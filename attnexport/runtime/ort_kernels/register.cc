@@ -26,52 +26,98 @@ constexpr ONNXTensorElementDataType kInt32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32
 // Any element type: the kernel checks (slot_mapping may be int32 or int64).
 constexpr ONNXTensorElementDataType kAnyType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
 
-// Sets output `index` to `like`'s type and shape with its last dim divided by `divisor` (a
-// symbolic last dim S becomes the symbol "S/divisor": an unnamed -1 would read as a value).
-OrtStatus* set_divided_shape(OrtShapeInferContext* context, size_t index,
-                             const OrtTensorTypeAndShapeInfo* like, int64_t divisor) {
-  ONNXTensorElementDataType type;
-  size_t rank = 0;
-  ATTNEXPORT_RETURN_IF_ERROR(api().GetTensorElementType(like, &type));
-  ATTNEXPORT_RETURN_IF_ERROR(api().GetDimensionsCount(like, &rank));
-  std::vector<int64_t> dims(rank);
-  std::vector<const char*> symbols(rank);
-  ATTNEXPORT_RETURN_IF_ERROR(api().GetDimensions(like, dims.data(), rank));
-  ATTNEXPORT_RETURN_IF_ERROR(api().GetSymbolicDimensions(like, symbols.data(), rank));
-  std::string divided;
-  if (rank > 0 && dims[rank - 1] > 0) {
-    dims[rank - 1] /= divisor;
-  } else if (rank > 0) {
-    divided = std::string(symbols[rank - 1]) + "/" + std::to_string(divisor);
-    symbols[rank - 1] = divided.c_str();
-  }
+// Sets output `index` to a tensor of `type` with `dims`; a dim < 0 is the symbol of that axis.
+OrtStatus* set_output_shape(OrtShapeInferContext* context, size_t index,
+                            ONNXTensorElementDataType type, const std::vector<int64_t>& dims,
+                            const std::vector<std::string>& symbols) {
+  std::vector<const char*> names;
+  for (const std::string& symbol : symbols) names.push_back(symbol.c_str());
   OrtTensorTypeAndShapeInfo* info = nullptr;
   ATTNEXPORT_RETURN_IF_ERROR(api().CreateTensorTypeAndShapeInfo(&info));
   OrtStatus* status = api().SetTensorElementType(info, type);
-  if (status == nullptr) status = api().SetDimensions(info, dims.data(), rank);
-  if (status == nullptr) status = api().SetSymbolicDimensions(info, symbols.data(), rank);
+  if (status == nullptr) status = api().SetDimensions(info, dims.data(), dims.size());
+  if (status == nullptr) status = api().SetSymbolicDimensions(info, names.data(), names.size());
   if (status == nullptr) status = api().ShapeInferContext_SetOutputTypeShape(context, index, info);
   api().ReleaseTensorTypeAndShapeInfo(info);
   return status;
 }
 
+// The element type, dims and symbols of input `index` (a symbol is "" for a fixed dim).
+OrtStatus* input_shape(OrtShapeInferContext* context, size_t index, ONNXTensorElementDataType* type,
+                       std::vector<int64_t>* dims, std::vector<std::string>* symbols) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;  // owned by the context (releasing it is a double
+                                              // free in onnxruntime 1.31)
+  ATTNEXPORT_RETURN_IF_ERROR(api().ShapeInferContext_GetInputTypeShape(context, index, &info));
+  size_t rank = 0;
+  ATTNEXPORT_RETURN_IF_ERROR(api().GetTensorElementType(info, type));
+  ATTNEXPORT_RETURN_IF_ERROR(api().GetDimensionsCount(info, &rank));
+  dims->resize(rank);
+  std::vector<const char*> names(rank);
+  ATTNEXPORT_RETURN_IF_ERROR(api().GetDimensions(info, dims->data(), rank));
+  ATTNEXPORT_RETURN_IF_ERROR(api().GetSymbolicDimensions(info, names.data(), rank));
+  symbols->assign(names.begin(), names.end());
+  return nullptr;
+}
+
+OrtStatus* int_attribute(OrtShapeInferContext* context, const char* name, int64_t* value) {
+  const OrtOpAttr* attribute = nullptr;
+  ATTNEXPORT_RETURN_IF_ERROR(api().ShapeInferContext_GetAttribute(context, name, &attribute));
+  size_t size = 0;
+  return api().ReadOpAttr(attribute, ORT_OP_ATTR_INT, value, sizeof *value, &size);
+}
+
+// NeoxQKVRotaryEmbedding: qkv [T, W] -> [T, num_heads, head_size], [T, num_kv_heads, head_size] x 2.
+OrtStatus* infer_qkv_heads(OrtShapeInferContext* context) {
+  ONNXTensorElementDataType type;
+  std::vector<int64_t> dims;
+  std::vector<std::string> symbols;
+  ATTNEXPORT_RETURN_IF_ERROR(input_shape(context, 0, &type, &dims, &symbols));
+  int64_t heads = 0, kv_heads = 0, head_size = 0;
+  ATTNEXPORT_RETURN_IF_ERROR(int_attribute(context, "num_heads", &heads));
+  ATTNEXPORT_RETURN_IF_ERROR(int_attribute(context, "num_kv_heads", &kv_heads));
+  ATTNEXPORT_RETURN_IF_ERROR(int_attribute(context, "head_size", &head_size));
+  const int64_t tokens = dims.empty() ? -1 : dims[0];
+  const std::string token_symbol = symbols.empty() ? "" : symbols[0];
+  const int64_t counts[3] = {heads, kv_heads, kv_heads};
+  for (size_t i = 0; i < 3; ++i)
+    ATTNEXPORT_RETURN_IF_ERROR(set_output_shape(context, i, type, {tokens, counts[i], head_size},
+                                                {token_symbol, "", ""}));
+  return nullptr;
+}
+
+// SiluAndMul: [T, 2d] -> [T, d] (a symbolic last dim S becomes the symbol "S/2").
+OrtStatus* infer_halved_last_dim(OrtShapeInferContext* context) {
+  ONNXTensorElementDataType type;
+  std::vector<int64_t> dims;
+  std::vector<std::string> symbols;
+  ATTNEXPORT_RETURN_IF_ERROR(input_shape(context, 0, &type, &dims, &symbols));
+  if (!dims.empty() && dims.back() > 0) {
+    dims.back() /= 2;
+  } else if (!dims.empty()) {
+    symbols.back() += "/2";
+  }
+  return set_output_shape(context, 0, type, dims, symbols);
+}
+
+using InferFn = OrtStatus* (*)(OrtShapeInferContext*);
+
 // An OrtCustomOp for a kernel class K with init(info) and compute(context). Output i has the
-// type and shape of input like_input[i], its last dim divided by last_dim_divisor (for the
-// graph's type inference; the kernel checks).
+// type and shape of input like_input[i], unless `infer` computes the outputs (for the graph's
+// type inference; the kernel checks).
 template <typename K>
 struct Op : OrtCustomOp {
   const char* name;
   std::vector<ONNXTensorElementDataType> inputs;
   std::vector<size_t> like_input;
-  int64_t last_dim_divisor;
+  InferFn infer;
 
   Op(const char* op_name, std::vector<ONNXTensorElementDataType> input_types,
-     std::vector<size_t> output_like_input, int64_t output_last_dim_divisor = 1)
+     std::vector<size_t> output_like_input, InferFn infer_outputs = nullptr)
       : OrtCustomOp{},
         name(op_name),
         inputs(input_types),
         like_input(output_like_input),
-        last_dim_divisor(output_last_dim_divisor) {
+        infer(infer_outputs) {
     version = kApiVersion;
     GetName = [](const OrtCustomOp* op) { return self(op)->name; };
     GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };  // CPU
@@ -80,16 +126,12 @@ struct Op : OrtCustomOp {
     GetOutputTypeCount = [](const OrtCustomOp* op) { return self(op)->like_input.size(); };
     GetOutputType = [](const OrtCustomOp*, size_t) { return kAnyType; };
     InferOutputShapeFn = [](const OrtCustomOp* op, OrtShapeInferContext* context) -> OrtStatus* {
+      if (self(op)->infer != nullptr) return self(op)->infer(context);
       const auto& like = self(op)->like_input;
       for (size_t i = 0; i < like.size(); ++i) {
-        OrtTensorTypeAndShapeInfo* info = nullptr;  // owned by the context (releasing it
-                                                    // is a double free in onnxruntime 1.31)
+        OrtTensorTypeAndShapeInfo* info = nullptr;  // owned by the context
         ATTNEXPORT_RETURN_IF_ERROR(api().ShapeInferContext_GetInputTypeShape(context, like[i], &info));
-        if (self(op)->last_dim_divisor == 1) {
-          ATTNEXPORT_RETURN_IF_ERROR(api().ShapeInferContext_SetOutputTypeShape(context, i, info));
-        } else {
-          ATTNEXPORT_RETURN_IF_ERROR(set_divided_shape(context, i, info, self(op)->last_dim_divisor));
-        }
+        ATTNEXPORT_RETURN_IF_ERROR(api().ShapeInferContext_SetOutputTypeShape(context, i, info));
       }
       return nullptr;
     };
@@ -125,7 +167,10 @@ Op<PagedAttention> paged_attention_op(
 Op<ReshapeAndCache> reshape_and_cache_op(
     "ReshapeAndCache", {kAnyType, kAnyType, kAnyType, kAnyType, kAnyType}, {2, 3});
 Op<NeoxRotaryEmbedding> rotary_embedding_op("NeoxRotaryEmbedding", {kAnyType, kAnyType, kAnyType}, {0});
-Op<SiluAndMul> silu_and_mul_op("SiluAndMul", {kAnyType}, {0}, 2);  // [T, 2d] -> [T, d]
+Op<NeoxQKVRotaryEmbedding> qkv_rotary_embedding_op("NeoxQKVRotaryEmbedding",
+                                                     {kAnyType, kAnyType, kAnyType}, {0, 0, 0},
+                                                     infer_qkv_heads);
+Op<SiluAndMul> silu_and_mul_op("SiluAndMul", {kAnyType}, {0}, infer_halved_last_dim);
 Op<FusedAddRMSNorm> fused_add_rms_norm_op("FusedAddRMSNorm", {kAnyType, kAnyType, kAnyType}, {0, 0});
 
 }  // namespace
@@ -145,6 +190,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &paged_attention_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &reshape_and_cache_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &rotary_embedding_op));
+  ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &qkv_rotary_embedding_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &silu_and_mul_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &fused_add_rms_norm_op));
   return ort->AddCustomOpDomain(options, domain);

@@ -8,6 +8,7 @@
 
 #include "rotary_embedding.h"
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -17,37 +18,60 @@
 namespace attnexport {
 namespace {
 
+// Rotates heads [0, heads) of tokens [first_token, end_token): head h of token t is read at
+// x + t * x_token_stride + h * head_size and written at out + (t * heads + h) * head_size.
 template <typename T>
-void rotate_rows(const T* x, const T* cos, const T* sin, T* out, int64_t first_row, int64_t end_row,
-                 int64_t heads, int64_t head_size) {
+void rotate_heads(const T* x, int64_t x_token_stride, const T* cos, const T* sin, T* out,
+                  int64_t first_token, int64_t end_token, int64_t heads, int64_t head_size) {
   const int64_t half = head_size / 2;
-  for (int64_t row = first_row; row < end_row; ++row) {
-    const int64_t token = row / heads;
+  for (int64_t token = first_token; token < end_token; ++token) {
     const T* c = cos + token * head_size;
     const T* s = sin + token * head_size;
-    const T* in = x + row * head_size;
-    T* dst = out + row * head_size;
-    for (int64_t i = 0; i < half; ++i) {
-      const float low = to_float(in[i]), high = to_float(in[i + half]);
-      const float low_cos = low * to_float(c[i]), high_sin = high * to_float(s[i]);
-      const float high_cos = high * to_float(c[i + half]), low_sin = low * to_float(s[i + half]);
-      dst[i] = from_float<T>(low_cos - high_sin);
-      dst[i + half] = from_float<T>(high_cos + low_sin);
+    for (int64_t head = 0; head < heads; ++head) {
+      const T* in = x + token * x_token_stride + head * head_size;
+      T* dst = out + (token * heads + head) * head_size;
+      for (int64_t i = 0; i < half; ++i) {
+        const float low = to_float(in[i]), high = to_float(in[i + half]);
+        const float low_cos = low * to_float(c[i]), high_sin = high * to_float(s[i]);
+        const float high_cos = high * to_float(c[i + half]), low_sin = low * to_float(s[i + half]);
+        dst[i] = from_float<T>(low_cos - high_sin);
+        dst[i + half] = from_float<T>(high_cos + low_sin);
+      }
     }
   }
 }
 
 template <typename T>
-OrtStatus* run(OrtKernelContext* context, const Tensor& x, const Tensor& cos, const Tensor& sin,
-               Tensor& out) {
-  const int64_t rows = x.dims[0] * x.dims[1];
-  const int64_t heads = x.dims[1], head_size = x.dims[2];
+OrtStatus* rotate(OrtKernelContext* context, const Tensor& x, const Tensor& cos, const Tensor& sin,
+                  Tensor& out) {
+  const int64_t tokens = x.dims[0], heads = x.dims[1], head_size = x.dims[2];
   const auto* xs = static_cast<const T*>(x.data);
   const auto* cs = static_cast<const T*>(cos.data);
   const auto* ss = static_cast<const T*>(sin.data);
   auto* dst = static_cast<T*>(out.data);
-  return for_row_ranges(context, rows, head_size, [&](int64_t first, int64_t end) {
-    rotate_rows(xs, cs, ss, dst, first, end, heads, head_size);
+  return for_row_ranges(context, tokens, heads * head_size, [&](int64_t first, int64_t end) {
+    rotate_heads(xs, heads * head_size, cs, ss, dst, first, end, heads, head_size);
+  });
+}
+
+// Query and key heads rotated out of the fused rows, value heads copied.
+template <typename T>
+OrtStatus* split_rotate(OrtKernelContext* context, const Tensor& qkv, const Tensor& cos,
+                        const Tensor& sin, Tensor* outs, int64_t heads, int64_t kv_heads) {
+  const int64_t tokens = qkv.dims[0], head_size = cos.dims[1], width = qkv.dims[1];
+  const auto* xs = static_cast<const T*>(qkv.data);
+  const auto* cs = static_cast<const T*>(cos.data);
+  const auto* ss = static_cast<const T*>(sin.data);
+  auto* query = static_cast<T*>(outs[0].data);
+  auto* key = static_cast<T*>(outs[1].data);
+  auto* value = static_cast<T*>(outs[2].data);
+  const int64_t kv_width = kv_heads * head_size;
+  return for_row_ranges(context, tokens, width, [&](int64_t first, int64_t end) {
+    rotate_heads(xs, width, cs, ss, query, first, end, heads, head_size);
+    rotate_heads(xs + heads * head_size, width, cs, ss, key, first, end, kv_heads, head_size);
+    for (int64_t token = first; token < end; ++token)
+      std::memcpy(value + token * kv_width, xs + token * width + width - kv_width,
+                  kv_width * sizeof(T));
   });
 }
 
@@ -72,11 +96,51 @@ OrtStatus* NeoxRotaryEmbedding::compute(OrtKernelContext* context) const {
   ATTNEXPORT_RETURN_IF_ERROR(make_output(context, 0, x.dims, &out));
   switch (x.type) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
-      return run<Half>(context, x, cos, sin, out);
+      return rotate<Half>(context, x, cos, sin, out);
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
-      return run<BFloat16>(context, x, cos, sin, out);
+      return rotate<BFloat16>(context, x, cos, sin, out);
     default:
-      return run<float>(context, x, cos, sin, out);
+      return rotate<float>(context, x, cos, sin, out);
+  }
+}
+
+OrtStatus* NeoxQKVRotaryEmbedding::init(const OrtKernelInfo* info) {
+  ATTNEXPORT_RETURN_IF_ERROR(int_attribute(info, "num_heads", &num_heads));
+  ATTNEXPORT_RETURN_IF_ERROR(int_attribute(info, "num_kv_heads", &num_kv_heads));
+  ATTNEXPORT_RETURN_IF_ERROR(int_attribute(info, "head_size", &head_size));
+  if (num_heads < 1 || num_kv_heads < 1 || head_size < 2 || head_size % 2 != 0)
+    return invalid("NeoxQKVRotaryEmbedding: expected positive num_heads and num_kv_heads and an "
+                   "even head_size");
+  return nullptr;
+}
+
+OrtStatus* NeoxQKVRotaryEmbedding::compute(OrtKernelContext* context) const {
+  Tensor qkv, cos, sin;
+  ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 0, &qkv));
+  ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 1, &cos));
+  ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 2, &sin));
+  const int64_t width = (num_heads + 2 * num_kv_heads) * head_size;
+  if (qkv.dims.size() != 2 || qkv.dims[1] != width)
+    return invalid("NeoxQKVRotaryEmbedding: qkv: expected [num_tokens, " + std::to_string(width) +
+                   "] ((num_heads + 2 * num_kv_heads) * head_size), got " + qkv.shape());
+  const std::vector<int64_t> table_dims{qkv.dims[0], head_size};
+  if (cos.dims != table_dims || sin.dims != table_dims)
+    return invalid("NeoxQKVRotaryEmbedding: cos, sin: expected " + format_dims(table_dims) +
+                   " ([num_tokens, head_size]), got " + cos.shape() + " and " + sin.shape());
+  if (element_size(qkv.type) == 0 || cos.type != qkv.type || sin.type != qkv.type)
+    return invalid("NeoxQKVRotaryEmbedding: qkv, cos and sin must share one float32, float16 or "
+                   "bfloat16 dtype");
+  Tensor outs[3];
+  const int64_t counts[3] = {num_heads, num_kv_heads, num_kv_heads};
+  for (size_t i = 0; i < 3; ++i)
+    ATTNEXPORT_RETURN_IF_ERROR(make_output(context, i, {qkv.dims[0], counts[i], head_size}, &outs[i]));
+  switch (qkv.type) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
+      return split_rotate<Half>(context, qkv, cos, sin, outs, num_heads, num_kv_heads);
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
+      return split_rotate<BFloat16>(context, qkv, cos, sin, outs, num_heads, num_kv_heads);
+    default:
+      return split_rotate<float>(context, qkv, cos, sin, outs, num_heads, num_kv_heads);
   }
 }
 
