@@ -89,14 +89,9 @@ OrtStatus* FusedAddRMSNorm::compute(OrtKernelContext* context) const {
   Tensor out, total;
   ATTNEXPORT_RETURN_IF_ERROR(make_output(context, 0, x.dims, &out));
   ATTNEXPORT_RETURN_IF_ERROR(make_output(context, 1, x.dims, &total));
-  switch (x.type) {
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
-      return run<Half>(context, x, residual, weight, out, total, epsilon);
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
-      return run<BFloat16>(context, x, residual, weight, out, total, epsilon);
-    default:
-      return run<float>(context, x, residual, weight, out, total, epsilon);
-  }
+  return with_float_type(x.type, [&](auto tag) {
+    return run<decltype(tag)>(context, x, residual, weight, out, total, epsilon);
+  });
 }
 
 }  // namespace attnexport

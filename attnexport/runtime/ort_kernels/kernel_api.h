@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "vector_math.h"
+
 namespace attnexport {
 
 // The API version the kernels need (KernelContext_ParallelFor arrived in 1.17).
@@ -47,6 +49,20 @@ template <typename Fn>
 OrtStatus* parallel_for(OrtKernelContext* context, size_t total, Fn& fn) {
   auto trampoline = [](void* data, size_t i) { (*static_cast<Fn*>(data))(i); };
   return api().KernelContext_ParallelFor(context, trampoline, total, 0, &fn);
+}
+
+// Returns fn(T{}) for the storage type T (float, Half, BFloat16 of vector_math.h) of `type`, one of
+// the float types element_size accepts: the kernels' dtype dispatch.
+template <typename Fn>
+OrtStatus* with_float_type(ONNXTensorElementDataType type, Fn fn) {
+  switch (type) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
+      return fn(Half{});
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
+      return fn(BFloat16{});
+    default:
+      return fn(float{});
+  }
 }
 
 // Runs fn(first_row, end_row) over [0, rows) in ranges of 64 rows: on the calling thread when the

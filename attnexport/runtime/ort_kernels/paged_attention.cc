@@ -181,9 +181,9 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
   std::memset(out_bytes, 0, row_bytes * batch.query_start[0]);
   std::memset(out_bytes + row_bytes * previous_end, 0, row_bytes * (tokens - previous_end));
 
-  if (type == kFloat32) return run_all<float>(context, batch, items);
-  if (type == kFloat16) return run_all<Half>(context, batch, items);
-  return run_all<BFloat16>(context, batch, items);
+  return with_float_type(type, [&](auto tag) {
+    return run_all<decltype(tag)>(context, batch, items);
+  });
 }
 
 template <typename T>

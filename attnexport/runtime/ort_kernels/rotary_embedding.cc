@@ -94,14 +94,9 @@ OrtStatus* NeoxRotaryEmbedding::compute(OrtKernelContext* context) const {
                    "dtype");
   Tensor out;
   ATTNEXPORT_RETURN_IF_ERROR(make_output(context, 0, x.dims, &out));
-  switch (x.type) {
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
-      return rotate<Half>(context, x, cos, sin, out);
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
-      return rotate<BFloat16>(context, x, cos, sin, out);
-    default:
-      return rotate<float>(context, x, cos, sin, out);
-  }
+  return with_float_type(x.type, [&](auto tag) {
+    return rotate<decltype(tag)>(context, x, cos, sin, out);
+  });
 }
 
 OrtStatus* NeoxQKVRotaryEmbedding::init(const OrtKernelInfo* info) {
@@ -134,14 +129,9 @@ OrtStatus* NeoxQKVRotaryEmbedding::compute(OrtKernelContext* context) const {
   const int64_t counts[3] = {num_heads, num_kv_heads, num_kv_heads};
   for (size_t i = 0; i < 3; ++i)
     ATTNEXPORT_RETURN_IF_ERROR(make_output(context, i, {qkv.dims[0], counts[i], head_size}, &outs[i]));
-  switch (qkv.type) {
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
-      return split_rotate<Half>(context, qkv, cos, sin, outs, num_heads, num_kv_heads);
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
-      return split_rotate<BFloat16>(context, qkv, cos, sin, outs, num_heads, num_kv_heads);
-    default:
-      return split_rotate<float>(context, qkv, cos, sin, outs, num_heads, num_kv_heads);
-  }
+  return with_float_type(qkv.type, [&](auto tag) {
+    return split_rotate<decltype(tag)>(context, qkv, cos, sin, outs, num_heads, num_kv_heads);
+  });
 }
 
 }  // namespace attnexport

@@ -58,14 +58,9 @@ OrtStatus* SiluAndMul::compute(OrtKernelContext* context) const {
     return invalid("SiluAndMul: x: expected float32, float16 or bfloat16");
   Tensor out;
   ATTNEXPORT_RETURN_IF_ERROR(make_output(context, 0, {x.dims[0], x.dims[1] / 2}, &out));
-  switch (x.type) {
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
-      return run<Half>(context, x, out);
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
-      return run<BFloat16>(context, x, out);
-    default:
-      return run<float>(context, x, out);
-  }
+  return with_float_type(x.type, [&](auto tag) {
+    return run<decltype(tag)>(context, x, out);
+  });
 }
 
 }  // namespace attnexport
