@@ -7,7 +7,7 @@ turns that into the tensors the ops take, once per step; every layer reuses them
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -92,7 +92,7 @@ class AttentionMetadata:
         return AttentionMetadata(**values)
 
 
-def _cumulative(counts: list[int]) -> list[int]:
+def _cumulative(counts: Sequence[int]) -> list[int]:
     offsets = [0]
     for count in counts:
         offsets.append(offsets[-1] + count)
@@ -107,6 +107,22 @@ def _slots(block_ids: Sequence[int], start: int, stop: int, block_size: int) -> 
 
 _NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64}
 
+INDEX_DTYPES = {
+    "slot_mapping": np.int64,
+    "block_tables": np.int32,
+    "seq_lens": np.int32,
+    "query_start_loc": np.int32,
+    "encoder_start_loc": np.int32,
+    "cross_slot_mapping": np.int64,
+    "cross_block_tables": np.int32,
+    "encoder_seq_lens": np.int32,
+}
+"""The dtype of each attention input (the names of :func:`attention_lists` and
+:func:`cross_attention_lists`)."""
+
+BLOCK_TABLES = ("block_tables", "cross_block_tables")
+"""The two-dimensional inputs: lists of rows of one width."""
+
 
 def index_tensor(
     values: Sequence[int] | Sequence[Sequence[int]],
@@ -116,60 +132,101 @@ def index_tensor(
     """An int32/int64 tensor of a (nested) list, built through NumPy: a fifth of the cost of
     ``torch.tensor`` on a list, and the host code runs these every step."""
     tensor = torch.from_numpy(np.array(values, dtype=_NUMPY_DTYPES[dtype]))
-    return tensor if torch.device(device).type == "cpu" else tensor.to(device)
+    return tensor if _is_cpu(device) else tensor.to(device)
 
 
-def _block_table(rows: list[Sequence[int]], device: torch.device | str) -> torch.Tensor:
-    width = max(max((len(r) for r in rows), default=0), 1)
-    # One conversion of padded rows: a per-row copy costs a tensor per sequence every step.
-    padded = [[*row, *([0] * (width - len(row)))] for row in rows]
-    return index_tensor(padded, torch.int32, device).view(len(rows), width)
+def _is_cpu(device: torch.device | str) -> bool:
+    # The string check first: parsing a torch.device costs more than building a small tensor.
+    return device == "cpu" or torch.device(device).type == "cpu"
 
 
-def build_attention_metadata(
-    sequences: Sequence[ScheduledSequence],
-    block_size: int,
-    device: torch.device | str = "cpu",
-) -> AttentionMetadata:
-    """Builds the step's metadata from per-sequence state, in the given order.
+def list_shape(name: str, values: list) -> tuple[int, ...]:
+    """The array shape of input ``name`` given as ``values`` (a list, or rows for a block
+    table: ``(0, 1)`` when there are none)."""
+    if name in BLOCK_TABLES:
+        return (len(values), len(values[0]) if values else 1)
+    return (len(values),)
 
-    Raises ValueError if a sequence's blocks do not cover its tokens.
-    """
+
+def _to_array(name: str, values: list, dtype: type[np.integer]) -> np.ndarray:
+    """Input ``name`` given as a (nested) list, as a NumPy array of ``dtype``."""
+    return np.array(values, dtype=dtype).reshape(list_shape(name, values))
+
+
+def _pad(rows: list[list[int]], width: int) -> list[list[int]]:
+    """``rows``, each zero-padded in place to ``width`` (at least 1)."""
+    width = max(width, 1)
+    for row in rows:
+        if len(row) < width:
+            row += [0] * (width - len(row))
+    return rows
+
+
+def _check_block_size(block_size: int) -> None:
     if block_size <= 0:
         raise ValueError(f"block_size: expected a positive integer, got {block_size}")
+
+
+def attention_lists(
+    num_cached: Sequence[int],
+    num_new: Sequence[int],
+    block_ids: Sequence[Sequence[int]],
+    block_size: int,
+) -> dict[str, list]:
+    """The decoder self-attention inputs of a batch of S sequences (sequence i computes its
+    tokens ``[num_cached[i], num_cached[i] + num_new[i])`` into its blocks ``block_ids[i]``), as
+    lists named like the forward's inputs: ``slot_mapping`` (T ints), ``block_tables`` (S rows
+    zero-padded to the most blocks, at least 1), ``seq_lens`` (S) and ``query_start_loc``
+    (S + 1). Nothing refers to the given lists (the rows are copies).
+
+    Raises ValueError if a count is negative or a sequence's blocks do not cover its tokens.
+    """
+    _check_block_size(block_size)
     slots: list[int] = []
-    seq_lens, query_lens = [], []
-    for i, seq in enumerate(sequences):
-        if seq.num_cached_tokens < 0 or seq.num_new_tokens < 0:
+    seq_lens: list[int] = []
+    starts = [0]
+    rows: list[list[int]] = []
+    width = 0
+    for i, (cached, new, blocks) in enumerate(zip(num_cached, num_new, block_ids, strict=True)):
+        if cached < 0 or new < 0:
             raise ValueError(
                 f"sequences[{i}]: expected non-negative token counts, got "
-                f"{seq.num_cached_tokens} cached and {seq.num_new_tokens} new"
+                f"{cached} cached and {new} new"
             )
-        total = seq.num_cached_tokens + seq.num_new_tokens
-        if len(seq.block_ids) * block_size < total:
+        total, num_blocks = cached + new, len(blocks)
+        if num_blocks * block_size < total:
             raise ValueError(
-                f"sequences[{i}]: {len(seq.block_ids)} blocks of {block_size} tokens cannot hold "
+                f"sequences[{i}]: {num_blocks} blocks of {block_size} tokens cannot hold "
                 f"{total} tokens; expected at least {-(-total // block_size)} blocks"
             )
-        slots += _slots(seq.block_ids, seq.num_cached_tokens, total, block_size)
+        if new == 1:  # a decode: no list of one slot to build
+            slots.append(blocks[cached // block_size] * block_size + cached % block_size)
+        else:
+            slots += _slots(blocks, cached, total, block_size)
         seq_lens.append(total)
-        query_lens.append(seq.num_new_tokens)
+        starts.append(starts[-1] + new)
+        rows.append(list(blocks))  # a copy: the caller's lists grow in later steps
+        if num_blocks > width:
+            width = num_blocks
+    return {
+        "slot_mapping": slots,
+        "block_tables": _pad(rows, width),
+        "seq_lens": seq_lens,
+        "query_start_loc": starts,
+    }
 
-    is_decode = [s.num_new_tokens == 1 and s.num_cached_tokens > 0 for s in sequences]
-    metadata = AttentionMetadata(
-        slot_mapping=index_tensor(slots, torch.int64, device),
-        block_tables=_block_table([s.block_ids for s in sequences], device),
-        seq_lens=index_tensor(seq_lens, torch.int32, device),
-        query_start_loc=index_tensor(_cumulative(query_lens), torch.int32, device),
-        max_query_len=max(query_lens, default=0),
-        max_seq_len=max(seq_lens, default=0),
-        num_prefills=is_decode.count(False),
-        num_prefill_tokens=sum(n for n, d in zip(query_lens, is_decode, strict=True) if not d),
-        num_decode_tokens=is_decode.count(True),
-    )
-    if not any(s.encoder_len or s.encode_now for s in sequences):
-        return metadata
 
+def cross_attention_lists(
+    sequences: Sequence[ScheduledSequence], block_size: int
+) -> dict[str, list]:
+    """The encoder/cross-attention inputs of an encoder-decoder batch, as lists named like the
+    forward's inputs: ``encoder_start_loc`` (S + 1 ints), ``cross_slot_mapping`` (T_enc),
+    ``cross_block_tables`` (S rows zero-padded to the most cross blocks, at least 1) and
+    ``encoder_seq_lens`` (S).
+
+    Raises ValueError if a sequence's cross blocks do not cover its encoder output.
+    """
+    _check_block_size(block_size)
     cross_slots: list[int] = []
     encoded_now = []
     for i, seq in enumerate(sequences):
@@ -181,10 +238,74 @@ def build_attention_metadata(
         count = seq.encoder_len if seq.encode_now else 0
         cross_slots += _slots(seq.encoder_block_ids, 0, count, block_size)
         encoded_now.append(count)
-    encoder_lens = [s.encoder_len for s in sequences]
-    metadata.encoder_seq_lens = index_tensor(encoder_lens, torch.int32, device)
-    metadata.encoder_start_loc = index_tensor(_cumulative(encoded_now), torch.int32, device)
-    metadata.cross_slot_mapping = index_tensor(cross_slots, torch.int64, device)
-    metadata.cross_block_tables = _block_table([s.encoder_block_ids for s in sequences], device)
-    metadata.max_encoder_seq_len = max(encoder_lens, default=0)
+    tables = [s.encoder_block_ids for s in sequences]
+    return {
+        "encoder_start_loc": _cumulative(encoded_now),
+        "cross_slot_mapping": cross_slots,
+        "cross_block_tables": _pad([list(t) for t in tables], max(map(len, tables), default=0)),
+        "encoder_seq_lens": [s.encoder_len for s in sequences],
+    }
+
+
+def is_encoder_decoder_batch(sequences: Sequence[ScheduledSequence]) -> bool:
+    """Some sequence has an encoder: the batch takes the encoder/cross-attention inputs."""
+    return any(s.encoder_len or s.encode_now for s in sequences)
+
+
+def metadata_from_arrays(
+    arrays: Mapping[str, np.ndarray], device: torch.device | str = "cpu"
+) -> AttentionMetadata:
+    """The metadata of the arrays of the inputs of :func:`attention_lists` (and of
+    :func:`cross_attention_lists` for an encoder-decoder batch), as tensors on ``device`` that
+    share the arrays' memory on the CPU, with the host facts derived from them."""
+    seq_lens = arrays["seq_lens"]
+    query_lens = np.diff(arrays["query_start_loc"])
+    is_decode = (query_lens == 1) & (seq_lens > 1)
+
+    def tensor(name: str) -> torch.Tensor:
+        value = torch.from_numpy(arrays[name])
+        return value if _is_cpu(device) else value.to(device)
+
+    metadata = AttentionMetadata(
+        slot_mapping=tensor("slot_mapping"),
+        block_tables=tensor("block_tables"),
+        seq_lens=tensor("seq_lens"),
+        query_start_loc=tensor("query_start_loc"),
+        max_query_len=_max(query_lens),
+        max_seq_len=_max(seq_lens),
+        num_prefills=int((~is_decode).sum()),
+        num_prefill_tokens=int(query_lens[~is_decode].sum()),
+        num_decode_tokens=int(is_decode.sum()),
+    )
+    if "encoder_seq_lens" in arrays:
+        metadata.encoder_seq_lens = tensor("encoder_seq_lens")
+        metadata.encoder_start_loc = tensor("encoder_start_loc")
+        metadata.cross_slot_mapping = tensor("cross_slot_mapping")
+        metadata.cross_block_tables = tensor("cross_block_tables")
+        metadata.max_encoder_seq_len = _max(arrays["encoder_seq_lens"])
     return metadata
+
+
+def _max(values: np.ndarray) -> int:
+    return int(values.max()) if values.size else 0
+
+
+def build_attention_metadata(
+    sequences: Sequence[ScheduledSequence],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Builds the step's metadata from per-sequence state, in the given order.
+
+    Raises ValueError if a sequence's blocks do not cover its tokens.
+    """
+    values = attention_lists(
+        [s.num_cached_tokens for s in sequences],
+        [s.num_new_tokens for s in sequences],
+        [s.block_ids for s in sequences],
+        block_size,
+    )
+    if is_encoder_decoder_batch(sequences):
+        values.update(cross_attention_lists(sequences, block_size))
+    arrays = {name: _to_array(name, value, INDEX_DTYPES[name]) for name, value in values.items()}
+    return metadata_from_arrays(arrays, device)

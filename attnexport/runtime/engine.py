@@ -23,6 +23,8 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from attnexport.custom_ops.metadata import ScheduledSequence
 from attnexport.runtime.block_manager import BlockManager
 from attnexport.runtime.config import (
@@ -33,7 +35,7 @@ from attnexport.runtime.config import (
     resolve_num_blocks,
 )
 from attnexport.runtime.executors.base import Executor
-from attnexport.runtime.model_input import ModelInput, StepSequence, pack_step
+from attnexport.runtime.model_input import ModelInput, StepSequence, pack_decoder_step, pack_step
 from attnexport.runtime.outputs import RequestOutput, snapshot
 from attnexport.runtime.sampling import SamplingParams, make_generator, sample
 from attnexport.runtime.scheduler import ScheduledBatch, Scheduler
@@ -272,55 +274,92 @@ class Engine:
     def _step(self) -> list[Request]:
         batch = self.scheduler.schedule()
         changed: list[Request] = []
-        now = time.perf_counter()
-        for request in batch.failed:
-            request.finish_time = now
-            changed.append(request)
+        if batch.failed:
+            now = time.perf_counter()
+            for request in batch.failed:
+                request.finish_time = now
+                changed.append(request)
         self._apply_block_moves(batch)
         if not batch.seqs:
             return changed
         model_input = self._model_input(batch)
         start = time.perf_counter()
-        logits = self.executor.execute(model_input)
+        logits = self.executor.execute_numpy(model_input)
         self.stats.model_time += time.perf_counter() - start
         self._account(batch)
-        for seq in batch.seqs:
-            if seq.request.encoder is not None:
-                seq.request.encoder.encoded = True
+        self._mark_computed(batch, start)
+        if model_input.sampling_seqs:
+            self._take_tokens(batch.seqs, model_input.sampling_seqs, logits, changed)
+        return list(dict.fromkeys(changed))
 
+    def _mark_computed(self, batch: ScheduledBatch, start: float) -> None:
+        """The batch's tokens (and the encoders it ran) are in the cache now; ``start`` is when
+        the step's model run began."""
+        caching = self.block_manager.device.enable_caching
         for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
             request = seq.request
+            if request.encoder is not None:
+                request.encoder.encoded = True
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = start
             seq.num_computed += count
-            self.block_manager.register_full_blocks(seq)
+            if caching:
+                self.block_manager.register_full_blocks(seq)
 
-        rows = model_input.sampling_seqs
-        if rows:
-            seqs = [batch.seqs[i] for i in rows]
-            params = [s.request.params for s in seqs]
-            # A prompt that forks samples all of its n first tokens from the same row.
-            tokens = sample(logits, params, [s.generator for s in seqs])
-            tokens = [self._forced(s, t) for s, t in zip(seqs, tokens, strict=True)]
-            now = time.perf_counter()
-            for seq, token, row in zip(seqs, tokens, range(len(seqs)), strict=True):
-                request = seq.request
-                if len(request.seqs) < request.params.n:
-                    self._fork(seq, logits[row], token)
-                else:
-                    self._append(seq, token)
-                if request.first_token_time is None:
-                    request.first_token_time = now
-                changed.append(request)
-            for request in dict.fromkeys(s.request for s in seqs):
+    def _take_tokens(
+        self, batch_seqs: list[Seq], rows: list[int], logits: np.ndarray, changed: list[Request]
+    ) -> None:
+        """Samples the next token of sequence ``batch_seqs[rows[i]]`` from row i of ``logits``
+        ``[N, vocab]`` (a prompt that forks samples all of its n first tokens from the same row),
+        appends it and finishes the requests that are done; adds their requests to
+        ``changed``."""
+        # One loop, not three comprehensions: this runs every step, on cold caches.
+        seqs, params, generators = [], [], []
+        for i in rows:
+            seq = batch_seqs[i]
+            seqs.append(seq)
+            params.append(seq.request.params)
+            generators.append(seq.generator)
+        tokens = sample(logits, params, generators)
+        now = time.perf_counter()
+        ended = []
+        for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+            request = seq.request
+            token = self._forced(seq, token)
+            if len(request.seqs) < request.params.n:
+                self._fork(seq, logits[row], token)
+            else:
+                self._append(seq, token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            changed.append(request)
+            if seq.finished:
+                ended.append(request)
+        # Only a request whose sequence just ended can be finished (in the order of ``seqs``).
+        if ended:
+            for request in dict.fromkeys(ended):
                 if request.finished:
                     request.finish_time = now
                     self.scheduler.finish(request)
-        return list(dict.fromkeys(changed))
 
     def _model_input(self, batch: ScheduledBatch) -> ModelInput:
-        """Packs the batch; a sequence samples when its last token is computed, and the first
-        sequence of a request whose encoder has not run yet runs it."""
+        """Packs the batch; a sequence samples when its last token is computed."""
+        if self.encoder_decoder is not None:
+            return self._encoder_decoder_input(batch)
+        starts, block_ids, token_ids, samples = [], [], [], []
+        for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            starts.append(seq.num_computed)
+            block_ids.append(seq.block_ids)
+            token_ids.append(seq.token_ids)
+            samples.append(int(seq.num_computed + count == len(seq.token_ids)))
+        block_size = self.executor.cache_spec.block_size
+        return pack_decoder_step(
+            starts, batch.num_new_tokens, block_ids, token_ids, samples, block_size
+        )
+
+    def _encoder_decoder_input(self, batch: ScheduledBatch) -> ModelInput:
+        """:meth:`_model_input` of an encoder-decoder: the first sequence of a request whose
+        encoder has not run yet runs it."""
         entries = []
         encoding: set[int] = set()
         for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
@@ -360,14 +399,20 @@ class Engine:
             self.executor.copy_blocks(batch.copies)
 
     def _account(self, batch: ScheduledBatch) -> None:
+        """Counts the batch in :attr:`stats` (before its tokens are marked computed)."""
         stats = self.stats
         stats.num_steps += 1
         stats.num_computed_tokens += batch.num_tokens
+        prompt_tokens = hits = 0
         for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            prompt_part = min(seq.num_computed + count, seq.prompt_len) - seq.num_computed
-            stats.num_prompt_tokens_computed += max(0, prompt_part)
-            if seq.num_computed > 0 and seq.request.first_scheduled_time is None:
-                stats.num_prefix_cache_hit_tokens += seq.num_computed
+            request, computed = seq.request, seq.num_computed
+            prompt_len = len(request.prompt)
+            if computed < prompt_len:
+                prompt_tokens += min(computed + count, prompt_len) - computed
+            if computed > 0 and request.first_scheduled_time is None:
+                hits += computed
+        stats.num_prompt_tokens_computed += prompt_tokens
+        stats.num_prefix_cache_hit_tokens += hits
         stats.num_preemptions += len(batch.preempted)
         stats.num_swapped_out_blocks += len(batch.swap_out)
         stats.num_swapped_in_blocks += len(batch.swap_in)
@@ -375,6 +420,9 @@ class Engine:
 
     def _forced(self, seq: Seq, token: int) -> int:
         """``token``, or the token the request's params force as ``seq``'s next one."""
+        params = seq.request.params
+        if params.forced_bos_token_id is None and params.forced_eos_token_id is None:
+            return token
         generated = seq.num_output_tokens
         is_last = (
             generated + 1 >= seq.request.params.max_tokens
@@ -411,7 +459,7 @@ class Engine:
             children.append(child)
         self._append(parent, first_token)
         tokens = sample(
-            row.expand(len(children), -1),
+            np.broadcast_to(row, (len(children), row.shape[-1])),
             [request.params] * len(children),
             [c.generator for c in children],
         )
@@ -461,10 +509,11 @@ class Engine:
         for request in requests:
             if request.error is not None:
                 yield snapshot(request, sent[request.request_id])
-        while any(not r.finished for r in requests):
-            for request in self._step():
-                if request.request_id in mine:
-                    yield snapshot(request, sent[request.request_id])
+        for pending in requests:  # requests never become unfinished again
+            while not pending.finished:
+                for request in self._step():
+                    if request.request_id in mine:
+                        yield snapshot(request, sent[request.request_id])
         for request in requests:
             self.release(request.request_id)
 
@@ -481,8 +530,9 @@ class Engine:
                 16 tokens).
         """
         requests = self._submit(prompts, params)
-        while any(not r.finished for r in requests):
-            self._step()
+        for request in requests:  # requests never become unfinished again
+            while not request.finished:
+                self._step()
         outputs = [snapshot(r) for r in requests]
         for request in requests:
             self.release(request.request_id)

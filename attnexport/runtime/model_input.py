@@ -1,18 +1,27 @@
 """The model inputs of one step: one packing of per-sequence work into the forward's tensors,
-shared by the engine (from the scheduler's batch) and the step driver (parity checks)."""
+shared by the engine (from the scheduler's batch) and the step driver (parity checks).
+
+The inputs are built on the host as lists of ints: an onnxruntime executor copies them into the
+buffers it binds, and the arrays and torch tensors a torch forward takes are made from them only
+when asked for."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from attnexport.custom_ops.metadata import (
+    INDEX_DTYPES,
     AttentionMetadata,
     ScheduledSequence,
-    build_attention_metadata,
-    index_tensor,
+    attention_lists,
+    cross_attention_lists,
+    is_encoder_decoder_batch,
+    list_shape,
+    metadata_from_arrays,
 )
 from attnexport.model_interface import DECODER_INPUT_NAMES, ENCODER_DECODER_INPUT_NAMES
 
@@ -32,30 +41,127 @@ class StepSequence:
     """The encoder tokens, when ``scheduled.encode_now`` (at positions ``0 .. len - 1``)."""
 
 
-@dataclass
-class ModelInput:
-    """Everything a paged forward takes except the caches (see ``model_interface``)."""
+INPUT_DTYPES = {
+    **INDEX_DTYPES,
+    "input_ids": np.int64,
+    "positions": np.int64,
+    "logits_indices": np.int64,
+    "encoder_input_ids": np.int64,
+    "encoder_positions": np.int64,
+}
+"""The dtype of each forward input (before the caches)."""
 
-    input_ids: torch.Tensor
-    """(T,) int64, the new tokens of every scheduled sequence, packed in batch order."""
-    positions: torch.Tensor
-    """(T,) int64, absolute position of each token in its sequence."""
-    logits_indices: torch.Tensor
-    """(N,) int64, the rows whose logits are returned: by default the last new token of each
-    sequence that samples this step (a sequence in the middle of a chunked prefill does not).
-    When none is wanted, one dummy row is asked for so that no executor sees an empty output."""
-    metadata: AttentionMetadata
-    sampling_seqs: list[int]
-    """For each logits row, the batch index of its sequence (empty when the row is a dummy)."""
-    encoder_input_ids: torch.Tensor | None = None
-    """Encoder-decoder models: (T_enc,) int64 encoder tokens of the sequences encoded now."""
-    encoder_positions: torch.Tensor | None = None
-    """(T_enc,) int64, position of each in its encoder input."""
+_OWN_TENSORS = (
+    "input_ids",
+    "positions",
+    "logits_indices",
+    "encoder_input_ids",
+    "encoder_positions",
+)
+"""The inputs that are not attention metadata."""
+
+
+class ModelInput:
+    """Everything a paged forward takes except the caches (see ``model_interface``).
+
+    The inputs are built on the host as lists of ints (:attr:`values`); the NumPy arrays and
+    torch tensors of them are made on first use.
+
+    Args:
+        values: the inputs by forward input name (:attr:`input_names`): lists of ints, rows of
+            one width for a block table.
+        sampling_seqs: for each logits row, the batch index of its sequence.
+        shapes: the array shape of each input (found from ``values`` when not given).
+        metadata, tensors: set by :meth:`to` (the tensors on another device); by default they
+            are made from the arrays on first use, sharing their memory.
+    """
+
+    def __init__(
+        self,
+        values: dict[str, list],
+        sampling_seqs: list[int],
+        shapes: dict[str, tuple[int, ...]] | None = None,
+        metadata: AttentionMetadata | None = None,
+        tensors: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        self.values = values
+        """The inputs by name, as lists (never changed after packing)."""
+        self.sampling_seqs = sampling_seqs
+        """For each logits row, the batch index of its sequence (empty when the row is a dummy
+        asked for because no sequence samples)."""
+        if shapes is None:
+            shapes = {name: list_shape(name, value) for name, value in values.items()}
+        self.shapes = shapes
+        """The array shape of each input: what an executor binds."""
+        self._arrays: dict[str, np.ndarray] | None = None
+        self._metadata = metadata
+        self._tensors = tensors if tensors is not None else {}
+
+    @property
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The inputs as NumPy arrays (int64 token ids, positions, slots and logits rows;
+        int32 block tables, lengths and offsets), made once."""
+        if self._arrays is None:
+            shapes = self.shapes
+            self._arrays = {
+                name: np.array(value, dtype=INPUT_DTYPES[name]).reshape(shapes[name])
+                for name, value in self.values.items()
+            }
+        return self._arrays
+
+    def _tensor(self, name: str) -> torch.Tensor | None:
+        tensor = self._tensors.get(name)
+        if tensor is None and name in self.values:
+            tensor = self._tensors[name] = torch.from_numpy(self.arrays[name])
+        return tensor
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """(T,) int64, the new tokens of every scheduled sequence, packed in batch order."""
+        return self._tensor("input_ids")
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """(T,) int64, absolute position of each token in its sequence."""
+        return self._tensor("positions")
+
+    @property
+    def logits_indices(self) -> torch.Tensor:
+        """(N,) int64, the rows whose logits are returned: by default the last new token of
+        each sequence that samples this step (a sequence in the middle of a chunked prefill
+        does not). When none is wanted, one dummy row is asked for so that no executor sees an
+        empty output."""
+        return self._tensor("logits_indices")
+
+    @property
+    def encoder_input_ids(self) -> torch.Tensor | None:
+        """Encoder-decoder models: (T_enc,) int64 encoder tokens of the sequences encoded now."""
+        return self._tensor("encoder_input_ids")
+
+    @property
+    def encoder_positions(self) -> torch.Tensor | None:
+        """(T_enc,) int64, position of each in its encoder input."""
+        return self._tensor("encoder_positions")
+
+    @property
+    def metadata(self) -> AttentionMetadata:
+        if self._metadata is None:
+            self._metadata = metadata_from_arrays(self.arrays)
+        return self._metadata
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return "encoder_seq_lens" in self.values
+
+    @property
+    def num_logits(self) -> int:
+        """N, the logits rows the forward returns."""
+        return len(self.values["logits_indices"])
 
     @property
     def input_names(self) -> tuple[str, ...]:
         """Names of :meth:`index_args`, in order."""
-        if self.metadata.is_encoder_decoder:
+        if self.is_encoder_decoder:
             return ENCODER_DECODER_INPUT_NAMES
         return DECODER_INPUT_NAMES
 
@@ -87,51 +193,86 @@ class ModelInput:
         return args
 
     def to(self, device: torch.device | str) -> ModelInput:
-        def move(tensor):
-            return None if tensor is None else tensor.to(device)
-
+        """A copy whose tensors are on ``device`` (its host values are this one's)."""
+        tensors = {
+            name: self._tensor(name).to(device) for name in _OWN_TENSORS if name in self.values
+        }
         return ModelInput(
-            self.input_ids.to(device),
-            self.positions.to(device),
-            self.logits_indices.to(device),
-            self.metadata.to(device),
-            self.sampling_seqs,
-            move(self.encoder_input_ids),
-            move(self.encoder_positions),
+            self.values, self.sampling_seqs, self.shapes, self.metadata.to(device), tensors
         )
+
+
+def pack_decoder_step(
+    num_cached: Sequence[int],
+    num_new: Sequence[int],
+    block_ids: Sequence[Sequence[int]],
+    token_ids: Sequence[Sequence[int]],
+    num_logits: Sequence[int],
+    block_size: int,
+) -> ModelInput:
+    """The decoder inputs of one step, sequences in the given order: sequence i computes its
+    tokens ``[num_cached[i], num_cached[i] + num_new[i])`` of ``token_ids[i]`` into its blocks
+    ``block_ids[i]`` and asks for ``num_logits[i]`` logits rows (0, 1 for its last new token,
+    or up to ``num_new[i]`` for its last ones).
+
+    Raises ValueError like :func:`attnexport.custom_ops.build_attention_metadata`.
+    """
+    values = attention_lists(num_cached, num_new, block_ids, block_size)
+    tokens: list[int] = []
+    positions: list[int] = []
+    logits_indices: list[int] = []
+    sampling_seqs: list[int] = []
+    for i, (start, count, ids, rows) in enumerate(
+        zip(num_cached, num_new, token_ids, num_logits, strict=True)
+    ):
+        stop = start + count
+        tokens += ids[start:stop]
+        positions += range(start, stop)
+        if rows:
+            rows = min(rows, count)
+            logits_indices += range(len(tokens) - rows, len(tokens))
+            sampling_seqs += [i] * rows
+    if not logits_indices:
+        logits_indices.append(len(tokens) - 1)
+    values["input_ids"] = tokens
+    values["positions"] = positions
+    values["logits_indices"] = logits_indices
+    num_tokens, num_seqs, tables = len(tokens), len(num_new), values["block_tables"]
+    shapes = {
+        "input_ids": (num_tokens,),
+        "positions": (num_tokens,),
+        "slot_mapping": (len(values["slot_mapping"]),),
+        "block_tables": (num_seqs, len(tables[0]) if tables else 1),
+        "seq_lens": (num_seqs,),
+        "query_start_loc": (num_seqs + 1,),
+        "logits_indices": (len(logits_indices),),
+    }
+    return ModelInput(values, sampling_seqs, shapes)
 
 
 def pack_step(sequences: Sequence[StepSequence], block_size: int) -> ModelInput:
     """The inputs of one step on the CPU, sequences in the given order. Sequence i computes its
     tokens ``[num_cached, num_cached + num_new)``; an encoder-decoder batch (some sequence has an
     encoder length) also gets the encoder tokens of the sequences with ``encode_now``."""
-    tokens: list[int] = []
-    positions: list[int] = []
-    encoder_ids: list[int] = []
-    encoder_positions: list[int] = []
-    logits_indices: list[int] = []
-    sampling_seqs: list[int] = []
-    for i, entry in enumerate(sequences):
-        seq = entry.scheduled
-        start, stop = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_new_tokens
-        tokens += entry.token_ids[start:stop]
-        positions += range(start, stop)
-        rows = min(entry.num_logits, seq.num_new_tokens)
-        logits_indices += range(len(tokens) - rows, len(tokens))
-        sampling_seqs += [i] * rows
-        if seq.encode_now:
-            encoder_ids += entry.encoder_ids
-            encoder_positions += range(len(entry.encoder_ids))
-    if not logits_indices:
-        logits_indices.append(len(tokens) - 1)
-    metadata = build_attention_metadata([s.scheduled for s in sequences], block_size)
-    encoder = metadata.is_encoder_decoder
-    return ModelInput(
-        input_ids=index_tensor(tokens, torch.int64),
-        positions=index_tensor(positions, torch.int64),
-        logits_indices=index_tensor(logits_indices, torch.int64),
-        metadata=metadata,
-        sampling_seqs=sampling_seqs,
-        encoder_input_ids=index_tensor(encoder_ids, torch.int64) if encoder else None,
-        encoder_positions=index_tensor(encoder_positions, torch.int64) if encoder else None,
+    scheduled = [entry.scheduled for entry in sequences]
+    model_input = pack_decoder_step(
+        [s.num_cached_tokens for s in scheduled],
+        [s.num_new_tokens for s in scheduled],
+        [s.block_ids for s in scheduled],
+        [entry.token_ids for entry in sequences],
+        [entry.num_logits for entry in sequences],
+        block_size,
     )
+    if is_encoder_decoder_batch(scheduled):
+        values = model_input.values
+        values.update(cross_attention_lists(scheduled, block_size))
+        encoder_ids: list[int] = []
+        encoder_positions: list[int] = []
+        for entry in sequences:
+            if entry.scheduled.encode_now:
+                encoder_ids += entry.encoder_ids
+                encoder_positions += range(len(entry.encoder_ids))
+        values["encoder_input_ids"] = encoder_ids
+        values["encoder_positions"] = encoder_positions
+        model_input.shapes = {name: list_shape(name, value) for name, value in values.items()}
+    return model_input

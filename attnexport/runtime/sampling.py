@@ -12,6 +12,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -100,35 +101,42 @@ def make_generator(params: SamplingParams, sample_index: int) -> torch.Generator
 
 
 def sample(
-    logits: torch.Tensor,
+    logits: torch.Tensor | np.ndarray,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
 ) -> list[int]:
     """One token per row of ``logits``.
 
     Args:
-        logits: ``[N, vocab]`` float32 on the CPU.
+        logits: ``[N, vocab]`` floats on the CPU (a tensor, or a NumPy array as the engine
+            passes them).
         params: N sampling parameters (row i uses ``params[i]``).
         generators: N generators; None for greedy rows.
 
     Returns:
         N token ids.
     """
-    tokens = [0] * len(params)
-    greedy = [i for i, p in enumerate(params) if p.greedy]
-    if greedy:
-        rows = logits if len(greedy) == len(params) else logits[greedy]
-        # NumPy's argmax runs on the calling thread. torch's would wake its OpenMP pool, whose
-        # threads then spin on the cores an onnxruntime session is about to use (measured:
-        # 2.6 ms per step at batch 8 against ~0.03 ms). Both pick the first maximum (or NaN).
-        if rows.dtype not in (torch.float32, torch.float64):
-            rows = rows.float()  # NumPy has no bfloat16; the float32 values keep the order
-        for i, token in zip(greedy, rows.detach().numpy().argmax(axis=-1).tolist(), strict=True):
-            tokens[i] = token
+    if not params:
+        return []
+    tokens = _argmax(logits)  # the greedy rows' tokens; the others are drawn below
     for i, p in enumerate(params):
         if not p.greedy:
-            tokens[i] = _sample_row(logits[i], p, generators[i])
+            row = logits[i]
+            row = torch.tensor(row) if isinstance(row, np.ndarray) else row
+            tokens[i] = _sample_row(row, p, generators[i])
     return tokens
+
+
+def _argmax(logits: torch.Tensor | np.ndarray) -> list[int]:
+    """The first maximum (or NaN) of each row of ``[N, vocab]`` logits."""
+    # NumPy's argmax runs on the calling thread. torch's would wake its OpenMP pool, whose
+    # threads then spin on the cores an onnxruntime session is about to use (measured:
+    # 2.6 ms per step at batch 8 against ~0.03 ms).
+    if isinstance(logits, torch.Tensor):
+        if logits.dtype not in (torch.float32, torch.float64):
+            logits = logits.float()  # NumPy has no bfloat16; the float32 values keep the order
+        logits = logits.detach().numpy()
+    return logits.argmax(axis=-1).tolist()
 
 
 def _sample_row(logits: torch.Tensor, params: SamplingParams, generator) -> int:

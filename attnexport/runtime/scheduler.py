@@ -27,7 +27,7 @@ from attnexport.runtime.config import SchedulerConfig
 from attnexport.runtime.sequence import Request, Sequence, Status
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledBatch:
     """One step's work: the sequences in batch order with their token counts, and the block moves
     to apply before the model runs, in this order: swap-outs, swap-ins, copy-on-write copies."""
@@ -140,8 +140,9 @@ class Scheduler:
             index += 1
 
         if not batch.preempted:
-            budget = self._schedule_swapped(batch, budget)
-            if not self.swapped:
+            if self.swapped:
+                budget = self._schedule_swapped(batch, budget)
+            if not self.swapped and self.waiting:
                 self._schedule_waiting(batch, budget)
         if not batch.seqs and not batch.failed and not batch.preempted:
             # Nothing runs, so the whole pool was free: the oldest queued request can never fit.
@@ -155,8 +156,10 @@ class Scheduler:
         """After a recomputation, a forked sample waits until the first unfinished sample (the
         leader) has recomputed the shared prompt blocks, then shares them."""
         shared = request.shared_prefix_len
+        if not shared or seq.block_ids or seq.num_computed:
+            return False
         leader = request.unfinished_seqs()[0]
-        if not shared or seq is leader or seq.block_ids or seq.num_computed:
+        if seq is leader:
             return False
         if leader.num_computed < shared or request.status is Status.SWAPPED:
             # While swapped out the leader's block ids are CPU blocks: share them once back.
@@ -167,13 +170,14 @@ class Scheduler:
     def _plan(self, request: Request, budget: int) -> tuple[list[tuple[Sequence, int]], int]:
         """(sequence, tokens) pairs for ``request`` within ``budget``, and their token total."""
         plan, cost = [], 0
-        for seq in request.unfinished_seqs():
-            if self._waits_for_leader(request, seq):
+        for seq in request.seqs:  # not unfinished_seqs(): no list built for every request
+            if seq.finished or (request.shared_prefix_len and self._waits_for_leader(request, seq)):
                 continue
-            count = min(seq.num_uncomputed, budget - cost)
+            uncomputed = seq.num_uncomputed
+            count = min(uncomputed, budget - cost)
             if count <= 0:
                 break
-            if count < seq.num_uncomputed and not self.config.enable_chunked_prefill:
+            if count < uncomputed and not self.config.enable_chunked_prefill:
                 break
             plan.append((seq, count))
             cost += count

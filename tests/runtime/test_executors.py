@@ -3,6 +3,9 @@ and attention backends."""
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import pytest
 import torch
 
@@ -110,25 +113,96 @@ def test_onnxruntime_updates_the_bound_caches_in_place(onnx_path, model, kernels
         torch.testing.assert_close(cache, eager, atol=1e-5, rtol=1e-5)
 
 
-def test_onnxruntime_logits_are_not_overwritten_by_the_next_step(onnx_path):
-    """The logits are written into a fresh array per step: a step's result stays valid."""
+def _ort_run(onnx_path, fresh_inputs: bool) -> tuple[list, list, list]:
+    """Generates PROMPTS with onnxruntime; returns the tokens, every step's logits and the names
+    of the inputs bound. ``fresh_inputs``: every step binds new input buffers."""
     from attnexport.runtime import OrtExecutor
 
     engine = Engine(OrtExecutor(onnx_path, num_threads=1), CACHE, LIMITS)
-    executor, returned = engine.executor, []
-    execute = executor.execute
+    executor, logits, bound = engine.executor, [], []
+    execute_numpy, bind = executor.execute_numpy, executor._binding.bind_ortvalue_input
 
-    def keep(model_input):
-        logits = execute(model_input)
-        returned.append((logits, logits.clone()))
+    def record_bind(name, value):
+        bound.append(name)
+        bind(name, value)
+
+    def record(model_input):
+        if fresh_inputs:
+            executor._input_buffers, executor._bound_shapes = {}, None
+        result = execute_numpy(model_input)
+        logits.append(result.copy())
+        return result
+
+    executor._binding.bind_ortvalue_input = record_bind
+    executor.execute_numpy = record
+    return [o.token_ids for o in engine.generate(PROMPTS, PARAMS)], logits, bound
+
+
+def test_onnxruntime_writes_bound_inputs_in_place_until_a_shape_changes(onnx_path):
+    """A step whose inputs keep their shapes writes them into the buffers bound before (the
+    batch and the block-table width change in this run: those steps bind new ones); every
+    step's logits are exactly those of an executor that binds new buffers every step."""
+    tokens, logits, bound = _ort_run(onnx_path, fresh_inputs=False)
+    fresh_tokens, fresh_logits, fresh_bound = _ort_run(onnx_path, fresh_inputs=True)
+    assert tokens == fresh_tokens
+    assert len(logits) == len(fresh_logits)
+    for step, (reused, fresh) in enumerate(zip(logits, fresh_logits, strict=True)):
+        assert np.array_equal(reused, fresh), f"step {step}"
+    assert len(fresh_bound) == 7 * len(logits)
+    assert 7 < len(bound) < len(fresh_bound) / 2
+    assert bound.count("block_tables") > 1  # the width grew: the table was bound again
+
+
+def test_onnxruntime_logits_are_not_overwritten_while_held(onnx_path, eager_tokens):
+    """A step's logits stay valid while anything refers to them (the array, a tensor made from
+    it as ``execute`` returns, a row of it); the buffer of logits nobody kept is written again
+    by the next step of the same shape. Tokens do not depend on which happens."""
+    from attnexport.runtime import OrtExecutor
+
+    engine = Engine(OrtExecutor(onnx_path, num_threads=1), CACHE, LIMITS)
+    executor, held, addresses = engine.executor, [], []
+    execute_numpy = executor.execute_numpy
+
+    def keep_some(model_input):
+        logits = execute_numpy(model_input)
+        addresses.append(logits.ctypes.data)
+        kept = (logits, torch.from_numpy(logits), logits[-1], None)[len(addresses) % 4]
+        if kept is not None:
+            held.append((kept, kept.copy() if isinstance(kept, np.ndarray) else kept.clone()))
         return logits
 
-    executor.execute = keep
+    executor.execute_numpy = keep_some
+    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == eager_tokens
+    assert len(held) >= 9
+    for kept, copy in held:
+        assert kept.dtype in (np.float32, torch.float32) and kept.shape[-1] == executor.vocab_size
+        assert (kept == copy).all()
+    assert any(a == b for a, b in itertools.pairwise(addresses)), "no buffer was reused"
+
+
+def test_onnxruntime_execute_returns_tensors_later_steps_keep(onnx_path):
+    """``execute`` returns a torch tensor sharing the executor's buffer: holding it keeps the
+    later steps from writing that buffer (replayed steps give the engine's logits)."""
+    from attnexport.runtime import OrtExecutor
+
+    engine = Engine(OrtExecutor(onnx_path, num_threads=1), CACHE, LIMITS)
+    executor, steps = engine.executor, []
+    execute_numpy = executor.execute_numpy
+
+    def record(model_input):
+        logits = execute_numpy(model_input)
+        steps.append((model_input, logits.copy()))
+        return logits
+
+    executor.execute_numpy = record
     engine.generate(PROMPTS[:2], SamplingParams(max_tokens=3))
+    replay = OrtExecutor(onnx_path, num_threads=1)
+    replay.initialize_cache(engine.num_blocks, 0)
+    returned = [replay.execute(model_input) for model_input, _ in steps]
     assert len(returned) >= 3
-    for logits, copy in returned:
+    for logits, (_, expected) in zip(returned, steps, strict=True):
         assert logits.dtype == torch.float32 and logits.shape[1] == executor.vocab_size
-        assert torch.equal(logits, copy)
+        assert torch.equal(logits, torch.from_numpy(expected))
 
 
 def test_loaded_pt2_matches_eager(pt2_path, model, eager_tokens):

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from attnexport.model_interface import CacheSpec
@@ -20,7 +21,7 @@ def _pairs(pairs: Sequence[tuple[int, int]]) -> torch.Tensor:
 
 class Executor(abc.ABC):
     """Owns a model and its KV caches; the engine calls :meth:`initialize_cache` once, then per
-    step the block moves and :meth:`execute`.
+    step the block moves and :meth:`execute_numpy` (which calls :meth:`execute` by default).
 
     Caches are torch tensors in the standard layout ``[num_blocks, block_size, Hkv, D]``
     (``kv_caches``, on the executor's device) plus a CPU swap pool (``cpu_caches``); an executor
@@ -89,6 +90,15 @@ class Executor(abc.ABC):
         Returns:
             ``[N, vocab_size]`` float32 logits on the CPU, one row per ``logits_indices`` entry.
         """
+
+    def execute_numpy(self, model_input: ModelInput) -> np.ndarray:
+        """:meth:`execute` with the logits as a NumPy array ``[N, vocab_size]`` (float32 or
+        float64), as the engine samples them. An executor whose runtime fills host arrays
+        overrides it, so that a step touches no torch code on the host."""
+        logits = self.execute(model_input).detach()
+        if logits.dtype not in (torch.float32, torch.float64):
+            logits = logits.float()  # NumPy has no bfloat16
+        return logits.cpu().numpy()
 
     def describe(self) -> str:
         """A one-line description (executor, device, backend or provider)."""

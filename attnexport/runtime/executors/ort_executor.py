@@ -13,6 +13,7 @@ shared torch code (:mod:`attnexport.runtime.block_copy`).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -155,6 +156,10 @@ class OrtExecutor(Executor):
         super().__init__(spec, vocab_size, max_model_len or found, device)
         self._binding = None
         self._cache_values: list = []
+        self._input_buffers: dict[str, np.ndarray] = {}
+        self._bound_shapes: dict[str, tuple[int, ...]] | None = None
+        self._logits: np.ndarray | None = None
+        self._logits_refs = 0
 
     def _bind_caches(self) -> None:
         """Wraps every cache tensor once in an OrtValue (zero copy) and binds that same
@@ -172,6 +177,7 @@ class OrtExecutor(Executor):
             binding.bind_ortvalue_output(self.metadata.cache_outputs[name], value)
             values.append(value)
         self._binding, self._cache_values = binding, values
+        self._input_buffers, self._bound_shapes, self._logits = {}, None, None
 
     @property
     def cache_ortvalues(self) -> list:
@@ -179,27 +185,66 @@ class OrtExecutor(Executor):
         return list(self._cache_values)
 
     def execute(self, model_input: ModelInput) -> torch.Tensor:
+        return torch.from_numpy(self.execute_numpy(model_input))
+
+    def execute_numpy(self, model_input: ModelInput) -> np.ndarray:
+        """One step on the host values of ``model_input``; returns the ``[N, vocab_size]``
+        float32 logits, which later steps never overwrite while they are referred to."""
         if self._binding is None:
             raise RuntimeError("OrtExecutor.execute: initialize_cache must run first")
-        binding = self._binding
-        # The arrays must outlive the run: onnxruntime may read them in place.
-        arrays = []
-        for name, tensor in zip(model_input.input_names, model_input.index_args(), strict=True):
-            array = tensor.numpy()
-            expected = self._index_types[name]
-            if array.dtype != expected:
-                array = array.astype(expected)
-            binding.bind_cpu_input(name, array)
-            arrays.append(array)
-        # A fresh host array per step, bound by address (whatever the execution provider):
-        # onnxruntime writes the logits straight into it, a step's result is never overwritten
-        # by the next, and no step wraps every output (the caches too) to read one.
-        logits = np.empty((model_input.logits_indices.shape[0], self.vocab_size), np.float32)
-        binding.bind_output(
-            self._logits_name, "cpu", 0, logits.dtype, logits.shape, logits.ctypes.data
-        )
-        self.session.run_with_iobinding(binding)
-        return torch.from_numpy(logits)
+        values = model_input.values
+        if model_input.shapes == self._bound_shapes:
+            for name, buffer in self._input_buffers.items():
+                buffer[...] = values[name]
+        else:
+            self._bind_inputs(model_input)
+        logits = self._logits_buffer(len(values["logits_indices"]))
+        self.session.run_with_iobinding(self._binding)
+        return logits
+
+    def _bind_inputs(self, model_input: ModelInput) -> None:
+        """Copies the inputs into host buffers bound to the session: a buffer of an unchanged
+        shape is written in place, one of a new shape (another batch, a wider block table) is
+        bound instead. A buffer stays bound (and alive) until replaced: onnxruntime reads it in
+        place on the CPU. Elsewhere binding copies an input to the device at once, so every
+        step binds new buffers."""
+        from onnxruntime import OrtValue
+
+        reuse = self.device.type == "cpu"
+        buffers: dict[str, np.ndarray] = {}
+        for name in model_input.input_names:
+            values, shape = model_input.values[name], model_input.shapes[name]
+            buffer = self._input_buffers.get(name)
+            if reuse and buffer is not None and buffer.shape == shape:
+                buffer[...] = values
+            else:
+                buffer = np.array(values, dtype=self._index_types[name]).reshape(shape)
+                self._binding.bind_ortvalue_input(name, OrtValue.ortvalue_from_numpy(buffer))
+            buffers[name] = buffer
+        self._input_buffers = buffers
+        self._bound_shapes = dict(model_input.shapes) if reuse else None
+
+    def _logits_buffer(self, num_rows: int) -> np.ndarray:
+        """The ``[num_rows, vocab]`` float32 host buffer the next run writes its logits into
+        (bound by address, whatever the execution provider).
+
+        The previous step's buffer is written again only when nothing but this executor refers
+        to it (a tensor made from it, a slice or a view of it would); otherwise a fresh one is
+        bound, so the logits a step returned are never overwritten while someone holds them."""
+        logits = self._logits
+        if (
+            logits is None
+            or logits.shape[0] != num_rows
+            or sys.getrefcount(self._logits) > self._logits_refs
+        ):
+            logits = self._logits = np.empty((num_rows, self.vocab_size), np.float32)
+            self._binding.bind_output(
+                self._logits_name, "cpu", 0, logits.dtype, logits.shape, logits.ctypes.data
+            )
+            # The count with no reference but the executor's (this method's included), taken as
+            # it is checked: what the interpreter counts for the call then cancels out.
+            self._logits_refs = sys.getrefcount(self._logits)
+        return logits
 
     def describe(self) -> str:
         provider = PROVIDERS[self.device.type]
