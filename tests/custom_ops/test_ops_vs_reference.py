@@ -117,3 +117,19 @@ def test_empty_batch(backend):
             **x["kwargs"],
         )
     assert out.shape == (0, *query.shape[1:])
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.id)
+def test_ops_run_on_inputs_that_require_grad(backend, case: AttentionCase):
+    """A model run outside ``no_grad`` (its projections' outputs require grad) gets the same
+    results (the kernels run without recording autograd history; the ops have no derivative)."""
+    x = make_paged_inputs(case)
+    key = x["key"].clone().requires_grad_()
+    query = x["query"].clone().requires_grad_()
+    with torch.enable_grad(), skip_unsupported():
+        attnexport.reshape_and_cache(
+            key, x["value"], x["key_cache"], x["value_cache"], x["slot_mapping"]
+        )
+        out = attnexport.paged_attention(query, *paged_args(x)[1:], **x["kwargs"])
+    expected = reference.paged_attention(*paged_args(x), **x["kwargs"])
+    assert_close_to_reference(out.detach(), expected)
