@@ -8,8 +8,10 @@
 # the C API header; Debian's libonnxruntime-dev does, so its .deb (pinned by checksum) is
 # unpacked into build/ort-headers once.
 #
-#   ARCH_FLAGS  compiler target flags (default -march=native: build on the machine that runs it)
-#   CXX         C++ compiler (default g++)
+#   ARCH_FLAGS   compiler target flags (default -march=native: build on the machine that runs it)
+#   CXX          C++ compiler (default g++)
+#   EXTRA_FLAGS  appended to the compiler flags (a test builds with -O0 for other CPUs)
+#   OUTPUT       the library to write (default attnexport/runtime/ort_kernels/libattnexport_ort.so)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,7 +20,7 @@ DEB_SHA256=14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08
 HEADERS=build/ort-headers
 INCLUDE=$HEADERS/usr/include/onnxruntime
 SOURCES=attnexport/runtime/ort_kernels
-OUTPUT=$SOURCES/libattnexport_ort.so
+OUTPUT=${OUTPUT:-$SOURCES/libattnexport_ort.so}
 
 if [ ! -f "$INCLUDE/onnxruntime_c_api.h" ]; then
   mkdir -p "$HEADERS"
@@ -32,7 +34,10 @@ if [ ! -f "$INCLUDE/onnxruntime_c_api.h" ]; then
   fi
 fi
 
+# -Wno-psabi: on a machine without AVX-512, g++ notes that returning a 16-float vector "changes
+# the ABI"; every such function is inline and internal to this library, so no ABI is crossed
+# (without the flag -Werror failed the build there).
 "${CXX:-g++}" -std=c++17 -O3 ${ARCH_FLAGS:--march=native} -fPIC -shared -fvisibility=hidden \
-  -Wall -Wextra -Werror -I "$INCLUDE" "$SOURCES"/*.cc -o "$OUTPUT.tmp"
+  -Wall -Wextra -Werror -Wno-psabi ${EXTRA_FLAGS:-} -I "$INCLUDE" "$SOURCES"/*.cc -o "$OUTPUT.tmp"
 mv "$OUTPUT.tmp" "$OUTPUT"
 echo "built $OUTPUT"
