@@ -105,8 +105,6 @@ def _slots(block_ids: Sequence[int], start: int, stop: int, block_size: int) -> 
     ]
 
 
-_NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64}
-
 INDEX_DTYPES = {
     "slot_mapping": np.int64,
     "block_tables": np.int32,
@@ -124,17 +122,6 @@ BLOCK_TABLES = ("block_tables", "cross_block_tables")
 """The two-dimensional inputs: lists of rows of one width."""
 
 
-def index_tensor(
-    values: Sequence[int] | Sequence[Sequence[int]],
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-) -> torch.Tensor:
-    """An int32/int64 tensor of a (nested) list, built through NumPy: a fifth of the cost of
-    ``torch.tensor`` on a list, and the host code runs these every step."""
-    tensor = torch.from_numpy(np.array(values, dtype=_NUMPY_DTYPES[dtype]))
-    return tensor if _is_cpu(device) else tensor.to(device)
-
-
 def _is_cpu(device: torch.device | str) -> bool:
     # The string check first: parsing a torch.device costs more than building a small tensor.
     return device == "cpu" or torch.device(device).type == "cpu"
@@ -148,8 +135,10 @@ def list_shape(name: str, values: list) -> tuple[int, ...]:
     return (len(values),)
 
 
-def _to_array(name: str, values: list, dtype: type[np.integer]) -> np.ndarray:
-    """Input ``name`` given as a (nested) list, as a NumPy array of ``dtype``."""
+def to_array(name: str, values: list, dtype: type[np.integer]) -> np.ndarray:
+    """Input ``name`` given as a (nested) list, as a NumPy array of ``dtype`` and the shape of
+    :func:`list_shape` (one conversion of the whole list: a fifth of the cost of
+    ``torch.tensor`` on it, and the host code runs these every step)."""
     return np.array(values, dtype=dtype).reshape(list_shape(name, values))
 
 
@@ -307,5 +296,5 @@ def build_attention_metadata(
     )
     if is_encoder_decoder_batch(sequences):
         values.update(cross_attention_lists(sequences, block_size))
-    arrays = {name: _to_array(name, value, INDEX_DTYPES[name]) for name, value in values.items()}
+    arrays = {name: to_array(name, value, INDEX_DTYPES[name]) for name, value in values.items()}
     return metadata_from_arrays(arrays, device)

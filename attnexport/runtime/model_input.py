@@ -22,6 +22,7 @@ from attnexport.custom_ops.metadata import (
     is_encoder_decoder_batch,
     list_shape,
     metadata_from_arrays,
+    to_array,
 )
 from attnexport.model_interface import DECODER_INPUT_NAMES, ENCODER_DECODER_INPUT_NAMES
 
@@ -41,24 +42,17 @@ class StepSequence:
     """The encoder tokens, when ``scheduled.encode_now`` (at positions ``0 .. len - 1``)."""
 
 
-INPUT_DTYPES = {
-    **INDEX_DTYPES,
+_TOKEN_DTYPES = {
     "input_ids": np.int64,
     "positions": np.int64,
     "logits_indices": np.int64,
     "encoder_input_ids": np.int64,
     "encoder_positions": np.int64,
 }
-"""The dtype of each forward input (before the caches)."""
+"""The dtype of each input that is not attention metadata."""
 
-_OWN_TENSORS = (
-    "input_ids",
-    "positions",
-    "logits_indices",
-    "encoder_input_ids",
-    "encoder_positions",
-)
-"""The inputs that are not attention metadata."""
+INPUT_DTYPES = {**INDEX_DTYPES, **_TOKEN_DTYPES}
+"""The dtype of each forward input (before the caches)."""
 
 
 class ModelInput:
@@ -71,7 +65,6 @@ class ModelInput:
         values: the inputs by forward input name (:attr:`input_names`): lists of ints, rows of
             one width for a block table.
         sampling_seqs: for each logits row, the batch index of its sequence.
-        shapes: the array shape of each input (found from ``values`` when not given).
         metadata, tensors: set by :meth:`to` (the tensors on another device); by default they
             are made from the arrays on first use, sharing their memory.
     """
@@ -80,7 +73,6 @@ class ModelInput:
         self,
         values: dict[str, list],
         sampling_seqs: list[int],
-        shapes: dict[str, tuple[int, ...]] | None = None,
         metadata: AttentionMetadata | None = None,
         tensors: dict[str, torch.Tensor] | None = None,
     ) -> None:
@@ -89,9 +81,7 @@ class ModelInput:
         self.sampling_seqs = sampling_seqs
         """For each logits row, the batch index of its sequence (empty when the row is a dummy
         asked for because no sequence samples)."""
-        if shapes is None:
-            shapes = {name: list_shape(name, value) for name, value in values.items()}
-        self.shapes = shapes
+        self.shapes = {name: list_shape(name, value) for name, value in values.items()}
         """The array shape of each input: what an executor binds."""
         self._arrays: dict[str, np.ndarray] | None = None
         self._metadata = metadata
@@ -102,9 +92,8 @@ class ModelInput:
         """The inputs as NumPy arrays (int64 token ids, positions, slots and logits rows;
         int32 block tables, lengths and offsets), made once."""
         if self._arrays is None:
-            shapes = self.shapes
             self._arrays = {
-                name: np.array(value, dtype=INPUT_DTYPES[name]).reshape(shapes[name])
+                name: to_array(name, value, INPUT_DTYPES[name])
                 for name, value in self.values.items()
             }
         return self._arrays
@@ -195,11 +184,9 @@ class ModelInput:
     def to(self, device: torch.device | str) -> ModelInput:
         """A copy whose tensors are on ``device`` (its host values are this one's)."""
         tensors = {
-            name: self._tensor(name).to(device) for name in _OWN_TENSORS if name in self.values
+            name: self._tensor(name).to(device) for name in _TOKEN_DTYPES if name in self.values
         }
-        return ModelInput(
-            self.values, self.sampling_seqs, self.shapes, self.metadata.to(device), tensors
-        )
+        return ModelInput(self.values, self.sampling_seqs, self.metadata.to(device), tensors)
 
 
 def pack_decoder_step(
@@ -217,6 +204,20 @@ def pack_decoder_step(
 
     Raises ValueError like :func:`attnexport.custom_ops.build_attention_metadata`.
     """
+    return ModelInput(
+        *_decoder_values(num_cached, num_new, block_ids, token_ids, num_logits, block_size)
+    )
+
+
+def _decoder_values(
+    num_cached: Sequence[int],
+    num_new: Sequence[int],
+    block_ids: Sequence[Sequence[int]],
+    token_ids: Sequence[Sequence[int]],
+    num_logits: Sequence[int],
+    block_size: int,
+) -> tuple[dict[str, list], list[int]]:
+    """:func:`pack_decoder_step`'s input values and sampling rows."""
     values = attention_lists(num_cached, num_new, block_ids, block_size)
     tokens: list[int] = []
     positions: list[int] = []
@@ -237,17 +238,7 @@ def pack_decoder_step(
     values["input_ids"] = tokens
     values["positions"] = positions
     values["logits_indices"] = logits_indices
-    num_tokens, num_seqs, tables = len(tokens), len(num_new), values["block_tables"]
-    shapes = {
-        "input_ids": (num_tokens,),
-        "positions": (num_tokens,),
-        "slot_mapping": (len(values["slot_mapping"]),),
-        "block_tables": (num_seqs, len(tables[0]) if tables else 1),
-        "seq_lens": (num_seqs,),
-        "query_start_loc": (num_seqs + 1,),
-        "logits_indices": (len(logits_indices),),
-    }
-    return ModelInput(values, sampling_seqs, shapes)
+    return values, sampling_seqs
 
 
 def pack_step(sequences: Sequence[StepSequence], block_size: int) -> ModelInput:
@@ -255,7 +246,7 @@ def pack_step(sequences: Sequence[StepSequence], block_size: int) -> ModelInput:
     tokens ``[num_cached, num_cached + num_new)``; an encoder-decoder batch (some sequence has an
     encoder length) also gets the encoder tokens of the sequences with ``encode_now``."""
     scheduled = [entry.scheduled for entry in sequences]
-    model_input = pack_decoder_step(
+    values, sampling_seqs = _decoder_values(
         [s.num_cached_tokens for s in scheduled],
         [s.num_new_tokens for s in scheduled],
         [s.block_ids for s in scheduled],
@@ -264,7 +255,6 @@ def pack_step(sequences: Sequence[StepSequence], block_size: int) -> ModelInput:
         block_size,
     )
     if is_encoder_decoder_batch(scheduled):
-        values = model_input.values
         values.update(cross_attention_lists(scheduled, block_size))
         encoder_ids: list[int] = []
         encoder_positions: list[int] = []
@@ -274,5 +264,4 @@ def pack_step(sequences: Sequence[StepSequence], block_size: int) -> ModelInput:
                 encoder_positions += range(len(entry.encoder_ids))
         values["encoder_input_ids"] = encoder_ids
         values["encoder_positions"] = encoder_positions
-        model_input.shapes = {name: list_shape(name, value) for name, value in values.items()}
-    return model_input
+    return ModelInput(values, sampling_seqs)

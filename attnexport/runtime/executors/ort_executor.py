@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from attnexport.custom_ops.metadata import to_array
 from attnexport.model_interface import (
     DECODER_INPUT_NAMES,
     ENCODER_DECODER_INPUT_NAMES,
@@ -157,7 +158,6 @@ class OrtExecutor(Executor):
         self._binding = None
         self._cache_values: list = []
         self._input_buffers: dict[str, np.ndarray] = {}
-        self._bound_shapes: dict[str, tuple[int, ...]] | None = None
         self._logits: np.ndarray | None = None
         self._logits_refs = 0
 
@@ -177,7 +177,7 @@ class OrtExecutor(Executor):
             binding.bind_ortvalue_output(self.metadata.cache_outputs[name], value)
             values.append(value)
         self._binding, self._cache_values = binding, values
-        self._input_buffers, self._bound_shapes, self._logits = {}, None, None
+        self._input_buffers, self._logits = {}, None
 
     @property
     def cache_ortvalues(self) -> list:
@@ -192,37 +192,29 @@ class OrtExecutor(Executor):
         float32 logits, which later steps never overwrite while they are referred to."""
         if self._binding is None:
             raise RuntimeError("OrtExecutor.execute: initialize_cache must run first")
-        values = model_input.values
-        if model_input.shapes == self._bound_shapes:
-            for name, buffer in self._input_buffers.items():
-                buffer[...] = values[name]
-        else:
-            self._bind_inputs(model_input)
-        logits = self._logits_buffer(len(values["logits_indices"]))
+        self._bind_inputs(model_input)
+        logits = self._logits_buffer(model_input.num_logits)
         self.session.run_with_iobinding(self._binding)
         return logits
 
     def _bind_inputs(self, model_input: ModelInput) -> None:
         """Copies the inputs into host buffers bound to the session: a buffer of an unchanged
-        shape is written in place, one of a new shape (another batch, a wider block table) is
-        bound instead. A buffer stays bound (and alive) until replaced: onnxruntime reads it in
-        place on the CPU. Elsewhere binding copies an input to the device at once, so every
-        step binds new buffers."""
-        from onnxruntime import OrtValue
-
+        shape (a decode step of the same batch) is written in place, one of a new shape
+        (another batch, a wider block table) is bound instead. A buffer stays bound (and alive)
+        until replaced: onnxruntime reads it in place on the CPU. Elsewhere binding copies an
+        input to the device at once, so every step binds new buffers."""
         reuse = self.device.type == "cpu"
-        buffers: dict[str, np.ndarray] = {}
+        buffers = self._input_buffers
         for name in model_input.input_names:
             values, shape = model_input.values[name], model_input.shapes[name]
-            buffer = self._input_buffers.get(name)
+            buffer = buffers.get(name)
             if reuse and buffer is not None and buffer.shape == shape:
                 buffer[...] = values
             else:
-                buffer = np.array(values, dtype=self._index_types[name]).reshape(shape)
+                from onnxruntime import OrtValue
+
+                buffer = buffers[name] = to_array(name, values, self._index_types[name])
                 self._binding.bind_ortvalue_input(name, OrtValue.ortvalue_from_numpy(buffer))
-            buffers[name] = buffer
-        self._input_buffers = buffers
-        self._bound_shapes = dict(model_input.shapes) if reuse else None
 
     def _logits_buffer(self, num_rows: int) -> np.ndarray:
         """The ``[num_rows, vocab]`` float32 host buffer the next run writes its logits into
