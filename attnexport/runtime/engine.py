@@ -406,7 +406,7 @@ class Engine:
         prompt_tokens = hits = 0
         for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
             request, computed = seq.request, seq.num_computed
-            prompt_len = len(request.prompt)
+            prompt_len = request.prompt_len
             if computed < prompt_len:
                 prompt_tokens += min(computed + count, prompt_len) - computed
             if computed > 0 and request.first_scheduled_time is None:
