@@ -204,20 +204,6 @@ def pack_decoder_step(
 
     Raises ValueError like :func:`attnexport.custom_ops.build_attention_metadata`.
     """
-    return ModelInput(
-        *_decoder_values(num_cached, num_new, block_ids, token_ids, num_logits, block_size)
-    )
-
-
-def _decoder_values(
-    num_cached: Sequence[int],
-    num_new: Sequence[int],
-    block_ids: Sequence[Sequence[int]],
-    token_ids: Sequence[Sequence[int]],
-    num_logits: Sequence[int],
-    block_size: int,
-) -> tuple[dict[str, list], list[int]]:
-    """:func:`pack_decoder_step`'s input values and sampling rows."""
     values = attention_lists(num_cached, num_new, block_ids, block_size)
     tokens: list[int] = []
     positions: list[int] = []
@@ -238,7 +224,7 @@ def _decoder_values(
     values["input_ids"] = tokens
     values["positions"] = positions
     values["logits_indices"] = logits_indices
-    return values, sampling_seqs
+    return ModelInput(values, sampling_seqs)
 
 
 def pack_step(sequences: Sequence[StepSequence], block_size: int) -> ModelInput:
@@ -246,7 +232,7 @@ def pack_step(sequences: Sequence[StepSequence], block_size: int) -> ModelInput:
     tokens ``[num_cached, num_cached + num_new)``; an encoder-decoder batch (some sequence has an
     encoder length) also gets the encoder tokens of the sequences with ``encode_now``."""
     scheduled = [entry.scheduled for entry in sequences]
-    values, sampling_seqs = _decoder_values(
+    decoder = pack_decoder_step(
         [s.num_cached_tokens for s in scheduled],
         [s.num_new_tokens for s in scheduled],
         [s.block_ids for s in scheduled],
@@ -254,14 +240,18 @@ def pack_step(sequences: Sequence[StepSequence], block_size: int) -> ModelInput:
         [entry.num_logits for entry in sequences],
         block_size,
     )
-    if is_encoder_decoder_batch(scheduled):
-        values.update(cross_attention_lists(scheduled, block_size))
-        encoder_ids: list[int] = []
-        encoder_positions: list[int] = []
-        for entry in sequences:
-            if entry.scheduled.encode_now:
-                encoder_ids += entry.encoder_ids
-                encoder_positions += range(len(entry.encoder_ids))
-        values["encoder_input_ids"] = encoder_ids
-        values["encoder_positions"] = encoder_positions
-    return ModelInput(values, sampling_seqs)
+    if not is_encoder_decoder_batch(scheduled):
+        return decoder
+    encoder_ids: list[int] = []
+    encoder_positions: list[int] = []
+    for entry in sequences:
+        if entry.scheduled.encode_now:
+            encoder_ids += entry.encoder_ids
+            encoder_positions += range(len(entry.encoder_ids))
+    values = {
+        **decoder.values,
+        **cross_attention_lists(scheduled, block_size),
+        "encoder_input_ids": encoder_ids,
+        "encoder_positions": encoder_positions,
+    }
+    return ModelInput(values, decoder.sampling_seqs)
