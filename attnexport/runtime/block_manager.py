@@ -156,6 +156,31 @@ class BlockManager:
         seq.num_computed = len(hits) * self.block_size
         seq.num_registered_blocks = len(hits)
 
+    def admission_cost(self, plan: list[tuple[Sequence, int]], hits: list[list[int]]) -> int:
+        """Device blocks that :meth:`admit` takes from the free count: the new blocks of each
+        (sequence, new tokens) pair of ``plan`` after its cached ``hits``, plus every distinct
+        hit block nobody holds (taking it makes it unevictable; samples may hit the same one)."""
+        bs = self.block_size
+        need = 0
+        unheld: set[int] = set()
+        for (_, count), seq_hits in zip(plan, hits, strict=True):
+            unheld.update(b for b in seq_hits if self.device.is_evictable(b))
+            need += blocks_for_tokens(len(seq_hits) * bs + count, bs) - len(seq_hits)
+        return need + len(unheld)
+
+    def admit(self, plan: list[tuple[Sequence, int]], hits: list[list[int]]) -> None:
+        """Gives the sequences of ``plan`` (one request's, holding no blocks) their cached
+        ``hits`` and the blocks for their new tokens.
+
+        Every sequence takes its hits before any sequence allocates: an allocation evicts the
+        least recently freed cached block, which could otherwise be a hit another sample of the
+        request is about to take (that sample would then read the allocating sample's keys and
+        values)."""
+        for (seq, _), seq_hits in zip(plan, hits, strict=True):
+            self.take_prefix(seq, seq_hits)
+        for seq, count in plan:
+            self.allocate(seq, count)
+
     def register_full_blocks(self, seq: Sequence) -> None:
         """Adds the blocks of ``seq`` that are now full and computed to the prefix cache."""
         if not self.device.enable_caching:

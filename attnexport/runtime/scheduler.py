@@ -213,7 +213,7 @@ class Scheduler:
             hits = [bm.match_prefix(seq) for seq in seqs]
             encoder = request.encoder
             encoder_cost = encoder.num_tokens if encoder and not encoder.encoded else 0
-            plan, cost, need = [], encoder_cost, 0
+            plan, cost = [], encoder_cost
             for seq, seq_hits in zip(seqs, hits, strict=True):
                 remaining = seq.num_uncomputed - len(seq_hits) * bm.block_size
                 count = min(remaining, budget - cost)
@@ -221,20 +221,16 @@ class Scheduler:
                     break
                 plan.append((seq, count))
                 cost += count
-                # Hit blocks nobody holds leave the free count when taken.
-                need += sum(bm.device.is_evictable(b) for b in seq_hits)
-                computed = (len(seq_hits)) * bm.block_size + count
-                need += -(-computed // bm.block_size) - len(seq_hits)
             # Samples left out by the token budget run in later steps, as running ones do.
-            if not plan or need > bm.device.num_free:
+            hits = hits[: len(plan)]
+            if not plan or bm.admission_cost(plan, hits) > bm.device.num_free:
                 break
             if bm.cross_blocks_needed(request) > bm.cross.num_free:
                 break
             self.waiting.pop(0)
             bm.allocate_cross(request)
-            for (seq, count), seq_hits in zip(plan, hits[: len(plan)], strict=True):
-                bm.take_prefix(seq, seq_hits)
-                bm.allocate(seq, count)
+            bm.admit(plan, hits)
+            for seq, count in plan:
                 batch.add(seq, count)
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = len(hits[0]) * bm.block_size

@@ -140,3 +140,39 @@ def test_swap_out_and_in_keeps_sharing_and_leaves_other_requests_blocks():
     for seq in (parent, child, other):
         bm.free(seq)
     assert bm.device.num_free == 8
+
+
+def test_admitting_samples_never_evicts_a_hit_another_sample_is_about_to_take():
+    # Two samples of one request, freed by a recomputation, each with one cached full block
+    # that nobody holds; the pool's other blocks are cached too, so every allocation evicts
+    # the least recently freed one.
+    bm = BlockManager(4, 0, block_size=2)
+    request = Request("r", [1], SamplingParams(n=2), 0)
+    first, second = _seq([1, 5, 6], 0, request), _seq([1, 7, 8], 1, request)
+    others = [_seq([2, 2], 2), _seq([3, 3], 3)]
+    for seq in (first, second, *others):
+        _grow(bm, seq, 2)
+    held = [first.block_ids[0], second.block_ids[0]]
+    for seq in (first, second, *others):
+        bm.free(seq)
+    plan = [(first, 1), (second, 1)]
+    hits = [bm.match_prefix(first), bm.match_prefix(second)]
+    assert hits == [[held[0]], [held[1]]]
+    assert bm.admission_cost(plan, hits) == 4 == bm.device.num_free
+    bm.admit(plan, hits)
+    assert first.block_ids[0] == held[0] and second.block_ids[0] == held[1]
+    assert len({b for seq in (first, second) for b in seq.block_ids}) == 4
+
+
+def test_samples_hitting_the_same_unheld_block_count_it_once():
+    bm = BlockManager(4, 0, block_size=2)
+    request = Request("r", [1], SamplingParams(n=2), 0)
+    first, second = _seq([1, 5, 6], 0, request), _seq([1, 5, 7], 1, request)
+    _grow(bm, first, 3)
+    bm.free(first)
+    plan = [(first, 1), (second, 1)]
+    hits = [bm.match_prefix(first), bm.match_prefix(second)]
+    assert hits[0] == hits[1] and len(hits[0]) == 1
+    assert bm.admission_cost(plan, hits) == 3  # the shared hit once, one new block each
+    bm.admit(plan, hits)
+    assert bm.device.ref_counts[hits[0][0]] == 2 and bm.device.num_free == 1
