@@ -122,6 +122,9 @@ class Engine:
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
+        # request id -> the inbox of the stream() that delivers it: requests changed by a step
+        # (whichever call ran it), in order, each once; the stream yields their outputs.
+        self._inboxes: dict[str, dict[Request, None]] = {}
         self._arrivals = itertools.count()
         self._seq_ids = itertools.count()
 
@@ -230,10 +233,13 @@ class Engine:
         request = self._requests.get(request_id)
         if request is None or request.finished:
             return
-        for seq in request.unfinished_seqs():
-            seq.finish_reason = "aborted"
+        aborted = request.unfinished_seqs()
+        # Before the samples are marked: the scheduler gives back one slot per live sample.
         self.scheduler.finish(request)
+        for seq in aborted:
+            seq.finish_reason = "aborted"
         request.finish_time = time.perf_counter()
+        self._notify([request])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -272,6 +278,13 @@ class Engine:
         }
 
     def _step(self) -> list[Request]:
+        """One step; returns the requests it changed, each once, and puts them in the inboxes
+        of the streams that deliver them.
+
+        An exception from the block moves, the model or the sampler fails the step's requests
+        (:meth:`_fail_step`): they finish with ``error`` set and their blocks freed, the others
+        go on. An Exception is not raised further (the requests carry it); any other
+        BaseException (KeyboardInterrupt) is, once they are released."""
         batch = self.scheduler.schedule()
         changed: list[Request] = []
         if batch.failed:
@@ -279,18 +292,57 @@ class Engine:
             for request in batch.failed:
                 request.finish_time = now
                 changed.append(request)
-        self._apply_block_moves(batch)
-        if not batch.seqs:
-            return changed
-        model_input = self._model_input(batch)
-        start = time.perf_counter()
-        logits = self.executor.execute_numpy(model_input)
-        self.stats.model_time += time.perf_counter() - start
-        self._account(batch)
-        self._mark_computed(batch, start)
-        if model_input.sampling_seqs:
-            self._take_tokens(batch.seqs, model_input.sampling_seqs, logits, changed)
-        return list(dict.fromkeys(changed))
+        moved = False
+        try:
+            self._apply_block_moves(batch)
+            moved = True
+            if batch.seqs:
+                model_input = self._model_input(batch)
+                start = time.perf_counter()
+                logits = self.executor.execute_numpy(model_input)
+                self.stats.model_time += time.perf_counter() - start
+                self._account(batch)
+                self._mark_computed(batch, start)
+                if model_input.sampling_seqs:
+                    self._take_tokens(batch.seqs, model_input.sampling_seqs, logits, changed)
+        except BaseException as error:
+            self._fail_step(batch, moved, error, changed)
+            self._notify(changed)
+            if not isinstance(error, Exception):
+                raise
+            return list(dict.fromkeys(changed))
+        if len(changed) > 1:
+            changed = list(dict.fromkeys(changed))
+        if self._inboxes:
+            self._notify(changed)
+        return changed
+
+    def _fail_step(
+        self, batch: ScheduledBatch, moved: bool, error: BaseException, changed: list[Request]
+    ) -> None:
+        """Finishes the requests of a step that raised ``error`` with it (their blocks may hold
+        a partial write or miss a copy): the requests in ``batch``, and, when the block moves
+        did not complete (``moved`` False), those it swapped out. Adds them to ``changed``."""
+        requests = dict.fromkeys(seq.request for seq in batch.seqs)
+        if not moved:
+            requests.update(dict.fromkeys(r for r in batch.preempted if r.status is Status.SWAPPED))
+        message = f"the executor failed: {type(error).__name__}: {error}"
+        now = time.perf_counter()
+        for request in requests:
+            if request.status is Status.FINISHED:
+                continue  # it finished in this step before the error
+            request.error = message
+            request.finish_time = now
+            self.scheduler.finish(request)
+            changed.append(request)
+
+    def _notify(self, changed: list[Request]) -> None:
+        """Puts the ``changed`` requests in the inboxes of the streams that deliver them."""
+        inboxes = self._inboxes
+        for request in changed:
+            inbox = inboxes.get(request.request_id)
+            if inbox is not None:
+                inbox[request] = None
 
     def _mark_computed(self, batch: ScheduledBatch, start: float) -> None:
         """The batch's tokens (and the encoders it ran) are in the cache now; ``start`` is when
@@ -502,27 +554,54 @@ class Engine:
     ) -> Iterator[RequestOutput]:
         """Runs the prompts to completion, yielding a request's output each time it changes
         (``new_token_ids`` holds the tokens since its previous output; the last one has
-        ``finished``). Failed requests are yielded first."""
+        ``finished``). Failed requests are yielded first.
+
+        Streams can be consumed alternately, with each other and with :meth:`generate`: a step
+        run for one delivers, through its inbox, what it changed for another. Closing the
+        generator (``close()``, ``del`` or an exception thrown into it, such as a
+        KeyboardInterrupt) aborts its unfinished requests and frees their blocks.
+        """
         requests = self._submit(prompts, params)
+        inbox: dict[Request, None] = {}
         sent: dict[str, dict[int, int]] = {r.request_id: {} for r in requests}
-        mine = set(sent)
-        for request in requests:
-            if request.error is not None:
-                yield snapshot(request, sent[request.request_id])
-        for pending in requests:  # requests never become unfinished again
-            while not pending.finished:
-                for request in self._step():
-                    if request.request_id in mine:
-                        yield snapshot(request, sent[request.request_id])
-        for request in requests:
-            self.release(request.request_id)
+        # Requests whose finished output is not yielded yet, in prompt order.
+        waiting = dict.fromkeys(r for r in requests if r.error is None)
+        for request in waiting:
+            self._inboxes[request.request_id] = inbox
+        try:
+            for request in requests:
+                if request.error is not None:
+                    yield snapshot(request, sent[request.request_id])
+            while waiting:
+                if not inbox:
+                    self._step()
+                    if not inbox:
+                        # Finished outside a step of this engine's (nothing is left to run).
+                        inbox.update(dict.fromkeys(r for r in waiting if r.finished))
+                    continue
+                request = next(iter(inbox))
+                del inbox[request]
+                output = snapshot(request, sent[request.request_id])
+                if request.finished:
+                    if request not in waiting:
+                        continue  # its finished output is out
+                    del waiting[request]
+                elif not any(sample.new_token_ids for sample in output.outputs):
+                    continue  # an earlier output of this stream had these tokens
+                yield output
+        finally:
+            for request in requests:
+                self._inboxes.pop(request.request_id, None)
+                self.abort(request.request_id)
+                self.release(request.request_id)
 
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Runs the prompts to completion; one output per prompt, in prompt order.
+        """Runs the prompts to completion; one output per prompt, in prompt order. An exception
+        raised on the way (a KeyboardInterrupt) aborts the prompts' requests first.
 
         Args:
             prompts: token-id lists.
@@ -530,13 +609,15 @@ class Engine:
                 16 tokens).
         """
         requests = self._submit(prompts, params)
-        for request in requests:  # requests never become unfinished again
-            while not request.finished:
-                self._step()
-        outputs = [snapshot(r) for r in requests]
-        for request in requests:
-            self.release(request.request_id)
-        return outputs
+        try:
+            for request in requests:  # requests never become unfinished again
+                while not request.finished:
+                    self._step()
+            return [snapshot(r) for r in requests]
+        finally:
+            for request in requests:
+                self.abort(request.request_id)
+                self.release(request.request_id)
 
     def reset_stats(self) -> None:
         self.stats = EngineStats()
