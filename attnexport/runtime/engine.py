@@ -12,7 +12,8 @@ the prompt is the encoder input, every sample's decoder starts from
 
 ``generate`` and ``stream`` never raise for one bad request: that request comes back with
 ``error`` set and finish reason ``"error"`` while the others run. ``add_request`` (the low-level
-API, with ``step``) raises ValueError/TypeError for a bad request instead.
+API, with ``step``) raises ValueError/TypeError for a bad request instead. A step whose executor
+raises fails the requests it ran the same way (their blocks are freed; the engine goes on).
 """
 
 from __future__ import annotations

@@ -132,6 +132,21 @@ def test_interleaved_streams_each_deliver_their_solo_tokens_and_finished_update(
     _assert_released(engine)
 
 
+def test_a_stream_delivers_what_a_generate_call_ran_for_it():
+    engine = _engine()
+    stream = engine.stream([PROMPTS[0]], PARAMS)
+    first = next(stream)
+    # generate runs the stream's request to its end while the stream waits.
+    longer = dataclasses.replace(PARAMS, max_tokens=16)
+    assert engine.generate([PROMPTS[2]], longer)[0].outputs[0].finish_reason == "length"
+    rest = list(stream)
+    (last,) = rest
+    assert last.finished
+    delivered = [a.new_token_ids + b.new_token_ids for a, b in zip(first.outputs, last.outputs)]
+    assert delivered == [c.token_ids for c in last.outputs] == _solo(PROMPTS[0])
+    _assert_released(engine)
+
+
 @pytest.mark.parametrize("fail_at", [1, 3])
 def test_an_executor_exception_fails_the_step_requests_and_frees_their_blocks(fail_at):
     engine = _engine(FaultyExecutor(RuntimeError("device lost"), fail_at))
