@@ -142,7 +142,8 @@ def test_a_stream_delivers_what_a_generate_call_ran_for_it():
     rest = list(stream)
     (last,) = rest
     assert last.finished
-    delivered = [a.new_token_ids + b.new_token_ids for a, b in zip(first.outputs, last.outputs)]
+    pairs = zip(first.outputs, last.outputs, strict=True)
+    delivered = [a.new_token_ids + b.new_token_ids for a, b in pairs]
     assert delivered == [c.token_ids for c in last.outputs] == _solo(PROMPTS[0])
     _assert_released(engine)
 
