@@ -205,3 +205,34 @@ def test_abort_frees_the_request_and_leaves_the_others(model, alone):
         engine.step()
     assert engine.get_output(kept).token_ids == alone[0]
     _assert_all_blocks_free(engine)
+
+
+FORKED_PROMPTS = [[5, 17, 3], [12, 2], [7, 7, 1, 90, 33, 12, 4, 81, 15], [1, 2]]
+FORKED_PARAMS = [
+    SamplingParams(max_tokens=16, n=6, temperature=1.0, seed=100 + i) for i in range(4)
+]
+
+
+@pytest.fixture(scope="module")
+def forked_alone(model) -> list[list[list[int]]]:
+    """The samples of each seeded n=6 request run by itself."""
+    return [
+        [c.token_ids for c in _engine(model).generate([prompt], params)[0].outputs]
+        for prompt, params in zip(FORKED_PROMPTS, FORKED_PARAMS, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_forked_seeded_samples_under_memory_pressure_equal_their_solo_run(
+    model, forked_alone, mode
+):
+    # 24 samples in a pool that holds about one request's: samples are preempted, recomputed
+    # over their own cached blocks (swap mode falls back to it: 4 CPU blocks) and must each
+    # read only their own keys and values.
+    cache = CacheConfig(num_blocks=40, num_cpu_blocks=4)
+    scheduler = SchedulerConfig(max_model_len=64, preemption_mode=mode)
+    engine = Engine(TorchExecutor(model, block_size=BLOCK_SIZE), cache, scheduler)
+    outputs = engine.generate(FORKED_PROMPTS, FORKED_PARAMS)
+    assert engine.stats.num_preemptions > 0
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == forked_alone
+    _assert_all_blocks_free(engine)
