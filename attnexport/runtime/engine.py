@@ -12,8 +12,10 @@ the prompt is the encoder input, every sample's decoder starts from
 
 ``generate`` and ``stream`` never raise for one bad request: that request comes back with
 ``error`` set and finish reason ``"error"`` while the others run. ``add_request`` (the low-level
-API, with ``step``) raises ValueError/TypeError for a bad request instead. A step whose executor
-raises fails the requests it ran the same way (their blocks are freed; the engine goes on).
+API, with ``step``) raises ValueError/TypeError for a bad request instead. An exception from the
+executor is raised on, after the requests of its step are finished with ``error`` set and their
+blocks freed (``generate`` and ``stream`` abort their other requests as they unwind): the
+engine stays usable.
 """
 
 from __future__ import annotations
@@ -283,9 +285,9 @@ class Engine:
         of the streams that deliver them.
 
         An exception from the block moves, the model or the sampler fails the step's requests
-        (:meth:`_fail_step`): they finish with ``error`` set and their blocks freed, the others
-        go on. An Exception is not raised further (the requests carry it); any other
-        BaseException (KeyboardInterrupt) is, once they are released."""
+        (:meth:`_fail_step`: they finish with ``error`` set and their blocks freed; the queued
+        requests are untouched) and is raised on: the caller sees its type and traceback (the
+        CLI tells a user's mistake from a bug by them) and the engine stays usable."""
         batch = self.scheduler.schedule()
         changed: list[Request] = []
         if batch.failed:
@@ -309,9 +311,7 @@ class Engine:
         except BaseException as error:
             self._fail_step(batch, moved, error, changed)
             self._notify(changed)
-            if not isinstance(error, Exception):
-                raise
-            return list(dict.fromkeys(changed))
+            raise
         if len(changed) > 1:
             changed = list(dict.fromkeys(changed))
         if self._inboxes:

@@ -1,8 +1,8 @@
 """Streams and failures release what they hold: a ``stream()`` closed, deleted or interrupted
 aborts its requests and frees their blocks; streams consumed alternately each deliver every token
 and their finished update; a step whose executor raises fails its requests (blocks freed, error
-set) and leaves the engine usable. On the exact checksum model (any mis-managed block changes
-the tokens)."""
+set), raises on, and leaves the engine usable. On the exact checksum model (any mis-managed block
+changes the tokens)."""
 
 from __future__ import annotations
 
@@ -151,9 +151,35 @@ def test_a_stream_delivers_what_a_generate_call_ran_for_it():
 @pytest.mark.parametrize("fail_at", [1, 3])
 def test_an_executor_exception_fails_the_step_requests_and_frees_their_blocks(fail_at):
     engine = _engine(FaultyExecutor(RuntimeError("device lost"), fail_at))
-    outputs = engine.generate(PROMPTS, PARAMS)
-    assert all(o.finished and o.finish_reason == "error" for o in outputs)
-    assert all("RuntimeError: device lost" in o.error for o in outputs)
+    ids = [engine.add_request(prompt, PARAMS) for prompt in PROMPTS]
+    with pytest.raises(RuntimeError, match="device lost"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    for request_id in ids:
+        output = engine.get_output(request_id)
+        assert output.finished and output.finish_reason == "error"
+        assert "the executor failed: RuntimeError: device lost" in output.error
+        engine.release(request_id)
+    _assert_released(engine)
+    _assert_usable(engine)
+
+
+def test_an_executor_exception_in_generate_aborts_its_other_requests():
+    engine = _engine(FaultyExecutor(RuntimeError("device lost"), 2), max_num_seqs=2)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.generate(PROMPTS, PARAMS)  # the third request is still queued at step 2
+    _assert_released(engine)
+    _assert_usable(engine)
+
+
+def test_an_executor_exception_reaches_an_interleaved_stream_as_an_error():
+    engine = _engine(FaultyExecutor(RuntimeError("device lost"), 3))
+    first, second = engine.stream(PROMPTS[:1], PARAMS), engine.stream(PROMPTS[1:2], PARAMS)
+    next(first), next(second)
+    with pytest.raises(RuntimeError, match="device lost"):
+        list(first)
+    (last,) = list(second)  # the failed step ran both streams' requests
+    assert last.finished and "RuntimeError: device lost" in last.error
     _assert_released(engine)
     _assert_usable(engine)
 
