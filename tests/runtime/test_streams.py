@@ -148,6 +148,16 @@ def test_a_stream_delivers_what_a_generate_call_ran_for_it():
     _assert_released(engine)
 
 
+def test_a_request_aborted_while_streamed_gets_its_finished_update():
+    engine = _engine()
+    stream = engine.stream(PROMPTS[:2], PARAMS)
+    first = next(stream)
+    engine.abort(first.request_id)
+    (aborted,) = [u for u in stream if u.request_id == first.request_id]
+    assert aborted.finished and [c.finish_reason for c in aborted.outputs] == ["aborted"] * 2
+    _assert_released(engine)
+
+
 @pytest.mark.parametrize("fail_at", [1, 3])
 def test_an_executor_exception_fails_the_step_requests_and_frees_their_blocks(fail_at):
     engine = _engine(FaultyExecutor(RuntimeError("device lost"), fail_at))
