@@ -566,27 +566,27 @@ class Engine:
         inbox: dict[Request, None] = {}
         sent: dict[str, dict[int, int]] = {r.request_id: {} for r in requests}
         # Requests whose finished output is not yielded yet, in prompt order.
-        waiting = dict.fromkeys(r for r in requests if r.error is None)
-        for request in waiting:
+        undelivered = dict.fromkeys(r for r in requests if r.error is None)
+        for request in undelivered:
             self._inboxes[request.request_id] = inbox
         try:
             for request in requests:
                 if request.error is not None:
                     yield snapshot(request, sent[request.request_id])
-            while waiting:
+            while undelivered:
                 if not inbox:
                     self._step()
                     if not inbox:
                         # Finished outside a step of this engine's (nothing is left to run).
-                        inbox.update(dict.fromkeys(r for r in waiting if r.finished))
+                        inbox.update(dict.fromkeys(r for r in undelivered if r.finished))
                     continue
                 request = next(iter(inbox))
                 del inbox[request]
                 output = snapshot(request, sent[request.request_id])
                 if request.finished:
-                    if request not in waiting:
+                    if request not in undelivered:
                         continue  # its finished output is out
-                    del waiting[request]
+                    del undelivered[request]
                 elif not any(sample.new_token_ids for sample in output.outputs):
                     continue  # an earlier output of this stream had these tokens
                 yield output
