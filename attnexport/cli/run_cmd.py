@@ -6,8 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from attnexport.cli.artifact import read_manifest
-from attnexport.cli.errors import CliError
+from attnexport.artifact import read_manifest
+from attnexport.cli.errors import CliError, add_trust_flag
 
 
 def add_parser(commands) -> None:
@@ -75,6 +75,7 @@ def add_parser(commands) -> None:
         help="attention backend of the torch executor",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    add_trust_flag(parser)
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
     parser.set_defaults(run=run)
 
@@ -205,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
         backend=args.backend,
         device=args.device,
         encoder_decoder=_encoder_decoder(args),
+        trust_pickle=args.trust_remote_pickle,
     )
     outputs = engine.generate(prompts, params)
     errors = [o.error for o in outputs if o.error]

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from attnexport.cli.artifact import ONNX_FILE, PT2_FILE, read_manifest, rebuild_eager_model
-from attnexport.cli.errors import CliError
+from attnexport.artifact import check_model_file, load_pt2, read_manifest, rebuild_eager_model
+from attnexport.cli.errors import CliError, add_trust_flag
 from attnexport.cli.progress import steps
 
 PROMPT_LENGTHS = (7, 3, 12)
@@ -33,6 +33,7 @@ def add_parser(commands) -> None:
     )
     parser.add_argument("artifact", type=Path, metavar="ARTIFACT", help="an export directory")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random token batch")
+    add_trust_flag(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
 
@@ -83,8 +84,9 @@ def _eager_leg(model: torch.nn.Module, backend: str) -> Leg:
     return call
 
 
-def _legs(manifest: dict, directory: Path, model) -> dict[str, Leg]:
-    """Every way to run this artifact here, the reference (``eager[sdpa]``) first."""
+def _legs(manifest: dict, directory: Path, model, trust_pickle: bool) -> dict[str, Leg]:
+    """Every way to run this artifact here, the reference (``eager[sdpa]``) first. Only the
+    model files the manifest lists are loaded, each after checking its size and SHA-256."""
     import attnexport  # noqa: F401  (registers backends)
     from attnexport.custom_ops import registered_backends
 
@@ -98,17 +100,17 @@ def _legs(manifest: dict, directory: Path, model) -> dict[str, Leg]:
                 and ("cpu" in backend.capabilities.devices)
             ):
                 legs[f"eager[{backend.name}]"] = _eager_leg(model, backend.name)
-    if (directory / PT2_FILE).is_file():
-        program = torch.export.load(str(directory / PT2_FILE)).module()
+    if "pt2" in manifest["files"]:
+        path = check_model_file(manifest, directory, "pt2")
+        program = load_pt2(path, trust_pickle=trust_pickle).module()
         legs["pt2"] = _eager_leg(program, "auto")
-    if (directory / ONNX_FILE).is_file():
+    if "onnx" in manifest["files"]:
         from attnexport.runtime import ort_kernels
 
-        legs["onnx"] = _onnx_leg(directory / ONNX_FILE, manifest["input_names"], native=False)
+        path = check_model_file(manifest, directory, "onnx")
+        legs["onnx"] = _onnx_leg(path, manifest["input_names"], native=False)
         if ort_kernels.unavailable_reason() is None:
-            legs["onnx[native]"] = _onnx_leg(
-                directory / ONNX_FILE, manifest["input_names"], native=True
-            )
+            legs["onnx[native]"] = _onnx_leg(path, manifest["input_names"], native=True)
     return legs
 
 
@@ -170,8 +172,20 @@ def _run_encoder(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]
     return {"hidden states": leg(input_ids, positions, cu_seqlens, token_type_ids)}
 
 
+def source_note(manifest: dict) -> str | None:
+    """A plain sentence when the checkpoint an artifact was exported from is gone (verify then
+    compares the exported files with each other only); None otherwise."""
+    source = manifest["source"]
+    if source["kind"] == "checkpoint" and not Path(source["path"]).is_dir():
+        return (
+            f"the source checkpoint {source['path']} is gone: the eager model cannot be "
+            "rebuilt, so the exported files are only compared with each other"
+        )
+    return None
+
+
 def verify_artifact(
-    artifact: Path, seed: int = 0, step=lambda _: None
+    artifact: Path, seed: int = 0, step=lambda _: None, *, trust_pickle: bool = False
 ) -> tuple[str, list[Comparison]]:
     """Runs every leg; returns the reference leg's name and each output's comparison with it
     (the reference is ``eager[sdpa]``, or ``pt2`` when the checkpoint is gone)."""
@@ -186,7 +200,7 @@ def verify_artifact(
     directory = artifact if artifact.is_dir() else artifact.parent
     step("rebuilding the eager model")
     model = rebuild_eager_model(manifest)
-    legs = _legs(manifest, directory, model)
+    legs = _legs(manifest, directory, model, trust_pickle)
     if len(legs) < 2:
         raise CliError(f"ARTIFACT: only {list(legs)} can run here; nothing to compare")
     run_leg = _run_encoder if manifest["kind"] == "encoder" else _run_paged
@@ -210,7 +224,10 @@ def verify_artifact(
 
 def run(args: argparse.Namespace) -> int:
     with steps(quiet=args.json) as step:
-        reference, comparisons = verify_artifact(args.artifact, args.seed, step)
+        reference, comparisons = verify_artifact(
+            args.artifact, args.seed, step, trust_pickle=args.trust_remote_pickle
+        )
+    note = source_note(read_manifest(args.artifact))
     ok = all(c.ok for c in comparisons)
     if args.json:
         print(
@@ -218,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
                 {
                     "ok": ok,
                     "reference": reference,
+                    "notes": [note] if note else [],
                     "comparisons": [c.__dict__ | {"ok": c.ok} for c in comparisons],
                 }
             )
@@ -240,6 +258,8 @@ def run(args: argparse.Namespace) -> int:
             "[green]ok[/]" if c.ok else "[red]FAIL[/]",
         )
     console = Console()
+    if note:
+        console.print(f"[yellow]note:[/] {escape(note)}")
     console.print(table)
     console.print(
         "[green]all outputs within tolerance[/]"
