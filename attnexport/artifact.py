@@ -342,17 +342,17 @@ def _check_payload_config(data: bytes, path: Path, entry: str, c) -> None:
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
         raise ArtifactError(f"{path}: {entry} is not a payload config; re-export") from None
     for fqn, meta in items:
-        name = meta.get("path_name", "") if isinstance(meta, dict) else ""
-        if not isinstance(meta, dict) or meta.get("use_pickle") is not False:
-            raise UnsafeArtifactError(
-                f"{path}: {entry} marks {fqn!r} as pickled (use_pickle); {_trust_hint(path)}"
-            )
+        name = meta.get("path_name") if isinstance(meta, dict) else None
         if not isinstance(name, str) or (
             "constants" in entry and not name.startswith(c.TENSOR_CONSTANT_FILENAME_PREFIX)
         ):
             raise UnsafeArtifactError(
                 f"{path}: {entry} stores {fqn!r} as an object ({name!r}), which loading "
                 f"unpickles; {_trust_hint(path)}"
+            )
+        if meta.get("use_pickle") is not False:
+            raise UnsafeArtifactError(
+                f"{path}: {entry} marks {fqn!r} as pickled (use_pickle); {_trust_hint(path)}"
             )
 
 
