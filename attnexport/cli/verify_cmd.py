@@ -3,8 +3,11 @@ available kernel backend, on a batch unlike the export sample.
 
 Every leg runs the same teacher-forced steps (a ragged prefill, then decode steps with fixed
 tokens) through :class:`~attnexport.runtime.step_driver.PagedDriver` with its own caches; the
-reference is the eager model on the ``sdpa`` backend. Exit code 1 when an error exceeds the
-tolerance of :func:`attnexport.testing.model_tolerance`.
+reference is the eager model on the ``sdpa`` backend. When the artifact comes from a checkpoint
+that is still there and transformers is installed, a ``transformers`` leg runs the checkpoint in
+transformers on the same batch (logits) and compares its greedy tokens with the engine's on the
+artifact (:mod:`attnexport.cli.verify_hf`). Exit code 1 when an error exceeds the tolerance of
+:func:`attnexport.testing.model_tolerance` or a greedy token differs.
 """
 
 from __future__ import annotations
@@ -114,6 +117,16 @@ def _legs(manifest: dict, directory: Path, model, trust_pickle: bool) -> dict[st
     return legs
 
 
+def _batch(manifest: dict, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The random batch of the paged legs: ``(prompts, decode_tokens)``, where
+    ``decode_tokens[k][i]`` is appended to sequence i before decode step k + 1."""
+    rng = random.Random(seed)
+    vocab = manifest["vocab_size"]
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+    decode_tokens = [[rng.randrange(vocab) for _ in PROMPT_LENGTHS] for _ in range(DECODE_STEPS)]
+    return prompts, decode_tokens
+
+
 def _run_paged(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
     """Teacher-forced steps of a (encoder-)decoder; returns ``{output name: tensor}``."""
     from attnexport.model_interface import CacheSpec
@@ -128,8 +141,7 @@ def _run_paged(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
         block_size=cache["block_size"],
         num_cross_layers=cache["num_cross_layers"],
     )
-    rng = random.Random(seed)
-    vocab = manifest["vocab_size"]
+    prompts, decode_tokens = _batch(manifest, seed)
     blocks_needed = sum(
         -(-(n + DECODE_STEPS) // spec.block_size) + -(-n // spec.block_size) + 1
         for n in PROMPT_LENGTHS
@@ -140,8 +152,7 @@ def _run_paged(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
 
     driver = PagedDriver(runner, spec, num_blocks=blocks_needed + 4, seed=seed)
     encoder = manifest["kind"] == "encoder-decoder"
-    for n in PROMPT_LENGTHS:
-        prompt = [rng.randrange(vocab) for _ in range(n)]
+    for prompt in prompts:
         if encoder:
             start = manifest["generation"].get("decoder_start_token_id") or 0
             driver.add([start], encoder_ids=prompt)
@@ -150,9 +161,9 @@ def _run_paged(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
     results = {}
     logits = driver.prefill(all_logits=True)
     results["prefill logits"] = torch.cat([logits[i] for i in sorted(logits)])
-    for step in range(DECODE_STEPS):
-        for seq in range(len(PROMPT_LENGTHS)):
-            driver.append(seq, rng.randrange(vocab))
+    for step, tokens in enumerate(decode_tokens):
+        for seq, token in enumerate(tokens):
+            driver.append(seq, token)
         logits = driver.step(dict.fromkeys(range(len(PROMPT_LENGTHS)), 1))
         results[f"decode {step + 1} logits"] = torch.cat([logits[i] for i in sorted(logits)])
     results["kv caches"] = torch.cat([c.reshape(-1) for c in driver.kv_caches])
@@ -172,16 +183,63 @@ def _run_encoder(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]
     return {"hidden states": leg(input_ids, positions, cu_seqlens, token_type_ids)}
 
 
-def source_note(manifest: dict) -> str | None:
-    """A plain sentence when the checkpoint an artifact was exported from is gone (verify then
-    compares the exported files with each other only); None otherwise."""
+def notes(manifest: dict) -> list[str]:
+    """Plain sentences on what ``verify`` could not compare: the checkpoint an artifact was
+    exported from is gone (the exported files are then only compared with each other), or
+    why there is no ``transformers`` leg."""
+    from attnexport.cli import verify_hf
+
     source = manifest["source"]
     if source["kind"] == "checkpoint" and not Path(source["path"]).is_dir():
-        return (
+        return [
             f"the source checkpoint {source['path']} is gone: the eager model cannot be "
-            "rebuilt, so the exported files are only compared with each other"
+            "rebuilt and there is no transformers leg, so the exported files are only "
+            "compared with each other"
+        ]
+    reason = verify_hf.unavailable_reason(manifest)
+    if reason is None or source["kind"] == "zoo":
+        return []
+    return [f"no transformers leg: {reason}"]
+
+
+def _compare(name: str, outputs: dict, reference: dict, tolerance: float) -> list[Comparison]:
+    comparisons = []
+    for output, expected in reference.items():
+        if output not in outputs:
+            continue  # the transformers leg has no paged caches
+        actual = outputs[output].to(torch.float64)
+        expected = expected.to(torch.float64)
+        diff = (actual - expected).abs()
+        max_abs = float(diff.max()) if diff.numel() else 0.0
+        scale = expected.abs().max().clamp_min(1e-12)
+        comparisons.append(Comparison(name, output, max_abs, max_abs / float(scale), tolerance))
+    return comparisons
+
+
+def _transformers_leg(
+    manifest: dict, artifact: Path, seed: int, reference: dict, tolerance: float, trust: bool
+) -> list[Comparison]:
+    """The checkpoint in transformers: its logits on the batch against the reference, and its
+    greedy tokens against the engine's on the artifact (a count of differing tokens, which
+    must be 0)."""
+    from attnexport.cli import verify_hf
+
+    model = verify_hf.load_hf_model(manifest)
+    prompts, decode_tokens = _batch(manifest, seed)
+    outputs = verify_hf.teacher_forced_logits(model, manifest, prompts, decode_tokens)
+    comparisons = _compare("transformers", outputs, reference, tolerance)
+    if manifest["kind"] == "decoder":
+        wrong, total = verify_hf.greedy_mismatches(model, manifest, artifact, prompts, trust)
+        comparisons.append(
+            Comparison(
+                "transformers",
+                f"greedy tokens differing ({verify_hf.GREEDY_TOKENS}/prompt)",
+                float(wrong),
+                wrong / max(total, 1),
+                0.0,
+            )
         )
-    return None
+    return comparisons
 
 
 def verify_artifact(
@@ -212,13 +270,14 @@ def verify_artifact(
     for name in others:
         step(f"running {name}")
         outputs = run_leg(legs[name], manifest, seed)
-        for output, expected in reference.items():
-            actual = outputs[output].to(torch.float64)
-            expected = expected.to(torch.float64)
-            diff = (actual - expected).abs()
-            max_abs = float(diff.max()) if diff.numel() else 0.0
-            scale = expected.abs().max().clamp_min(1e-12)
-            comparisons.append(Comparison(name, output, max_abs, max_abs / float(scale), tolerance))
+        comparisons += _compare(name, outputs, reference, tolerance)
+    from attnexport.cli import verify_hf
+
+    if verify_hf.unavailable_reason(manifest) is None:
+        step("running transformers")
+        comparisons += _transformers_leg(
+            manifest, artifact, seed, reference, tolerance, trust_pickle
+        )
     return reference_name, comparisons
 
 
@@ -227,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
         reference, comparisons = verify_artifact(
             args.artifact, args.seed, step, trust_pickle=args.trust_remote_pickle
         )
-    note = source_note(read_manifest(args.artifact))
+    messages = notes(read_manifest(args.artifact))
     ok = all(c.ok for c in comparisons)
     if args.json:
         print(
@@ -235,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
                 {
                     "ok": ok,
                     "reference": reference,
-                    "notes": [note] if note else [],
+                    "notes": messages,
                     "comparisons": [c.__dict__ | {"ok": c.ok} for c in comparisons],
                 }
             )
@@ -250,16 +309,16 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(column, justify="left" if column in ("leg", "output") else "right")
     for c in comparisons:
         table.add_row(
-            c.leg,
-            c.output,
+            escape(c.leg),  # "onnx[native]" is not markup
+            escape(c.output),
             f"{c.max_abs:.2e}",
             f"{c.max_rel:.2e}",
             f"{c.tolerance:.0e}",
             "[green]ok[/]" if c.ok else "[red]FAIL[/]",
         )
     console = Console()
-    if note:
-        console.print(f"[yellow]note:[/] {escape(note)}")
+    for message in messages:
+        console.print(f"[yellow]note:[/] {escape(message)}")
     console.print(table)
     console.print(
         "[green]all outputs within tolerance[/]"

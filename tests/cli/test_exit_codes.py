@@ -141,3 +141,17 @@ def test_verify_says_when_the_source_checkpoint_is_gone(checkpoint, tmp_path, ca
     assert len(report["notes"]) == 1 and "is gone" in report["notes"][0]
     code, text, _ = _run(capsys, "verify", out)
     assert code == 0 and "is gone" in " ".join(text.split())
+
+
+def test_verify_adds_a_transformers_leg(checkpoint, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["export", str(checkpoint), "--out", str(out), "--format", "both"]) == 0
+    capsys.readouterr()
+    code, text, _ = _run(capsys, "verify", out, "--json")
+    report = json.loads(text)
+    rows = {c["output"]: c for c in report["comparisons"] if c["leg"] == "transformers"}
+    assert code == 0 and report["ok"] and report["notes"] == []
+    assert {"prefill logits", "decode 3 logits"} <= set(rows)
+    greedy = next(c for name, c in rows.items() if name.startswith("greedy tokens"))
+    assert greedy["ok"] and greedy["max_abs"] == 0
+    assert all(c["max_abs"] <= c["tolerance"] for c in rows.values())

@@ -22,7 +22,6 @@ from attnexport.artifact import UnsafeArtifactError, file_digest, load_pt2
 from attnexport.cli.main import main
 from attnexport.runtime import Engine
 
-
 PICKLE_FREE_FORMAT = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 9)
 """torch >= 2.9 saves weights as raw bytes; torch 2.8 pickles them into data/weights/model.pt
 (read with the restricted unpickler only)."""
