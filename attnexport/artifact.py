@@ -60,9 +60,13 @@ def artifact_dir(path: str | os.PathLike) -> Path:
     return path if path.is_dir() else path.parent
 
 
-def read_manifest(path: str | os.PathLike) -> dict | None:
+def read_manifest(path: str | os.PathLike, *, plain_ok: bool = False) -> dict | None:
     """The validated manifest of an export directory or of the directory holding a model file;
     None when there is none.
+
+    With ``plain_ok``, a JSON object without a ``format`` key (a hand-written manifest with,
+    say, ``config.max_position_embeddings``, which the runtime reads) is returned as it is: it
+    lists no model files, so the loaders treat the directory as one without a manifest.
 
     Raises:
         ArtifactError: ``manifest.json`` is not JSON, not an attnexport manifest, or a field
@@ -78,8 +82,15 @@ def read_manifest(path: str | os.PathLike) -> dict | None:
             f"{file}: not valid JSON ({error}); re-export the model (attnexport export ... "
             "--overwrite)"
         ) from None
+    if plain_ok and isinstance(manifest, dict) and "format" not in manifest:
+        return manifest
     validate_manifest(manifest, file)
     return manifest
+
+
+def is_export_manifest(manifest: dict | None) -> bool:
+    """True for a manifest ``attnexport export`` wrote (not None, not a plain one)."""
+    return manifest is not None and "format" in manifest
 
 
 def _field_error(file: Path, name: str, expected: str, value) -> ArtifactError:
@@ -200,7 +211,9 @@ def resolve_artifact(path: str | os.PathLike, executor: str = "auto") -> tuple[s
     path = Path(path)
     if not path.exists():
         raise ArtifactError(f"artifact: {path} does not exist")
-    manifest = read_manifest(path)
+    manifest = read_manifest(path, plain_ok=True)
+    if not is_export_manifest(manifest):
+        manifest = None  # no list of model files: take the files present
     directory = artifact_dir(path)
     if path.is_dir():
         if manifest is not None:

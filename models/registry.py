@@ -104,8 +104,9 @@ def resolve_model_ref(ref: str | Path) -> tuple[str, str | Path]:
         return "checkpoint", path
     if pathlike:
         raise ModelRefError(
-            f"MODEL: {text} is not a directory (a checkpoint directory with config.json, or a "
-            f"zoo name such as {ZOO_PREFIX}llama)"
+            f"model: {text} is not a directory, so neither a checkpoint directory nor a zoo "
+            f"name (a checkpoint directory has config.json; zoo names: {', '.join(_ZOO)}, "
+            f"or {ZOO_PREFIX}NAME)"
         )
     raise ModelRefError(
         f"model: {text!r} is neither a checkpoint directory nor a zoo name ({', '.join(_ZOO)})"

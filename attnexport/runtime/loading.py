@@ -23,9 +23,9 @@ __all__ = [
 
 
 def _manifest(path: Path) -> dict:
-    """The validated manifest of an export directory or of the directory holding a model file
-    ({} when there is none)."""
-    return read_manifest(path) or {}
+    """The manifest of an export directory or of the directory holding a model file (validated
+    when ``attnexport export`` wrote it; {} when there is none)."""
+    return read_manifest(path, plain_ok=True) or {}
 
 
 def encoder_decoder_config(path: str | os.PathLike) -> EncoderDecoderConfig | None:
