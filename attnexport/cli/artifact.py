@@ -154,6 +154,7 @@ def export_artifact(
         )
     if options.block_size < 1:
         raise ArtifactError(f"--block-size: expected a positive integer, got {options.block_size}")
+    earlier = earlier_export(out, overwrite=options.overwrite)
     kind, ref = resolve_model_ref(model_ref)
     source = ref if kind == "checkpoint" else None
     step(f"loading {'checkpoint ' + str(ref) if source else 'zoo model ' + str(ref)}")
@@ -163,7 +164,9 @@ def export_artifact(
         else load_zoo_model(str(ref), dtype=options.dtype, seed=options.seed)
     )
     check_finite_weights(model, model_ref)
-    prepare_out_dir(out, overwrite=options.overwrite)
+    if earlier:
+        remove_earlier_export(out)
+    out.mkdir(parents=True, exist_ok=True)
 
     sample = model.export_sample(options.block_size)
     cache_spec = model.cache_spec(options.block_size) if model.kind != "encoder" else None
@@ -245,36 +248,36 @@ def check_finite_weights(model: torch.nn.Module, model_ref: str) -> None:
             )
 
 
-def prepare_out_dir(out: Path, *, overwrite: bool) -> None:
-    """Creates ``out``; refuses a directory holding an earlier export unless ``overwrite``,
-    which removes that export's files (its manifest, model files, tokenizer files) first, so
-    that no file of the earlier export outlives it."""
+def earlier_export(out: Path, *, overwrite: bool) -> list[Path]:
+    """The files of an earlier export in ``out`` (its manifest and model files); refuses them
+    unless ``overwrite``. Called before anything is loaded, so a refusal costs nothing."""
     if out.exists() and not out.is_dir():
         raise ArtifactError(f"--out: {out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
     earlier = [out / n for n in (MANIFEST, *MODEL_FILES.values(), ONNX_DATA_FILE)]
-    earlier = [p for p in earlier if p.exists()]
-    if not earlier:
-        return
-    if not overwrite:
+    earlier = [p for p in earlier if p.exists() or p.is_symlink()]
+    if earlier and not overwrite:
         raise ArtifactError(
             f"--out: {out} holds an earlier export ({', '.join(p.name for p in earlier)}); "
             "pass --overwrite to replace it, or choose another directory"
         )
+    return earlier
+
+
+def remove_earlier_export(out: Path) -> None:
+    """Removes the files of the earlier export in ``out``: its manifest, model files and the
+    tokenizer files it copied (every name an export copies when its manifest is missing or
+    damaged), so that none of them outlives it. Other files are kept."""
     try:
         manifest = read_manifest(out)
     except ArtifactError:
         manifest = None
-    # the tokenizer files the earlier export copied; every name an export copies when its
-    # manifest is missing or damaged
     copied = (
         TOKENIZER_FILES
         if manifest is None
         else [*(manifest.get("tokenizer_files") or []), "generation_config.json"]
     )
+    owned = (*TOKENIZER_FILES, MANIFEST, *MODEL_FILES.values(), ONNX_DATA_FILE)
     for name in {MANIFEST, *MODEL_FILES.values(), ONNX_DATA_FILE, *copied}:
         path = out / name
-        if name in (*TOKENIZER_FILES, MANIFEST, *MODEL_FILES.values(), ONNX_DATA_FILE) and (
-            path.is_file() or path.is_symlink()
-        ):
+        if name in owned and (path.is_file() or path.is_symlink()):
             path.unlink()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from attnexport.artifact import read_manifest
 from attnexport.cli.errors import CliError, add_trust_flag
+from attnexport.errors import require
 
 
 def add_parser(commands) -> None:
@@ -107,17 +108,11 @@ def load_tokenizer(artifact: Path, manifest: dict | None):
     directory = artifact if artifact.is_dir() else artifact.parent
     files = (manifest or {}).get("tokenizer_files") or []
     if "tokenizer.json" in files or (directory / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
-        return Tokenizer.from_file(str(directory / "tokenizer.json"))
+        tokenizers = require("tokenizers", "hf", "--prompt TEXT (tokenizer.json)")
+        return tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
     if files:
-        try:
-            from transformers import AutoTokenizer
-        except ModuleNotFoundError:
-            raise CliError(
-                "--prompt: this tokenizer needs transformers; pip install 'attnexport[hf]'"
-            ) from None
-        return AutoTokenizer.from_pretrained(str(directory))
+        transformers = require("transformers", "hf", "--prompt TEXT with this tokenizer")
+        return transformers.AutoTokenizer.from_pretrained(str(directory))
     raise CliError(
         f"--prompt: {directory} has no tokenizer; pass token ids with --prompt-ids, or export "
         "from a checkpoint directory that has tokenizer files"

@@ -155,3 +155,29 @@ def test_verify_adds_a_transformers_leg(checkpoint, tmp_path, capsys):
     greedy = next(c for name, c in rows.items() if name.startswith("greedy tokens"))
     assert greedy["ok"] and greedy["max_abs"] == 0
     assert all(c["max_abs"] <= c["tolerance"] for c in rows.values())
+
+
+def test_missing_tokenizers_names_the_extra(llama_export, tmp_path, monkeypatch, capsys):
+    directory = tmp_path / "export"
+    shutil.copytree(llama_export, directory)
+    (directory / "tokenizer.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    code, _, err = _run(capsys, "run", directory, "--prompt", "hello")
+    assert code == 2
+    _one_line(err, "run", "tokenizers", 'pip install "attnexport[hf]"')
+
+
+def test_another_tools_onnx_model_is_a_user_error(tmp_path, capsys):
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "identity",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    onnx.save(helper.make_model(graph), tmp_path / "other.onnx")
+    code, _, err = _run(capsys, "run", tmp_path / "other.onnx", "--prompt-ids", "1")
+    assert code == 2
+    _one_line(err, "run", "not an attnexport model")
