@@ -181,3 +181,13 @@ def test_another_tools_onnx_model_is_a_user_error(tmp_path, capsys):
     code, _, err = _run(capsys, "run", tmp_path / "other.onnx", "--prompt-ids", "1")
     assert code == 2
     _one_line(err, "run", "not an attnexport model")
+
+
+def test_a_decoder_start_token_outside_the_vocabulary_is_a_user_error(tmp_path, capsys):
+    """Refused by the engine (it knows the vocabulary): a user error, not an internal one."""
+    out = tmp_path / "bart"
+    assert main(["export", "bart", "--out", str(out)]) == 0
+    capsys.readouterr()
+    code, _, err = _run(capsys, "run", out, "--prompt-ids", "5,6", "--decoder-start-token-id", 999)
+    assert code == 2
+    _one_line(err, "run", "decoder_start_token_id 999 is outside the vocabulary")
