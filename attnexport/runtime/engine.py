@@ -132,8 +132,10 @@ class Engine:
         """An engine over an export directory, a ``.onnx`` or a ``.pt2`` file.
 
         Options: ``executor`` (auto|ort|torch), ``backend``, ``device``, ``num_threads``,
-        ``max_model_len`` (see :func:`attnexport.runtime.loading.load_executor`), and
-        ``cache_config`` / ``scheduler_config``.
+        ``max_model_len``, ``trust_pickle`` (see :func:`attnexport.runtime.loading.load_executor`),
+        and ``cache_config`` / ``scheduler_config``. Only model files the manifest lists load,
+        after their size and SHA-256 are checked; a ``.pt2`` that would unpickle anything is
+        refused (:class:`attnexport.artifact.UnsafeArtifactError`) unless ``trust_pickle``.
         """
         from attnexport.runtime.loading import engine_from_path
 
