@@ -146,9 +146,11 @@ def validate_manifest(manifest, file: Path) -> None:
 
 def file_digest(path: Path) -> dict:
     """``{"bytes": size, "sha256": hex digest}`` of a file, read in chunks."""
-    with path.open("rb") as handle:
-        digest = hashlib.file_digest(handle, "sha256").hexdigest()
-    return {"bytes": path.stat().st_size, "sha256": digest}
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:  # hashlib.file_digest is Python >= 3.11; we support 3.10
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
 def model_file_digests(directory: Path, files: dict[str, str]) -> dict[str, dict]:
