@@ -103,6 +103,19 @@ def test_shard_index_outside_the_checkpoint_is_refused(checkpoint, tmp_path, cap
     _one_line(err, "export", "model.safetensors.index.json", "../elsewhere.safetensors")
 
 
+def test_shard_symlinked_outside_the_checkpoint_is_refused(checkpoint, tmp_path, capsys):
+    path = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, path)
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.move(path / "model.safetensors", outside)
+    (path / "model-00001.safetensors").symlink_to(outside)
+    index = {"weight_map": {"lm_head.weight": "model-00001.safetensors"}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, _, err = _run(capsys, "export", path, "--out", tmp_path / "out")
+    assert code == 2
+    _one_line(err, "export", "model.safetensors.index.json", "model-00001.safetensors")
+
+
 def test_missing_optional_dependency_names_the_extra(checkpoint, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "safetensors", None)  # import safetensors now fails
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
