@@ -2,7 +2,7 @@
 local Hugging Face checkpoints::
 
     from models import load_model
-    model = load_model("llama")                    # tiny config, seeded weights
+    model = load_model("llama")                    # tiny config, seeded weights ("zoo:llama")
     model = load_model("/path/to/hf_checkpoint")   # config.json + *.safetensors
     sample = model.export_sample(block_size=16)     # args + dynamic shapes for torch.export
     program = sample.export(model)
@@ -12,16 +12,28 @@ options they refuse.
 """
 
 from models.base import ExportSample, PagedModel
-from models.errors import CheckpointError, UnsupportedModelError
-from models.registry import class_for_hf_config, load_model, model_class, zoo_names
+from models.errors import CheckpointError, ModelRefError, UnsupportedModelError
+from models.registry import (
+    class_for_hf_config,
+    load_checkpoint,
+    load_model,
+    load_zoo_model,
+    model_class,
+    resolve_model_ref,
+    zoo_names,
+)
 
 __all__ = [
     "CheckpointError",
     "ExportSample",
+    "ModelRefError",
     "PagedModel",
     "UnsupportedModelError",
     "class_for_hf_config",
+    "load_checkpoint",
     "load_model",
+    "load_zoo_model",
     "model_class",
+    "resolve_model_ref",
     "zoo_names",
 ]

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from attnexport.custom_ops import ScheduledSequence, build_attention_metadata
+from attnexport.errors import UserError
 from attnexport.model_interface import CacheSpec
 from models import loader
 from models.errors import CheckpointError
@@ -120,7 +121,15 @@ class PagedModel(nn.Module):
         implement and CheckpointError for weights that do not fit the config.
         """
         hf_config = loader.read_config(path)
-        config = cls.config_class.from_hf(hf_config)
+        config_path = Path(path) / "config.json"
+        try:
+            config = cls.config_class.from_hf(hf_config)
+        except UserError as error:
+            raise type(error)(f"{config_path}: {error}") from None
+        except (TypeError, ValueError) as error:
+            # from_hf only converts the user's config.json fields: a value it cannot convert
+            # (a string where a number belongs, ...) is that file's mistake.
+            raise CheckpointError(f"{config_path}: {error}") from None
         model = cls(config)
         model.load_hf_weights(loader.read_weights(path), source=str(path))
         return model.to(dtype).eval()

@@ -8,13 +8,43 @@ Weights come from ``model.safetensors``, a sharded ``model.safetensors.index.jso
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
 
+from attnexport.errors import require
 from models.errors import CheckpointError
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+POSITIVE_INT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "n_embd",
+    "n_head",
+    "n_layer",
+    "n_positions",
+    "n_inner",
+    "d_model",
+    "encoder_layers",
+    "decoder_layers",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+    "encoder_ffn_dim",
+    "decoder_ffn_dim",
+)
+"""config.json sizes that must be positive integers when present (0 or a negative size
+would build an empty or malformed model, or divide by zero)."""
+EPS_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
+"""config.json normalisation epsilons: finite and > 0 when present (a negative one turns a
+near-zero variance into NaN)."""
 
 
 def checkpoint_dir(path: str | Path) -> Path:
@@ -36,7 +66,27 @@ def read_config(path: str | Path) -> dict:
         raise CheckpointError(f"{config_path}: not valid JSON ({error})") from error
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_path}: expected a JSON object")
+    check_config_values(config, config_path)
     return config
+
+
+def check_config_values(config: dict, config_path: Path) -> None:
+    """Refuses sizes that are not positive integers and epsilons that are not finite and
+    positive, naming ``config_path`` and the field (CheckpointError)."""
+    for name in POSITIVE_INT_FIELDS:
+        value = config.get(name)
+        if value is not None and (type(value) is not int or value < 1):
+            raise CheckpointError(
+                f"{config_path}: field {name!r}: expected a positive integer, got {value!r}"
+            )
+    for name in EPS_FIELDS:
+        value = config.get(name)
+        if value is not None and (
+            type(value) not in (int, float) or not math.isfinite(value) or value <= 0
+        ):
+            raise CheckpointError(
+                f"{config_path}: field {name!r}: expected a finite number > 0, got {value!r}"
+            )
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -44,8 +94,29 @@ def weight_files(path: str | Path) -> list[Path]:
     directory = checkpoint_dir(path)
     index = directory / SAFETENSORS_INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
+            raise CheckpointError(
+                f"{index}: not a JSON object with a weight_map ({error})"
+            ) from None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise CheckpointError(f"{index}: weight_map: expected an object of file names")
         shards = sorted(set(weight_map.values()))
+        root = directory.resolve()
+        outside = [
+            s
+            for s in shards
+            if (directory / s).resolve().parent != root or not s.endswith(".safetensors")
+        ]
+        if outside:
+            # a shard is a file of this directory: a path could read any file on the machine
+            raise CheckpointError(
+                f"{index}: weight_map names files that are not *.safetensors files of the "
+                f"checkpoint directory: {outside[:3]}"
+            )
         missing = [s for s in shards if not (directory / s).is_file()]
         if missing:
             raise CheckpointError(f"{index}: shard files missing from the directory: {missing}")
@@ -67,9 +138,8 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for file in weight_files(path):
         if file.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            part = load_file(str(file), device="cpu")
+            safetensors = require("safetensors.torch", "hf", "reading *.safetensors checkpoints")
+            part = safetensors.load_file(str(file), device="cpu")
         else:
             part = torch.load(file, map_location="cpu", weights_only=True)
         duplicated = weights.keys() & part.keys()

@@ -7,13 +7,14 @@ checkpoint's own config and weights.
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 
 import torch
 
 from models import loader
 from models.base import PagedModel
-from models.errors import UnsupportedModelError
+from models.errors import ModelRefError, UnsupportedModelError
 
 # zoo name -> "module:Class"; imported on first use so that ``import models`` stays light.
 _ZOO = {
@@ -33,9 +34,9 @@ def zoo_names() -> list[str]:
 
 
 def model_class(name: str) -> type[PagedModel]:
-    """The class of zoo name ``name``; ValueError listing the valid names otherwise."""
+    """The class of zoo name ``name``; ModelRefError listing the valid names otherwise."""
     if name not in _ZOO:
-        raise ValueError(f"model: unknown zoo name {name!r}; expected one of {', '.join(_ZOO)}")
+        raise ModelRefError(f"model: unknown zoo name {name!r}; expected one of {', '.join(_ZOO)}")
     module, cls = _ZOO[name].split(":")
     return getattr(importlib.import_module(module), cls)
 
@@ -67,22 +68,75 @@ def class_for_hf_config(hf_config: dict) -> type[PagedModel]:
     )
 
 
+ZOO_PREFIX = "zoo:"
+
+
+def resolve_model_ref(ref: str | Path) -> tuple[str, str | Path]:
+    """``("zoo", name)`` or ``("checkpoint", directory)`` for a model reference.
+
+    ``zoo:NAME`` is always the zoo model; a reference with a path separator, or starting with
+    ``.`` or ``~``, is always a checkpoint directory. A bare name is the zoo model of that name
+    unless a checkpoint directory (one with ``config.json``) of that name exists in the working
+    directory, which is refused as ambiguous: the reference must say which it means.
+
+    Raises:
+        ModelRefError: an unknown zoo name, a path that is not a directory, or an ambiguous
+            bare name.
+    """
+    text = str(ref)
+    if text.startswith(ZOO_PREFIX):
+        name = text[len(ZOO_PREFIX) :]
+        if name not in _ZOO:
+            raise ModelRefError(
+                f"model: unknown zoo name {name!r}; expected one of {', '.join(_ZOO)}"
+            )
+        return "zoo", name
+    path = Path(text).expanduser()
+    pathlike = isinstance(ref, Path) or "/" in text or os.sep in text or text[:1] in (".", "~")
+    if text in _ZOO and not isinstance(ref, Path):
+        if (path / "config.json").is_file():
+            raise ModelRefError(
+                f"model: {text!r} is both a zoo model and the checkpoint directory ./{text}; "
+                f"write {ZOO_PREFIX}{text} for the zoo model or ./{text} for the checkpoint"
+            )
+        return "zoo", text
+    if path.is_dir():
+        return "checkpoint", path
+    if pathlike:
+        raise ModelRefError(
+            f"model: {text} is not a directory, so neither a checkpoint directory nor a zoo "
+            f"name (a checkpoint directory has config.json; zoo names: {', '.join(_ZOO)}, "
+            f"or {ZOO_PREFIX}NAME)"
+        )
+    raise ModelRefError(
+        f"model: {text!r} is neither a checkpoint directory nor a zoo name ({', '.join(_ZOO)})"
+    )
+
+
 def is_checkpoint(name_or_path: str | Path) -> bool:
-    """True if ``name_or_path`` is a directory (taken as a checkpoint, not a zoo name)."""
-    return Path(name_or_path).is_dir()
+    """True if ``name_or_path`` resolves to a checkpoint directory (see
+    :func:`resolve_model_ref`)."""
+    return resolve_model_ref(name_or_path)[0] == "checkpoint"
+
+
+def load_zoo_model(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> PagedModel:
+    """Zoo model ``name``: its tiny config with weights seeded ``seed``, in ``dtype``."""
+    return model_class(name).from_config(dtype=dtype, seed=seed)
+
+
+def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32) -> PagedModel:
+    """The local Hugging Face checkpoint directory ``path``, in ``dtype`` and eval mode."""
+    cls = class_for_hf_config(loader.read_config(path))
+    return cls.from_pretrained(path, dtype=dtype)
 
 
 def load_model(
     name_or_path: str | Path, *, dtype: torch.dtype = torch.float32, seed: int = 0
 ) -> PagedModel:
     """A zoo model by name (tiny config, weights seeded with ``seed``) or a local Hugging Face
-    checkpoint directory, in ``dtype`` and eval mode."""
-    if is_checkpoint(name_or_path):
-        cls = class_for_hf_config(loader.read_config(name_or_path))
-        return cls.from_pretrained(name_or_path, dtype=dtype)
-    if str(name_or_path) not in _ZOO:
-        raise ValueError(
-            f"model: {str(name_or_path)!r} is neither a checkpoint directory nor a zoo name "
-            f"({', '.join(_ZOO)})"
-        )
-    return model_class(str(name_or_path)).from_config(dtype=dtype, seed=seed)
+    checkpoint directory, in ``dtype`` and eval mode; see :func:`resolve_model_ref` for how a
+    reference is read."""
+    kind, ref = resolve_model_ref(name_or_path)
+    if kind == "checkpoint":
+        return load_checkpoint(ref, dtype=dtype)
+    return load_zoo_model(str(ref), dtype=dtype, seed=seed)

@@ -1,10 +1,11 @@
-"""Export directories: what ``attnexport export`` writes and how the other commands read it.
+"""What ``attnexport export`` writes into an export directory. Reading it (file names, manifest
+validation and integrity, safe ``.pt2`` loading) lives in :mod:`attnexport.artifact`.
 
 An export directory holds ``model.onnx`` and/or ``model.pt2``, the tokenizer files of the
 checkpoint (when it has them) and ``manifest.json``::
 
     {
-      "format": "attnexport-artifact", "format_version": 1,
+      "format": "attnexport-artifact", "format_version": 2,
       "architecture": "llama", "kind": "decoder",
       "source": {"kind": "zoo", "name": "llama", "seed": 0} | {"kind": "checkpoint", "path": ...},
       "dtype": "float32", "config": {...the zoo config...},
@@ -12,6 +13,7 @@ checkpoint (when it has them) and ``manifest.json``::
                 "head_size": 16, "dtype": "float32",
                 "layout": "num_blocks,block_size,num_kv_heads,head_size"} | null,
       "target": "attnexport", "files": {"onnx": "model.onnx", "pt2": "model.pt2"},
+      "file_digests": {"model.onnx": {"bytes": 123456, "sha256": "9f2c..."}, ...},
       "input_names": [...], "vocab_size": 256, "max_model_len": 2048,
       "generation": {"eos_token_ids": [2], "decoder_start_token_id": null,
                      "forced_bos_token_id": null, "forced_eos_token_id": null},
@@ -34,12 +36,21 @@ from pathlib import Path
 import torch
 
 from attnexport._version import __version__
+from attnexport.artifact import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    MODEL_FILES,
+    ONNX_DATA_FILE,
+    ONNX_FILE,
+    PT2_FILE,
+    ArtifactError,
+    model_file_digests,
+    read_manifest,
+    save_pt2,
+)
 
-MANIFEST = "manifest.json"
-ONNX_FILE = "model.onnx"
-PT2_FILE = "model.pt2"
 FORMATS = ("onnx", "pt2", "both")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -53,10 +64,6 @@ TOKENIZER_FILES = (
 )
 
 
-class ArtifactError(ValueError):
-    """An export directory or model file that cannot be used; the message says how to fix it."""
-
-
 @dataclass(frozen=True)
 class ExportOptions:
     """What ``attnexport export`` was asked for."""
@@ -66,6 +73,7 @@ class ExportOptions:
     dtype: torch.dtype = torch.float32
     block_size: int = 16
     seed: int = 0
+    overwrite: bool = False
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -138,7 +146,7 @@ def export_artifact(
     """Exports zoo model or checkpoint ``model_ref`` into directory ``out``; returns the
     manifest. ``step(description)`` is called before each long step (for progress display)."""
     from attnexport import lowering
-    from models import load_model
+    from models import load_checkpoint, load_zoo_model, resolve_model_ref
 
     if options.target not in ("attnexport", "standard", "ort-cuda"):
         raise ArtifactError(
@@ -146,14 +154,18 @@ def export_artifact(
         )
     if options.block_size < 1:
         raise ArtifactError(f"--block-size: expected a positive integer, got {options.block_size}")
-    source = Path(model_ref) if Path(model_ref).is_dir() else None
-    if source is None and ("/" in model_ref or model_ref.startswith(".")):
-        raise ArtifactError(
-            f"MODEL: {model_ref} is not a directory (a checkpoint directory "
-            "with config.json, or a zoo name)"
-        )
-    step(f"loading {model_ref}")
-    model = load_model(model_ref, dtype=options.dtype, seed=options.seed)
+    earlier = earlier_export(out, overwrite=options.overwrite)
+    kind, ref = resolve_model_ref(model_ref)
+    source = ref if kind == "checkpoint" else None
+    step(f"loading {'checkpoint ' + str(ref) if source else 'zoo model ' + str(ref)}")
+    model = (
+        load_checkpoint(ref, dtype=options.dtype)
+        if source
+        else load_zoo_model(str(ref), dtype=options.dtype, seed=options.seed)
+    )
+    check_finite_weights(model, model_ref)
+    if earlier:
+        remove_earlier_export(out)
     out.mkdir(parents=True, exist_ok=True)
 
     sample = model.export_sample(options.block_size)
@@ -166,7 +178,7 @@ def export_artifact(
     files = {}
     if "pt2" in options.formats:
         step("saving model.pt2")
-        torch.export.save(program, out / PT2_FILE)
+        save_pt2(program, out / PT2_FILE)
         files["pt2"] = PT2_FILE
     if "onnx" in options.formats:
         step(f"lowering to ONNX (target {options.target})")
@@ -189,14 +201,14 @@ def export_artifact(
                 shutil.copy2(source / name, out / name)
                 tokenizer_files.append(name)
     manifest = {
-        "format": "attnexport-artifact",
-        "format_version": 1,
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
         "architecture": model.zoo_name,
         "kind": model.kind,
         "source": (
             {"kind": "checkpoint", "path": str(source.resolve())}
             if source is not None
-            else {"kind": "zoo", "name": model_ref, "seed": options.seed}
+            else {"kind": "zoo", "name": str(ref), "seed": options.seed}
         ),
         "dtype": _dtype_name(options.dtype),
         "config": model.config.to_dict(),
@@ -213,6 +225,7 @@ def export_artifact(
         },
         "target": options.target if "onnx" in options.formats else None,
         "files": files,
+        "file_digests": model_file_digests(out, files),
         "input_names": list(sample.input_names),
         "vocab_size": getattr(model.config, "vocab_size", None),
         "max_model_len": model.max_model_len,
@@ -225,28 +238,46 @@ def export_artifact(
     return manifest
 
 
-def read_manifest(artifact: Path) -> dict | None:
-    """The manifest of an export directory, or of the directory holding a model file; None
-    when there is none."""
-    directory = artifact if artifact.is_dir() else artifact.parent
-    path = directory / MANIFEST
-    if not path.is_file():
-        return None
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != "attnexport-artifact":
-        raise ArtifactError(f"{path}: not an attnexport manifest (no 'format' key)")
-    return manifest
+def check_finite_weights(model: torch.nn.Module, model_ref: str) -> None:
+    """Refuses a model with a NaN or infinite weight (ArtifactError naming the tensor): the
+    export would run, and every output would be NaN."""
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ArtifactError(
+                f"{model_ref}: weight {name!r} holds NaN or infinite values; fix the checkpoint"
+            )
 
 
-def rebuild_eager_model(manifest: dict):
-    """The eager model an artifact was exported from (zoo name + seed, or the checkpoint
-    directory if it still exists); None when the checkpoint is gone."""
-    from models import load_model
+def earlier_export(out: Path, *, overwrite: bool) -> list[Path]:
+    """The files of an earlier export in ``out`` (its manifest and model files); refuses them
+    unless ``overwrite``. Called before anything is loaded, so a refusal costs nothing."""
+    if out.exists() and not out.is_dir():
+        raise ArtifactError(f"--out: {out} exists and is not a directory")
+    earlier = [out / n for n in (MANIFEST, *MODEL_FILES.values(), ONNX_DATA_FILE)]
+    earlier = [p for p in earlier if p.exists() or p.is_symlink()]
+    if earlier and not overwrite:
+        raise ArtifactError(
+            f"--out: {out} holds an earlier export ({', '.join(p.name for p in earlier)}); "
+            "pass --overwrite to replace it, or choose another directory"
+        )
+    return earlier
 
-    source = manifest["source"]
-    dtype = DTYPES[manifest["dtype"]]
-    if source["kind"] == "zoo":
-        return load_model(source["name"], dtype=dtype, seed=source["seed"])
-    if Path(source["path"]).is_dir():
-        return load_model(source["path"], dtype=dtype)
-    return None
+
+def remove_earlier_export(out: Path) -> None:
+    """Removes the files of the earlier export in ``out``: its manifest, model files and the
+    tokenizer files it copied (every name an export copies when its manifest is missing or
+    damaged), so that none of them outlives it. Other files are kept."""
+    try:
+        manifest = read_manifest(out)
+    except ArtifactError:
+        manifest = None
+    copied = (
+        TOKENIZER_FILES
+        if manifest is None
+        else [*(manifest.get("tokenizer_files") or []), "generation_config.json"]
+    )
+    owned = (*TOKENIZER_FILES, MANIFEST, *MODEL_FILES.values(), ONNX_DATA_FILE)
+    for name in {MANIFEST, *MODEL_FILES.values(), ONNX_DATA_FILE, *copied}:
+        path = out / name
+        if name in owned and (path.is_file() or path.is_symlink()):
+            path.unlink()

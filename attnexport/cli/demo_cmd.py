@@ -23,6 +23,9 @@ def add_parser(commands) -> None:
         help="keep the export here (default: a temporary directory)",
     )
     parser.add_argument("--model", default=DEMO_MODEL, help=f"zoo model (default {DEMO_MODEL})")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier export in --out DIR"
+    )
     parser.set_defaults(run=run)
 
 
@@ -30,10 +33,10 @@ def run(args: argparse.Namespace) -> int:
     if args.out is None:
         with tempfile.TemporaryDirectory(prefix="attnexport-demo-") as tmp:
             return _demo(Path(tmp), args.model, keep=False)
-    return _demo(args.out, args.model, keep=True)
+    return _demo(args.out, args.model, keep=True, overwrite=args.overwrite)
 
 
-def _demo(out: Path, model: str, keep: bool) -> int:
+def _demo(out: Path, model: str, keep: bool, overwrite: bool = False) -> int:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -47,7 +50,12 @@ def _demo(out: Path, model: str, keep: bool) -> int:
     start = time.perf_counter()
     runs = {}
     with steps() as step:
-        manifest = export_artifact(model, out, ExportOptions(formats=("onnx", "pt2")), step=step)
+        manifest = export_artifact(
+            model if model.startswith("zoo:") else f"zoo:{model}",  # never a local directory
+            out,
+            ExportOptions(formats=("onnx", "pt2"), overwrite=overwrite),
+            step=step,
+        )
         params = SamplingParams(max_tokens=12)
         for executor in ("ort", "torch"):
             step(f"generating with the {executor} executor")

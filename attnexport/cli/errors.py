@@ -1,25 +1,29 @@
-"""User errors of the command line: one line, exit code 2, no traceback unless ``--debug``."""
+"""User errors of the command line: one line, exit code 2, no traceback unless ``--debug``.
+
+Whether an error is the user's is decided where it is raised: every layer raises
+:class:`attnexport.errors.UserError` (or a subclass) for bad input, and anything else is an
+internal error (exit code 1), whatever its exception class.
+"""
 
 from __future__ import annotations
 
+from attnexport.errors import UserError
 
-class CliError(Exception):
+
+class CliError(UserError):
     """A mistake the user can fix; the message says what is wrong and how to fix it."""
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions that describe bad input rather than a bug, from every layer."""
-    from attnexport.custom_ops import BackendUnsupportedError
-    from models.errors import CheckpointError, UnsupportedModelError
+    return (UserError,)
 
-    return (
-        CliError,
-        ValueError,
-        TypeError,
-        FileNotFoundError,
-        NotADirectoryError,
-        ModuleNotFoundError,
-        BackendUnsupportedError,
-        UnsupportedModelError,
-        CheckpointError,
+
+def add_trust_flag(parser) -> None:
+    """``--trust-remote-pickle`` of the commands that load a ``.pt2``."""
+    parser.add_argument(
+        "--trust-remote-pickle",
+        action="store_true",
+        help="load a .pt2 even if it holds pickled entries, which can run any code: only for "
+        "files you trust (see docs/cli.md, 'What is safe to load')",
     )

@@ -7,7 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
-from attnexport.cli.artifact import DTYPES, FORMATS, ExportOptions, export_artifact
+from attnexport.artifact import DTYPES
+from attnexport.cli.artifact import FORMATS, ExportOptions, export_artifact
 from attnexport.cli.progress import steps
 
 
@@ -15,10 +16,16 @@ def add_parser(commands) -> None:
     parser = commands.add_parser(
         "export",
         help="export a zoo model or a Hugging Face checkpoint to ONNX and/or .pt2",
-        description="Export MODEL (a zoo name such as 'llama', or a local Hugging Face "
-        "checkpoint directory with config.json and *.safetensors) into DIR.",
+        description="Export MODEL (a zoo name such as 'llama' or 'zoo:llama', or a local Hugging "
+        "Face checkpoint directory with config.json and *.safetensors) into DIR. A bare name "
+        "that is both a zoo name and a checkpoint directory is refused: write zoo:NAME or "
+        "./NAME.",
     )
-    parser.add_argument("model", metavar="MODEL", help="zoo name or checkpoint directory")
+    parser.add_argument(
+        "model",
+        metavar="MODEL",
+        help="zoo name (llama, or zoo:llama) or checkpoint directory (a path: ./llama)",
+    )
     parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="output directory")
     parser.add_argument("--format", choices=FORMATS, default="onnx", help="default: onnx")
     parser.add_argument(
@@ -37,6 +44,11 @@ def add_parser(commands) -> None:
         help="tokens per KV-cache block (default 16)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weights seed of zoo models")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier export in DIR (its files are removed first)",
+    )
     parser.add_argument("--json", action="store_true", help="print the manifest as JSON")
     parser.set_defaults(run=run)
 
@@ -48,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=DTYPES[args.dtype],
         block_size=args.block_size,
         seed=args.seed,
+        overwrite=args.overwrite,
     )
     with steps(quiet=args.json) as step:
         manifest = export_artifact(args.model, args.out, options, step=step)
@@ -55,12 +68,20 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(manifest, indent=2))
         return 0
     from rich.console import Console
+    from rich.markup import escape
 
+    source = manifest["source"]
+    origin = (
+        f"checkpoint {source['path']}"
+        if source["kind"] == "checkpoint"
+        else f"zoo model {source['name']}"
+    )
     files = ", ".join(manifest["files"].values())
     seconds = sum(manifest["export_seconds"].values())
     Console().print(
         f"[green]exported[/] {manifest['architecture']} ({manifest['kind']}, "
-        f"{manifest['dtype']}) to {args.out}: {files}, manifest.json"
+        f"{manifest['dtype']}) from {escape(origin)} to {escape(str(args.out))}: {files}, "
+        "manifest.json"
         + (
             f", {len(manifest['tokenizer_files'])} tokenizer files"
             if manifest["tokenizer_files"]

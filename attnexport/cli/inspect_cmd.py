@@ -7,6 +7,7 @@ import collections
 import json
 from pathlib import Path
 
+from attnexport.artifact import ONNX_FILE, ArtifactError, check_model_file, read_manifest
 from attnexport.cli.errors import CliError
 
 
@@ -33,14 +34,19 @@ def _dtype(value_info) -> str:
 def inspect_onnx(path: Path) -> dict:
     """A JSON-able summary of an ONNX file."""
     import onnx
+    from google.protobuf.message import DecodeError
 
     if path.is_dir():
-        path = path / "model.onnx"
+        manifest = read_manifest(path)
+        path = check_model_file(manifest, path, "onnx") if manifest else path / ONNX_FILE
     if not path.is_file():
         raise CliError(
             f"{path}: no such ONNX file (export one with: attnexport export MODEL --out DIR)"
         )
-    model = onnx.load(str(path), load_external_data=False)
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except DecodeError as error:
+        raise ArtifactError(f"{path}: not a valid ONNX model ({error}); re-export it") from None
     metadata = {p.key: p.value for p in model.metadata_props}
     ops = collections.Counter(f"{n.domain or 'ai.onnx'}::{n.op_type}" for n in model.graph.node)
     custom = {k: v for k, v in ops.items() if not k.startswith(("ai.onnx::", "com.microsoft"))}

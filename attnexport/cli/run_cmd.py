@@ -6,8 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
-from attnexport.cli.artifact import read_manifest
-from attnexport.cli.errors import CliError
+from attnexport.artifact import read_manifest
+from attnexport.cli.errors import CliError, add_trust_flag
+from attnexport.errors import require
 
 
 def add_parser(commands) -> None:
@@ -75,6 +76,7 @@ def add_parser(commands) -> None:
         help="attention backend of the torch executor",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    add_trust_flag(parser)
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
     parser.set_defaults(run=run)
 
@@ -106,17 +108,11 @@ def load_tokenizer(artifact: Path, manifest: dict | None):
     directory = artifact if artifact.is_dir() else artifact.parent
     files = (manifest or {}).get("tokenizer_files") or []
     if "tokenizer.json" in files or (directory / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
-        return Tokenizer.from_file(str(directory / "tokenizer.json"))
+        tokenizers = require("tokenizers", "hf", "--prompt TEXT (tokenizer.json)")
+        return tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
     if files:
-        try:
-            from transformers import AutoTokenizer
-        except ModuleNotFoundError:
-            raise CliError(
-                "--prompt: this tokenizer needs transformers; pip install 'attnexport[hf]'"
-            ) from None
-        return AutoTokenizer.from_pretrained(str(directory))
+        transformers = require("transformers", "hf", "--prompt TEXT with this tokenizer")
+        return transformers.AutoTokenizer.from_pretrained(str(directory))
     raise CliError(
         f"--prompt: {directory} has no tokenizer; pass token ids with --prompt-ids, or export "
         "from a checkpoint directory that has tokenizer files"
@@ -205,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         backend=args.backend,
         device=args.device,
         encoder_decoder=_encoder_decoder(args),
+        trust_pickle=args.trust_remote_pickle,
     )
     outputs = engine.generate(prompts, params)
     errors = [o.error for o in outputs if o.error]

@@ -3,8 +3,11 @@ available kernel backend, on a batch unlike the export sample.
 
 Every leg runs the same teacher-forced steps (a ragged prefill, then decode steps with fixed
 tokens) through :class:`~attnexport.runtime.step_driver.PagedDriver` with its own caches; the
-reference is the eager model on the ``sdpa`` backend. Exit code 1 when an error exceeds the
-tolerance of :func:`attnexport.testing.model_tolerance`.
+reference is the eager model on the ``sdpa`` backend. When the artifact comes from a checkpoint
+that is still there and transformers is installed, a ``transformers`` leg runs the checkpoint in
+transformers on the same batch (logits) and compares its greedy tokens with the engine's on the
+artifact (:mod:`attnexport.cli.verify_hf`). Exit code 1 when an error exceeds the tolerance of
+:func:`attnexport.testing.model_tolerance` or a greedy token differs.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from attnexport.cli.artifact import ONNX_FILE, PT2_FILE, read_manifest, rebuild_eager_model
-from attnexport.cli.errors import CliError
+from attnexport.artifact import check_model_file, load_pt2, read_manifest, rebuild_eager_model
+from attnexport.cli.errors import CliError, add_trust_flag
 from attnexport.cli.progress import steps
 
 PROMPT_LENGTHS = (7, 3, 12)
@@ -33,6 +36,7 @@ def add_parser(commands) -> None:
     )
     parser.add_argument("artifact", type=Path, metavar="ARTIFACT", help="an export directory")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random token batch")
+    add_trust_flag(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
 
@@ -83,8 +87,9 @@ def _eager_leg(model: torch.nn.Module, backend: str) -> Leg:
     return call
 
 
-def _legs(manifest: dict, directory: Path, model) -> dict[str, Leg]:
-    """Every way to run this artifact here, the reference (``eager[sdpa]``) first."""
+def _legs(manifest: dict, directory: Path, model, trust_pickle: bool) -> dict[str, Leg]:
+    """Every way to run this artifact here, the reference (``eager[sdpa]``) first. Only the
+    model files the manifest lists are loaded, each after checking its size and SHA-256."""
     import attnexport  # noqa: F401  (registers backends)
     from attnexport.custom_ops import registered_backends
 
@@ -98,18 +103,28 @@ def _legs(manifest: dict, directory: Path, model) -> dict[str, Leg]:
                 and ("cpu" in backend.capabilities.devices)
             ):
                 legs[f"eager[{backend.name}]"] = _eager_leg(model, backend.name)
-    if (directory / PT2_FILE).is_file():
-        program = torch.export.load(str(directory / PT2_FILE)).module()
+    if "pt2" in manifest["files"]:
+        path = check_model_file(manifest, directory, "pt2")
+        program = load_pt2(path, trust_pickle=trust_pickle).module()
         legs["pt2"] = _eager_leg(program, "auto")
-    if (directory / ONNX_FILE).is_file():
+    if "onnx" in manifest["files"]:
         from attnexport.runtime import ort_kernels
 
-        legs["onnx"] = _onnx_leg(directory / ONNX_FILE, manifest["input_names"], native=False)
+        path = check_model_file(manifest, directory, "onnx")
+        legs["onnx"] = _onnx_leg(path, manifest["input_names"], native=False)
         if ort_kernels.unavailable_reason() is None:
-            legs["onnx[native]"] = _onnx_leg(
-                directory / ONNX_FILE, manifest["input_names"], native=True
-            )
+            legs["onnx[native]"] = _onnx_leg(path, manifest["input_names"], native=True)
     return legs
+
+
+def _batch(manifest: dict, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The random batch of the paged legs: ``(prompts, decode_tokens)``, where
+    ``decode_tokens[k][i]`` is appended to sequence i before decode step k + 1."""
+    rng = random.Random(seed)
+    vocab = manifest["vocab_size"]
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+    decode_tokens = [[rng.randrange(vocab) for _ in PROMPT_LENGTHS] for _ in range(DECODE_STEPS)]
+    return prompts, decode_tokens
 
 
 def _run_paged(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
@@ -126,8 +141,7 @@ def _run_paged(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
         block_size=cache["block_size"],
         num_cross_layers=cache["num_cross_layers"],
     )
-    rng = random.Random(seed)
-    vocab = manifest["vocab_size"]
+    prompts, decode_tokens = _batch(manifest, seed)
     blocks_needed = sum(
         -(-(n + DECODE_STEPS) // spec.block_size) + -(-n // spec.block_size) + 1
         for n in PROMPT_LENGTHS
@@ -138,8 +152,7 @@ def _run_paged(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
 
     driver = PagedDriver(runner, spec, num_blocks=blocks_needed + 4, seed=seed)
     encoder = manifest["kind"] == "encoder-decoder"
-    for n in PROMPT_LENGTHS:
-        prompt = [rng.randrange(vocab) for _ in range(n)]
+    for prompt in prompts:
         if encoder:
             start = manifest["generation"].get("decoder_start_token_id") or 0
             driver.add([start], encoder_ids=prompt)
@@ -148,9 +161,9 @@ def _run_paged(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
     results = {}
     logits = driver.prefill(all_logits=True)
     results["prefill logits"] = torch.cat([logits[i] for i in sorted(logits)])
-    for step in range(DECODE_STEPS):
-        for seq in range(len(PROMPT_LENGTHS)):
-            driver.append(seq, rng.randrange(vocab))
+    for step, tokens in enumerate(decode_tokens):
+        for seq, token in enumerate(tokens):
+            driver.append(seq, token)
         logits = driver.step(dict.fromkeys(range(len(PROMPT_LENGTHS)), 1))
         results[f"decode {step + 1} logits"] = torch.cat([logits[i] for i in sorted(logits)])
     results["kv caches"] = torch.cat([c.reshape(-1) for c in driver.kv_caches])
@@ -170,8 +183,67 @@ def _run_encoder(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]
     return {"hidden states": leg(input_ids, positions, cu_seqlens, token_type_ids)}
 
 
+def notes(manifest: dict) -> list[str]:
+    """Plain sentences on what ``verify`` could not compare: the checkpoint an artifact was
+    exported from is gone (the exported files are then only compared with each other), or
+    why there is no ``transformers`` leg."""
+    from attnexport.cli import verify_hf
+
+    source = manifest["source"]
+    if source["kind"] == "checkpoint" and not Path(source["path"]).is_dir():
+        return [
+            f"the source checkpoint {source['path']} is gone: the eager model cannot be "
+            "rebuilt and there is no transformers leg, so the exported files are only "
+            "compared with each other"
+        ]
+    reason = verify_hf.unavailable_reason(manifest)
+    if reason is None or source["kind"] == "zoo":
+        return []
+    return [f"no transformers leg: {reason}"]
+
+
+def _compare(name: str, outputs: dict, reference: dict, tolerance: float) -> list[Comparison]:
+    comparisons = []
+    for output, expected in reference.items():
+        if output not in outputs:
+            continue  # the transformers leg has no paged caches
+        actual = outputs[output].to(torch.float64)
+        expected = expected.to(torch.float64)
+        diff = (actual - expected).abs()
+        max_abs = float(diff.max()) if diff.numel() else 0.0
+        scale = expected.abs().max().clamp_min(1e-12)
+        comparisons.append(Comparison(name, output, max_abs, max_abs / float(scale), tolerance))
+    return comparisons
+
+
+def _transformers_leg(
+    manifest: dict, artifact: Path, seed: int, reference: dict, tolerance: float, trust: bool
+) -> list[Comparison]:
+    """The checkpoint in transformers: its logits on the batch against the reference, and its
+    greedy tokens against the engine's on the artifact (a count of differing tokens, which
+    must be 0)."""
+    from attnexport.cli import verify_hf
+
+    model = verify_hf.load_hf_model(manifest)
+    prompts, decode_tokens = _batch(manifest, seed)
+    outputs = verify_hf.teacher_forced_logits(model, manifest, prompts, decode_tokens)
+    comparisons = _compare("transformers", outputs, reference, tolerance)
+    if manifest["kind"] == "decoder":
+        wrong, total = verify_hf.greedy_mismatches(model, manifest, artifact, prompts, trust)
+        comparisons.append(
+            Comparison(
+                "transformers",
+                f"greedy tokens differing ({verify_hf.GREEDY_TOKENS}/prompt)",
+                float(wrong),
+                wrong / max(total, 1),
+                0.0,
+            )
+        )
+    return comparisons
+
+
 def verify_artifact(
-    artifact: Path, seed: int = 0, step=lambda _: None
+    artifact: Path, seed: int = 0, step=lambda _: None, *, trust_pickle: bool = False
 ) -> tuple[str, list[Comparison]]:
     """Runs every leg; returns the reference leg's name and each output's comparison with it
     (the reference is ``eager[sdpa]``, or ``pt2`` when the checkpoint is gone)."""
@@ -186,7 +258,7 @@ def verify_artifact(
     directory = artifact if artifact.is_dir() else artifact.parent
     step("rebuilding the eager model")
     model = rebuild_eager_model(manifest)
-    legs = _legs(manifest, directory, model)
+    legs = _legs(manifest, directory, model, trust_pickle)
     if len(legs) < 2:
         raise CliError(f"ARTIFACT: only {list(legs)} can run here; nothing to compare")
     run_leg = _run_encoder if manifest["kind"] == "encoder" else _run_paged
@@ -198,19 +270,23 @@ def verify_artifact(
     for name in others:
         step(f"running {name}")
         outputs = run_leg(legs[name], manifest, seed)
-        for output, expected in reference.items():
-            actual = outputs[output].to(torch.float64)
-            expected = expected.to(torch.float64)
-            diff = (actual - expected).abs()
-            max_abs = float(diff.max()) if diff.numel() else 0.0
-            scale = expected.abs().max().clamp_min(1e-12)
-            comparisons.append(Comparison(name, output, max_abs, max_abs / float(scale), tolerance))
+        comparisons += _compare(name, outputs, reference, tolerance)
+    from attnexport.cli import verify_hf
+
+    if verify_hf.unavailable_reason(manifest) is None:
+        step("running transformers")
+        comparisons += _transformers_leg(
+            manifest, artifact, seed, reference, tolerance, trust_pickle
+        )
     return reference_name, comparisons
 
 
 def run(args: argparse.Namespace) -> int:
     with steps(quiet=args.json) as step:
-        reference, comparisons = verify_artifact(args.artifact, args.seed, step)
+        reference, comparisons = verify_artifact(
+            args.artifact, args.seed, step, trust_pickle=args.trust_remote_pickle
+        )
+    messages = notes(read_manifest(args.artifact))
     ok = all(c.ok for c in comparisons)
     if args.json:
         print(
@@ -218,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
                 {
                     "ok": ok,
                     "reference": reference,
+                    "notes": messages,
                     "comparisons": [c.__dict__ | {"ok": c.ok} for c in comparisons],
                 }
             )
@@ -232,14 +309,16 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(column, justify="left" if column in ("leg", "output") else "right")
     for c in comparisons:
         table.add_row(
-            c.leg,
-            c.output,
+            escape(c.leg),  # "onnx[native]" is not markup
+            escape(c.output),
             f"{c.max_abs:.2e}",
             f"{c.max_rel:.2e}",
             f"{c.tolerance:.0e}",
             "[green]ok[/]" if c.ok else "[red]FAIL[/]",
         )
     console = Console()
+    for message in messages:
+        console.print(f"[yellow]note:[/] {escape(message)}")
     console.print(table)
     console.print(
         "[green]all outputs within tolerance[/]"

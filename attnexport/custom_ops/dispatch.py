@@ -23,11 +23,13 @@ from typing import ClassVar
 
 import torch
 
+from attnexport.errors import UserError
+
 AUTO = "auto"
 OPS = ("reshape_and_cache", "paged_attention", "varlen_attention")
 
 
-class BackendUnsupportedError(RuntimeError):
+class BackendUnsupportedError(UserError, RuntimeError):
     """No selected backend can run a call; the message lists each backend's reasons."""
 
 
@@ -253,7 +255,7 @@ def _check_name(name: str) -> str:
     name = name.strip().lower()
     if name != AUTO and name not in _REGISTRY:
         valid = ", ".join([AUTO, *(b.name for b in registered_backends())])
-        raise ValueError(f"unknown attention backend {name!r}; expected one of: {valid}")
+        raise UserError(f"unknown attention backend {name!r}; expected one of: {valid}")
     return name
 
 
@@ -261,7 +263,7 @@ def get_backend(name: str) -> AttentionBackend:
     """The registered backend called ``name``."""
     name = _check_name(name)
     if name == AUTO:
-        raise ValueError("get_backend: 'auto' is a selection policy, not a backend")
+        raise UserError("get_backend: 'auto' is a selection policy, not a backend")
     return _REGISTRY[name]
 
 

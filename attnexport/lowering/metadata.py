@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnexport._version import __version__
+from attnexport.errors import UserError
 from attnexport.lowering.schemas import DOMAIN, DOMAIN_VERSION
 from attnexport.model_interface import CacheSpec
 
@@ -83,7 +84,8 @@ class ModelMetadata:
     def from_props(cls, props: Mapping[str, str]) -> ModelMetadata:
         """Parses ``metadata_props`` (or onnxruntime's ``custom_metadata_map``)."""
         if "attnexport_version" not in props:
-            raise ValueError("metadata: not an attnexport model (no 'attnexport_version' key)")
+            # the file is the user's (run / Engine.from_path on another tool's ONNX model)
+            raise UserError("metadata: not an attnexport model (no 'attnexport_version' key)")
         ours = {
             *_GEOMETRY,
             "attnexport_domain",

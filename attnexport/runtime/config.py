@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from attnexport.errors import UserError
 from attnexport.model_interface import CacheSpec
 
 PreemptionMode = Literal["swap", "recompute"]
@@ -44,9 +45,9 @@ class CacheConfig:
         for name in ("num_blocks", "memory_bytes", "num_cpu_blocks"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"CacheConfig.{name}: expected a non-negative int, got {value!r}")
+                raise UserError(f"CacheConfig.{name}: expected a non-negative int, got {value!r}")
         if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
-            raise ValueError(
+            raise UserError(
                 "CacheConfig.swap_space_bytes: expected a non-negative int, "
                 f"got {self.swap_space_bytes!r}"
             )
@@ -73,16 +74,16 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"SchedulerConfig.{name}: expected a positive int, got {value!r}")
+                raise UserError(f"SchedulerConfig.{name}: expected a positive int, got {value!r}")
         if self.max_model_len is not None and (
             not isinstance(self.max_model_len, int) or self.max_model_len < 1
         ):
-            raise ValueError(
+            raise UserError(
                 f"SchedulerConfig.max_model_len: expected a positive int or None, "
                 f"got {self.max_model_len!r}"
             )
         if self.preemption_mode not in ("swap", "recompute"):
-            raise ValueError(
+            raise UserError(
                 "SchedulerConfig.preemption_mode: expected 'swap' or 'recompute', "
                 f"got {self.preemption_mode!r}"
             )
@@ -103,7 +104,7 @@ class EncoderDecoderConfig:
     def __post_init__(self) -> None:
         value = self.decoder_start_token_id
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(
+            raise UserError(
                 "EncoderDecoderConfig.decoder_start_token_id: expected a token id (int >= 0), "
                 f"got {value!r}"
             )
@@ -154,7 +155,7 @@ def resolve_num_blocks(
         cap = int(available_memory_bytes(device_type) * _DEFAULT_MEMORY_FRACTION) // per_block
         num_blocks = max(min(wanted, cap), min_blocks)
     if num_blocks < min_blocks:
-        raise ValueError(
+        raise UserError(
             f"CacheConfig: a pool of {num_blocks} blocks ({num_blocks * per_block} bytes) cannot "
             f"hold one sequence of max_model_len={max_model_len} tokens; expected at least "
             f"{min_blocks} blocks ({min_blocks * per_block} bytes at {per_block} bytes per block)"

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnexport.custom_ops.metadata import ScheduledSequence
+from attnexport.errors import UserError, UserTypeError
 from attnexport.runtime.block_manager import BlockManager
 from attnexport.runtime.config import (
     DEFAULT_MAX_MODEL_LEN,
@@ -90,13 +91,13 @@ class Engine:
         if executor.cache_spec.num_cross_layers:
             start = executor.decoder_start_token_id
             if encoder_decoder is None and start is None:
-                raise ValueError(
+                raise UserError(
                     "encoder_decoder: the model is an encoder-decoder and states no decoder "
                     "start token; pass EncoderDecoderConfig(decoder_start_token_id=...)"
                 )
             self.encoder_decoder = encoder_decoder or EncoderDecoderConfig(start)
             if self.encoder_decoder.decoder_start_token_id >= executor.vocab_size:
-                raise ValueError(
+                raise UserError(
                     "encoder_decoder: decoder_start_token_id "
                     f"{self.encoder_decoder.decoder_start_token_id} is outside the vocabulary "
                     f"[0, {executor.vocab_size})"
@@ -137,8 +138,10 @@ class Engine:
         """An engine over an export directory, a ``.onnx`` or a ``.pt2`` file.
 
         Options: ``executor`` (auto|ort|torch), ``backend``, ``device``, ``num_threads``,
-        ``max_model_len`` (see :func:`attnexport.runtime.loading.load_executor`), and
-        ``cache_config`` / ``scheduler_config``.
+        ``max_model_len``, ``trust_pickle`` (see :func:`attnexport.runtime.loading.load_executor`),
+        and ``cache_config`` / ``scheduler_config``. Only model files the manifest lists load,
+        after their size and SHA-256 are checked; a ``.pt2`` that would unpickle anything is
+        refused (:class:`attnexport.artifact.UnsafeArtifactError`) unless ``trust_pickle``.
         """
         from attnexport.runtime.loading import engine_from_path
 
@@ -159,46 +162,48 @@ class Engine:
                 (prompt or forced) outside ``[0, vocab_size)``, or bad sampling parameters.
         """
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+            raise UserTypeError(f"params: expected SamplingParams, got {type(params).__name__}")
         params.check()
         if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Iterable):
-            raise TypeError(f"prompt: expected a list of token ids, got {type(prompt).__name__}")
+            raise UserTypeError(
+                f"prompt: expected a list of token ids, got {type(prompt).__name__}"
+            )
         tokens = []
         for token in prompt:
             if isinstance(token, bool) or not hasattr(token, "__index__"):
-                raise TypeError(f"prompt: expected int token ids, got {token!r}")
+                raise UserTypeError(f"prompt: expected int token ids, got {token!r}")
             tokens.append(operator.index(token))
         if not tokens:
-            raise ValueError("prompt: expected at least one token, got an empty prompt")
+            raise UserError("prompt: expected at least one token, got an empty prompt")
         if len(tokens) > self.max_model_len:
-            raise ValueError(
+            raise UserError(
                 f"prompt: {len(tokens)} tokens is longer than the model's maximum length "
                 f"(max_model_len={self.max_model_len})"
             )
         vocab = self.executor.vocab_size
         bad = next((t for t in tokens if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(
+            raise UserError(
                 f"prompt: token id {bad} is outside the vocabulary; expected ids in [0, {vocab})"
             )
         for name in ("forced_bos_token_id", "forced_eos_token_id"):
             forced = getattr(params, name)
             if forced is not None and forced >= vocab:
-                raise ValueError(
+                raise UserError(
                     f"{name}: token id {forced} is outside the vocabulary; expected [0, {vocab})"
                 )
         if params.n > self.scheduler_config.max_num_seqs:
-            raise ValueError(
+            raise UserError(
                 f"n: {params.n} samples exceed max_num_seqs={self.scheduler_config.max_num_seqs}"
             )
         budget = self.scheduler_config.max_num_batched_tokens
         if self.is_encoder_decoder and len(tokens) + 1 > budget:
-            raise ValueError(
+            raise UserError(
                 f"prompt: {len(tokens)} encoder tokens and the decoder's first token exceed "
                 f"max_num_batched_tokens={budget} (the encoder input is not chunked)"
             )
         if not self.scheduler_config.enable_chunked_prefill and len(tokens) > budget:
-            raise ValueError(
+            raise UserError(
                 f"prompt: {len(tokens)} tokens exceed max_num_batched_tokens={budget} and "
                 "chunked prefill is disabled"
             )

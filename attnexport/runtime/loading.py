@@ -3,24 +3,29 @@ and/or ``model.pt2``, optional ``manifest.json``), or one ``.onnx`` / ``.pt2`` f
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
+from attnexport.artifact import EXECUTORS, ArtifactError, read_manifest, resolve_artifact
 from attnexport.custom_ops.dispatch import AUTO
+from attnexport.errors import UserError
 from attnexport.runtime.config import CacheConfig, EncoderDecoderConfig, SchedulerConfig
 from attnexport.runtime.engine import Engine
 from attnexport.runtime.executors.base import Executor
 
-EXECUTORS = ("auto", "ort", "torch")
-ONNX_FILE, PT2_FILE, MANIFEST_FILE = "model.onnx", "model.pt2", "manifest.json"
+__all__ = [
+    "EXECUTORS",
+    "encoder_decoder_config",
+    "engine_from_path",
+    "load_executor",
+    "resolve_artifact",
+]
 
 
 def _manifest(path: Path) -> dict:
-    """The manifest of an export directory or of the directory holding a model file ({} when
-    there is none)."""
-    manifest = (path if path.is_dir() else path.parent) / MANIFEST_FILE
-    return json.loads(manifest.read_text()) if manifest.is_file() else {}
+    """The manifest of an export directory or of the directory holding a model file (validated
+    when ``attnexport export`` wrote it; {} when there is none)."""
+    return read_manifest(path, plain_ok=True) or {}
 
 
 def encoder_decoder_config(path: str | os.PathLike) -> EncoderDecoderConfig | None:
@@ -44,47 +49,6 @@ def _manifest_max_len(directory: Path) -> int | None:
     return None
 
 
-def resolve_artifact(path: str | os.PathLike, executor: str = "auto") -> tuple[str, Path]:
-    """(executor kind ``ort`` or ``torch``, model file) for ``path`` and the executor asked for.
-
-    ``auto`` takes onnxruntime for an ``.onnx`` file or a directory holding ``model.onnx``,
-    torch for a ``.pt2`` file or a directory holding only ``model.pt2``.
-
-    Raises:
-        ValueError: the path does not exist, holds no model file, or not the one ``executor``
-            needs.
-    """
-    if executor not in EXECUTORS:
-        raise ValueError(f"executor: expected one of {', '.join(EXECUTORS)}, got {executor!r}")
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"artifact: {path} does not exist")
-    if path.is_dir():
-        candidates = {"ort": path / ONNX_FILE, "torch": path / PT2_FILE}
-        present = [kind for kind, file in candidates.items() if file.is_file()]
-        if not present:
-            raise ValueError(
-                f"artifact: {path} holds neither {ONNX_FILE} nor {PT2_FILE}; "
-                "export a model there first (attnexport export MODEL --out DIR)"
-            )
-        kind = present[0] if executor == AUTO else executor
-        if kind not in present:
-            wanted = candidates[kind].name
-            raise ValueError(
-                f"artifact: {path} has no {wanted} for --executor {kind}; "
-                f"re-export with --format {'onnx' if kind == 'ort' else 'pt2'} or both"
-            )
-        return kind, candidates[kind]
-    suffix_kind = {".onnx": "ort", ".pt2": "torch"}.get(path.suffix)
-    if suffix_kind is None:
-        raise ValueError(f"artifact: expected a .onnx or .pt2 file or an export directory: {path}")
-    if executor not in (AUTO, suffix_kind):
-        raise ValueError(
-            f"artifact: {path.name} runs on the {suffix_kind} executor, not {executor}"
-        )
-    return suffix_kind, path
-
-
 def load_executor(
     path: str | os.PathLike,
     *,
@@ -93,6 +57,7 @@ def load_executor(
     device: str = "cpu",
     num_threads: int | None = None,
     max_model_len: int | None = None,
+    trust_pickle: bool = False,
 ) -> Executor:
     """The executor for an export directory or a model file (see :func:`resolve_artifact`).
 
@@ -101,6 +66,13 @@ def load_executor(
         device: ``cpu`` or ``cuda``.
         num_threads: onnxruntime intra-op threads (default: torch's thread count).
         max_model_len: overrides the length limit found in the file or the manifest.
+        trust_pickle: load a ``.pt2`` even when it holds pickled entries that can run code
+            (see :func:`attnexport.artifact.load_pt2`); only for files you trust.
+
+    Raises:
+        ArtifactError: see :func:`resolve_artifact`; a model file that onnxruntime or
+            torch.export cannot parse.
+        UnsafeArtifactError: a ``.pt2`` that would run code, without ``trust_pickle``.
     """
     kind, file = resolve_artifact(path, executor)
     if max_model_len is None and Path(path).is_dir():
@@ -109,16 +81,29 @@ def load_executor(
         from attnexport.runtime.executors.ort_executor import OrtExecutor
 
         if backend != AUTO:
-            raise ValueError(
+            raise UserError(
                 f"backend: {backend!r} applies to the torch executor; onnxruntime runs the "
                 "model's own function bodies (use --executor torch to pick a backend)"
             )
-        return OrtExecutor(
-            file, device=device, num_threads=num_threads, max_model_len=max_model_len
-        )
+        from onnxruntime.capi.onnxruntime_pybind11_state import InvalidProtobuf
+
+        try:
+            return OrtExecutor(
+                file, device=device, num_threads=num_threads, max_model_len=max_model_len
+            )
+        except InvalidProtobuf as error:
+            raise ArtifactError(
+                f"{file}: not a valid ONNX model ({str(error).splitlines()[0]}); re-export it"
+            ) from None
     from attnexport.runtime.executors.torch_executor import TorchExecutor
 
-    return TorchExecutor(file, backend=backend, device=device, max_model_len=max_model_len)
+    return TorchExecutor(
+        file,
+        backend=backend,
+        device=device,
+        max_model_len=max_model_len,
+        trust_pickle=trust_pickle,
+    )
 
 
 def engine_from_path(

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from attnexport.errors import UserError, UserTypeError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -57,13 +59,13 @@ class SamplingParams:
         _check_int("n", self.n, minimum=1)
         _check_int("top_k", self.top_k, minimum=-1)
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
-            raise TypeError(f"temperature: expected a float, got {self.temperature!r}")
+            raise UserTypeError(f"temperature: expected a float, got {self.temperature!r}")
         if not 0.0 <= self.temperature < float("inf"):
-            raise ValueError(
+            raise UserError(
                 f"temperature: expected a finite value >= 0 (0 = greedy), got {self.temperature}"
             )
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p: expected a value in (0, 1], got {self.top_p!r}")
+            raise UserError(f"top_p: expected a value in (0, 1], got {self.top_p!r}")
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=None)
         for token in self.stop_token_ids:
@@ -86,9 +88,9 @@ class SamplingParams:
 
 def _check_int(name: str, value, minimum: int | None) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name}: expected an int, got {value!r}")
+        raise UserTypeError(f"{name}: expected an int, got {value!r}")
     if minimum is not None and value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+        raise UserError(f"{name}: expected an int >= {minimum}, got {value}")
 
 
 def make_generator(params: SamplingParams, sample_index: int) -> torch.Generator | None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from attnexport.artifact import file_digest
 from attnexport.cli.main import main
 from attnexport.runtime import ort_kernels
 
@@ -124,6 +125,10 @@ def test_verify_fails_when_the_onnx_file_is_wrong(llama_export, tmp_path, capsys
     shutil.copytree(llama_export, broken)
     assert main(["export", "llama", "--seed", "7", "--out", str(tmp_path / "other")]) == 0
     shutil.copy(tmp_path / "other" / "model.onnx", broken / "model.onnx")
+    # a manifest that records the swapped file (a swap without it is refused: test_artifact.py)
+    manifest = json.loads((broken / "manifest.json").read_text())
+    manifest["file_digests"]["model.onnx"] = file_digest(broken / "model.onnx")
+    (broken / "manifest.json").write_text(json.dumps(manifest))
     capsys.readouterr()
     code, out, _ = _run(capsys, "verify", str(broken), "--json")
     report = json.loads(out)

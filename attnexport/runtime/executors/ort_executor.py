@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from attnexport.custom_ops.metadata import to_array
+from attnexport.errors import UserError
 from attnexport.model_interface import (
     DECODER_INPUT_NAMES,
     ENCODER_DECODER_INPUT_NAMES,
@@ -94,20 +95,20 @@ class OrtExecutor(Executor):
 
         device = torch.device(device)
         if device.type not in PROVIDERS:
-            raise ValueError(f"device: expected 'cpu' or 'cuda', got {str(device)!r}")
+            raise UserError(f"device: expected 'cpu' or 'cuda', got {str(device)!r}")
         if kernels not in KERNELS:
-            raise ValueError(f"kernels: expected one of {KERNELS}, got {kernels!r}")
+            raise UserError(f"kernels: expected one of {KERNELS}, got {kernels!r}")
         if kernels == "native" and device.type != "cpu":
-            raise ValueError("kernels='native': the attnexport kernels are CPU kernels")
+            raise UserError("kernels='native': the attnexport kernels are CPU kernels")
         provider = PROVIDERS[device.type]
         if provider not in ort.get_available_providers():
-            raise ValueError(
+            raise UserError(
                 f"device: {provider} is not in this onnxruntime build "
                 f"(available: {ort.get_available_providers()}); install onnxruntime-gpu for cuda"
             )
         path = Path(model)
         if not path.is_file():
-            raise ValueError(f"model: no such .onnx file: {path}")
+            raise UserError(f"model: no such .onnx file: {path}")
         options = session_options or globals()["session_options"](num_threads, spin)
         native = kernels == "native" or (
             kernels == "auto" and device.type == "cpu" and ort_kernels.unavailable_reason() is None
@@ -121,30 +122,30 @@ class OrtExecutor(Executor):
         self.session, self.metadata, self.path = paged.session, paged.metadata, path
         meta = self.metadata
         if meta.block_size is None or not meta.cache_inputs:
-            raise ValueError(f"model: {path} has no paged KV caches in its attnexport metadata")
+            raise UserError(f"model: {path} has no paged KV caches in its attnexport metadata")
         inputs = {i.name: i for i in self.session.get_inputs()}
         names = ENCODER_DECODER_INPUT_NAMES if meta.num_cross_layers else DECODER_INPUT_NAMES
         missing = [n for n in names if n not in inputs]
         if missing:
             kind = "an encoder-decoder" if meta.num_cross_layers else "a decoder"
-            raise ValueError(
+            raise UserError(
                 f"model: {path} is not {kind} in the attnexport convention; "
                 f"inputs {missing} are missing (it takes {list(inputs)})"
             )
         unwritten = [n for n in meta.cache_inputs if n not in meta.cache_outputs]
         if unwritten:
-            raise ValueError(f"model: cache inputs {unwritten} have no '<name>_out' output")
+            raise UserError(f"model: cache inputs {unwritten} have no '<name>_out' output")
         self._index_types = {n: _NUMPY_INDEX_TYPES[inputs[n].type] for n in names}
         self._logits_name = meta.outputs[0]
         logits = next(o for o in self.session.get_outputs() if o.name == self._logits_name)
         vocab_size = logits.shape[-1]
         if not isinstance(vocab_size, int) or len(logits.shape) != 2:
-            raise ValueError(
+            raise UserError(
                 f"model: expected logits [num_logits, vocab] with a static vocabulary dim, "
                 f"got {logits.shape}"
             )
         if logits.type != "tensor(float)":
-            raise ValueError(f"model: expected float32 logits, got {logits.type}")
+            raise UserError(f"model: expected float32 logits, got {logits.type}")
         spec = CacheSpec(
             num_layers=meta.num_layers,
             num_kv_heads=meta.num_kv_heads,

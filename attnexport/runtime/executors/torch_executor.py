@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
+from attnexport.artifact import load_pt2
 from attnexport.custom_ops.dispatch import AUTO, get_backend, use_backend
+from attnexport.errors import UserError
 from attnexport.model_interface import (
     DECODER_INPUT_NAMES,
     ENCODER_DECODER_INPUT_NAMES,
@@ -26,10 +27,10 @@ def check_backend(backend: str, device: torch.device) -> str:
     implementation = get_backend(name)  # raises with the valid names
     reason = implementation.unavailable_reason()
     if reason is not None:
-        raise ValueError(f"backend: {name!r} is not available here: {reason}")
+        raise UserError(f"backend: {name!r} is not available here: {reason}")
     if device.type not in implementation.capabilities.devices:
         devices = sorted(implementation.capabilities.devices)
-        raise ValueError(f"backend: {name!r} does not run on {device.type} (devices: {devices})")
+        raise UserError(f"backend: {name!r} does not run on {device.type} (devices: {devices})")
     return name
 
 
@@ -49,6 +50,8 @@ class TorchExecutor(Executor):
             length limit. Found on the model when not given: a ``cache_spec`` attribute or
             method and ``config.vocab_size`` / ``config.max_position_embeddings`` of a module,
             or the input and output shapes of an exported program.
+        trust_pickle: load a ``.pt2`` path even when its archive holds entries that loading
+            would unpickle (they can run code); see :func:`attnexport.artifact.load_pt2`.
     """
 
     name = "torch"
@@ -63,16 +66,14 @@ class TorchExecutor(Executor):
         cache_spec: CacheSpec | None = None,
         vocab_size: int | None = None,
         max_model_len: int | None = None,
+        trust_pickle: bool = False,
     ) -> None:
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
+            raise UserError("device: 'cuda' was asked for but torch sees no CUDA device")
         self.backend = check_backend(backend, device)
         if isinstance(model, (str, os.PathLike)):
-            path = Path(model)
-            if not path.is_file():
-                raise ValueError(f"model: no such .pt2 file: {path}")
-            model = torch.export.load(path)
+            model = load_pt2(model, trust_pickle=trust_pickle)
         if isinstance(model, torch.export.ExportedProgram):
             found = _program_facts(model)
             self.source = "exported program"

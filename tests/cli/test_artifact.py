@@ -1,0 +1,189 @@
+"""Clean artifacts: re-exporting into a used directory, manifest integrity (sizes and SHA-256),
+only listed model files loaded, damaged files as one-line errors with exit code 2, and the
+zoo-name vs checkpoint-directory ambiguity."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from attnexport.artifact import ArtifactError, resolve_artifact
+from attnexport.cli.main import main
+from attnexport.runtime import Engine
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _one_line_error(err: str, command: str, *needles: str) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"attnexport {command}: error: "), err
+    for needle in needles:
+        assert needle in lines[0], (needle, err)
+
+
+@pytest.fixture
+def export_copy(llama_export, tmp_path) -> Path:
+    directory = tmp_path / "export"
+    shutil.copytree(llama_export, directory)
+    return directory
+
+
+# ----------------------------------------------------------------------------- re-export
+
+
+def test_export_into_an_earlier_export_needs_overwrite(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["export", "llama", "--out", str(out), "--format", "both"]) == 0
+    capsys.readouterr()
+    code, _, err = _run(capsys, "export", "llama", "--out", out, "--format", "pt2")
+    assert code == 2
+    _one_line_error(err, "export", str(out), "--overwrite")
+    assert (out / "model.onnx").is_file()  # nothing was touched
+
+    code, _, _ = _run(capsys, "export", "llama", "--out", out, "--format", "pt2", "--overwrite")
+    assert code == 0
+    assert not (out / "model.onnx").exists()  # the earlier export's file is gone
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["files"] == {"pt2": "model.pt2"} and set(manifest["file_digests"]) == {
+        "model.pt2"
+    }
+
+
+def test_overwrite_removes_the_earlier_tokenizer_files(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["export", "llama", "--out", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["tokenizer_files"] = ["tokenizer.json"]  # as a checkpoint export records them
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    (out / "tokenizer.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    assert main(["export", "llama", "--out", str(out), "--overwrite"]) == 0
+    assert not (out / "tokenizer.json").exists()
+    assert (out / "notes.txt").read_text() == "mine"  # not the export's: kept
+
+
+# ----------------------------------------------------------------------------- integrity
+
+
+def test_manifest_records_size_and_sha256(llama_export):
+    import hashlib
+
+    manifest = json.loads((llama_export / "manifest.json").read_text())
+    assert manifest["format_version"] == 2
+    for name in ("model.onnx", "model.pt2"):
+        data = (llama_export / name).read_bytes()
+        assert manifest["file_digests"][name] == {
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
+
+
+def test_a_swapped_model_onnx_is_a_named_error(export_copy, tmp_path, capsys):
+    assert main(["export", "llama", "--seed", "7", "--out", str(tmp_path / "other")]) == 0
+    shutil.copy(tmp_path / "other" / "model.onnx", export_copy / "model.onnx")
+    capsys.readouterr()
+    for argv in (
+        ("run", export_copy, "--prompt-ids", "1,2"),
+        ("run", export_copy / "model.onnx", "--prompt-ids", "1,2"),
+        ("verify", export_copy),
+        ("inspect", export_copy),
+    ):
+        code, _, err = _run(capsys, *argv)
+        assert code == 2, (argv, err)
+        _one_line_error(err, argv[0], str(export_copy / "model.onnx"), "SHA-256")
+    with pytest.raises(ArtifactError, match="SHA-256"):
+        Engine.from_path(export_copy)
+
+
+@pytest.mark.parametrize("name", ["model.onnx", "model.pt2"])
+def test_a_truncated_model_file_is_a_named_error(name, export_copy, capsys):
+    (export_copy / name).write_bytes((export_copy / name).read_bytes()[:1000])
+    executor = "ort" if name.endswith("onnx") else "torch"
+    code, _, err = _run(capsys, "run", export_copy, "--prompt-ids", "1", "--executor", executor)
+    assert code == 2
+    _one_line_error(err, "run", str(export_copy / name))
+
+
+@pytest.mark.parametrize("name", ["model.onnx", "model.pt2"])
+def test_a_corrupt_model_file_without_manifest_is_a_named_error(name, export_copy, capsys):
+    """No manifest to check against: the parser's failure is reported as the file's."""
+    (export_copy / "manifest.json").unlink()
+    (export_copy / name).write_bytes(b"\x00not a model\x00" * 50)
+    executor = "ort" if name.endswith("onnx") else "torch"
+    code, _, err = _run(capsys, "run", export_copy, "--prompt-ids", "1", "--executor", executor)
+    assert code == 2
+    _one_line_error(err, "run", str(export_copy / name))
+    if name == "model.onnx":
+        code, _, err = _run(capsys, "inspect", export_copy / name)
+        assert code == 2
+        _one_line_error(err, "inspect", str(export_copy / name))
+
+
+@pytest.mark.parametrize(
+    "text,field",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"format": "attnexport-artifact"}', "format_version"),
+        ("[1, 2]", "not an attnexport manifest"),
+    ],
+)
+def test_a_bad_manifest_is_a_named_error(text, field, export_copy, capsys):
+    (export_copy / "manifest.json").write_text(text)
+    for argv in (("run", export_copy, "--prompt-ids", "1"), ("verify", export_copy)):
+        code, _, err = _run(capsys, *argv)
+        assert code == 2
+        _one_line_error(err, argv[0], str(export_copy / "manifest.json"), field)
+
+
+def test_a_bad_manifest_field_is_named(export_copy, capsys):
+    manifest = json.loads((export_copy / "manifest.json").read_text())
+    manifest["files"] = {"onnx": "../elsewhere/model.onnx"}
+    (export_copy / "manifest.json").write_text(json.dumps(manifest))
+    code, _, err = _run(capsys, "run", export_copy, "--prompt-ids", "1")
+    assert code == 2
+    _one_line_error(err, "run", "manifest.json", "'files'")
+
+
+def test_only_listed_model_files_are_loaded(tmp_path, llama_export, capsys):
+    """A model.onnx the manifest does not list (left by someone else) is never picked."""
+    out = tmp_path / "pt2_only"
+    assert main(["export", "llama", "--out", str(out), "--format", "pt2"]) == 0
+    shutil.copy(llama_export / "model.onnx", out / "model.onnx")
+    assert resolve_artifact(out) == ("torch", out / "model.pt2")
+    with pytest.raises(ArtifactError, match=r"no model\.onnx"):
+        resolve_artifact(out, "ort")
+    with pytest.raises(ArtifactError, match="not a model file"):
+        resolve_artifact(out / "model.onnx")
+    capsys.readouterr()
+    code, _, err = _run(capsys, "run", out / "model.onnx", "--prompt-ids", "1")
+    assert code == 2
+    _one_line_error(err, "run", "model.onnx", "only listed files are loaded")
+
+
+# ----------------------------------------------------------------------------- zoo vs path
+
+
+def test_a_zoo_name_is_not_shadowed_by_a_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    Path("llama").mkdir()  # not a checkpoint (no config.json), e.g. an earlier --out
+    code, out, _ = _run(capsys, "export", "llama", "--out", "x")
+    assert code == 0 and "zoo model llama" in out
+    (Path("llama") / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    code, _, err = _run(capsys, "export", "llama", "--out", "y")
+    assert code == 2
+    _one_line_error(err, "export", "zoo:llama", "./llama")
+    code, _, _ = _run(capsys, "export", "zoo:llama", "--out", "y", "--json")
+    assert code == 0
+    manifest = json.loads(Path("y/manifest.json").read_text())
+    assert manifest["source"] == {"kind": "zoo", "name": "llama", "seed": 0}
+    # verify rebuilds the zoo model, not the ./llama checkpoint beside it
+    code, out, _ = _run(capsys, "verify", "y", "--json")
+    assert code == 0 and json.loads(out)["reference"] == "eager[sdpa]"
