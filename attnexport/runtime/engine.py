@@ -41,6 +41,7 @@ from attnexport.runtime.sampling import SamplingParams, make_generator, sample
 from attnexport.runtime.scheduler import ScheduledBatch, Scheduler
 from attnexport.runtime.sequence import EncoderInput, Request, Status
 from attnexport.runtime.sequence import Sequence as Seq
+from attnexport.runtime.text import Tokenizer
 
 
 @dataclass
@@ -73,6 +74,8 @@ class Engine:
         scheduler_config: step limits and preemption mode (defaults: :class:`SchedulerConfig`).
         encoder_decoder: the decoder start token of an encoder-decoder model
             (default: the start token the executor found on the model); ignored otherwise.
+        tokenizer: a :class:`~attnexport.runtime.text.Tokenizer`: prompts may then be text,
+            and outputs carry ``text`` / ``text_delta`` (default: token ids only).
     """
 
     def __init__(
@@ -81,8 +84,10 @@ class Engine:
         cache_config: CacheConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
         encoder_decoder: EncoderDecoderConfig | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.executor = executor
+        self.tokenizer = tokenizer
         self.encoder_decoder = None
         if executor.cache_spec.num_cross_layers:
             start = executor.decoder_start_token_id
@@ -143,8 +148,9 @@ class Engine:
     def is_encoder_decoder(self) -> bool:
         return self.encoder_decoder is not None
 
-    def check_request(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
-        """Validates one request; returns the prompt as a list of ints.
+    def check_request(self, prompt: Sequence[int] | str, params: SamplingParams) -> list[int]:
+        """Validates one request; returns the prompt as a list of ints (a text prompt encoded
+        with the engine's tokenizer).
 
         Raises:
             TypeError: a prompt that is not a sequence of ints, or params that are not
@@ -155,8 +161,13 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
         params.check()
+        if isinstance(prompt, str) and self.tokenizer is not None:
+            prompt = self.tokenizer.encode(prompt)
         if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Iterable):
-            raise TypeError(f"prompt: expected a list of token ids, got {type(prompt).__name__}")
+            raise TypeError(
+                f"prompt: expected a list of token ids, got {type(prompt).__name__} (text "
+                "prompts need an engine with a tokenizer)"
+            )
         tokens = []
         for token in prompt:
             if isinstance(token, bool) or not hasattr(token, "__index__"):
@@ -200,7 +211,7 @@ class Engine:
 
     def add_request(
         self,
-        prompt: Sequence[int],
+        prompt: Sequence[int] | str,
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
@@ -239,7 +250,7 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def get_output(self, request_id: str) -> RequestOutput:
-        return snapshot(self._requests[request_id])
+        return snapshot(self._requests[request_id], tokenizer=self.tokenizer)
 
     def release(self, request_id: str) -> None:
         """Forgets a finished request (its output can no longer be fetched)."""
@@ -251,7 +262,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduler step and the model; returns the outputs of the requests that
         changed (new tokens, finished or failed)."""
-        return [snapshot(request) for request in self._step()]
+        return [snapshot(request, tokenizer=self.tokenizer) for request in self._step()]
 
     def kv_cache_usage(self) -> dict[str, int]:
         """The device pool now: ``num_blocks``, ``blocks_in_use``, ``bytes_in_use`` and
@@ -469,7 +480,7 @@ class Engine:
     # ------------------------------------------------------------------ batch APIs
     def _submit(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts: Sequence[Sequence[int] | str],
         params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> list[Request]:
         if isinstance(params, SamplingParams) or params is None:
@@ -497,35 +508,39 @@ class Engine:
 
     def stream(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts: Sequence[Sequence[int] | str],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[RequestOutput]:
         """Runs the prompts to completion, yielding a request's output each time it changes
-        (``new_token_ids`` holds the tokens since its previous output; the last one has
-        ``finished``). Failed requests are yielded first."""
+        (``new_token_ids`` holds the tokens since its previous output, ``text_delta`` their
+        text when the engine has a tokenizer; the last one has ``finished``). Failed requests
+        are yielded first."""
         requests = self._submit(prompts, params)
         sent: dict[str, dict[int, int]] = {r.request_id: {} for r in requests}
+        texts: dict[str, dict] = {r.request_id: {} for r in requests}
         mine = set(sent)
         for request in requests:
             if request.error is not None:
-                yield snapshot(request, sent[request.request_id])
+                rid = request.request_id
+                yield snapshot(request, sent[rid], self.tokenizer, texts[rid])
         for pending in requests:  # requests never become unfinished again
             while not pending.finished:
                 for request in self._step():
                     if request.request_id in mine:
-                        yield snapshot(request, sent[request.request_id])
+                        rid = request.request_id
+                        yield snapshot(request, sent[rid], self.tokenizer, texts[rid])
         for request in requests:
             self.release(request.request_id)
 
     def generate(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts: Sequence[Sequence[int] | str],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Runs the prompts to completion; one output per prompt, in prompt order.
 
         Args:
-            prompts: token-id lists.
+            prompts: token-id lists (or strings, encoded with the engine's tokenizer).
             params: one SamplingParams for all prompts, or one per prompt (default: greedy,
                 16 tokens).
         """
@@ -533,7 +548,7 @@ class Engine:
         for request in requests:  # requests never become unfinished again
             while not request.finished:
                 self._step()
-        outputs = [snapshot(r) for r in requests]
+        outputs = [snapshot(r, tokenizer=self.tokenizer) for r in requests]
         for request in requests:
             self.release(request.request_id)
         return outputs
