@@ -49,6 +49,8 @@ TOKENIZER_FILES = (
     "merges.txt",
     "tokenizer.model",
     "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
     "generation_config.json",
 )
 
