@@ -172,7 +172,7 @@ def test_model_text_is_never_read_as_markup(bpe, capsys):
 
 
 def test_single_prompt_streams_its_text(bpe, capsys):
-    out, model, hf = bpe
+    out, _, _ = bpe
     prompt = "The capital of France is"
     (output,) = _run_json(capsys, out, "--prompt", prompt)
     assert main(["run", str(out), "--prompt", prompt]) == 0
