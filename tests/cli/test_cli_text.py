@@ -79,11 +79,12 @@ def test_wordpiece_prompt_is_encoded_as_transformers(wordpiece, capsys):
     """all-MiniLM's tokenizer.json pads to 128: the 5 words were 128 tokens; transformers: 7."""
     out, model, hf = wordpiece
     prompt = "The capital of France is"
+    prompt_ids = hf(prompt)["input_ids"]
+    assert len(prompt_ids) == 7
     (output,) = _run_json(capsys, out, "--prompt", prompt, "--max-tokens", 8)
-    assert output["prompt_token_ids"] == hf(prompt)["input_ids"]
-    assert len(output["prompt_token_ids"]) == 7
-    tokens, text = _expected(model, hf, output["prompt_token_ids"], 8)
+    tokens, text = _expected(model, hf, prompt_ids, 8)
     assert output["token_ids"] == tokens
+    assert output["prompt_token_ids"] == prompt_ids
     assert output["text"] == text
 
 
