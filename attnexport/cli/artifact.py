@@ -40,6 +40,12 @@ ONNX_FILE = "model.onnx"
 PT2_FILE = "model.pt2"
 FORMATS = ("onnx", "pt2", "both")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# dtypes whose ONNX model onnxruntime's CPU provider cannot run (the attnexport and standard
+# targets run there), with the reason; float16 runs (`verify` passes).
+CPU_UNRUNNABLE = {
+    torch.bfloat16: "onnxruntime's CPU provider has no bfloat16 kernels for the model's ops "
+    "(e.g. Mul), so the exported model could not run",
+}
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -148,6 +154,17 @@ def export_artifact(
         )
     if options.block_size < 1:
         raise ArtifactError(f"--block-size: expected a positive integer, got {options.block_size}")
+    if (
+        "onnx" in options.formats
+        and options.dtype in CPU_UNRUNNABLE
+        and options.target != "ort-cuda"
+    ):
+        raise ArtifactError(
+            f"--dtype {_dtype_name(options.dtype)} with ONNX: {CPU_UNRUNNABLE[options.dtype]}; "
+            "export with --dtype float32 (or float16) for onnxruntime, --format pt2 to run "
+            f"{_dtype_name(options.dtype)} with torch, or --target ort-cuda for onnxruntime's "
+            "CUDA provider"
+        )
     source = Path(model_ref) if Path(model_ref).is_dir() else None
     if source is None and ("/" in model_ref or model_ref.startswith(".")):
         raise ArtifactError(
