@@ -128,7 +128,8 @@ def optional_token(text: str | None, default: int | None, what: str) -> int | No
 
 def load_tokenizer(artifact: Path, manifest: dict | None, required: bool = True):
     """The tokenizer saved in the export directory, exactly as transformers.AutoTokenizer
-    loads it; None when there is none and ``required`` is False, else CliError."""
+    loads it. Without one (or without transformers) that is a CliError when text prompts
+    need it (``required``), else None: the outputs then have no text."""
     from attnexport.runtime.text import Tokenizer
 
     directory = artifact if artifact.is_dir() else artifact.parent
@@ -137,12 +138,18 @@ def load_tokenizer(artifact: Path, manifest: dict | None, required: bool = True)
     else:
         present = any((directory / name).is_file() for name in TOKENIZER_FILES)
     if present:
-        return Tokenizer.from_directory(directory)
+        try:
+            return Tokenizer.from_directory(directory)
+        except ModuleNotFoundError:
+            if required:
+                raise
+            return None
     if not required:
         return None
     raise CliError(
-        f"--prompt: {directory} has no tokenizer; pass token ids with --prompt-ids, or export "
-        "from a checkpoint directory that has tokenizer files"
+        f"text prompts (--prompt, --chat, --prompts-file): {directory} has no tokenizer; pass "
+        "token ids with --prompt-ids, or export from a checkpoint directory that has tokenizer "
+        "files"
     )
 
 

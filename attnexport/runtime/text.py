@@ -85,14 +85,14 @@ class Tokenizer:
         if not self.has_chat_template:
             raise TokenizerError(
                 f"{self.source}: this tokenizer has no chat template (tokenizer_config.json "
-                "has no 'chat_template' and there is no chat_template.jinja); pass the "
-                "conversation as plain text with --prompt instead"
+                "has no 'chat_template' and there is no chat_template.jinja); give the "
+                "conversation as a plain text prompt instead"
             )
         check_messages(messages)
         ids = self.hf.apply_chat_template(
             list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
         )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # some versions return a BatchEncoding
+        if hasattr(ids, "keys"):  # some transformers versions return a BatchEncoding
             ids = ids["input_ids"]
         return [int(i) for i in ids]
 
@@ -109,14 +109,14 @@ class Tokenizer:
         return '"cleanup": true' in json.dumps(decoder)
 
     @functools.cached_property
-    def byte_fallback_ids(self) -> frozenset[int]:
-        """The ``<0xNN>`` tokens of a byte-fallback vocabulary (empty otherwise): a run of them
-        decodes as one UTF-8 string, all U+FFFD if any byte is invalid, so streamed text must
-        hold a trailing run back."""
+    def byte_run_ids(self) -> frozenset[int]:
+        """The tokens a byte-fallback run is made of (empty for other vocabularies): the
+        ``<0xNN>`` pieces, and the special tokens, which decoding skips, so they do not end a
+        run. A run decodes as one UTF-8 string, all U+FFFD if any byte is invalid, so streamed
+        text must hold a trailing run back."""
         backend = getattr(self.hf, "backend_tokenizer", None)
         if backend is None or not json.loads(backend.to_str())["model"].get("byte_fallback"):
             return frozenset()
-        # special tokens are skipped before decoding, so they do not end a run
         return frozenset(
             i for token, i in self.hf.get_vocab().items() if _BYTE_TOKEN.fullmatch(token)
         ) | frozenset(self.hf.all_special_ids)
@@ -148,12 +148,12 @@ class IncrementalDetokenizer:
     Each call decodes the whole sequence, so the text always equals ``decode(ids)`` (a windowed
     decode like vLLM's prefix/read offsets can differ from it where the tokenizer cleans up
     spaces before punctuation), and emits only the part later tokens cannot change: never a
-    trailing U+FFFD (a multi-byte character whose remaining bytes are not generated yet) nor the
-    text of a trailing run of byte-fallback tokens, and,
-    when the tokenizer cleans up spaces (``clean_up_tokenization_spaces`` or a WordPiece
-    decoder with ``cleanup``), nothing from the last whitespace on (cleanup removes a space
-    only once the text after it is known). :meth:`finish` emits the rest, so the concatenation
-    of all deltas is the full decode.
+    trailing U+FFFD (a multi-byte character whose remaining bytes are not generated yet), nor
+    the text of a trailing run of byte-fallback tokens (one invalid byte turns the whole run
+    into U+FFFD), nor, when the tokenizer cleans up spaces (``clean_up_tokenization_spaces`` or
+    a WordPiece decoder with ``cleanup``), anything from the last whitespace on (cleanup
+    removes a space only once the text after it is known). :meth:`finish` emits the rest, so
+    the concatenation of all deltas is the full decode.
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -161,7 +161,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.emitted = ""
         self._hold_last_word = tokenizer.cleans_up_spaces
-        self._byte_tokens = tokenizer.byte_fallback_ids
+        self._byte_run = tokenizer.byte_run_ids
 
     @property
     def text(self) -> str:
@@ -178,7 +178,7 @@ class IncrementalDetokenizer:
         if self._hold_last_word:
             end = max(text.rfind(space, 0, end) for space in _WHITESPACE)
         run = len(self.ids)
-        while run and self.ids[run - 1] in self._byte_tokens:  # incl. skipped special tokens
+        while run and self.ids[run - 1] in self._byte_run:
             run -= 1
         if run < len(self.ids):
             end = min(end, len(self.tokenizer.decode(self.ids[:run])))

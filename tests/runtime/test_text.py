@@ -5,6 +5,7 @@ detokenization."""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,10 @@ def test_module_imports_neither_torch_nor_the_rest_of_attnexport():
         for alias in node.names
     } | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert not {m for m in imported if m and m.split(".")[0] in ("torch", "attnexport")}
+
+
+def test_without_transformers_the_error_names_the_extra(tmp_path, monkeypatch):
+    directory = byte_level_bpe(tmp_path)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
+    with pytest.raises(ModuleNotFoundError, match=r'pip install "attnexport\[hf\]"'):
+        Tokenizer.from_directory(directory)
