@@ -101,6 +101,10 @@ def test_byte_level_prompt_and_text_equal_transformers(bpe, capsys):
 
 def test_chat_applies_the_template(bpe, capsys):
     out, model, hf = bpe
+    # transformers 5 saves the template beside tokenizer_config.json; the export copies it
+    assert (
+        "chat_template.jinja" in json.loads((out / "manifest.json").read_text())["tokenizer_files"]
+    )
     outputs = _run_json(capsys, out, "--chat", "Hi!", "--chat", "Paris?", "--system", "Be brief")
     for message, output in zip(["Hi!", "Paris?"], outputs, strict=True):
         messages = [
