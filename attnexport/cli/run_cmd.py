@@ -257,12 +257,19 @@ def run(args: argparse.Namespace) -> int:
             engine.check_request(prompt, request_params)
         except (TypeError, ValueError) as error:
             raise CliError(f"prompt {i} ({specs[i].where}): {error}") from None
-    if args.json:
+    # One request with text streams it as it is generated; several (or --json) are printed
+    # when all are done, in prompt order.
+    streamed = not args.json and tokenizer is not None and len(prompts) == 1
+    streamed = streamed and params_list[0].n == 1
+    if streamed:
+        outputs = [stream_text(engine.stream(prompts, params_list))]
+    else:
         outputs = engine.generate(prompts, params_list)
-        _raise_first_error(outputs)
+    _raise_first_error(outputs)
+    if args.json:
         print(json.dumps({"outputs": [output_json(o) for o in outputs]}))
-        return 0
-    show_outputs(engine.stream(prompts, params_list), len(prompts), tokenizer is not None)
+    else:
+        show_outputs(outputs, streamed)
     return 0
 
 
@@ -296,32 +303,33 @@ def output_json(output) -> dict:
     return entry
 
 
-def show_outputs(updates, num_requests: int, has_text: bool) -> None:
-    """Human output. One request with text streams it to stdout as it is generated; with
-    several, each request is printed when it finishes. Model text is written as plain text,
-    never read as rich markup (a model may well generate ``[/INST]``)."""
+def stream_text(updates):
+    """Writes the text of a single request to stdout as it is generated; returns its final
+    output. Plain writes: model text is never read as markup."""
+    last = None
+    for last in updates:
+        if last.error:
+            raise CliError(f"prompt 0: {last.error}")
+        sys.stdout.write(last.text_delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return last
+
+
+def show_outputs(outputs, streamed: bool) -> None:
+    """Human output, in prompt order: per sample its token counts, finish reason, ids and
+    text (unless it was streamed). Model text is printed with markup off (a model may well
+    generate ``[/INST]``)."""
     from rich.console import Console
 
     console = Console(highlight=False, emoji=False)
-    stream = has_text and num_requests == 1
-    index: dict[str, int] = {}
-    for update in updates:
-        i = index.setdefault(update.request_id, len(index))
-        if update.error:
-            raise CliError(f"prompt {i}: {update.error}")
-        if stream and len(update.outputs) == 1:
-            sys.stdout.write(update.outputs[0].text_delta)
-            sys.stdout.flush()
-        if not update.finished:
-            continue
-        if stream and len(update.outputs) == 1:
-            sys.stdout.write("\n")
-        for sample in update.outputs:
-            label = f"prompt {i}" + (f" sample {sample.index}" if len(update.outputs) > 1 else "")
+    for i, output in enumerate(outputs):
+        for sample in output.outputs:
+            label = f"prompt {i}" + (f" sample {sample.index}" if len(output.outputs) > 1 else "")
             console.print(
-                f"[bold]{label}[/] ({len(update.prompt_token_ids)} tokens) -> "
+                f"[bold]{label}[/] ({len(output.prompt_token_ids)} tokens) -> "
                 f"{len(sample.token_ids)} tokens, finish: {sample.finish_reason}"
             )
             console.print(f"  ids: {list(sample.token_ids)}", markup=False)
-            if sample.text is not None and not (stream and len(update.outputs) == 1):
+            if sample.text is not None and not streamed:
                 console.print(f"  text: {sample.text!r}", markup=False)
