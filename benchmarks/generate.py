@@ -149,8 +149,7 @@ def _engine_leg(args, executor) -> dict:
     first = max(o.metrics.first_token_time for o in outputs)
     assert all(len(o.token_ids) == args.new_tokens for o in outputs)
     return {
-        "ttft_s": first - start,
-        "decode_tok_s": args.batch * (args.new_tokens - 1) / (end - first),
+        **rates(args.batch, args.new_tokens, start, first, end),
         "describe": engine.executor.describe(),
     }
 
@@ -174,27 +173,58 @@ def leg_torch(args, backend: str) -> dict:
     return _engine_leg(args, TorchExecutor(model, backend=backend, block_size=BLOCK_SIZE))
 
 
-def leg_hf(args) -> dict:
+def timed_hf_generate(model, prompts: list[list[int]], new: int, **kwargs) -> dict:
+    """One greedy ``model.generate`` of ``new`` tokens: its time to first token and decode
+    tokens/s, both from the same run (the first token is timed by a stopping criterion, which
+    transformers calls once per generated token). Two separately timed runs, subtracted, gave
+    a negative rate when the longer run happened to be the faster one."""
     import torch
+    import transformers
+
+    class FirstToken(transformers.StoppingCriteria):
+        time: float | None = None
+
+        def __call__(self, input_ids, scores, **_):
+            if self.time is None:
+                self.time = time.perf_counter()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    first = FirstToken()
+    ids = torch.tensor(prompts)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            stopping_criteria=transformers.StoppingCriteriaList([first]),
+            **kwargs,
+        )
+    end = time.perf_counter()
+    if out.shape[1] - ids.shape[1] != new or first.time is None:
+        raise RuntimeError(f"hf: expected {new} new tokens, got {out.shape[1] - ids.shape[1]}")
+    return rates(len(prompts), new, start, first.time, end)
+
+
+def rates(batch: int, new: int, start: float, first: float, end: float) -> dict:
+    """``ttft_s`` and ``decode_tok_s`` of one run that started at ``start``, produced its
+    first token at ``first`` and its ``new``-th at ``end`` (one clock)."""
+    if new < 2:
+        raise ValueError(f"new: decode speed needs at least 2 new tokens, got {new}")
+    if not start <= first < end:
+        raise ValueError(f"times out of order: start {start}, first token {first}, end {end}")
+    return {"ttft_s": first - start, "decode_tok_s": batch * (new - 1) / (end - first)}
+
+
+def leg_hf(args) -> dict:
     import transformers
 
     model = transformers.LlamaForCausalLM.from_pretrained(args.work / "ckpt").eval()
     kwargs = {"do_sample": False, "pad_token_id": 2}
-
-    def run(prompts, new):
-        ids = torch.tensor(prompts)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kwargs)
-        return time.perf_counter() - start
-
-    run(_prompts(args.batch, args.prompt_len, args.vocab, 1), 4)
+    timed_hf_generate(model, _prompts(args.batch, args.prompt_len, args.vocab, 1), 4, **kwargs)
     prompts = _prompts(args.batch, args.prompt_len, args.vocab, 0)
-    ttft = run(prompts, 1)
-    total = run(prompts, args.new_tokens)
     return {
-        "ttft_s": ttft,
-        "decode_tok_s": args.batch * (args.new_tokens - 1) / (total - ttft),
+        **timed_hf_generate(model, prompts, args.new_tokens, **kwargs),
         "describe": f"transformers {transformers.__version__} eager",
     }
 
@@ -217,13 +247,11 @@ def leg_genai(args) -> dict:
         first = time.perf_counter()
         while not generator.is_done():
             generator.generate_next_token()
-        return first - start, time.perf_counter() - first
+        return rates(args.batch, new, start, first, time.perf_counter())
 
     run(_prompts(args.batch, args.prompt_len, args.vocab, 1), 4)
-    ttft, decode = run(_prompts(args.batch, args.prompt_len, args.vocab, 0), args.new_tokens)
     return {
-        "ttft_s": ttft,
-        "decode_tok_s": args.batch * (args.new_tokens - 1) / decode,
+        **run(_prompts(args.batch, args.prompt_len, args.vocab, 0), args.new_tokens),
         "describe": f"onnxruntime-genai {og.__version__}",
     }
 

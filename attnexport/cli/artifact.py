@@ -51,6 +51,12 @@ from attnexport.artifact import (
 )
 
 FORMATS = ("onnx", "pt2", "both")
+# dtypes whose ONNX model onnxruntime's CPU provider cannot run (the attnexport and standard
+# targets run there), with the reason; float16 runs (`verify` passes).
+CPU_UNRUNNABLE = {
+    torch.bfloat16: "onnxruntime's CPU provider has no bfloat16 kernels for the model's ops "
+    "(e.g. Mul), so the exported model could not run",
+}
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -60,6 +66,8 @@ TOKENIZER_FILES = (
     "merges.txt",
     "tokenizer.model",
     "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
     "generation_config.json",
 )
 
@@ -154,6 +162,17 @@ def export_artifact(
         )
     if options.block_size < 1:
         raise ArtifactError(f"--block-size: expected a positive integer, got {options.block_size}")
+    if (
+        "onnx" in options.formats
+        and options.dtype in CPU_UNRUNNABLE
+        and options.target != "ort-cuda"
+    ):
+        raise ArtifactError(
+            f"--dtype {_dtype_name(options.dtype)} with ONNX: {CPU_UNRUNNABLE[options.dtype]}; "
+            "export with --dtype float32 (or float16) for onnxruntime, --format pt2 to run "
+            f"{_dtype_name(options.dtype)} with torch, or --target ort-cuda for onnxruntime's "
+            "CUDA provider"
+        )
     earlier = earlier_export(out, overwrite=options.overwrite)
     kind, ref = resolve_model_ref(model_ref)
     source = ref if kind == "checkpoint" else None

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from attnexport.artifact import read_manifest
+from attnexport.cli.artifact import TOKENIZER_FILES
 from attnexport.cli.errors import CliError, add_trust_flag
-from attnexport.errors import require
+from attnexport.cli.prompts import PromptSpec, chat_messages, read_prompts_file
 
 
 def add_parser(commands) -> None:
@@ -32,6 +35,28 @@ def add_parser(commands) -> None:
         default=[],
         metavar="TEXT",
         help="a text prompt, tokenized with the artifact's tokenizer (repeatable)",
+    )
+    parser.add_argument(
+        "--chat",
+        action="append",
+        default=[],
+        metavar="MESSAGE",
+        help="a user message, sent through the tokenizer's chat template with the assistant "
+        "prompt appended (repeatable: one conversation per message)",
+    )
+    parser.add_argument(
+        "--system",
+        default=None,
+        metavar="TEXT",
+        help="a system message put before every --chat message",
+    )
+    parser.add_argument(
+        "--prompts-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help='one JSON object per line: {"prompt": TEXT} or {"messages": [...]}, with '
+        "optional sampling fields (max_tokens, temperature, top_k, top_p, seed, n, ...)",
     )
     parser.add_argument("--max-tokens", type=int, default=16, metavar="N")
     parser.add_argument(
@@ -103,29 +128,55 @@ def optional_token(text: str | None, default: int | None, what: str) -> int | No
     return ids[0]
 
 
-def load_tokenizer(artifact: Path, manifest: dict | None):
-    """The tokenizer saved in the export directory; CliError if there is none."""
+def load_tokenizer(artifact: Path, manifest: dict | None, required: bool = True):
+    """The tokenizer saved in the export directory, exactly as transformers.AutoTokenizer
+    loads it. Without one (or without transformers) that is a CliError when text prompts
+    need it (``required``), else None: the outputs then have no text."""
+    from attnexport.runtime.text import Tokenizer
+
     directory = artifact if artifact.is_dir() else artifact.parent
-    files = (manifest or {}).get("tokenizer_files") or []
-    if "tokenizer.json" in files or (directory / "tokenizer.json").is_file():
-        tokenizers = require("tokenizers", "hf", "--prompt TEXT (tokenizer.json)")
-        return tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
-    if files:
-        transformers = require("transformers", "hf", "--prompt TEXT with this tokenizer")
-        return transformers.AutoTokenizer.from_pretrained(str(directory))
+    if manifest is not None:
+        present = bool(manifest.get("tokenizer_files"))
+    else:
+        present = any((directory / name).is_file() for name in TOKENIZER_FILES)
+    if present:
+        try:
+            return Tokenizer.from_directory(directory)
+        except ModuleNotFoundError:
+            if required:
+                raise
+            return None
+    if not required:
+        return None
     raise CliError(
-        f"--prompt: {directory} has no tokenizer; pass token ids with --prompt-ids, or export "
-        "from a checkpoint directory that has tokenizer files"
+        f"text prompts (--prompt, --chat, --prompts-file): {directory} has no tokenizer; pass "
+        "token ids with --prompt-ids, or export from a checkpoint directory that has tokenizer "
+        "files"
     )
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    encoded = tokenizer.encode(text)
-    return list(encoded.ids if hasattr(encoded, "ids") else encoded)
-
-
-def _decode(tokenizer, ids: list[int]) -> str:
-    return tokenizer.decode(ids)
+def collect_prompts(args: argparse.Namespace) -> list[PromptSpec]:
+    """Every request of the command line, in the order --prompt-ids, --prompt, --chat,
+    --prompts-file."""
+    specs = [
+        PromptSpec(f"--prompt-ids {i}", ids=parse_ids(text, "--prompt-ids"))
+        for i, text in enumerate(args.prompt_ids)
+    ]
+    specs += [PromptSpec(f"--prompt {i}", text=text) for i, text in enumerate(args.prompt)]
+    specs += [
+        PromptSpec(f"--chat {i}", messages=chat_messages(text, args.system))
+        for i, text in enumerate(args.chat)
+    ]
+    if args.system is not None and not args.chat:
+        raise CliError("--system: applies to --chat messages; pass --chat MESSAGE too")
+    if args.prompts_file is not None:
+        specs += read_prompts_file(args.prompts_file)
+    if not specs:
+        raise CliError(
+            "no prompt: pass --prompt-ids 1,2,3, --prompt TEXT, --chat MESSAGE (repeatable) "
+            "or --prompts-file FILE"
+        )
+    return specs
 
 
 def check_backend(name: str, executor: str) -> None:
@@ -156,8 +207,7 @@ def _encoder_decoder(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from attnexport.runtime import SamplingParams, engine_from_path
 
-    if not args.prompt_ids and not args.prompt:
-        raise CliError("no prompt: pass --prompt-ids 1,2,3 or --prompt TEXT (repeatable)")
+    specs = collect_prompts(args)
     if not args.artifact.exists():
         raise CliError(
             f"ARTIFACT: {args.artifact} does not exist (create one with: "
@@ -170,9 +220,9 @@ def run(args: argparse.Namespace) -> int:
             "decoder and encoder-decoder models (use `attnexport verify` to check it)"
         )
     check_backend(args.backend, args.executor)
-    tokenizer = load_tokenizer(args.artifact, manifest) if args.prompt else None
-    prompts = [parse_ids(text, "--prompt-ids") for text in args.prompt_ids]
-    prompts += [_encode(tokenizer, text) for text in args.prompt]
+    needs_text = any(spec.ids is None for spec in specs)
+    tokenizer = load_tokenizer(args.artifact, manifest, required=needs_text)
+    prompts = [spec.token_ids(tokenizer) for spec in specs]
     generation = (manifest or {}).get("generation") or {}
     if args.stop_token_ids is None:
         stops = generation.get("eos_token_ids", [])
@@ -195,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
         **forced,
     )
     params.check()  # a bad flag is a user error for every prompt
+    params_list = [dataclasses.replace(params, **spec.sampling) for spec in specs]
     engine = engine_from_path(
         args.artifact,
         executor=args.executor,
@@ -202,36 +253,86 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         encoder_decoder=_encoder_decoder(args),
         trust_pickle=args.trust_remote_pickle,
+        tokenizer=tokenizer,
     )
-    outputs = engine.generate(prompts, params)
-    errors = [o.error for o in outputs if o.error]
-    if errors:
-        raise CliError(f"prompt {next(i for i, o in enumerate(outputs) if o.error)}: {errors[0]}")
+    for i, (prompt, request_params) in enumerate(zip(prompts, params_list, strict=True)):
+        try:  # every request is checked before any runs
+            engine.check_request(prompt, request_params)
+        except (TypeError, ValueError) as error:
+            raise CliError(f"prompt {i} ({specs[i].where}): {error}") from None
+    # One request with text streams it as it is generated; several (or --json) are printed
+    # when all are done, in prompt order.
+    streamed = not args.json and tokenizer is not None and len(prompts) == 1
+    streamed = streamed and params_list[0].n == 1
+    if streamed:
+        outputs = [stream_text(engine.stream(prompts, params_list))]
+    else:
+        outputs = engine.generate(prompts, params_list)
+    _raise_first_error(outputs)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "outputs": [
-                        {
-                            "token_ids": list(o.outputs[0].token_ids),
-                            "finish_reason": o.outputs[0].finish_reason,
-                        }
-                        for o in outputs
-                    ]
-                }
-            )
-        )
-        return 0
+        print(json.dumps({"outputs": [output_json(o) for o in outputs]}))
+    else:
+        show_outputs(outputs, streamed)
+    return 0
+
+
+def _raise_first_error(outputs) -> None:
+    for i, output in enumerate(outputs):
+        if output.error:
+            raise CliError(f"prompt {i}: {output.error}")
+
+
+def output_json(output) -> dict:
+    """One request of ``run --json``: sample 0's ``token_ids``, ``finish_reason`` and ``text``
+    (null without a tokenizer), the ``prompt_token_ids``, and with n > 1 every sample under
+    ``samples``."""
+    sample = output.outputs[0]
+    entry = {
+        "token_ids": list(sample.token_ids),
+        "finish_reason": sample.finish_reason,
+        "prompt_token_ids": list(output.prompt_token_ids),
+        "text": sample.text,
+    }
+    if len(output.outputs) > 1:
+        entry["samples"] = [
+            {
+                "index": s.index,
+                "token_ids": list(s.token_ids),
+                "finish_reason": s.finish_reason,
+                "text": s.text,
+            }
+            for s in output.outputs
+        ]
+    return entry
+
+
+def stream_text(updates):
+    """Writes the text of a single request to stdout as it is generated; returns its final
+    output. Plain writes: model text is never read as markup."""
+    last = None
+    for last in updates:
+        if last.error:
+            raise CliError(f"prompt 0: {last.error}")
+        sys.stdout.write(last.text_delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return last
+
+
+def show_outputs(outputs, streamed: bool) -> None:
+    """Human output, in prompt order: per sample its token counts, finish reason, ids and
+    text (unless it was streamed). Model text is printed with markup off (a model may well
+    generate ``[/INST]``)."""
     from rich.console import Console
 
-    console = Console()
+    console = Console(highlight=False, emoji=False)
     for i, output in enumerate(outputs):
-        sample = output.outputs[0]
-        console.print(
-            f"[bold]prompt {i}[/] ({len(output.prompt_token_ids)} tokens) -> "
-            f"{len(sample.token_ids)} tokens, finish: {sample.finish_reason}"
-        )
-        console.print(f"  ids: {list(sample.token_ids)}")
-        if tokenizer is not None:
-            console.print(f"  text: {_decode(tokenizer, list(sample.token_ids))!r}")
-    return 0
+        for sample in output.outputs:
+            label = f"prompt {i}" + (f" sample {sample.index}" if len(output.outputs) > 1 else "")
+            console.print(
+                f"[bold]{label}[/] ({len(output.prompt_token_ids)} tokens) -> "
+                f"{len(sample.token_ids)} tokens, finish: {sample.finish_reason}"
+            )
+            console.print(f"  ids: {list(sample.token_ids)}", markup=False)
+            if sample.text is not None and not streamed:
+                console.print(f"  text: {sample.text!r}", markup=False)

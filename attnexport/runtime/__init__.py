@@ -16,6 +16,7 @@ from attnexport.runtime.executors.torch_executor import TorchExecutor
 from attnexport.runtime.loading import engine_from_path, load_executor
 from attnexport.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from attnexport.runtime.sampling import SamplingParams
+from attnexport.runtime.text import Tokenizer, TokenizerError
 
 __all__ = [
     "CacheConfig",
@@ -29,6 +30,8 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",
+    "Tokenizer",
+    "TokenizerError",
     "TorchExecutor",
     "engine_from_path",
     "load_executor",

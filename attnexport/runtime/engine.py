@@ -45,6 +45,7 @@ from attnexport.runtime.sampling import SamplingParams, make_generator, sample
 from attnexport.runtime.scheduler import ScheduledBatch, Scheduler
 from attnexport.runtime.sequence import EncoderInput, Request, Status
 from attnexport.runtime.sequence import Sequence as Seq
+from attnexport.runtime.text import Tokenizer
 
 
 @dataclass
@@ -77,6 +78,8 @@ class Engine:
         scheduler_config: step limits and preemption mode (defaults: :class:`SchedulerConfig`).
         encoder_decoder: the decoder start token of an encoder-decoder model
             (default: the start token the executor found on the model); ignored otherwise.
+        tokenizer: a :class:`~attnexport.runtime.text.Tokenizer`: prompts may then be text,
+            and outputs carry ``text`` / ``text_delta`` (default: token ids only).
     """
 
     def __init__(
@@ -85,8 +88,10 @@ class Engine:
         cache_config: CacheConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
         encoder_decoder: EncoderDecoderConfig | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.executor = executor
+        self.tokenizer = tokenizer
         self.encoder_decoder = None
         if executor.cache_spec.num_cross_layers:
             start = executor.decoder_start_token_id
@@ -152,8 +157,9 @@ class Engine:
     def is_encoder_decoder(self) -> bool:
         return self.encoder_decoder is not None
 
-    def check_request(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
-        """Validates one request; returns the prompt as a list of ints.
+    def check_request(self, prompt: Sequence[int] | str, params: SamplingParams) -> list[int]:
+        """Validates one request; returns the prompt as a list of ints (a text prompt encoded
+        with the engine's tokenizer).
 
         Raises:
             TypeError: a prompt that is not a sequence of ints, or params that are not
@@ -164,9 +170,12 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise UserTypeError(f"params: expected SamplingParams, got {type(params).__name__}")
         params.check()
+        if isinstance(prompt, str) and self.tokenizer is not None:
+            prompt = self.tokenizer.encode(prompt)
         if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Iterable):
             raise UserTypeError(
-                f"prompt: expected a list of token ids, got {type(prompt).__name__}"
+                f"prompt: expected a list of token ids, got {type(prompt).__name__} (text "
+                "prompts need an engine with a tokenizer)"
             )
         tokens = []
         for token in prompt:
@@ -211,7 +220,7 @@ class Engine:
 
     def add_request(
         self,
-        prompt: Sequence[int],
+        prompt: Sequence[int] | str,
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
@@ -253,7 +262,7 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def get_output(self, request_id: str) -> RequestOutput:
-        return snapshot(self._requests[request_id])
+        return snapshot(self._requests[request_id], tokenizer=self.tokenizer)
 
     def release(self, request_id: str) -> None:
         """Forgets a finished request (its output can no longer be fetched)."""
@@ -265,7 +274,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduler step and the model; returns the outputs of the requests that
         changed (new tokens, finished or failed)."""
-        return [snapshot(request) for request in self._step()]
+        return [snapshot(request, tokenizer=self.tokenizer) for request in self._step()]
 
     def kv_cache_usage(self) -> dict[str, int]:
         """The device pool now: ``num_blocks``, ``blocks_in_use``, ``bytes_in_use`` and
@@ -527,7 +536,7 @@ class Engine:
     # ------------------------------------------------------------------ batch APIs
     def _submit(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts: Sequence[Sequence[int] | str],
         params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> list[Request]:
         if isinstance(params, SamplingParams) or params is None:
@@ -555,12 +564,13 @@ class Engine:
 
     def stream(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts: Sequence[Sequence[int] | str],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[RequestOutput]:
         """Runs the prompts to completion, yielding a request's output each time it changes
-        (``new_token_ids`` holds the tokens since its previous output; the last one has
-        ``finished``). Failed requests are yielded first.
+        (``new_token_ids`` holds the tokens since its previous output, ``text_delta`` their
+        text when the engine has a tokenizer; the last one has ``finished``). Failed requests
+        are yielded first.
 
         Streams can be consumed alternately, with each other and with :meth:`generate`: a step
         run for one delivers, through its inbox, what it changed for another. Closing the
@@ -570,6 +580,7 @@ class Engine:
         requests = self._submit(prompts, params)
         inbox: dict[Request, None] = {}
         sent: dict[str, dict[int, int]] = {r.request_id: {} for r in requests}
+        texts: dict[str, dict] = {r.request_id: {} for r in requests}
         # Requests whose finished output is not yielded yet, in prompt order.
         undelivered = dict.fromkeys(r for r in requests if r.error is None)
         for request in undelivered:
@@ -577,7 +588,8 @@ class Engine:
         try:
             for request in requests:
                 if request.error is not None:
-                    yield snapshot(request, sent[request.request_id])
+                    rid = request.request_id
+                    yield snapshot(request, sent[rid], self.tokenizer, texts[rid])
             while undelivered:
                 if not inbox:
                     self._step()
@@ -587,7 +599,8 @@ class Engine:
                     continue
                 request = next(iter(inbox))
                 del inbox[request]
-                output = snapshot(request, sent[request.request_id])
+                rid = request.request_id
+                output = snapshot(request, sent[rid], self.tokenizer, texts[rid])
                 if request.finished:
                     if request not in undelivered:
                         continue  # its finished output is out
@@ -603,14 +616,14 @@ class Engine:
 
     def generate(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts: Sequence[Sequence[int] | str],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Runs the prompts to completion; one output per prompt, in prompt order. An exception
         raised on the way (a KeyboardInterrupt) aborts the prompts' requests first.
 
         Args:
-            prompts: token-id lists.
+            prompts: token-id lists (or strings, encoded with the engine's tokenizer).
             params: one SamplingParams for all prompts, or one per prompt (default: greedy,
                 16 tokens).
         """
@@ -619,7 +632,7 @@ class Engine:
             for request in requests:  # requests never become unfinished again
                 while not request.finished:
                     self._step()
-            return [snapshot(r) for r in requests]
+            return [snapshot(r, tokenizer=self.tokenizer) for r in requests]
         finally:
             for request in requests:
                 self.abort(request.request_id)

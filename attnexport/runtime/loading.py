@@ -12,6 +12,7 @@ from attnexport.errors import UserError
 from attnexport.runtime.config import CacheConfig, EncoderDecoderConfig, SchedulerConfig
 from attnexport.runtime.engine import Engine
 from attnexport.runtime.executors.base import Executor
+from attnexport.runtime.text import Tokenizer
 
 __all__ = [
     "EXECUTORS",
@@ -112,11 +113,14 @@ def engine_from_path(
     cache_config: CacheConfig | None = None,
     scheduler_config: SchedulerConfig | None = None,
     encoder_decoder: EncoderDecoderConfig | None = None,
+    tokenizer: Tokenizer | None = None,
     **executor_options,
 ) -> Engine:
     """An :class:`Engine` over :func:`load_executor` ``(path, **executor_options)``; an
-    encoder-decoder takes ``encoder_decoder``, else :func:`encoder_decoder_config` of ``path``."""
+    encoder-decoder takes ``encoder_decoder``, else :func:`encoder_decoder_config` of ``path``.
+    ``tokenizer`` (e.g. ``Tokenizer.from_directory(path)``) makes the engine take text prompts
+    and return text."""
     executor = load_executor(path, **executor_options)
     if encoder_decoder is None and executor.cache_spec.num_cross_layers:
         encoder_decoder = encoder_decoder_config(path)
-    return Engine(executor, cache_config, scheduler_config, encoder_decoder)
+    return Engine(executor, cache_config, scheduler_config, encoder_decoder, tokenizer)

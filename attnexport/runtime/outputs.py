@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from attnexport.runtime.sequence import Request
+from attnexport.runtime.text import IncrementalDetokenizer, Tokenizer
 
 FINISH_REASONS = ("stop", "length", "error", "aborted")
 
@@ -22,6 +23,14 @@ class CompletionOutput:
     ``"error"``, ``"aborted"``, or None while it is still generating."""
     new_token_ids: list[int] = field(default_factory=list)
     """Tokens added since the previous output of this request (streaming)."""
+    text: str | None = None
+    """The generated text (``tokenizer.decode(token_ids, skip_special_tokens=True)``) when
+    the engine has a tokenizer, else None. While streaming, the text streamed so far: it lags
+    the tokens by a partial character or word until the sample finishes."""
+    text_delta: str | None = None
+    """Text added since the previous output of this request (streaming; all of ``text``
+    otherwise): never a broken multi-byte character, and the deltas of a sample concatenate
+    to its final ``text``."""
 
 
 @dataclass
@@ -73,6 +82,16 @@ class RequestOutput:
         return self.outputs[0].token_ids if self.outputs else []
 
     @property
+    def text(self) -> str | None:
+        """The generated text of sample 0 (None without a tokenizer)."""
+        return self.outputs[0].text if self.outputs else None
+
+    @property
+    def text_delta(self) -> str | None:
+        """The text sample 0 added since the previous output (streaming)."""
+        return self.outputs[0].text_delta if self.outputs else None
+
+    @property
     def finish_reason(self) -> str | None:
         """The finish reason of sample 0 (``"error"`` for a failed request)."""
         if self.error is not None:
@@ -80,9 +99,15 @@ class RequestOutput:
         return self.outputs[0].finish_reason if self.outputs else None
 
 
-def snapshot(request: Request, sent: dict[int, int] | None = None) -> RequestOutput:
+def snapshot(
+    request: Request,
+    sent: dict[int, int] | None = None,
+    tokenizer: Tokenizer | None = None,
+    texts: dict[int, IncrementalDetokenizer] | None = None,
+) -> RequestOutput:
     """The output of ``request`` now; ``sent`` maps sample index to tokens already reported and
-    is advanced (for streaming deltas)."""
+    is advanced (for streaming deltas). With a ``tokenizer`` the samples get their text: a full
+    decode, or, given ``texts`` (sample index -> detokenizer, filled here), streamed deltas."""
     outputs = []
     for seq in request.seqs:
         tokens = seq.output_ids
@@ -93,7 +118,10 @@ def snapshot(request: Request, sent: dict[int, int] | None = None) -> RequestOut
         reason = seq.finish_reason
         if request.error is not None:
             reason = "error"
-        outputs.append(CompletionOutput(seq.sample_index, tokens, reason, tokens[start:]))
+        output = CompletionOutput(seq.sample_index, tokens, reason, tokens[start:])
+        if tokenizer is not None:
+            _add_text(output, tokenizer, texts)
+        outputs.append(output)
     outputs.sort(key=lambda o: o.index)
     return RequestOutput(
         request_id=request.request_id,
@@ -111,3 +139,20 @@ def snapshot(request: Request, sent: dict[int, int] | None = None) -> RequestOut
             num_preemptions=request.num_preemptions,
         ),
     )
+
+
+def _add_text(
+    output: CompletionOutput,
+    tokenizer: Tokenizer,
+    texts: dict[int, IncrementalDetokenizer] | None,
+) -> None:
+    if texts is None:
+        output.text = output.text_delta = tokenizer.decode(output.token_ids)
+        return
+    detokenizer = texts.get(output.index)
+    if detokenizer is None:
+        detokenizer = texts[output.index] = tokenizer.detokenizer()
+    delta = detokenizer.push(output.new_token_ids)
+    if output.finish_reason is not None:
+        delta += detokenizer.finish()
+    output.text, output.text_delta = detokenizer.emitted, delta

@@ -84,7 +84,12 @@ def test_run_stops_on_stop_token(llama_export, capsys):
         "--json",
     )
     stopped = json.loads(out)["outputs"][0]
-    assert code == 0 and stopped == {"token_ids": first[:2], "finish_reason": "stop"}
+    assert code == 0 and stopped == {
+        "token_ids": first[:2],
+        "finish_reason": "stop",
+        "prompt_token_ids": [1, 2, 3],
+        "text": None,  # the zoo model has no tokenizer
+    }
 
 
 def test_run_human_output(llama_export, capsys):

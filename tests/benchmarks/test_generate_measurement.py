@@ -1,0 +1,72 @@
+"""benchmarks/generate.py measures time to first token and decode speed from one run: the hf
+leg subtracted two separately timed ``generate`` calls and printed a negative tok/s when the
+longer one happened to run faster."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import math
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "generate.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_generate", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def hf_args(bench, tmp_path_factory):
+    work = tmp_path_factory.mktemp("bench_generate")
+    bench.make_checkpoint(work / "ckpt", quick=True)
+    vocab = bench.QUICK_CONFIG["vocab_size"]
+    return argparse.Namespace(work=work, batch=2, prompt_len=8, new_tokens=5, vocab=vocab)
+
+
+def test_hf_leg_times_one_run(bench, hf_args, monkeypatch):
+    """With a clock that ticks once per reading, every timed run lasts the same: decode time
+    taken as the difference of two runs is 0 (a division by zero, or any sign on a real
+    clock); taken within one run it is the ticks between the first and the last token."""
+    ticks = itertools.count()
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    result = bench.leg_hf(hf_args)
+    assert result["ttft_s"] == 1
+    assert result["decode_tok_s"] == hf_args.batch * (hf_args.new_tokens - 1)
+
+
+def test_hf_leg_on_the_real_clock_is_positive(bench, hf_args):
+    result = bench.leg_hf(hf_args)
+    assert result["ttft_s"] > 0
+    assert 0 < result["decode_tok_s"] < math.inf
+
+
+@given(
+    start=st.floats(0, 1e6),
+    to_first=st.floats(0, 1e3),
+    to_end=st.floats(1e-6, 1e3),
+    batch=st.integers(1, 64),
+    new=st.integers(2, 4096),
+)
+def test_rates_are_positive_for_ordered_times(bench, start, to_first, to_end, batch, new):
+    result = bench.rates(batch, new, start, start + to_first, start + to_first + to_end)
+    assert result["ttft_s"] >= 0 and result["decode_tok_s"] > 0
+
+
+def test_rates_refuse_times_out_of_order(bench):
+    with pytest.raises(ValueError, match="out of order"):
+        bench.rates(1, 8, 0.0, 2.0, 1.0)
+    with pytest.raises(ValueError, match="at least 2"):
+        bench.rates(1, 1, 0.0, 1.0, 2.0)

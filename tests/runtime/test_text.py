@@ -1,0 +1,159 @@
+"""attnexport.runtime.text against transformers.AutoTokenizer on real WordPiece, byte-level BPE
+and SentencePiece-style tokenizers: encoding, decoding, chat templates, incremental
+detokenization."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+
+from attnexport.runtime import text as text_module
+from attnexport.runtime.text import REPLACEMENT_CHARACTER, Tokenizer, TokenizerError
+from tests.text_tokenizers import BUILDERS, CORPUS, byte_level_bpe
+
+PROMPTS = [
+    "The capital of France is",
+    "",
+    "  leading and trailing spaces  ",
+    "😀🦙 naïve 東京 [/INST] <s> </s> [CLS]",
+    "I do not know . isn't it ? They 're here , aren ' t they !",
+    "x" * 600,  # longer than every model_max_length: never truncated
+    *CORPUS[:3],
+]
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def pair(request, tmp_path_factory):
+    """(our Tokenizer, transformers' AutoTokenizer) over the same directory."""
+    directory = BUILDERS[request.param](tmp_path_factory.mktemp(request.param))
+    return Tokenizer.from_directory(directory), AutoTokenizer.from_pretrained(str(directory))
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_encode_and_decode_equal_transformers(pair, prompt):
+    ours, hf = pair
+    ids = ours.encode(prompt)
+    assert ids == hf(prompt)["input_ids"] == hf.encode(prompt)
+    assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_wordpiece_prompt_is_not_padded(tmp_path):
+    """all-MiniLM's tokenizer.json pads to 128 tokens; transformers gives 7 for these 5 words."""
+    tokenizer = Tokenizer.from_directory(BUILDERS["wordpiece"](tmp_path))
+    assert tokenizer.encode("The capital of France is") == [101, 1996, 3007, 1997, 2605, 2003, 102]
+    assert len(tokenizer.encode("word " * 300)) == 302  # nor truncated to 128 or 512
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_random_text_and_ids_equal_transformers(pair, data):
+    ours, hf = pair
+    prompt = data.draw(st.text(max_size=40))
+    assert ours.encode(prompt) == hf(prompt)["input_ids"]
+    ids = data.draw(st.lists(st.integers(0, len(hf) - 1), max_size=30))
+    assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+
+
+def _stream(tokenizer: Tokenizer, ids: list[int], chunks: list[int]) -> list[str]:
+    """Deltas of pushing ``ids`` in chunks of the given sizes (then the rest one by one)."""
+    detok = tokenizer.detokenizer()
+    deltas, position = [], 0
+    for size in chunks:
+        deltas.append(detok.push(ids[position : position + size]))
+        position += size
+        # what was emitted is final: it is a prefix of the text of every longer sequence
+        assert tokenizer.decode(ids).startswith("".join(deltas))
+    for token in ids[position:]:
+        deltas.append(detok.push([token]))
+    deltas.append(detok.finish())
+    return deltas
+
+
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_stream_of_random_ids_concatenates_to_the_full_decode(pair, data):
+    ours, hf = pair
+    ids = data.draw(st.lists(st.integers(0, len(hf) - 1), max_size=24))
+    chunks = data.draw(st.lists(st.integers(0, 4), max_size=6))
+    assert "".join(_stream(ours, ids, chunks)) == hf.decode(ids, skip_special_tokens=True)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(prompt=st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=30))
+def test_stream_of_real_text_never_emits_a_broken_character(pair, prompt):
+    """Token by token: a character split over byte tokens appears only once complete."""
+    ours, hf = pair
+    ids = hf(prompt, add_special_tokens=False)["input_ids"]
+    full = hf.decode(ids, skip_special_tokens=True)
+    deltas = _stream(ours, ids, [])
+    assert "".join(deltas) == full
+    if REPLACEMENT_CHARACTER not in full:
+        assert not any(REPLACEMENT_CHARACTER in delta for delta in deltas)
+
+
+@pytest.mark.parametrize("name", ["byte_level_bpe", "sentencepiece"])
+def test_emoji_split_over_byte_tokens_streams_whole(tmp_path, name):
+    tokenizer = Tokenizer.from_directory(BUILDERS[name](tmp_path))
+    ids = tokenizer.hf("a 🦙😀 b", add_special_tokens=False)["input_ids"]
+    assert len(ids) > 4  # the emoji really are split over several byte tokens
+    detok = tokenizer.detokenizer()
+    deltas = [detok.push([token]) for token in ids] + [detok.finish()]
+    assert "".join(deltas) == "a 🦙😀 b"
+    assert "🦙" in "".join(deltas[:-1])  # streamed before the end, and whole
+    assert not any(REPLACEMENT_CHARACTER in delta for delta in deltas)
+
+
+def test_chat_template_equals_transformers(tmp_path):
+    directory = byte_level_bpe(tmp_path)
+    ours, hf = Tokenizer.from_directory(directory), AutoTokenizer.from_pretrained(str(directory))
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "The capital of France is?"},
+    ]
+    expected = hf.apply_chat_template(messages, add_generation_prompt=True)
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+    assert ours.apply_chat_template(messages) == list(expected)
+    with pytest.raises(TokenizerError, match=r"messages\[0\]"):
+        ours.apply_chat_template([{"role": "user"}])
+
+
+def test_no_chat_template_is_a_named_error(tmp_path):
+    tokenizer = Tokenizer.from_directory(byte_level_bpe(tmp_path, chat_template=False))
+    with pytest.raises(TokenizerError, match="no chat template"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_a_directory_without_a_tokenizer_is_a_named_error(tmp_path):
+    with pytest.raises(TokenizerError, match=str(tmp_path)):
+        Tokenizer.from_directory(tmp_path)
+
+
+def test_module_imports_neither_torch_nor_the_rest_of_attnexport():
+    """A torch-free deployment (numpy, onnxruntime, the tokenizer library) can import it."""
+    tree = ast.parse(Path(text_module.__file__).read_text())
+    imported = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    } | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not {m for m in imported if m and m.split(".")[0] in ("torch", "attnexport")}
+
+
+def test_without_transformers_the_error_names_the_extra(tmp_path, monkeypatch):
+    directory = byte_level_bpe(tmp_path)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
+    with pytest.raises(ModuleNotFoundError, match=r'pip install "attnexport\[hf\]"'):
+        Tokenizer.from_directory(directory)
