@@ -8,7 +8,9 @@ PYTHON ?= python3
 VENV := .venv
 VENV_IPEX := .venv-ipex
 PYTEST_ARGS ?=
-IPEX_PINS := "torch==2.8.*" "intel-extension-for-pytorch==2.8.*"
+# IPEX 2.8 imports transformers.modeling_attn_mask_utils whenever transformers is installed;
+# transformers 5.24 removed that module (IPEX then fails to import: NameError in its models.py).
+IPEX_PINS := "torch==2.8.*" "intel-extension-for-pytorch==2.8.*" "transformers<5.24"
 
 export TORCHINDUCTOR_COMPILE_THREADS := 1
 export OMP_NUM_THREADS ?= 2

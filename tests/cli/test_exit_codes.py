@@ -170,14 +170,18 @@ def test_verify_adds_a_transformers_leg(checkpoint, tmp_path, capsys):
     assert all(c["max_abs"] <= c["tolerance"] for c in rows.values())
 
 
-def test_missing_tokenizers_names_the_extra(llama_export, tmp_path, monkeypatch, capsys):
+def test_missing_transformers_names_the_extra(llama_export, tmp_path, monkeypatch, capsys):
     directory = tmp_path / "export"
     shutil.copytree(llama_export, directory)
     (directory / "tokenizer.json").write_text("{}")
-    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["tokenizer_files"] = ["tokenizer.json"]
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    # Text goes through transformers' AutoTokenizer (which needs tokenizers for tokenizer.json).
+    monkeypatch.setitem(sys.modules, "transformers", None)
     code, _, err = _run(capsys, "run", directory, "--prompt", "hello")
     assert code == 2
-    _one_line(err, "run", "tokenizers", 'pip install "attnexport[hf]"')
+    _one_line(err, "run", "transformers", 'pip install "attnexport[hf]"')
 
 
 def test_another_tools_onnx_model_is_a_user_error(tmp_path, capsys):

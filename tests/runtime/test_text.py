@@ -149,7 +149,11 @@ def test_module_imports_neither_torch_nor_the_rest_of_attnexport():
         if isinstance(node, ast.Import)
         for alias in node.names
     } | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert not {m for m in imported if m and m.split(".")[0] in ("torch", "attnexport")}
+    # attnexport.errors is a leaf module without imports (the errors every layer raises).
+    allowed = {"attnexport.errors"}
+    assert not {
+        m for m in imported if m and m.split(".")[0] in ("torch", "attnexport") and m not in allowed
+    }
 
 
 def test_without_transformers_the_error_names_the_extra(tmp_path, monkeypatch):
