@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from attnexport.custom_ops.dispatch import AUTO, get_backend, use_backend
+from attnexport.custom_ops.step_plan import step_plan
 from attnexport.model_interface import (
     DECODER_INPUT_NAMES,
     ENCODER_DECODER_INPUT_NAMES,
@@ -110,10 +111,11 @@ class TorchExecutor(Executor):
     def execute(self, model_input: ModelInput) -> torch.Tensor:
         if self.device.type != "cpu":
             model_input = model_input.to(self.device)
-        # no_grad, not inference_mode: inference tensors have no version counter, and the
-        # backends memoise plans per tensor version (IPEX's varlen path for encoders failed).
-        with use_backend(self.backend), torch.no_grad():
-            logits = self.module(*model_input.forward_args(self.kv_caches))
+        args = model_input.index_args()
+        # The step's plan: every layer reuses what the first one checked and planned about
+        # these (fresh, never rewritten) metadata tensors.
+        with use_backend(self.backend), torch.no_grad(), step_plan(args):
+            logits = self.module(*args, self.kv_caches)
         return logits.to(device="cpu", dtype=torch.float32)
 
     def describe(self) -> str:
