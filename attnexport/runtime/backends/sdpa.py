@@ -280,7 +280,9 @@ def _build_step_plan(
     num_blocks, block_size, num_kv_heads, head_size = cache_shape
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     query_lens = [end - start for start, end in itertools.pairwise(starts)]
-    decodes = [i for i, n in enumerate(query_lens) if n == 1]
+    # A decode over no key (non-causal over an empty cache) is zeros: nothing to gather (its
+    # block-table row may have no column at all).
+    decodes = [i for i, n in enumerate(query_lens) if n == 1 and lens[i] > 0]
     decode_only = len(decodes) == num_tokens
 
     chunks = []

@@ -109,6 +109,7 @@ class TorchExecutor(Executor):
         self.decoder_start_token_id = found.get("decoder_start_token_id")
 
     def execute(self, model_input: ModelInput) -> torch.Tensor:
+        model_input.check_rows(self.vocab_size, self.max_model_len)
         if self.device.type != "cpu":
             model_input = model_input.to(self.device)
         args = model_input.index_args()
