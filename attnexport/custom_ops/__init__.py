@@ -31,7 +31,7 @@ from attnexport.custom_ops.ops import (
     silu_and_mul,
     varlen_attention,
 )
-from attnexport.custom_ops.step_plan import StepPlan, step_plan
+from attnexport.custom_ops.planning import StepPlan, step_plan
 
 __all__ = [
     "AttentionBackend",

@@ -7,7 +7,7 @@ Two layers of checks:
   shapes under ``torch.export`` become guards instead of data-dependent errors.
 * *value* checks (slot and block ids in range, monotone offsets, lengths that fit the block
   table) read tensor contents, so they only run on real tensors. Metadata tensors are shared
-  by every layer of a step: inside an executor's :func:`~.step_plan.step_plan` their value
+  by every layer of a step: inside an executor's :func:`~.planning.step_plan` their value
   checks run on the first layer and are kept in the plan; a call outside a plan (or on metadata
   the plan does not own) checks every value, every call.
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnexport.custom_ops.step_plan import memoised
+from attnexport.custom_ops.planning import memoised
 
 INDEX_DTYPE = torch.int32
 SLOT_DTYPES = (torch.int32, torch.int64)

@@ -16,7 +16,7 @@ import torch
 
 import attnexport
 from attnexport.custom_ops import StepPlan, get_backend, step_plan, use_backend
-from attnexport.custom_ops.step_plan import MISSING, current_step_plan, entry_key
+from attnexport.custom_ops.planning import MISSING, current_step_plan, entry_key
 from attnexport.testing import AttentionCase, make_paged_inputs, make_rotary_inputs
 
 ROOT = Path(__file__).resolve().parents[2]

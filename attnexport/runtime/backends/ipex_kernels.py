@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnexport.custom_ops.step_plan import memoised
+from attnexport.custom_ops.planning import memoised
 
 IPEX_MODULE = "intel_extension_for_pytorch"
 INSTALL_HINT = 'pip install "attnexport[ipex]" (IPEX 2.8 needs torch 2.8.*)'

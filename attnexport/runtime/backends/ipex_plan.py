@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnexport.custom_ops.step_plan import current_step_plan, memoised
+from attnexport.custom_ops.planning import current_step_plan, memoised
 
 PARTITION_SIZE = 128
 """Keys per partition of IPEX's single-query kernel (PARTITION_SIZE in its source)."""

@@ -9,7 +9,7 @@ Decode sequences (one query token each) run in chunks whose gathered blocks stay
 in workspace buffers reused across calls: with glibc malloc, fresh large temporaries page-fault
 on every call, which made decode several times slower (DESIGN.md section 4). What the step's
 metadata fixes (which sequences decode, their blocks, the masks) is planned once per step (kept
-in the executor's step plan, :mod:`attnexport.custom_ops.step_plan`) and reused by every layer.
+in the executor's step plan, :mod:`attnexport.custom_ops.planning`) and reused by every layer.
 Sequences with several query tokens run one at a time in query chunks that bound the logits'
 memory.
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from attnexport.custom_ops.dispatch import AttentionBackend, BackendCapabilities
-from attnexport.custom_ops.step_plan import memoised
+from attnexport.custom_ops.planning import memoised
 
 # Logits of one query chunk are kept under this many bytes.
 _LOGITS_BUDGET_BYTES = 64 * 2**20

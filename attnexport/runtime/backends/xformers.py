@@ -16,7 +16,7 @@ How each case runs (operators and their limits: :mod:`.xformers_choice`; masks:
   are refused (``auto`` then runs them on sdpa). Windowed decode uses a gappy paged mask.
 
 Host-side work (sequence lengths to Python, masks, index tensors) is done once per step and kept
-in the executor's step plan (:mod:`attnexport.custom_ops.step_plan`), so every layer reuses it.
+in the executor's step plan (:mod:`attnexport.custom_ops.planning`), so every layer reuses it.
 Logits soft-capping is not exposed by any xFormers operator and is refused.
 """
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from attnexport.custom_ops.dispatch import AttentionBackend, AttentionCall, BackendCapabilities
-from attnexport.custom_ops.step_plan import memoised
+from attnexport.custom_ops.planning import memoised
 from attnexport.runtime.backends import xformers_choice as choice
 from attnexport.runtime.backends import xformers_masks as masks
 from attnexport.runtime.backends.sdpa import write_cache

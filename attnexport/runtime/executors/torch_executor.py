@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from attnexport.custom_ops.dispatch import AUTO, get_backend, use_backend
-from attnexport.custom_ops.step_plan import step_plan
+from attnexport.custom_ops.planning import step_plan
 from attnexport.model_interface import (
     DECODER_INPUT_NAMES,
     ENCODER_DECODER_INPUT_NAMES,

@@ -23,7 +23,7 @@ from xformers.ops.fmha import cutlass, flash, flash3, triton_splitk
 
 import attnexport
 from attnexport.custom_ops import AttentionCall, reference, validation
-from attnexport.custom_ops.step_plan import MISSING, entry_key, step_plan
+from attnexport.custom_ops.planning import MISSING, entry_key, step_plan
 from attnexport.runtime.backends import xformers as xformers_backend
 from attnexport.runtime.backends import xformers_choice as choice
 from attnexport.runtime.backends import xformers_masks as masks
