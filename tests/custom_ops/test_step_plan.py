@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attnexport
 from attnexport.custom_ops import StepPlan, get_backend, step_plan, use_backend
@@ -246,3 +248,143 @@ def test_every_op_runs_under_inference_mode(op, backend):
     assert len(inside) == len(outside)
     for a, b in zip(inside, outside, strict=True):
         assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------- malformed metadata
+
+_INT32 = st.one_of(
+    st.integers(-3, 40),
+    st.sampled_from([-(2**31), -(2**31) + 1, -2, 2**31 - 1, 2**31 - 2, 2**30]),
+)
+
+
+@st.composite
+def _malformed_paged(draw):
+    """paged_attention / reshape_and_cache / varlen_attention arguments: a valid batch (4 blocks
+    of 4 tokens), then a few entries overwritten with arbitrary (often extreme) values."""
+    num_seqs = draw(st.integers(0, 3))
+    causal = draw(st.booleans())
+    query_lens = draw(st.lists(st.integers(0, 2), min_size=num_seqs, max_size=num_seqs))
+    seq_lens = [q + draw(st.integers(0 if causal else -q, 6)) for q in query_lens]
+    width = max([0, *(-(-n // 4) for n in seq_lens)]) + draw(st.integers(0, 1))
+    tables = [[draw(st.integers(0, 3)) for _ in range(width)] for _ in range(num_seqs)]
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    slots = list(range(starts[-1]))
+    fields = {"block_tables": tables, "seq_lens": seq_lens, "query_start_loc": starts}
+    fields["slot_mapping"] = slots
+    for _ in range(draw(st.integers(0, 2))):
+        name = draw(st.sampled_from(sorted(fields)))
+        flat = fields[name] if name != "block_tables" else [r for r in tables if r]
+        if not flat:
+            continue
+        i = draw(st.integers(0, len(flat) - 1))
+        if name == "block_tables":
+            flat[i][draw(st.integers(0, len(flat[i]) - 1))] = draw(_INT32)
+        else:
+            extremes = [2**32 + 1, -(2**32) + 1] if name == "slot_mapping" else []
+            flat[i] = draw(st.one_of(_INT32, st.sampled_from(extremes or [0])))
+    if num_seqs == 3 and draw(st.booleans()):  # offsets whose int32 differences look monotone
+        starts[1:3] = [2**31 - 1, -2]
+    return {
+        "block_tables": torch.tensor(tables, dtype=torch.int32).view(num_seqs, width),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "query_start_loc": torch.tensor(starts, dtype=torch.int32),
+        "slot_mapping": torch.tensor(slots, dtype=torch.int64),
+        "num_tokens": len(slots),
+        "causal": causal,
+        "window": draw(st.sampled_from([-1, 1, 3])),
+    }
+
+
+def malformed_metadata_is_named(backend: str, examples: int) -> None:
+    """Every op either runs (finite outputs of the right shape) or raises a ValueError/TypeError
+    naming an argument: never a bare IndexError/RuntimeError, never a crash."""
+
+    @settings(max_examples=examples, deadline=None, database=None)
+    @given(_malformed_paged())
+    def check(case):
+        g = torch.Generator().manual_seed(0)
+        num_blocks, block_size, t = 4, 4, case["num_tokens"]
+        key_cache = torch.randn(num_blocks, block_size, 2, 8, generator=g)
+        value_cache = torch.randn(num_blocks, block_size, 2, 8, generator=g)
+        query, key = torch.randn(t, 4, 8, generator=g), torch.randn(t, 2, 8, generator=g)
+        metadata = [case["block_tables"], case["seq_lens"]]
+        starts = case["query_start_loc"]
+        calls = {
+            "paged_attention": lambda: attnexport.paged_attention(
+                query,
+                key_cache,
+                value_cache,
+                *metadata,
+                starts,
+                scale=0.3,
+                causal=case["causal"],
+                sliding_window=case["window"],
+            ),
+            "reshape_and_cache": lambda: attnexport.reshape_and_cache(
+                key, key, key_cache, value_cache, case["slot_mapping"]
+            ),
+            "varlen_attention": lambda: attnexport.varlen_attention(
+                query, key, key, starts, starts, 0.3, case["causal"]
+            ),
+        }
+        for name, call in calls.items():
+            try:
+                out = call()
+            except (ValueError, TypeError) as error:
+                assert ":" in str(error), f"{name}: unnamed error {error!r}"
+                continue
+            if out is not None:
+                assert out.shape == query.shape and bool(out.isfinite().all()), name
+        assert bool(key_cache.isfinite().all())
+
+    with use_backend(backend):
+        check()
+
+
+def test_malformed_metadata_is_named_sdpa():
+    malformed_metadata_is_named("sdpa", 300)
+
+
+@pytest.mark.skipif(not _available("ipex"), reason="ipex is not available here")
+def test_malformed_metadata_is_named_ipex():
+    code = (
+        "from tests.custom_ops.test_step_plan import malformed_metadata_is_named; "
+        "malformed_metadata_is_named('ipex', 300)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+WRAPPING = [0, 2**31 - 1, -2, 1]
+"""Offsets whose int32 differences (2^31 - 1, 2^31 - 1 after wrapping, 3) all look valid."""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_offsets_that_only_wrap_to_monotone_are_refused(backend):
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(4, 4, 2, 8, generator=g)
+    query, key = torch.randn(1, 4, 8, generator=g), torch.randn(1, 2, 8, generator=g)
+    starts = torch.tensor(WRAPPING, dtype=torch.int32)
+    tables, lens = torch.zeros(3, 1, dtype=torch.int32), torch.tensor([0, 0, 1], dtype=torch.int32)
+    with use_backend(backend):
+        with pytest.raises(ValueError, match="query_start_loc: expected non-decreasing"):
+            attnexport.paged_attention(query, cache, cache, tables, lens, starts, 0.3, False)
+        with pytest.raises(ValueError, match="cu_seqlens_q: expected non-decreasing"):
+            attnexport.varlen_attention(query, key, key, starts, starts, 0.3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_block_tables_without_causal_give_zeros(backend):
+    """Cross-attention over empty encoder outputs: no block-table column at all."""
+    g = torch.Generator().manual_seed(0)
+    cache, query = torch.randn(4, 4, 2, 8, generator=g), torch.randn(3, 4, 8, generator=g)
+    tables, lens = torch.zeros(2, 0, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    starts = torch.tensor([0, 1, 3], dtype=torch.int32)
+    with use_backend(backend):
+        out = attnexport.paged_attention(query, cache, cache, tables, lens, starts, 0.3, False)
+    assert torch.equal(out, torch.zeros_like(query))
