@@ -96,8 +96,9 @@ def step_plan(tensors: Iterable[torch.Tensor | None]) -> Iterator[StepPlan]:
 
 def memoised(kind: str, tensors: tuple[torch.Tensor, ...], extra: tuple, build) -> Any:
     """``build()``, kept in the open plan when it owns ``tensors`` (``extra``: whatever else the
-    result depends on, hashable); computed every call when no plan is open or it does not own
-    them. For host-side plans that run once per layer; hot validation code inlines this."""
+    result depends on, hashable; ``kind`` names the caller, so entries of different callers
+    never meet); computed every call when no plan is open or it does not own them. ``build``
+    must not return :data:`MISSING` (a check with no result returns True)."""
     plan = _active.get()
     if plan is None:
         return build()
