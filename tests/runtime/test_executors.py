@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnexport.custom_ops import registered_backends, use_backend
+from attnexport.custom_ops import registered_backends
 from attnexport.runtime import (
     CacheConfig,
     Engine,
@@ -332,7 +332,8 @@ def test_every_layer_reuses_the_step_plan(source, model, pt2_path, monkeypatch):
     from attnexport.runtime.executors import torch_executor
     from attnexport.runtime.model_input import pack_decoder_step
 
-    executor = TorchExecutor(model if source == "eager" else pt2_path, block_size=BLOCK_SIZE)
+    source = model if source == "eager" else pt2_path
+    executor = TorchExecutor(source, block_size=BLOCK_SIZE, backend="sdpa")
     executor.initialize_cache(8, 0)
     plans = []
     opened = torch_executor.step_plan
@@ -344,8 +345,7 @@ def test_every_layer_reuses_the_step_plan(source, model, pt2_path, monkeypatch):
             yield plan
 
     monkeypatch.setattr(torch_executor, "step_plan", recording)
-    with use_backend("sdpa"):
-        executor.execute(pack_decoder_step([3], [1], [[2]], [[5, 6, 7, 8]], [1], BLOCK_SIZE))
+    executor.execute(pack_decoder_step([3], [1], [[2]], [[5, 6, 7, 8]], [1], BLOCK_SIZE))
     (plan,) = plans
     # slot checks, attention checks and the sdpa plan: one entry each for all layers
     assert len(plan) == 3
