@@ -31,6 +31,7 @@ from attnexport.custom_ops.ops import (
     silu_and_mul,
     varlen_attention,
 )
+from attnexport.custom_ops.planning import StepPlan, step_plan
 
 __all__ = [
     "AttentionBackend",
@@ -39,6 +40,7 @@ __all__ = [
     "BackendCapabilities",
     "BackendUnsupportedError",
     "ScheduledSequence",
+    "StepPlan",
     "build_attention_metadata",
     "current_backend_name",
     "fused_add_rms_norm",
@@ -53,6 +55,7 @@ __all__ = [
     "select_backend",
     "set_default_backend",
     "silu_and_mul",
+    "step_plan",
     "use_backend",
     "varlen_attention",
 ]

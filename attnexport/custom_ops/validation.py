@@ -7,18 +7,21 @@ Two layers of checks:
   shapes under ``torch.export`` become guards instead of data-dependent errors.
 * *value* checks (slot and block ids in range, monotone offsets, lengths that fit the block
   table) read tensor contents, so they only run on real tensors. Metadata tensors are shared
-  by every layer of a step, so their value checks are memoised per tensor object and version.
+  by every layer of a step: inside an executor's :func:`~.planning.step_plan` their value
+  checks run on the first layer and are kept in the plan; a call outside a plan (or on metadata
+  the plan does not own) checks every value, every call.
 
 Every error names the argument and the value that was expected.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from attnexport.custom_ops.planning import memoised
 
 INDEX_DTYPE = torch.int32
 SLOT_DTYPES = (torch.int32, torch.int64)
@@ -107,7 +110,9 @@ def _check_heads(num_heads, num_kv_heads, query_name: str, kv_name: str) -> None
 
 
 def _check_offsets(name: str, offsets: torch.Tensor, total: int, total_name: str) -> torch.Tensor:
-    """Checks a cumulative-offset tensor [S+1]; returns the per-sequence lengths [S]."""
+    """Checks a cumulative-offset tensor [S+1]; returns the per-sequence lengths [S] int64
+    (differences taken in int64: in int32 a decreasing pair can wrap to a positive length)."""
+    offsets = offsets.to(torch.int64)
     lengths = offsets[1:] - offsets[:-1]
     first = int(offsets[0])
     last = int(offsets[-1])
@@ -118,38 +123,6 @@ def _check_offsets(name: str, offsets: torch.Tensor, total: int, total_name: str
     if last != total:
         raise ValueError(f"{name}: expected {name}[-1] == {total} ({total_name}), got {last}")
     return lengths
-
-
-class TensorMemo:
-    """Remembers which tuples of tensors passed the value checks, until one of them changes.
-
-    Tensors are held by weak reference and compared by identity and ``_version`` (bumped by
-    every in-place write), so a freed tensor whose memory is reused is never mistaken for a
-    validated one. A few entries are kept because a step alternates between metadata sets
-    (decoder self-attention and cross-attention, say).
-    """
-
-    def __init__(self, size: int = 4) -> None:
-        self._size = size
-        self._entries: list[tuple[tuple, tuple, tuple, object]] = []
-
-    @staticmethod
-    def _matches(tensors: tuple[torch.Tensor, ...], refs: tuple, versions: tuple) -> bool:
-        return all(
-            ref() is tensor and tensor._version == version
-            for tensor, ref, version in zip(tensors, refs, versions, strict=True)
-        )
-
-    def lookup(self, tensors: tuple[torch.Tensor, ...], extra: tuple) -> tuple[bool, object]:
-        for entry_extra, refs, versions, result in self._entries:
-            if entry_extra == extra and self._matches(tensors, refs, versions):
-                return True, result
-        return False, None
-
-    def store(self, tensors: tuple[torch.Tensor, ...], extra: tuple, result: object) -> None:
-        refs = tuple(weakref.ref(t) for t in tensors)
-        versions = tuple(t._version for t in tensors)
-        self._entries = [(extra, refs, versions, result), *self._entries[: self._size - 1]]
 
 
 @dataclass(frozen=True)
@@ -163,11 +136,6 @@ class BatchSummary:
     """Every sequence has exactly one query token (or none)."""
     has_context: bool
     """Some sequence with more than one query token also has cached context (chunked prefill)."""
-
-
-_paged_memo = TensorMemo()
-_varlen_memo = TensorMemo()
-_slot_memo = TensorMemo()
 
 
 # --------------------------------------------------------------------------- reshape_and_cache
@@ -232,8 +200,11 @@ def check_reshape_and_cache(
     if _is_fake(key, key_cache, slot_mapping) or slot_mapping.numel() == 0:
         return
     capacity = key_cache.shape[0] * key_cache.shape[1]
-    if _slot_memo.lookup((slot_mapping,), (capacity,))[0]:
-        return
+    memoised("slots", (slot_mapping,), (capacity,), lambda: _check_slots(slot_mapping, capacity))
+
+
+def _check_slots(slot_mapping: torch.Tensor, capacity: int) -> bool:
+    """Value checks of a non-empty ``slot_mapping`` [T] int32/int64 for ``capacity`` slots."""
     largest = int(slot_mapping.max())
     if largest >= capacity:
         raise ValueError(
@@ -243,7 +214,7 @@ def check_reshape_and_cache(
     valid = slot_mapping[slot_mapping >= 0]
     if valid.numel() > 1 and torch.unique(valid).numel() != valid.numel():
         raise ValueError("slot_mapping: expected distinct slots, got a slot written twice")
-    _slot_memo.store((slot_mapping,), (capacity,), None)
+    return True
 
 
 # --------------------------------------------------------------------------- paged_attention
@@ -326,21 +297,35 @@ def check_paged_attention(
         return None
 
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
-    tensors = (block_tables, seq_lens, query_start_loc)
-    extra = (num_blocks, block_size, query.shape[0], bool(causal))
-    known, summary = _paged_memo.lookup(tensors, extra)
-    if known:
-        return summary
+    return memoised(
+        "paged",
+        (block_tables, seq_lens, query_start_loc),
+        (num_blocks, block_size, query.shape[0], bool(causal)),
+        lambda: _summarise_paged(
+            block_tables, seq_lens, query_start_loc, num_blocks, block_size, query.shape[0], causal
+        ),
+    )
 
-    query_lens = _check_offsets("query_start_loc", query_start_loc, query.shape[0], "num_tokens")
+
+def _summarise_paged(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_blocks: int,
+    block_size: int,
+    num_tokens: int,
+    causal: bool,
+) -> BatchSummary:
+    """The value checks of a paged-attention call (shapes already checked); its summary."""
+    num_seqs = seq_lens.shape[0]
+    query_lens = _check_offsets("query_start_loc", query_start_loc, num_tokens, "num_tokens")
     if num_seqs == 0:
-        summary = BatchSummary(0, 0, 0, True, False)
-        _paged_memo.store(tensors, extra, summary)
-        return summary
+        return BatchSummary(0, 0, 0, True, False)
     if int(seq_lens.min()) < 0:
         raise ValueError(f"seq_lens: expected non-negative lengths, got {seq_lens.tolist()}")
+    lens = seq_lens.to(torch.int64)  # int64 below: block counts of lengths near 2^31 wrap
     if causal:
-        short = (seq_lens < query_lens).nonzero()
+        short = (lens < query_lens).nonzero()
         if short.numel():
             i = int(short[0, 0])
             raise ValueError(
@@ -348,16 +333,16 @@ def check_paged_attention(
                 f"seq_lens[{i}] = {int(seq_lens[i])}; with causal=True expected seq_lens >= the "
                 f"query count (seq_lens counts cached context plus the new tokens)"
             )
-    max_seq_len = int(seq_lens.max())
+    max_seq_len = int(lens.max())
     capacity = block_tables.shape[1] * block_size
     if max_seq_len > capacity:
-        i = int(seq_lens.argmax())
+        i = int(lens.argmax())
         raise ValueError(
             f"seq_lens: seq_lens[{i}] = {max_seq_len} exceeds what block_tables covers; "
             f"expected <= max_blocks_per_seq * block_size = {block_tables.shape[1]} * "
             f"{block_size} = {capacity}"
         )
-    blocks_used = (seq_lens + (block_size - 1)) // block_size
+    blocks_used = (lens + (block_size - 1)) // block_size
     used = torch.arange(block_tables.shape[1], device=block_tables.device) < blocks_used[:, None]
     bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
     if bool(bad.any()):
@@ -368,15 +353,13 @@ def check_paged_attention(
         )
     max_query_len = int(query_lens.max())
     multi = query_lens > 1
-    summary = BatchSummary(
+    return BatchSummary(
         num_seqs=num_seqs,
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
         decode_only=max_query_len <= 1,
-        has_context=bool((multi & (seq_lens > query_lens)).any()),
+        has_context=bool((multi & (lens > query_lens)).any()),
     )
-    _paged_memo.store(tensors, extra, summary)
-    return summary
 
 
 # --------------------------------------------------------------------------- varlen_attention
@@ -446,24 +429,29 @@ def check_varlen_attention(
     if _is_fake(query, key, cu_seqlens_q, cu_seqlens_k):
         return None
 
-    tensors = (cu_seqlens_q, cu_seqlens_k)
-    extra = (query.shape[0], key.shape[0])
-    known, summary = _varlen_memo.lookup(tensors, extra)
-    if known:
-        return summary
-    query_lens = _check_offsets("cu_seqlens_q", cu_seqlens_q, query.shape[0], "num_query_tokens")
-    key_lens = _check_offsets("cu_seqlens_k", cu_seqlens_k, key.shape[0], "num_key_tokens")
+    return memoised(
+        "varlen",
+        (cu_seqlens_q, cu_seqlens_k),
+        (query.shape[0], key.shape[0]),
+        lambda: _summarise_varlen(cu_seqlens_q, cu_seqlens_k, query.shape[0], key.shape[0]),
+    )
+
+
+def _summarise_varlen(
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, num_queries: int, num_keys: int
+) -> BatchSummary:
+    """The value checks of a varlen-attention call (shapes already checked); its summary."""
+    query_lens = _check_offsets("cu_seqlens_q", cu_seqlens_q, num_queries, "num_query_tokens")
+    key_lens = _check_offsets("cu_seqlens_k", cu_seqlens_k, num_keys, "num_key_tokens")
     num_seqs = query_lens.numel()
     max_query_len = int(query_lens.max()) if num_seqs else 0
-    summary = BatchSummary(
+    return BatchSummary(
         num_seqs=num_seqs,
         max_query_len=max_query_len,
         max_seq_len=int(key_lens.max()) if num_seqs else 0,
         decode_only=max_query_len <= 1,
         has_context=bool(((query_lens > 1) & (key_lens > query_lens)).any()),
     )
-    _varlen_memo.store(tensors, extra, summary)
-    return summary
 
 
 # --------------------------------------------------------------------------- block copies

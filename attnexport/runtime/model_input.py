@@ -147,6 +147,39 @@ class ModelInput:
         """N, the logits rows the forward returns."""
         return len(self.values["logits_indices"])
 
+    def check_rows(self, vocab_size: int, max_model_len: int | None = None) -> None:
+        """Raises ValueError naming the input unless every token id is in ``[0, vocab_size)``,
+        every position in ``[0, max_model_len)`` (``[0, inf)`` when None) and every logits row
+        indexes one of the T new tokens.
+
+        The model indexes tables with these (embedding and rotary lookups, a row gather): torch
+        raises a bare IndexError on a large id and wraps a negative one, and onnxruntime's
+        Gather wraps negative ids too (another row, silently). An executor checks them on the
+        host before running, where they are lists already: a min and a max of each, about a
+        microsecond for a decode step, which is cheaper than guard nodes in the graph."""
+        values = self.values
+        bounds = [
+            ("input_ids", vocab_size, "vocab_size"),
+            ("positions", max_model_len, "max_model_len"),
+            ("logits_indices", len(values["input_ids"]), "T, the new tokens"),
+        ]
+        if "encoder_input_ids" in values:
+            bounds += [
+                ("encoder_input_ids", vocab_size, "vocab_size"),
+                ("encoder_positions", None, ""),  # the encoder's own limit is the model's
+            ]
+        for name, limit, limit_name in bounds:
+            column = values[name]
+            if not column:
+                continue
+            low, high = min(column), max(column)
+            if low < 0 or (limit is not None and high >= limit):
+                raise ValueError(
+                    f"{name}: {low if low < 0 else high} is out of range; expected values in "
+                    f"[0, {limit if limit is not None else 'inf'})"
+                    + (f" ({limit_name})" if limit is not None else "")
+                )
+
     @property
     def input_names(self) -> tuple[str, ...]:
         """Names of :meth:`index_args`, in order."""

@@ -234,7 +234,7 @@ def test_varlen_attention_rejects(change, error, message):
 
 
 def test_revalidates_metadata_changed_in_place():
-    """Validation results are memoised per tensor, but an in-place change is seen."""
+    """Validation results are kept only in a step plan: an in-place change is seen."""
     args = _paged()
     attnexport.paged_attention(**args)
     args["block_tables"][2, 1] = 10_000

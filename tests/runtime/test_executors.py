@@ -3,6 +3,7 @@ and attention backends."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import numpy as np
@@ -10,7 +11,14 @@ import pytest
 import torch
 
 from attnexport.custom_ops import registered_backends
-from attnexport.runtime import CacheConfig, Engine, SamplingParams, SchedulerConfig, TorchExecutor
+from attnexport.runtime import (
+    CacheConfig,
+    Engine,
+    SamplingParams,
+    SchedulerConfig,
+    TorchExecutor,
+    ort_kernels,
+)
 from models import load_model
 from tests.helpers import ORT_KERNEL_MODES
 
@@ -274,3 +282,70 @@ def test_engine_from_an_export_directory(pt2_path, eager_tokens, tmp_path):
 def test_bad_artifacts_are_named(make, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         Engine.from_path(make(tmp_path))
+
+
+def _executors(model, pt2_path, onnx_path) -> dict:
+    from attnexport.runtime import OrtExecutor
+
+    made = {
+        "eager": TorchExecutor(model, block_size=BLOCK_SIZE, backend="sdpa"),
+        "pt2": TorchExecutor(pt2_path, backend="sdpa"),
+        **{
+            f"ort-{kernels}": OrtExecutor(onnx_path, num_threads=1, kernels=kernels)
+            for kernels in ("native", "bodies")
+            if kernels == "bodies" or ort_kernels.unavailable_reason() is None
+        },
+    }
+    for executor in made.values():
+        executor.initialize_cache(8, 0)
+    return made
+
+
+BAD_ROWS = {
+    "negative token id": ({"input_ids": [5, -1, 7]}, "input_ids: -1 is out of range"),
+    "token id past the vocabulary": ({"input_ids": [5, 10**6, 7]}, "input_ids: 1000000"),
+    "negative logits row": ({"logits_indices": [-1]}, "logits_indices: -1 is out of range"),
+    "logits row past the tokens": ({"logits_indices": [3]}, r"logits_indices: 3 .*\[0, 3\)"),
+    "negative position": ({"positions": [-3, 1, 2]}, "positions: -3 is out of range"),
+}
+
+
+@pytest.mark.parametrize("change,message", BAD_ROWS.values(), ids=BAD_ROWS.keys())
+def test_bad_token_rows_are_refused_before_running(change, message, model, pt2_path, onnx_path):
+    """An embedding or row gather would wrap a negative index (onnxruntime's Gather, torch
+    indexing) or raise a bare IndexError: every executor names the input first."""
+    from attnexport.runtime.model_input import pack_decoder_step
+
+    for name, executor in _executors(model, pt2_path, onnx_path).items():
+        step = pack_decoder_step([0], [3], [[1]], [[5, 6, 7]], [1], BLOCK_SIZE)
+        step.values.update(change)
+        before = [c.clone() for c in executor.kv_caches]
+        with pytest.raises(ValueError, match=message):
+            executor.execute_numpy(step)
+        assert all(torch.equal(a, b) for a, b in zip(before, executor.kv_caches, strict=True)), name
+
+
+@pytest.mark.parametrize("source", ["eager", "pt2"])
+def test_every_layer_reuses_the_step_plan(source, model, pt2_path, monkeypatch):
+    """The executor's step plan owns the tensors the ops receive (also through a loaded .pt2
+    program), so the layers after the first check and plan nothing."""
+    from attnexport.runtime.executors import torch_executor
+    from attnexport.runtime.model_input import pack_decoder_step
+
+    source = model if source == "eager" else pt2_path
+    executor = TorchExecutor(source, block_size=BLOCK_SIZE, backend="sdpa")
+    executor.initialize_cache(8, 0)
+    plans = []
+    opened = torch_executor.step_plan
+
+    @contextlib.contextmanager
+    def recording(tensors):
+        with opened(tensors) as plan:
+            plans.append(plan)
+            yield plan
+
+    monkeypatch.setattr(torch_executor, "step_plan", recording)
+    executor.execute(pack_decoder_step([3], [1], [[2]], [[5, 6, 7, 8]], [1], BLOCK_SIZE))
+    (plan,) = plans
+    # slot checks, attention checks and the sdpa plan: one entry each for all layers
+    assert len(plan) == 3

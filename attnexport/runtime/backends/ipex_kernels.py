@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnexport.custom_ops.validation import TensorMemo
+from attnexport.custom_ops.planning import memoised
 
 IPEX_MODULE = "intel_extension_for_pytorch"
 INSTALL_HINT = 'pip install "attnexport[ipex]" (IPEX 2.8 needs torch 2.8.*)'
@@ -156,23 +156,28 @@ def _check_cpu(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name}: expected a CPU tensor, got {tensor.device}")
 
 
-_slot_values = TensorMemo()
-_table_values = TensorMemo(size=8)
-
-
 def _check_slots(slot_mapping: torch.Tensor, capacity: int) -> None:
-    if slot_mapping.numel() == 0 or _slot_values.lookup((slot_mapping,), (capacity,))[0]:
-        return
+    if slot_mapping.numel():
+        memoised(
+            "ipex-op-slots",
+            (slot_mapping,),
+            (capacity,),
+            lambda: _check_slot_values(slot_mapping, capacity),
+        )
+
+
+def _check_slot_values(slot_mapping: torch.Tensor, capacity: int) -> bool:
     low, high = int(slot_mapping.min()), int(slot_mapping.max())
     _check(
         low >= 0 and high < capacity,
         f"slot_mapping: expected slots in [0, {capacity}) (IPEX has no padding slots: drop "
         f"negative ones first), got [{low}, {high}]",
     )
-    _slot_values.store((slot_mapping,), (capacity,), None)
+    return True
 
 
 def _check_offsets(name: str, offsets: torch.Tensor, total: int | None) -> torch.Tensor:
+    offsets = offsets.to(torch.int64)  # int32 differences of a decreasing pair can wrap
     lengths = offsets[1:] - offsets[:-1]
     _check(int(offsets[0]) == 0, f"{name}: expected {name}[0] == 0")
     _check(lengths.numel() == 0 or int(lengths.min()) >= 0, f"{name}: expected non-decreasing")
@@ -205,9 +210,9 @@ def _check_tables(
 # --------------------------------------------------------------------------- ops
 #
 # Each op has a static check (shapes, dtypes, strides: also its fake kernel), a value check on
-# real tensors (memoised per metadata tensor, so once per step), and the raw call. The op runs
-# all three; the ipex backend calls the raw function directly, its inputs being valid by
-# construction (it runs inside attnexport's own op, which validated them).
+# real tensors (kept in the step plan when one owns the metadata, so once per step), and the
+# raw call. The op runs all three; the ipex backend calls the raw function directly, its inputs
+# being valid by construction (it runs inside attnexport's own op, which validated them).
 
 _lib = torch.library.Library("attnexport_ipex", "DEF")
 _lib.define(
@@ -398,10 +403,13 @@ def _values_single_query(
     if query.shape[0] == 0:
         return
     extra = (max_len, key_cache.shape[0], key_cache.shape[1])
-    if not _table_values.lookup((block_tables, context_lens), extra)[0]:
+
+    def check() -> bool:
         _check(int(context_lens.min()) >= 1, "context_lens: every row needs at least one key")
         _check_tables(block_tables, context_lens, max_len, *extra[1:])
-        _table_values.store((block_tables, context_lens), extra, None)
+        return True
+
+    memoised("ipex-op-rows", (block_tables, context_lens), extra, check)
 
 
 _register(
@@ -511,12 +519,15 @@ def _values_flash(
     if query.shape[0] == 0:
         return
     extra = (query.shape[0], max_q, max_k, key_cache.shape[0], key_cache.shape[2])
-    if not _table_values.lookup((cu_q, cu_k, tables), extra)[0]:
+
+    def check() -> bool:
         query_lens = _check_offsets("cu_seqlens_q", cu_q, query.shape[0])
         _check(int(query_lens.max()) <= max_q, "max_seqlen_q: below the longest query")
         key_lens = _check_offsets("cu_seqlens_k", cu_k, None)
         _check_tables(tables, key_lens, max_k, *extra[3:])
-        _table_values.store((cu_q, cu_k, tables), extra, None)
+        return True
+
+    memoised("ipex-op-flash", (cu_q, cu_k, tables), extra, check)
 
 
 _register("flash_attn_varlen", _static_flash, _values_flash, raw_flash_attn_varlen)

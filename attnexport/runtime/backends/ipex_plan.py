@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnexport.custom_ops.validation import TensorMemo
+from attnexport.custom_ops.planning import current_step_plan, memoised
 
 PARTITION_SIZE = 128
 """Keys per partition of IPEX's single-query kernel (PARTITION_SIZE in its source)."""
@@ -107,24 +107,18 @@ class VarlenPaging:
     """(S,) int32 key lengths."""
 
 
-_slot_plans = TensorMemo()
-_attention_plans = TensorMemo(size=8)
-_varlen_pagings = TensorMemo()
-
-
 def plan_slots(slot_mapping: torch.Tensor) -> SlotPlan:
     """The int32 slots (and kept rows) for a validated ``slot_mapping`` [T] int32/int64."""
-    found, plan = _slot_plans.lookup((slot_mapping,), ())
-    if found:
-        return plan
+    return memoised("ipex-slots", (slot_mapping,), (), lambda: _build_slot_plan(slot_mapping))
+
+
+def _build_slot_plan(slot_mapping: torch.Tensor) -> SlotPlan:
     keep = None
     slots = slot_mapping
     if slots.numel() and int(slots.min()) < 0:
         keep = (slots >= 0).nonzero().flatten()
         slots = slots.index_select(0, keep)
-    plan = SlotPlan(slots.to(torch.int32).contiguous(), keep)
-    _slot_plans.store((slot_mapping,), (), plan)
-    return plan
+    return SlotPlan(slots.to(torch.int32).contiguous(), keep)
 
 
 def _chunks(
@@ -223,7 +217,7 @@ def plan_attention(
     num_heads: int,
     head_size: int,
 ) -> AttentionPlan:
-    """The plan of one paged-attention step (memoised on the metadata tensors).
+    """The plan of one paged-attention step (kept in the step plan for the other layers).
 
     Args:
         block_tables: ``[S, W]`` int32; seq_lens: ``[S]`` int32; query_start_loc: ``[S + 1]``
@@ -231,12 +225,37 @@ def plan_attention(
             sequences may have more queries than keys (varlen: the first ones see nothing).
         use_flash: route multi-token sequences to flash_attn_varlen_func (no ALiBi).
     """
-    tensors = (block_tables, seq_lens, query_start_loc)
-    extra = (num_tokens, block_size, causal, sliding_window, use_flash, num_heads, head_size)
-    found, plan = _attention_plans.lookup(tensors, extra)
-    if found:
-        return plan
+    return memoised(
+        "ipex-paged",
+        (block_tables, seq_lens, query_start_loc),
+        (num_tokens, block_size, causal, sliding_window, use_flash, num_heads, head_size),
+        lambda: _build_attention_plan(
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            num_tokens,
+            block_size,
+            causal,
+            sliding_window,
+            use_flash,
+            num_heads,
+            head_size,
+        ),
+    )
 
+
+def _build_attention_plan(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_tokens: int,
+    block_size: int,
+    causal: bool,
+    sliding_window: int,
+    use_flash: bool,
+    num_heads: int,
+    head_size: int,
+) -> AttentionPlan:
     starts = query_start_loc.to(torch.int64)
     query_lens = starts[1:] - starts[:-1]
     lens = seq_lens.to(torch.int64)
@@ -282,21 +301,28 @@ def plan_attention(
             num_tokens,
             block_size,
         )
-    plan = AttentionPlan(rows, flash, empty_tokens if empty_tokens.numel() else None)
-    _attention_plans.store(tensors, extra, plan)
-    return plan
+    return AttentionPlan(rows, flash, empty_tokens if empty_tokens.numel() else None)
 
 
 def page_varlen(
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, block_size: int
 ) -> VarlenPaging:
-    """Where each key token of a varlen batch goes in a temporary paged cache (memoised).
+    """Where each key token of a varlen batch goes in a temporary paged cache (kept in the step
+    plan, which then owns its tables too, so the paged plan built on them is kept as well).
 
     Sequence i's keys fill whole blocks of its own, in order.
     """
-    found, paging = _varlen_pagings.lookup((cu_seqlens_q, cu_seqlens_k), (block_size,))
-    if found:
-        return paging
+    tensors = (cu_seqlens_q, cu_seqlens_k)
+    plan = current_step_plan()
+    paging = memoised(
+        "ipex-varlen", tensors, (block_size,), lambda: _page(cu_seqlens_k, block_size)
+    )
+    if plan is not None and plan.owns(tensors):
+        plan.adopt((paging.block_tables, paging.seq_lens))
+    return paging
+
+
+def _page(cu_seqlens_k: torch.Tensor, block_size: int) -> VarlenPaging:
     offsets = cu_seqlens_k.to(torch.int64)
     key_lens = offsets[1:] - offsets[:-1]
     num_blocks = (key_lens + block_size - 1) // block_size
@@ -307,11 +333,9 @@ def page_varlen(
     width = max(1, int(num_blocks.max()) if num_blocks.numel() else 1)
     tables = first_block[:, None] + torch.arange(width)[None, :]
     total_blocks = int(num_blocks.sum())
-    paging = VarlenPaging(
+    return VarlenPaging(
         key_slots=key_slots,
         num_blocks=total_blocks,
         block_tables=tables.clamp(max=max(total_blocks - 1, 0)).to(torch.int32).contiguous(),
         seq_lens=key_lens.to(torch.int32),
     )
-    _varlen_pagings.store((cu_seqlens_q, cu_seqlens_k), (block_size,), paging)
-    return paging

@@ -8,9 +8,10 @@ computed in fp32 (fp64 for fp64 inputs).
 Decode sequences (one query token each) run in chunks whose gathered blocks stay cache-resident,
 in workspace buffers reused across calls: with glibc malloc, fresh large temporaries page-fault
 on every call, which made decode several times slower (DESIGN.md section 4). What the step's
-metadata fixes (which sequences decode, their blocks, the masks) is planned once per step and
-reused by every layer. Sequences with several query tokens run one at a time in query chunks
-that bound the logits' memory.
+metadata fixes (which sequences decode, their blocks, the masks) is planned once per step (kept
+in the executor's step plan, :mod:`attnexport.custom_ops.planning`) and reused by every layer.
+Sequences with several query tokens run one at a time in query chunks that bound the logits'
+memory.
 
 ``F.scaled_dot_product_attention(enable_gqa=True)`` is not used: on CPU it falls back to the
 math path, 10-40x slower than a grouped matmul (DESIGN.md section 4).
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from attnexport.custom_ops.dispatch import AttentionBackend, BackendCapabilities
-from attnexport.custom_ops.validation import TensorMemo
+from attnexport.custom_ops.planning import memoised
 
 # Logits of one query chunk are kept under this many bytes.
 _LOGITS_BUDGET_BYTES = 64 * 2**20
@@ -235,9 +236,6 @@ class _StepPlan:
     prefills: tuple[_Prefill, ...]
 
 
-_step_plans = TensorMemo(size=8)
-
-
 def _plan_step(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -249,16 +247,42 @@ def _plan_step(
     sliding_window: int,
     alibi: bool,
 ) -> _StepPlan:
-    """Host-side work of a paged-attention step, memoised for the step's other layers."""
-    tensors = (block_tables, seq_lens, query_start_loc)
-    extra = (num_tokens, tuple(cache_shape), work_dtype, causal, sliding_window, alibi)
-    found, plan = _step_plans.lookup(tensors, extra)
-    if found:
-        return plan
+    """Host-side work of a paged-attention step, kept in the step plan for its other layers."""
+    return memoised(
+        "sdpa-paged",
+        (block_tables, seq_lens, query_start_loc),
+        (num_tokens, tuple(cache_shape), work_dtype, causal, sliding_window, alibi),
+        lambda: _build_step_plan(
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            num_tokens,
+            cache_shape,
+            work_dtype,
+            causal,
+            sliding_window,
+            alibi,
+        ),
+    )
+
+
+def _build_step_plan(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_tokens: int,
+    cache_shape: torch.Size,
+    work_dtype: torch.dtype,
+    causal: bool,
+    sliding_window: int,
+    alibi: bool,
+) -> _StepPlan:
     num_blocks, block_size, num_kv_heads, head_size = cache_shape
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     query_lens = [end - start for start, end in itertools.pairwise(starts)]
-    decodes = [i for i, n in enumerate(query_lens) if n == 1]
+    # A decode over no key (non-causal over an empty cache) is zeros: nothing to gather (its
+    # block-table row may have no column at all).
+    decodes = [i for i, n in enumerate(query_lens) if n == 1 and lens[i] > 0]
     decode_only = len(decodes) == num_tokens
 
     chunks = []
@@ -293,9 +317,7 @@ def _plan_step(
         for i, n in enumerate(query_lens)
         if n > 1 and lens[i] > 0  # non-causal over an empty sequence: zeros
     ]
-    plan = _StepPlan(tuple(chunks), tuple(prefills))
-    _step_plans.store(tensors, extra, plan)
-    return plan
+    return _StepPlan(tuple(chunks), tuple(prefills))
 
 
 class SdpaBackend(AttentionBackend):

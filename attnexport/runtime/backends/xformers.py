@@ -15,9 +15,9 @@ How each case runs (operators and their limits: :mod:`.xformers_choice`; masks:
   keys gathered from the cache and run as ``varlen_attention`` does, and decode-only batches
   are refused (``auto`` then runs them on sdpa). Windowed decode uses a gappy paged mask.
 
-Host-side work (sequence lengths to Python, masks, index tensors) is done once per step and
-memoised on the metadata tensors, so every layer of the step reuses it. Logits soft-capping is
-not exposed by any xFormers operator and is refused.
+Host-side work (sequence lengths to Python, masks, index tensors) is done once per step and kept
+in the executor's step plan (:mod:`attnexport.custom_ops.planning`), so every layer reuses it.
+Logits soft-capping is not exposed by any xFormers operator and is refused.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from attnexport.custom_ops.dispatch import AttentionBackend, AttentionCall, BackendCapabilities
-from attnexport.custom_ops.validation import TensorMemo
+from attnexport.custom_ops.planning import memoised
 from attnexport.runtime.backends import xformers_choice as choice
 from attnexport.runtime.backends import xformers_masks as masks
 from attnexport.runtime.backends.sdpa import write_cache
@@ -378,10 +378,6 @@ class XformersBackend(AttentionBackend):
         ),
     )
 
-    def __init__(self) -> None:
-        self._paged_plans = TensorMemo()
-        self._varlen_plans = TensorMemo()
-
     def unavailable_reason(self) -> str | None:
         return _unavailable_reason()
 
@@ -408,10 +404,10 @@ class XformersBackend(AttentionBackend):
         logits_soft_cap,
     ) -> torch.Tensor:
         extra = (query.dtype, query.shape[2], causal, sliding_window, alibi_slopes is not None)
-        known, plan = self._varlen_plans.lookup((cu_seqlens_q, cu_seqlens_k), extra)
-        if not known:
+
+        def build() -> _VarlenPlan:
             q_starts, k_starts = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-            plan = plan_varlen(
+            return plan_varlen(
                 [b - a for a, b in itertools.pairwise(q_starts)],
                 [b - a for a, b in itertools.pairwise(k_starts)],
                 causal,
@@ -422,7 +418,8 @@ class XformersBackend(AttentionBackend):
                 _facts(query.device),
                 query.device,
             )
-            self._varlen_plans.store((cu_seqlens_q, cu_seqlens_k), extra, plan)
+
+        plan = memoised("xformers-varlen", (cu_seqlens_q, cu_seqlens_k), extra, build)
         return _run_varlen(
             plan, query.contiguous(), key.contiguous(), value.contiguous(), scale, alibi_slopes
         )
@@ -450,9 +447,11 @@ class XformersBackend(AttentionBackend):
             sliding_window,
             alibi_slopes is not None,
         )
-        known, plan = self._paged_plans.lookup(metadata, extra)
-        if not known:
-            plan = plan_paged(
+        plan = memoised(
+            "xformers-paged",
+            metadata,
+            extra,
+            lambda: plan_paged(
                 block_tables,
                 seq_lens.tolist(),
                 query_start_loc.tolist(),
@@ -463,8 +462,8 @@ class XformersBackend(AttentionBackend):
                 query.dtype,
                 query.shape[2],
                 _facts(query.device),
-            )
-            self._paged_plans.store(metadata, extra, plan)
+            ),
+        )
 
         query = query.contiguous()
         num_kv_heads, head_size = key_cache.shape[2:]

@@ -193,6 +193,7 @@ class OrtExecutor(Executor):
         float32 logits, which later steps never overwrite while they are referred to."""
         if self._binding is None:
             raise RuntimeError("OrtExecutor.execute: initialize_cache must run first")
+        model_input.check_rows(self.vocab_size, self.max_model_len)
         self._bind_inputs(model_input)
         logits = self._logits_buffer(model_input.num_logits)
         self.session.run_with_iobinding(self._binding)

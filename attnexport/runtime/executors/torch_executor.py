@@ -9,6 +9,7 @@ import torch
 
 from attnexport.artifact import load_pt2
 from attnexport.custom_ops.dispatch import AUTO, get_backend, use_backend
+from attnexport.custom_ops.planning import step_plan
 from attnexport.errors import UserError
 from attnexport.model_interface import (
     DECODER_INPUT_NAMES,
@@ -109,12 +110,14 @@ class TorchExecutor(Executor):
         self.decoder_start_token_id = found.get("decoder_start_token_id")
 
     def execute(self, model_input: ModelInput) -> torch.Tensor:
+        model_input.check_rows(self.vocab_size, self.max_model_len)
         if self.device.type != "cpu":
             model_input = model_input.to(self.device)
-        # no_grad, not inference_mode: inference tensors have no version counter, and the
-        # backends memoise plans per tensor version (IPEX's varlen path for encoders failed).
-        with use_backend(self.backend), torch.no_grad():
-            logits = self.module(*model_input.forward_args(self.kv_caches))
+        args = model_input.index_args()
+        # The step's plan: every layer reuses what the first one checked and planned about
+        # these (fresh, never rewritten) metadata tensors.
+        with use_backend(self.backend), torch.no_grad(), step_plan(args):
+            logits = self.module(*args, self.kv_caches)
         return logits.to(device="cpu", dtype=torch.float32)
 
     def describe(self) -> str:

@@ -14,7 +14,13 @@ import pytest
 import torch
 
 import attnexport
-from attnexport.custom_ops import BackendUnsupportedError, get_backend, reference, use_backend
+from attnexport.custom_ops import (
+    BackendUnsupportedError,
+    get_backend,
+    reference,
+    step_plan,
+    use_backend,
+)
 from attnexport.runtime.backends import ipex_plan
 from attnexport.testing import (
     AttentionCase,
@@ -490,12 +496,14 @@ def test_exported_attnexport_ops_run_on_ipex():
 
 def test_slot_plan_converts_once_per_step():
     slots = torch.tensor([17, 3, -1, 40, -1], dtype=torch.int64)
-    plan = ipex_plan.plan_slots(slots)
-    assert plan.slots.dtype == torch.int32 and plan.slots.tolist() == [17, 3, 40]
-    assert plan.keep.tolist() == [0, 1, 3]
-    assert ipex_plan.plan_slots(slots) is plan  # every later layer of the step reuses it
+    with step_plan((slots,)):
+        plan = ipex_plan.plan_slots(slots)
+        assert plan.slots.dtype == torch.int32 and plan.slots.tolist() == [17, 3, 40]
+        assert plan.keep.tolist() == [0, 1, 3]
+        assert ipex_plan.plan_slots(slots) is plan  # every later layer of the step reuses it
     slots[0] = 18  # a new step writes the metadata in place: the plan is rebuilt
-    replanned = ipex_plan.plan_slots(slots)
+    with step_plan((slots,)):
+        replanned = ipex_plan.plan_slots(slots)
     assert replanned is not plan and replanned.slots.tolist() == [18, 3, 40]
 
 
@@ -512,8 +520,9 @@ def test_attention_plan_is_built_once_and_routes_tokens():
         head_size=case.head_size,
     )
     metadata = (x["block_tables"], x["seq_lens"], x["query_start_loc"])
-    plan = ipex_plan.plan_attention(*metadata, **options)
-    assert ipex_plan.plan_attention(*metadata, **options) is plan
+    with step_plan(metadata):
+        plan = ipex_plan.plan_attention(*metadata, **options)
+        assert ipex_plan.plan_attention(*metadata, **options) is plan
     assert plan.rows.tokens.tolist() == [0, 10]  # the two decode tokens
     assert plan.flash.cu_seqlens_q.tolist() == [0, 9, 26]  # the two multi-token sequences
     assert plan.flash.cu_seqlens_k.tolist() == [0, 9, 38]

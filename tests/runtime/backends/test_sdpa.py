@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import attnexport
-from attnexport.custom_ops import reference, use_backend
+from attnexport.custom_ops import reference, step_plan, use_backend
 from attnexport.runtime.backends import sdpa
 from attnexport.testing import AttentionCase, make_paged_inputs
 from tests.helpers import assert_close_to_reference, paged_args
@@ -46,11 +46,13 @@ def test_decode_in_several_chunks_matches_reference(case, monkeypatch):
 def test_layers_reuse_the_step_plan_and_the_workspace():
     case = AttentionCase("decode", (1, 1, 1), (30, 2, 17))
     x = make_paged_inputs(case)
-    with use_backend("sdpa"):
+    metadata = (x["block_tables"], x["seq_lens"], x["query_start_loc"])
+    with use_backend("sdpa"), step_plan(metadata):
         attnexport.paged_attention(*paged_args(x), **x["kwargs"])  # layer 0
         plan, buffers = _plan(x, case), dict(sdpa._workspace.buffers)
         attnexport.paged_attention(*paged_args(x), **x["kwargs"])  # layer 1
-    assert _plan(x, case) is plan
+        assert _plan(x, case) is plan
     assert all(sdpa._workspace.buffers[k] is v for k, v in buffers.items())
     x["seq_lens"][0] -= 1  # the next step edits the metadata in place: planned again
-    assert _plan(x, case) is not plan
+    with step_plan(metadata):
+        assert _plan(x, case) is not plan

@@ -23,6 +23,7 @@ from xformers.ops.fmha import cutlass, flash, flash3, triton_splitk
 
 import attnexport
 from attnexport.custom_ops import AttentionCall, reference, validation
+from attnexport.custom_ops.planning import MISSING, entry_key, step_plan
 from attnexport.runtime.backends import xformers as xformers_backend
 from attnexport.runtime.backends import xformers_choice as choice
 from attnexport.runtime.backends import xformers_masks as masks
@@ -385,19 +386,13 @@ def test_plans_are_reused_across_layers(emulated):
     backend, _, _ = emulated
     case = AttentionCase("mixed", (1, 9, 1, 17, 1), (40, 0, 3, 12, 1), dtype=torch.bfloat16)
     x = make_paged_inputs(case)
+    metadata = (x["block_tables"], x["seq_lens"], x["query_start_loc"])
     args = [x[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens")]
     args += [x["query_start_loc"], 0.2, True, None, -1, 0.0]
-    first = backend.paged_attention(*args)
-    plan = backend._paged_plans.lookup(
-        (x["block_tables"], x["seq_lens"], x["query_start_loc"]),
-        (torch.bfloat16, 32, 16, True, -1, False),
-    )[1]
-    assert plan is not None
-    assert torch.equal(backend.paged_attention(*args), first)
-    assert (
-        backend._paged_plans.lookup(
-            (x["block_tables"], x["seq_lens"], x["query_start_loc"]),
-            (torch.bfloat16, 32, 16, True, -1, False),
-        )[1]
-        is plan
-    )
+    key = entry_key("xformers-paged", metadata, (torch.bfloat16, 32, 16, True, -1, False))
+    with step_plan(metadata) as step:
+        first = backend.paged_attention(*args)
+        plan = step.get(key)
+        assert plan is not MISSING
+        assert torch.equal(backend.paged_attention(*args), first)
+        assert step.get(key) is plan
