@@ -14,8 +14,12 @@ from collections.abc import Callable
 import torch
 from hypothesis import strategies as st
 
-from attnexport.testing import AttentionCase, make_paged_inputs, make_rotary_inputs
-from attnexport.testing import make_varlen_inputs
+from attnexport.testing import (
+    AttentionCase,
+    make_paged_inputs,
+    make_rotary_inputs,
+    make_varlen_inputs,
+)
 from tests.fuzz.worker import FuzzCase
 
 INT32_MAX = 2**31 - 1
@@ -99,7 +103,7 @@ def _visible_slots(x: dict, block_size: int) -> set[int]:
 @st.composite
 def paged_attention(draw, kind: str) -> FuzzCase:
     constraints = {
-        "heads": (4, 2),
+        "heads": {"heads": (4, 2)},
         "seq_short": {"causal": True},
         "qsl_nonmono": {"min_seqs": 2},
         "qsl_wrap": {"min_seqs": 4, "max_seqs": 4, "causal": False},
@@ -302,8 +306,11 @@ _SMALL_DTYPES = [torch.float32, torch.float32, torch.bfloat16, torch.float16]
 
 
 def _wrong_dtype(draw, x: dict) -> dict:
+    """One input in a dtype the op refuses: an integer one, or float64 beside other inputs
+    (alone, as silu_and_mul's only input, float64 is a valid floating dtype)."""
     name = draw(st.sampled_from(sorted(x)))
-    dtype = draw(st.sampled_from([torch.float64, torch.int32, torch.int64]))
+    floats = [torch.float64] if len(x) > 1 else []
+    dtype = draw(st.sampled_from([*floats, torch.int32, torch.int64]))
     return x | {name: x[name].to(dtype)}
 
 

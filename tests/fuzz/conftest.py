@@ -7,7 +7,7 @@ class (see docs/testing.md)."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 from tests.fuzz.harness import Worker
 
@@ -18,6 +18,8 @@ settings.register_profile(
     deadline=None,
     derandomize=True,
     database=None,
+    # No shrinking: a failure is reported with the example that found it, in a fixed time.
+    phases=[Phase.explicit, Phase.generate],
     suppress_health_check=_SLOW_IS_FINE,
 )
 settings.register_profile(

@@ -39,7 +39,44 @@ TARGETS = [*EAGER_TARGETS, *ONNX_TARGETS]
 
 # (target, op, kind) -> the item of issue 16 that fixes it; "*" matches any target, "onnx" both
 # ONNX paths, "eager" every backend.
-KNOWN: dict[tuple[str, str, str], str] = {}
+_ITEM3 = "issue 16 item 3: NaN/Inf left in pool slots no sequence sees reach the output"
+_ITEM6 = "issue 16 item 6: stock onnxruntime (function bodies) accepts bad metadata"
+_ITEM6_NATIVE = "issue 16 item 6: the native PagedAttention kernel accepts bad metadata"
+_ITEM6_ALLOC = "issue 16 item 6: a body allocates by a bad length (tens of GB)"
+_ITEM7_WRAP = "issue 16 item 7: int32 offsets that wrap pass the monotone check"
+_ITEM7_EMPTY = "issue 16 item 7: empty block tables with causal=False raise a raw RuntimeError"
+_ITEM7_TRUNC = "issue 16 item 7: int64 ids truncated to int32 (PagedOrtSession converts them)"
+# Found by this suite and owned by no item of issue 16 (reported to the lead, not fixed here:
+# each needs a runtime check in a function body, the mechanism item 6 is building).
+_BODY_SHAPES = "unowned: ONNX function bodies do not check shapes against each other"
+_BODY_HEADS = "unowned: ONNX bodies drop or reuse query heads when H != the node's num_heads"
+_DUP_SLOTS = "unowned: ReshapeAndCache in onnxruntime accepts a slot written twice"
+KNOWN: dict[tuple[str, str, str], str] = {
+    ("onnx-bodies", "reshape_and_cache", "shape"): _BODY_SHAPES,
+    ("onnx", "reshape_and_cache", "slot_dup"): _DUP_SLOTS,
+    ("onnx-bodies", "paged_attention", "shape"): _BODY_SHAPES,
+    ("onnx-bodies", "paged_attention", "heads"): _BODY_HEADS,
+    ("onnx", "varlen_attention", "shape"): _BODY_SHAPES,
+    ("onnx", "varlen_attention", "heads"): _BODY_HEADS,
+    ("onnx-bodies", "rotary_embedding", "shape"): _BODY_SHAPES,
+    ("eager", "paged_attention", "stale_nan"): _ITEM3,
+    ("eager", "paged_attention", "qsl_wrap"): _ITEM7_WRAP,
+    ("eager", "varlen_attention", "offsets_wrap"): _ITEM7_WRAP,
+    ("eager", "paged_attention", "empty_table"): _ITEM7_EMPTY,
+    ("onnx", "reshape_and_cache", "int64_slots_wrap"): _ITEM7_TRUNC,
+    ("onnx", "paged_attention", "int64_ids_wrap"): _ITEM7_TRUNC,
+    ("onnx", "varlen_attention", "int64_ids_wrap"): _ITEM7_TRUNC,
+    ("onnx-bodies", "paged_attention", "block_id"): _ITEM6,
+    ("onnx", "paged_attention", "seq_short"): _ITEM6,
+    ("onnx-bodies", "paged_attention", "seq_huge"): _ITEM6_ALLOC,
+    ("onnx-bodies", "paged_attention", "qsl_nonmono"): _ITEM6,
+    ("onnx", "paged_attention", "qsl_last"): _ITEM6,
+    ("onnx-bodies", "paged_attention", "qsl_wrap"): _ITEM6_ALLOC,
+    # VarlenAttention has no native kernel: both ONNX paths run its body.
+    ("onnx", "varlen_attention", "offsets_nonmono"): _ITEM6,
+    ("onnx", "varlen_attention", "offsets_last"): _ITEM6,
+    ("onnx", "varlen_attention", "offsets_wrap"): _ITEM6_ALLOC,
+}
 
 
 def _known(target: str, op: str, kind: str) -> str | None:
@@ -83,7 +120,11 @@ def _names_an_argument(case: FuzzCase, message: str) -> bool:
 
 
 def _is_named_error(target: str, case: FuzzCase, outcome: Outcome) -> bool:
-    if target in ONNX_TARGETS and outcome.error_module.startswith("onnxruntime"):
+    if target in ONNX_TARGETS and (
+        outcome.error_module.startswith("onnxruntime")
+        # run_with_iobinding re-raises the session's failure as RuntimeError("Error in execution")
+        or outcome.message.startswith("Error in execution")
+    ):
         return True
     if outcome.error_type == "BackendUnsupportedError":
         return True  # a backend's named refusal, with its reasons
@@ -101,11 +142,20 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def _nothing_computed(case: FuzzCase, outcome: Outcome) -> bool:
+    """An ONNX node fed no tokens returns empty outputs whatever the widths: no value is
+    computed, so none can be wrong (a graph checks widths only as far as it reads them)."""
+    first = next(iter(case.inputs.values()))
+    return first.numel() == 0 and all(t.numel() == 0 for t in outcome.outputs.values())
+
+
 def judge(target: str, case: FuzzCase, outcome: Outcome) -> None:
     """Raises AssertionError (with the reason) unless ``outcome`` is right for ``case``."""
     if outcome.status == "raised":
         error = f"{outcome.error_module}.{outcome.error_type}: {outcome.message[:400]}"
-        assert "alloc" not in outcome.message.lower(), f"huge allocation: {error}"
+        assert "failed to allocate memory" not in outcome.message.lower(), (
+            f"huge allocation: {error}"
+        )
         if case.valid is True:
             assert outcome.error_type == "BackendUnsupportedError", (
                 f"well-formed input refused: {error}"
@@ -114,6 +164,8 @@ def judge(target: str, case: FuzzCase, outcome: Outcome) -> None:
         assert _is_named_error(target, case, outcome), f"not a named error: {error}"
         for name, after in outcome.after.items():
             assert _equal(after, case.inputs[name]), f"{name} written before the error ({error})"
+        return
+    if case.valid is False and target in ONNX_TARGETS and _nothing_computed(case, outcome):
         return
     assert case.valid is not False, "malformed input accepted: no error, outputs " + ", ".join(
         f"{n}: {tuple(t.shape)}" for n, t in outcome.outputs.items()
@@ -136,7 +188,7 @@ def judge(target: str, case: FuzzCase, outcome: Outcome) -> None:
                 got.to(torch.float64),
                 want.to(torch.float64),
                 **tolerance(dtype),
-                msg=lambda m: f"{name}: silent wrong answer: {m}",
+                msg=lambda m, name=name: f"{name}: silent wrong answer: {m}",
             )
 
 

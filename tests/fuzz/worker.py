@@ -61,6 +61,9 @@ class FuzzCase:
         attrs = ", ".join(f"{n}={show(v)}" for n, v in self.attrs.items())
         return f"{self.op}[{self.kind}, valid={self.valid}]({inputs}; {attrs})"
 
+    def _repr_pretty_(self, printer, cycle) -> None:  # hypothesis prints failing cases so
+        printer.text(repr(self))
+
 
 @dataclass
 class Outcome:
@@ -145,7 +148,11 @@ class _Runner:
         signature = tuple((n, t.dtype, t.dim()) for n, t in template.items())
         geometry = _geometry(op_type, template)
         key = (op_type, signature, tuple(sorted((attrs | geometry).items())))
-        if key not in self._sessions:
+        if key in self._sessions:
+            self._sessions[key] = self._sessions.pop(key)  # most recently used last
+        else:
+            if len(self._sessions) >= _MAX_SESSIONS:  # each holds threads and an arena
+                del self._sessions[next(iter(self._sessions))]
             kernels = "native" if self.target == "onnx-native" else "bodies"
             first = next(iter(template.values()))
             outputs = {
@@ -158,11 +165,14 @@ class _Runner:
                 )
                 for name in output_names
             }
-            self._sessions[key] = single_node_session(op_type, template, outputs, kernels, **attrs)
+            self._sessions[key] = single_node_session(
+                op_type, template, outputs, kernels, num_threads=1, **attrs
+            )
         return self._sessions[key]
 
 
 _MATRIX_OUTPUTS = ("SiluAndMul", "FusedAddRMSNorm")
+_MAX_SESSIONS = 16
 
 
 def serve(connection, target: str, memory_bytes: int) -> None:
