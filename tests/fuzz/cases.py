@@ -69,8 +69,14 @@ def _split(op: str, x: dict) -> tuple[dict, dict]:
     return inputs, dict(x.get("kwargs", {}))
 
 
-def _case(op, kind, inputs, attrs, template, valid) -> FuzzCase:
-    return FuzzCase(op, kind, inputs, attrs, template, valid)
+def _case(op, kind, inputs, attrs, template, valid, rewrite=None) -> FuzzCase:
+    if kind == "inference_mode":  # a well-formed call, under torch.inference_mode()
+        return FuzzCase(op, kind, inputs, attrs, template, True, inference_mode=True)
+    return FuzzCase(op, kind, inputs, attrs, template, valid, rewrite=rewrite or {})
+
+
+def _generator(draw) -> torch.Generator:
+    return torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
 
 
 def _clone(inputs: dict) -> dict:
@@ -117,9 +123,33 @@ def paged_attention(draw, kind: str) -> FuzzCase:
     x = _clone(inputs)
     bs, num_blocks = case.block_size, x["key_cache"].shape[0]
     tokens = x["query"].shape[0]
-    valid = False
-    if kind == "well_formed":
+    valid, rewrite = False, {}
+    if kind in ("well_formed", "inference_mode"):
         valid = True
+    elif kind == "memo_rewrite_valid":
+        # Another well-formed batch of the same shapes, written where the first one was.
+        width = x["block_tables"].shape[1]
+        g = _generator(draw)
+        queries = x["query_start_loc"].diff()
+        low = queries if case.causal else torch.zeros_like(queries)
+        span = width * bs - low + 1
+        seq_lens = low + (torch.rand(low.shape, generator=g) * span).long().clamp(max=span - 1)
+        rewrite = {
+            "block_tables": torch.randint(
+                0, num_blocks, x["block_tables"].shape, generator=g
+            ).int(),
+            "seq_lens": seq_lens.int(),
+        }
+        valid = True
+    elif kind == "memo_rewrite_bad":
+        if draw(st.booleans()):
+            tables = x["block_tables"].clone()
+            tables[0, 0] = num_blocks + draw(st.integers(0, 3))
+            rewrite = {"block_tables": tables}
+        else:
+            seq_lens = x["seq_lens"].clone()
+            seq_lens[0] = x["block_tables"].shape[1] * bs + draw(st.integers(1, 9))
+            rewrite = {"seq_lens": seq_lens}
     elif kind == "stale_nan":
         # Pools left full of NaN/Inf by earlier requests: every slot no sequence can see.
         poison = draw(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
@@ -193,7 +223,7 @@ def paged_attention(draw, kind: str) -> FuzzCase:
         valid = int(x["seq_lens"].max()) == 0
     else:
         raise AssertionError(kind)
-    return _case("paged_attention", kind, x, attrs, template, valid)
+    return _case("paged_attention", kind, x, attrs, template, valid, rewrite)
 
 
 # --------------------------------------------------------------------------- varlen_attention
@@ -214,9 +244,19 @@ def varlen_attention(draw, kind: str) -> FuzzCase:
     tokens = x["query"].shape[0]
     which = draw(st.sampled_from(["cu_seqlens_q", "cu_seqlens_k"]))
     total = x["query" if which == "cu_seqlens_q" else "key"].shape[0]
-    valid = False
-    if kind == "well_formed":
+    valid, rewrite = False, {}
+    if kind in ("well_formed", "inference_mode"):
         valid = True
+    elif kind == "memo_rewrite_valid":
+        # The same tokens split differently between the sequences.
+        cuts = sorted(draw(st.lists(st.integers(0, total), min_size=x[which].shape[0] - 2)))
+        cuts = cuts[: x[which].shape[0] - 2]
+        rewrite = {which: torch.tensor([0, *cuts, total], dtype=torch.int32)}
+        valid = True
+    elif kind == "memo_rewrite_bad":
+        offsets = x[which].clone()
+        offsets[-1] = total + draw(st.integers(1, 9))
+        rewrite = {which: offsets}
     elif kind == "float64_query":
         x["query"] = x["query"].double()
     elif kind == "int64_ids":
@@ -246,7 +286,7 @@ def varlen_attention(draw, kind: str) -> FuzzCase:
         x[which] = torch.tensor([0, INT32_MAX, -INT32_MAX, 0, total], dtype=torch.int32)
     else:
         raise AssertionError(kind)
-    return _case("varlen_attention", kind, x, attrs, template, valid)
+    return _case("varlen_attention", kind, x, attrs, template, valid, rewrite)
 
 
 # --------------------------------------------------------------------------- reshape_and_cache
@@ -260,9 +300,18 @@ def reshape_and_cache(draw, kind: str) -> FuzzCase:
     num_blocks, bs = x["key_cache"].shape[:2]
     capacity = num_blocks * bs
     written = (x["slot_mapping"] >= 0).nonzero().flatten().tolist()
-    valid = False
-    if kind == "well_formed":
+    valid, rewrite = False, {}
+    if kind in ("well_formed", "inference_mode"):
         valid = True
+    elif kind == "memo_rewrite_valid":
+        slots = torch.randperm(capacity, generator=_generator(draw))[: len(written)]
+        new = x["slot_mapping"].clone()
+        new[written] = slots.to(new.dtype)
+        rewrite, valid = {"slot_mapping": new}, True
+    elif kind == "memo_rewrite_bad":
+        new = x["slot_mapping"].clone()
+        new[written[0]] = capacity + draw(st.integers(0, 9))
+        rewrite = {"slot_mapping": new}
     elif kind == "float64_key":
         x["key"] = x["key"].double()
     elif kind == "float_slots":
@@ -296,7 +345,7 @@ def reshape_and_cache(draw, kind: str) -> FuzzCase:
             x["slot_mapping"][written[1]] = x["slot_mapping"][written[0]]
     else:
         raise AssertionError(kind)
-    return _case("reshape_and_cache", kind, x, {}, template, valid)
+    return _case("reshape_and_cache", kind, x, {}, template, valid, rewrite)
 
 
 # --------------------------------------------------------------------------- elementwise ops
@@ -322,7 +371,7 @@ def rotary_embedding(draw, kind: str) -> FuzzCase:
     x, cos, sin = make_rotary_inputs(tokens, heads, head_size, dtype, draw(st.integers(0, 99)))
     template = {"x": x, "cos": cos, "sin": sin}
     inputs, valid = dict(template), False
-    if kind == "well_formed":
+    if kind in ("well_formed", "inference_mode"):
         valid = True
     elif kind == "dtype":
         inputs = _wrong_dtype(draw, inputs)
@@ -353,7 +402,7 @@ def qkv_rotary_embedding(draw, kind: str) -> FuzzCase:
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_size).to(dtype)
     template = {"qkv": qkv, "cos": cos, "sin": sin}
     inputs, attrs, valid = dict(template), {"num_heads": heads, "num_kv_heads": kv_heads}, False
-    if kind == "well_formed":
+    if kind in ("well_formed", "inference_mode"):
         valid = True
     elif kind == "dtype":
         inputs = _wrong_dtype(draw, inputs)
@@ -385,7 +434,7 @@ def silu_and_mul(draw, kind: str) -> FuzzCase:
         * 4
     ).to(dtype)
     template, inputs, valid = {"x": x}, {"x": x}, False
-    if kind == "well_formed":
+    if kind in ("well_formed", "inference_mode"):
         valid = True
     elif kind == "dtype":
         inputs = _wrong_dtype(draw, inputs)
@@ -409,7 +458,7 @@ def fused_add_rms_norm(draw, kind: str) -> FuzzCase:
         "weight": torch.randn(hidden, generator=g).to(dtype),
     }
     inputs, attrs, valid = dict(template), {"epsilon": 1e-5}, False
-    if kind == "well_formed":
+    if kind in ("well_formed", "inference_mode"):
         valid = True
     elif kind == "dtype":
         inputs = _wrong_dtype(draw, inputs)
@@ -423,12 +472,16 @@ def fused_add_rms_norm(draw, kind: str) -> FuzzCase:
     return _case("fused_add_rms_norm", kind, inputs, attrs, template, valid)
 
 
-_COMMON = ["well_formed", "dtype", "rank", "shape"]
+# Issue 16 item 4: the ops under torch.inference_mode(), and metadata rewritten in place
+# behind the validation memo (a valid rewrite must be used, an invalid one refused).
+_MEMO = ["inference_mode", "memo_rewrite_valid", "memo_rewrite_bad"]
+_COMMON = ["well_formed", "inference_mode", "dtype", "rank", "shape"]
 KINDS: dict[str, tuple[Callable, list[str]]] = {
     "reshape_and_cache": (
         reshape_and_cache,
         [
             "well_formed",
+            *_MEMO,
             "float64_key",
             "float_slots",
             "int64_slots_wrap",
@@ -442,6 +495,7 @@ KINDS: dict[str, tuple[Callable, list[str]]] = {
         paged_attention,
         [
             "well_formed",
+            *_MEMO,
             "stale_nan",
             "float64_query",
             "int64_ids",
@@ -463,6 +517,7 @@ KINDS: dict[str, tuple[Callable, list[str]]] = {
         varlen_attention,
         [
             "well_formed",
+            *_MEMO,
             "float64_query",
             "int64_ids",
             "int64_ids_wrap",
@@ -480,4 +535,7 @@ KINDS: dict[str, tuple[Callable, list[str]]] = {
     "fused_add_rms_norm": (fused_add_rms_norm, _COMMON),
 }
 # Head counts are attributes of an ONNX node, fixed when the graph is built: not an input.
-EAGER_ONLY = {("qkv_rotary_embedding", "head_counts")}
+# Rewrites behind a memo and inference mode concern the eager ops only.
+EAGER_ONLY = {("qkv_rotary_embedding", "head_counts")} | {
+    (op, kind) for op, (_, kinds) in KINDS.items() for kind in kinds if kind in _MEMO
+}

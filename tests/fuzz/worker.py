@@ -10,9 +10,13 @@ module imports neither pytest nor hypothesis: it is what a spawned worker loads.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
 import resource
+import signal
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +49,15 @@ class FuzzCase:
     attrs: dict[str, object]
     template: dict[str, torch.Tensor]
     valid: bool | None
+    rewrite: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Eager targets: call the op once, then write these values into the named inputs through
+    NumPy (which does not bump a tensor's version) and judge the second call."""
+    inference_mode: bool = False
+    """Eager targets: call the op under ``torch.inference_mode()``."""
+
+    def final_inputs(self) -> dict[str, torch.Tensor]:
+        """The inputs of the judged call."""
+        return self.inputs | self.rewrite
 
     def __repr__(self) -> str:
         """Index tensors in full, data tensors by shape and dtype: a repro that fits a line."""
@@ -59,7 +72,10 @@ class FuzzCase:
 
         inputs = ", ".join(f"{n}={show(t)}" for n, t in self.inputs.items())
         attrs = ", ".join(f"{n}={show(v)}" for n, v in self.attrs.items())
-        return f"{self.op}[{self.kind}, valid={self.valid}]({inputs}; {attrs})"
+        rewrite = ", ".join(f"{n}={show(t)}" for n, t in self.rewrite.items())
+        then = f" then via NumPy {rewrite}" if rewrite else ""
+        mode = " under inference_mode" if self.inference_mode else ""
+        return f"{self.op}[{self.kind}, valid={self.valid}]({inputs}; {attrs}){then}{mode}"
 
     def _repr_pretty_(self, printer, cycle) -> None:  # hypothesis prints failing cases so
         printer.text(repr(self))
@@ -68,11 +84,12 @@ class FuzzCase:
 @dataclass
 class Outcome:
     """What a target did with a case: ``status`` ``"ok"`` (``outputs`` hold the results) or
-    ``"raised"`` (``error_*`` describe the exception); ``after`` holds the inputs an op writes
-    in place, as they were after the call."""
+    ``"raised"`` (``error_*`` describe the exception); ``before`` and ``after`` hold the inputs
+    an op writes in place, as they were before and after the judged call."""
 
     status: str
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    before: dict[str, torch.Tensor] = field(default_factory=dict)
     after: dict[str, torch.Tensor] = field(default_factory=dict)
     error_type: str = ""
     error_module: str = ""
@@ -98,27 +115,43 @@ class _Runner:
         self._sessions: dict[tuple, object] = {}
 
     def run(self, case: FuzzCase) -> Outcome:
+        if case.inference_mode:  # inputs made there too: inference tensors have no version
+            with torch.inference_mode():
+                case.inputs = {name: t.clone() for name, t in case.inputs.items()}
+        if case.rewrite:
+            with contextlib.suppress(Exception):  # only the second call is judged
+                self._eager(case)  # validates and memoises the first metadata
+            for name, values in case.rewrite.items():
+                case.inputs[name].numpy()[...] = values.numpy()
+        before = {name: t.clone() for name, t in self._after(case).items()}
         try:
-            outputs = self._onnx(case) if self.target in ONNX_TARGETS else self._eager(case)
+            if case.op in _SELF_TESTS:  # the harness's own tests: a crash, a hang, a huge tensor
+                outputs = _SELF_TESTS[case.op]()
+            elif self.target in ONNX_TARGETS:
+                outputs = self._onnx(case)
+            else:
+                outputs = self._eager(case)
         except Exception as error:  # the parent judges every exception; nothing is swallowed
             return Outcome(
                 status="raised",
+                before=before,
                 after=self._after(case),
                 error_type=type(error).__name__,
                 error_module=type(error).__module__,
                 error_bases=tuple(c.__name__ for c in type(error).__mro__),
                 message=str(error)[:2000],
             )
-        return Outcome(status="ok", outputs=outputs, after=self._after(case))
+        return Outcome(status="ok", outputs=outputs, before=before, after=self._after(case))
 
     @staticmethod
     def _after(case: FuzzCase) -> dict[str, torch.Tensor]:
-        return {name: case.inputs[name] for name in IN_PLACE.get(case.op, ())}
+        return {name: case.inputs[name].clone() for name in IN_PLACE.get(case.op, ())}
 
     def _eager(self, case: FuzzCase) -> dict[str, torch.Tensor]:
         import attnexport
 
-        with attnexport.use_backend(self.target):
+        mode = torch.inference_mode() if case.inference_mode else contextlib.nullcontext()
+        with attnexport.use_backend(self.target), mode:
             result = getattr(attnexport, case.op)(*case.inputs.values(), **case.attrs)
         if result is None:
             return {}
@@ -171,6 +204,11 @@ class _Runner:
         return self._sessions[key]
 
 
+_SELF_TESTS = {
+    "selftest_segfault": lambda: os.kill(os.getpid(), signal.SIGSEGV),
+    "selftest_hang": lambda: time.sleep(3600),
+    "selftest_allocate": lambda: {"out0": torch.empty(3 << 30, dtype=torch.uint8)},
+}
 _MATRIX_OUTPUTS = ("SiluAndMul", "FusedAddRMSNorm")
 _MAX_SESSIONS = 16
 
