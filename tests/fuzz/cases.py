@@ -26,6 +26,7 @@ INT32_MAX = 2**31 - 1
 WRAP = 2**32  # added to an int64 id, it survives a truncation to int32 unchanged
 
 _HEADS = [(2, 1), (4, 2), (2, 2), (4, 1)]
+_SMALL_DTYPES = [torch.float32, torch.float32, torch.bfloat16, torch.float16]
 _ATTENTION_INPUTS = {
     "paged_attention": (
         "query",
@@ -60,6 +61,7 @@ def _attention_case(
         "logits_soft_cap": draw(st.sampled_from([0.0, 0.0, 2.0])),
         "slot_dtype": draw(st.sampled_from([torch.int32, torch.int64])),
         "padded_tokens": draw(st.integers(0, 2)),
+        "dtype": draw(st.sampled_from(_SMALL_DTYPES)),
     }
     return AttentionCase("fuzz", tuple(query_lens), tuple(context_lens), **(fields | fixed))
 
@@ -177,7 +179,7 @@ def paged_attention(draw, kind: str) -> FuzzCase:
         if change == "value_cache":
             x["value_cache"] = x["value_cache"][: num_blocks - 1].contiguous()
         elif change == "head_size":
-            x["query"] = torch.randn(tokens, case.num_heads, case.head_size + 2)
+            x["query"] = torch.randn(tokens, case.num_heads, case.head_size + 2).to(case.dtype)
         elif change == "rows":
             x["block_tables"] = torch.cat((x["block_tables"], x["block_tables"][:1]))
         elif change == "offsets":
@@ -185,7 +187,7 @@ def paged_attention(draw, kind: str) -> FuzzCase:
         else:
             x["seq_lens"] = torch.cat((x["seq_lens"], x["seq_lens"][:1]))
     elif kind == "heads":
-        x["query"] = torch.randn(tokens, case.num_heads + 1, case.head_size)
+        x["query"] = torch.randn(tokens, case.num_heads + 1, case.head_size).to(case.dtype)
         attrs["alibi_slopes"] = None
     elif kind == "block_id":
         i = 0  # sequence 0 has a query token, so a key
@@ -272,11 +274,11 @@ def varlen_attention(draw, kind: str) -> FuzzCase:
         if change == "value":
             x["value"] = torch.cat((x["value"], x["value"][:1]))
         elif change == "head_size":
-            x["query"] = torch.randn(tokens, case.num_heads, case.head_size + 2)
+            x["query"] = torch.randn(tokens, case.num_heads, case.head_size + 2).to(case.dtype)
         else:
             x["cu_seqlens_k"] = torch.cat((x["cu_seqlens_k"], x["cu_seqlens_k"][-1:]))
     elif kind == "heads":
-        x["query"] = torch.randn(tokens, case.num_heads + 1, case.head_size)
+        x["query"] = torch.randn(tokens, case.num_heads + 1, case.head_size).to(case.dtype)
         attrs["alibi_slopes"] = None
     elif kind == "offsets_nonmono":
         x[which][1] = x[which][2] + draw(st.integers(1, 3))
@@ -326,7 +328,9 @@ def reshape_and_cache(draw, kind: str) -> FuzzCase:
         if change == "value":
             x["value"] = torch.cat((x["value"], x["value"][:1]))
         elif change == "heads":
-            x["key"] = torch.randn(x["key"].shape[0], case.num_kv_heads + 1, case.head_size)
+            x["key"] = torch.randn(x["key"].shape[0], case.num_kv_heads + 1, case.head_size).to(
+                case.dtype
+            )
         elif change == "value_cache":
             x["value_cache"] = x["value_cache"][:, : bs - 1].contiguous()
         else:
@@ -349,9 +353,6 @@ def reshape_and_cache(draw, kind: str) -> FuzzCase:
 
 
 # --------------------------------------------------------------------------- elementwise ops
-
-
-_SMALL_DTYPES = [torch.float32, torch.float32, torch.bfloat16, torch.float16]
 
 
 def _wrong_dtype(draw, x: dict) -> dict:
