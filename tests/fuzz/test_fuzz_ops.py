@@ -71,7 +71,6 @@ KNOWN: dict[tuple[str, str, str], str] = {
     ("onnx-bodies", "paged_attention", "heads"): _BODY_HEADS,
     ("onnx", "varlen_attention", "shape"): _BODY_SHAPES,
     ("onnx", "varlen_attention", "heads"): _BODY_HEADS,
-    ("onnx-bodies", "rotary_embedding", "shape"): _BODY_SHAPES,
     ("sdpa", "paged_attention", "stale_nan"): _ITEM3,
     ("eager", "paged_attention", "qsl_wrap"): _ITEM7_WRAP,
     ("eager", "varlen_attention", "offsets_wrap"): _ITEM7_WRAP,
