@@ -5,6 +5,10 @@ no state inherited from pytest, no forked onnxruntime or OpenMP threads) serves 
 its target. A worker that dies (a segfault, an abort) or does not answer within the time limit
 turns the case into a ``crash``/``hang`` outcome and is replaced before the next case, so pytest
 itself never dies with it.
+
+Written by hand because ``concurrent.futures.ProcessPoolExecutor`` (and ``multiprocessing.Pool``)
+can neither kill a task that hangs nor replace just the worker that crashed: a crash breaks the
+whole pool, a hang blocks it.
 """
 
 from __future__ import annotations

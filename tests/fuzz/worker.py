@@ -15,7 +15,6 @@ import os
 import pickle
 import resource
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -34,6 +33,14 @@ ONNX_NODES = {
     "fused_add_rms_norm": ("FusedAddRMSNorm", ("output", "total")),
 }
 IN_PLACE = {"reshape_and_cache": ("key_cache", "value_cache")}
+_MATRIX_OUTPUTS = ("SiluAndMul", "FusedAddRMSNorm")
+_MAX_SESSIONS = 16  # each holds threads and an arena
+# The harness's own tests (tests/fuzz/test_harness.py): a crash, a hang, a huge tensor.
+_SELF_TESTS = {
+    "selftest_segfault": lambda: os.kill(os.getpid(), signal.SIGSEGV),
+    "selftest_hang": lambda: time.sleep(3600),
+    "selftest_allocate": lambda: {"out0": torch.empty(3 << 30, dtype=torch.uint8)},
+}
 
 
 @dataclass
@@ -125,7 +132,7 @@ class _Runner:
                 case.inputs[name].numpy()[...] = values.numpy()
         before = {name: t.clone() for name, t in self._after(case).items()}
         try:
-            if case.op in _SELF_TESTS:  # the harness's own tests: a crash, a hang, a huge tensor
+            if case.op in _SELF_TESTS:
                 outputs = _SELF_TESTS[case.op]()
             elif self.target in ONNX_TARGETS:
                 outputs = self._onnx(case)
@@ -171,20 +178,25 @@ class _Runner:
             attrs["causal"] = int(attrs["causal"])
         if case.op == "qkv_rotary_embedding":
             attrs["head_size"] = template["cos"].shape[1]
-        session = self._session(case.op, op_type, output_names, template, attrs)
+        session = self._session(op_type, output_names, template, attrs)
         result = session.run(feeds)
         return {f"out{i}": result[name] for i, name in enumerate(output_names) if name in result}
 
-    def _session(self, op: str, op_type: str, output_names, template: dict, attrs: dict):
-        from attnexport.testing import _geometry, single_node_session
+    def _session(self, op_type: str, output_names, template: dict, attrs: dict):
+        """A session of one ``op_type`` node typed like ``template`` (cached: building one
+        costs more than running a case). Its geometry attributes come from the template's
+        shapes past the token axis, so those are part of the key."""
+        from attnexport.testing import single_node_session
 
-        signature = tuple((n, t.dtype, t.dim()) for n, t in template.items())
-        geometry = _geometry(op_type, template)
-        key = (op_type, signature, tuple(sorted((attrs | geometry).items())))
+        signature = tuple(
+            (n, t.dtype, t.dim(), tuple(t.shape[1:]) if t.is_floating_point() else ())
+            for n, t in template.items()
+        )
+        key = (op_type, signature, tuple(sorted(attrs.items())))
         if key in self._sessions:
             self._sessions[key] = self._sessions.pop(key)  # most recently used last
         else:
-            if len(self._sessions) >= _MAX_SESSIONS:  # each holds threads and an arena
+            if len(self._sessions) >= _MAX_SESSIONS:
                 del self._sessions[next(iter(self._sessions))]
             kernels = "native" if self.target == "onnx-native" else "bodies"
             first = next(iter(template.values()))
@@ -204,15 +216,6 @@ class _Runner:
         return self._sessions[key]
 
 
-_SELF_TESTS = {
-    "selftest_segfault": lambda: os.kill(os.getpid(), signal.SIGSEGV),
-    "selftest_hang": lambda: time.sleep(3600),
-    "selftest_allocate": lambda: {"out0": torch.empty(3 << 30, dtype=torch.uint8)},
-}
-_MATRIX_OUTPUTS = ("SiluAndMul", "FusedAddRMSNorm")
-_MAX_SESSIONS = 16
-
-
 def serve(connection, target: str, memory_bytes: int) -> None:
     """The worker's loop: receive a pickled case, answer with a pickled outcome, until EOF."""
     runner = _Runner(target)
@@ -225,4 +228,3 @@ def serve(connection, target: str, memory_bytes: int) -> None:
             return
         outcome = runner.run(pickle.loads(message))
         connection.send_bytes(pickle.dumps(outcome))
-        sys.stdout.flush()
