@@ -364,7 +364,12 @@ def _rotate(b: Builder, x: str, tables: tuple[str, str], output: str) -> None:
     back to the dtype of x."""
     cos, sin = tables
     x32 = b.Cast(x, to=FLOAT)
-    half = b.Div(b.Shape(x32, start=2), b.ints([2]))
+    head_size = b.Shape(x32, start=2)
+    # An odd D has no halves to rotate: Gather refuses index D % 2 = 1 of a 1-element tensor,
+    # so the node fails instead of rotating misaligned halves (the native kernel refuses too).
+    # (A Reshape to an even width would not do: onnxruntime rewrites its shape to -1.)
+    odd = b.Gather(b.ints([0]), b.Mod(head_size, b.ints([2])), axis=0)
+    half = b.Add(b.Div(head_size, b.ints([2])), odd)
     first = b.Slice(x32, b.ints([0]), half, b.ints([2]))
     second = b.Slice(x32, half, b.ints([_INT64_MAX]), b.ints([2]))
     rotated = b.Concat(b.Neg(second), first, axis=2)

@@ -300,6 +300,16 @@ def test_rotary_embedding_matches_reference(shape, dtype, kernels: str):
     assert_close_to_reference(out["output"], reference.rotary_embedding(x, cos, sin))
 
 
+@pytest.mark.parametrize("head_size", [1, 7])
+def test_rotary_embedding_refuses_an_odd_head_size(head_size, kernels: str):
+    """No halves to rotate: the body rotated misaligned ones (found by tests/fuzz)."""
+    x, cos, sin = (t[..., :head_size].contiguous() for t in make_rotary_inputs(3, 2, 8))
+    inputs = {"x": x, "cos": cos, "sin": sin}
+    session = single_node_session("NeoxRotaryEmbedding", inputs, {"output": x}, kernels)
+    with pytest.raises(RuntimeError, match=r"NeoxRotaryEmbedding_n_Gather|an even head_size"):
+        session.run(inputs)
+
+
 @requires_ort_kernels
 @pytest.mark.parametrize(
     "change,message",
