@@ -46,14 +46,16 @@ def _arange(b: Builder, length: str) -> str:
     return b.Range(b.int_scalar(0), _scalar(b, length), b.int_scalar(1))
 
 
-def _refuse_if(b: Builder, tensor: str, bad: list[str]) -> str:
+def _refuse_if(b: Builder, tensor: str, bad: list[str], what: str) -> str:
     """``tensor`` itself when every element of the bool tensors ``bad`` is false; else the run
     fails. ONNX has no assert, but onnxruntime refuses a ``Gather`` index past the end: the
-    count of bad elements indexes a 1-row copy of ``tensor``. Everything the checks guard reads
-    the returned tensor, so onnxruntime cannot compute it (or allocate by it) before they ran."""
+    count of bad elements indexes a 1-row copy of ``tensor``, in a node named
+    ``invalid_<what>`` that onnxruntime's error quotes. Everything the checks guard reads the
+    returned tensor, so onnxruntime cannot compute it (or allocate by it) before they ran."""
     flags = b.Concat(*(b.Reshape(flag, b.ints([-1])) for flag in bad), axis=0)
     count = b.ReduceSum(b.Cast(flags, to=INT64), keepdims=0)  # 0-D: Gather keeps the shape
-    return b.Gather(b.Unsqueeze(tensor, b.ints([0])), count, axis=0)
+    unsqueezed = b.Unsqueeze(tensor, b.ints([0]))
+    return b.op("Gather", unsqueezed, count, axis=0, node_hint=f"invalid_{what}")
 
 
 def _offsets(b: Builder, cumulative: str) -> tuple[str, str, str]:
@@ -66,7 +68,7 @@ def _offsets(b: Builder, cumulative: str) -> tuple[str, str, str]:
     ends = b.Slice(offsets, b.ints([1]), b.ints([_INT64_MAX]))
     empty = b.Equal(b.Shape(offsets), b.ints([0]))
     first_not_zero = b.Not(b.Equal(b.Slice(offsets, b.ints([0]), b.ints([1])), b.ints([0])))
-    offsets = _refuse_if(b, offsets, [empty, first_not_zero, b.Less(ends, starts)])
+    offsets = _refuse_if(b, offsets, [empty, first_not_zero, b.Less(ends, starts)], cumulative)
     starts = b.Slice(offsets, b.ints([0]), b.ints([-1]))
     ends = b.Slice(offsets, b.ints([1]), b.ints([_INT64_MAX]))
     return starts, ends, b.Sub(ends, starts)
@@ -328,6 +330,7 @@ def _checked_seq_lens(b: Builder, dims: _Dims, table: str, query_lens: str) -> s
             b.Less(seq_lens, b.ints([0])),
             b.Greater(seq_lens, b.Mul(width, dims.block_size)),
         ],
+        "seq_lens",
     )
     causal = b.Cast(b.attribute("causal", "int"), to=BOOL)
     short = b.And(causal, b.Less(seq_lens, query_lens))
@@ -335,7 +338,8 @@ def _checked_seq_lens(b: Builder, dims: _Dims, table: str, query_lens: str) -> s
     column = b.Unsqueeze(_arange(b, width), b.ints([0]))  # [1, W]
     used = b.Less(column, b.Unsqueeze(used_blocks, b.ints([1])))  # [S, W]
     negative_block = b.And(used, b.Less(table, b.ints([0])))
-    return _refuse_if(b, seq_lens, [short, negative_block])
+    seq_lens = _refuse_if(b, seq_lens, [short], "seq_lens_below_query_count")
+    return _refuse_if(b, seq_lens, [negative_block], "block_tables")
 
 
 def paged_attention(opset: int) -> onnx.FunctionProto:
@@ -383,7 +387,7 @@ def varlen_attention(opset: int) -> onnx.FunctionProto:
     key_starts, _, key_lens = _offsets(b, "cu_seqlens_k")
     query_offsets = _offsets(b, "cu_seqlens_q")
     same_count = b.Equal(b.Shape(key_lens), b.Shape(query_offsets[2]))
-    key_lens = _refuse_if(b, key_lens, [b.Not(same_count)])
+    key_lens = _refuse_if(b, key_lens, [b.Not(same_count)], "cu_seqlens_k_count")
 
     def rows(key_pos: str) -> str:
         return b.Add(b.Unsqueeze(key_starts, b.ints([1])), b.Unsqueeze(key_pos, b.ints([0])))
