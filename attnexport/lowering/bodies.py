@@ -47,12 +47,12 @@ def _arange(b: Builder, length: str) -> str:
 
 
 def _refuse_if(b: Builder, tensor: str, bad: list[str], what: str) -> str:
-    """``tensor`` itself when every element of the bool tensors ``bad`` is false; else the run
-    fails. ONNX has no assert, but onnxruntime refuses a ``Gather`` index past the end: the
+    """``tensor`` itself when every element of the 1-D bool tensors ``bad`` is false; else the
+    run fails. ONNX has no assert, but onnxruntime refuses a ``Gather`` index past the end: the
     count of bad elements indexes a 1-row copy of ``tensor``, in a node named
     ``invalid_<what>`` that onnxruntime's error quotes. Everything the checks guard reads the
     returned tensor, so onnxruntime cannot compute it (or allocate by it) before they ran."""
-    flags = b.Concat(*(b.Reshape(flag, b.ints([-1])) for flag in bad), axis=0)
+    flags = b.Concat(*bad, axis=0) if len(bad) > 1 else bad[0]
     count = b.ReduceSum(b.Cast(flags, to=INT64), keepdims=0)  # 0-D: Gather keeps the shape
     unsqueezed = b.Unsqueeze(tensor, b.ints([0]))
     return b.op("Gather", unsqueezed, count, axis=0, node_hint=f"invalid_{what}")
@@ -66,9 +66,8 @@ def _offsets(b: Builder, cumulative: str) -> tuple[str, str, str]:
     offsets = b.Cast(cumulative, to=INT64)
     starts = b.Slice(offsets, b.ints([0]), b.ints([-1]))
     ends = b.Slice(offsets, b.ints([1]), b.ints([_INT64_MAX]))
-    empty = b.Equal(b.Shape(offsets), b.ints([0]))
     first_not_zero = b.Not(b.Equal(b.Slice(offsets, b.ints([0]), b.ints([1])), b.ints([0])))
-    offsets = _refuse_if(b, offsets, [empty, first_not_zero, b.Less(ends, starts)], cumulative)
+    offsets = _refuse_if(b, offsets, [first_not_zero, b.Less(ends, starts)], cumulative)
     starts = b.Slice(offsets, b.ints([0]), b.ints([-1]))
     ends = b.Slice(offsets, b.ints([1]), b.ints([_INT64_MAX]))
     return starts, ends, b.Sub(ends, starts)
@@ -320,7 +319,9 @@ def _checked_seq_lens(b: Builder, dims: _Dims, table: str, query_lens: str) -> s
     num_seqs = b.Shape(seq_lens)
     table_shape = b.Shape(table)
     rows, width = (b.Slice(table_shape, b.ints([i]), b.ints([i + 1])) for i in (0, 1))
-    # Shapes and ranges first: the checks below broadcast and allocate by them.
+    causal = b.Cast(b.attribute("causal", "int"), to=BOOL)
+    # Every flag is sized by the inputs' shapes, not by their values (a mismatched count that
+    # broadcasts is flagged by the shape checks of the same sum).
     seq_lens = _refuse_if(
         b,
         seq_lens,
@@ -329,17 +330,15 @@ def _checked_seq_lens(b: Builder, dims: _Dims, table: str, query_lens: str) -> s
             b.Not(b.Equal(b.Shape(query_lens), num_seqs)),
             b.Less(seq_lens, b.ints([0])),
             b.Greater(seq_lens, b.Mul(width, dims.block_size)),
+            b.And(causal, b.Less(seq_lens, query_lens)),
         ],
         "seq_lens",
     )
-    causal = b.Cast(b.attribute("causal", "int"), to=BOOL)
-    short = b.And(causal, b.Less(seq_lens, query_lens))
     used_blocks = b.Div(b.Add(seq_lens, b.Sub(dims.block_size, b.ints([1]))), dims.block_size)
     column = b.Unsqueeze(_arange(b, width), b.ints([0]))  # [1, W]
     used = b.Less(column, b.Unsqueeze(used_blocks, b.ints([1])))  # [S, W]
     negative_block = b.And(used, b.Less(table, b.ints([0])))
-    seq_lens = _refuse_if(b, seq_lens, [short], "seq_lens_below_query_count")
-    return _refuse_if(b, seq_lens, [negative_block], "block_tables")
+    return _refuse_if(b, seq_lens, [b.Reshape(negative_block, b.ints([-1]))], "block_tables")
 
 
 def paged_attention(opset: int) -> onnx.FunctionProto:

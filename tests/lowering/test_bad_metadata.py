@@ -103,7 +103,7 @@ def test_paged_attention_node_refuses_bad_metadata(name: str, kernels: str):
         ("block-minus-1", "invalid_block_tables"),
         ("first-block-negative", "invalid_block_tables"),
         ("seq-len-negative", "invalid_seq_lens"),
-        ("seq-len-short-causal", "invalid_seq_lens_below_query_count"),
+        ("seq-len-short-causal", "invalid_seq_lens"),
         ("seq-len-past-table", "invalid_seq_lens"),
         ("empty-table", "invalid_seq_lens"),
         ("table-rows", "invalid_seq_lens"),
