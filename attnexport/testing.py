@@ -3,7 +3,8 @@
 * :func:`tolerance` — the one place where per-dtype error tolerances live.
 * :class:`AttentionCase` and :func:`make_paged_inputs` / :func:`make_varlen_inputs` — named,
   reproducible random batches (ragged lengths, randomly permuted blocks, padding slots) that
-  every backend's suite runs; :func:`make_rotary_inputs` for ``rotary_embedding``.
+  every backend's suite runs; :func:`make_rotary_inputs` for ``rotary_embedding``;
+  :func:`fill_unused_slots` fills the slots a batch does not own with NaN/Inf (stale blocks).
 * :func:`single_node_session` — one attnexport node in onnxruntime (body or native kernels).
 """
 
@@ -154,6 +155,25 @@ def make_paged_inputs(case: AttentionCase, device="cpu", seed: int = 0) -> dict:
         ),
         "kwargs": attention_kwargs(case, device),
     }
+
+
+def fill_unused_slots(x: dict, fill: float) -> dict:
+    """Writes the new tokens of a :func:`make_paged_inputs` dict ``x`` into its caches and sets
+    every slot that no sequence's first ``seq_lens[i]`` keys occupy to ``fill`` (NaN or +-inf:
+    what a freed block may hold). Returns ``x``, its caches changed in place."""
+    key_cache, value_cache = x["key_cache"], x["value_cache"]
+    slots = x["slot_mapping"].to(torch.int64)
+    keep = slots >= 0
+    block_size = key_cache.shape[1]
+    for cache, new in ((key_cache, x["key"]), (value_cache, x["value"])):
+        cache.view(-1, *cache.shape[2:])[slots[keep]] = new[keep]
+    used = torch.zeros(key_cache.shape[0] * block_size, dtype=torch.bool)
+    for row, seq_len in zip(x["block_tables"].tolist(), x["seq_lens"].tolist(), strict=True):
+        for position in range(seq_len):
+            used[row[position // block_size] * block_size + position % block_size] = True
+    for cache in (key_cache, value_cache):
+        cache.view(-1, *cache.shape[2:])[~used.to(cache.device)] = fill
+    return x
 
 
 def make_varlen_inputs(case: AttentionCase, device="cpu", seed: int = 0) -> dict:

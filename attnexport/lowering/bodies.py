@@ -46,9 +46,28 @@ def _arange(b: Builder, length: str) -> str:
     return b.Range(b.int_scalar(0), _scalar(b, length), b.int_scalar(1))
 
 
+def _refuse_if(b: Builder, tensor: str, bad: list[str], what: str) -> str:
+    """``tensor`` itself when every element of the 1-D bool tensors ``bad`` is false; else the
+    run fails. ONNX has no assert, but onnxruntime refuses a ``Gather`` index past the end: the
+    count of bad elements indexes a 1-row copy of ``tensor``, in a node named
+    ``invalid_<what>`` that onnxruntime's error quotes. Everything the checks guard reads the
+    returned tensor, so onnxruntime cannot compute it (or allocate by it) before they ran."""
+    flags = b.Concat(*bad, axis=0) if len(bad) > 1 else bad[0]
+    count = b.ReduceSum(b.Cast(flags, to=INT64), keepdims=0)  # 0-D: Gather keeps the shape
+    unsqueezed = b.Unsqueeze(tensor, b.ints([0]))
+    return b.op("Gather", unsqueezed, count, axis=0, node_hint=f"invalid_{what}")
+
+
 def _offsets(b: Builder, cumulative: str) -> tuple[str, str, str]:
-    """(starts, ends, lengths) int64 [S] of an int32 cumulative-offset tensor [S + 1]."""
+    """(starts, ends, lengths) int64 [S] of an int32 cumulative-offset tensor [S + 1], which
+    must start at 0 and not decrease (in int64: no wrapped difference passes). That the last
+    offset is the token count is checked per layer (the token count is a per-layer shape):
+    an output of another length fails the final ``Reshape``, a larger offset the ``Gather``."""
     offsets = b.Cast(cumulative, to=INT64)
+    starts = b.Slice(offsets, b.ints([0]), b.ints([-1]))
+    ends = b.Slice(offsets, b.ints([1]), b.ints([_INT64_MAX]))
+    first_not_zero = b.Not(b.Equal(b.Slice(offsets, b.ints([0]), b.ints([1])), b.ints([0])))
+    offsets = _refuse_if(b, offsets, [first_not_zero, b.Less(ends, starts)], cumulative)
     starts = b.Slice(offsets, b.ints([0]), b.ints([-1]))
     ends = b.Slice(offsets, b.ints([1]), b.ints([_INT64_MAX]))
     return starts, ends, b.Sub(ends, starts)
@@ -116,15 +135,15 @@ class _Plan(NamedTuple):
 def _plan(
     b: Builder,
     dims: _Dims,
-    cumulative_q: str,
+    query_offsets: tuple[str, str, str],
     key_lens: str,
     key_rows: Callable[[str], str],
 ) -> _Plan:
-    """The :class:`_Plan` of a batch: ``cumulative_q`` int32 [S + 1] query offsets,
-    ``key_lens`` int64 [S]; ``key_rows(key_pos)`` maps key positions [L] to int64 [S, L] rows
-    of the packed keys or of the cache viewed as [NB * BS, Hkv, D] (only valid keys' rows are
-    used)."""
-    starts, ends, query_lens = _offsets(b, cumulative_q)
+    """The :class:`_Plan` of a batch: ``query_offsets`` the checked (starts, ends, lengths)
+    int64 [S] of :func:`_offsets`, ``key_lens`` int64 [S]; ``key_rows(key_pos)`` maps key
+    positions [L] to int64 [S, L] rows of the packed keys or of the cache viewed as
+    [NB * BS, Hkv, D] (only valid keys' rows are used)."""
+    starts, ends, query_lens = query_offsets
     num_seqs = b.Shape(key_lens)
     max_q = _max_or_zero(b, query_lens)
     max_k = _max_or_zero(b, key_lens)
@@ -253,9 +272,9 @@ def _attend(
     logits = _alibi(b, logits, slopes, plan, dims)
     weights = b.Softmax(b.Add(logits, plan.bias), axis=-1)
     out = b.Where(plan.has_key, b.MatMul(weights, v), b.float_scalar(0.0))  # [S, Hkv, Q*G, D]
-    packed = b.Gather(b.Reshape(out, group_width), plan.out_index, axis=0)  # [T, Hkv, G * D]
-    shape = b.Concat(b.ints([-1]), dims.heads, dims.head_size, axis=0)
-    return b.op("CastLike", b.Reshape(packed, shape), query, names=[output])
+    packed = b.Gather(b.Reshape(out, group_width), plan.out_index, axis=0)  # [T', Hkv, G * D]
+    # The query's own shape, not [-1, H, D]: T' = the last query offset must be T.
+    return b.op("CastLike", b.Reshape(packed, b.Shape(query)), query, names=[output])
 
 
 # --------------------------------------------------------------------------- the bodies
@@ -290,6 +309,38 @@ _MASK_ATTRIBUTES = {"scale": None, "sliding_window": -1, "logits_soft_cap": 0.0}
 _GEOMETRY_ATTRIBUTES = {"num_heads": None, "num_kv_heads": None, "head_size": None}
 
 
+def _checked_seq_lens(b: Builder, dims: _Dims, table: str, query_lens: str) -> str:
+    """``seq_lens`` in int64 [S], refused (see :func:`_refuse_if`) unless one per block-table
+    row and query sequence, in [0, table width * block_size], at least the query count when
+    causal, and unless the blocks they use hold no negative id (a negative index would wrap in
+    ``Gather`` and read another sequence's block; ids past the cache fail the keys' ``Gather``).
+    Every allocation of the plan is then bounded by the table's width."""
+    seq_lens = b.Cast("seq_lens", to=INT64)
+    num_seqs = b.Shape(seq_lens)
+    table_shape = b.Shape(table)
+    rows, width = (b.Slice(table_shape, b.ints([i]), b.ints([i + 1])) for i in (0, 1))
+    causal = b.Cast(b.attribute("causal", "int"), to=BOOL)
+    # Every flag is sized by the inputs' shapes, not by their values (a mismatched count that
+    # broadcasts is flagged by the shape checks of the same sum).
+    seq_lens = _refuse_if(
+        b,
+        seq_lens,
+        [
+            b.Not(b.Equal(rows, num_seqs)),
+            b.Not(b.Equal(b.Shape(query_lens), num_seqs)),
+            b.Less(seq_lens, b.ints([0])),
+            b.Greater(seq_lens, b.Mul(width, dims.block_size)),
+            b.And(causal, b.Less(seq_lens, query_lens)),
+        ],
+        "seq_lens",
+    )
+    used_blocks = b.Div(b.Add(seq_lens, b.Sub(dims.block_size, b.ints([1]))), dims.block_size)
+    column = b.Unsqueeze(_arange(b, width), b.ints([0]))  # [1, W]
+    used = b.Less(column, b.Unsqueeze(used_blocks, b.ints([1])))  # [S, W]
+    negative_block = b.And(used, b.Less(table, b.ints([0])))
+    return _refuse_if(b, seq_lens, [b.Reshape(negative_block, b.ints([-1]))], "block_tables")
+
+
 def paged_attention(opset: int) -> onnx.FunctionProto:
     """``attnexport.PagedAttention`` in standard ops."""
     b = Builder()
@@ -301,8 +352,9 @@ def paged_attention(opset: int) -> onnx.FunctionProto:
         block = b.Gather(table, b.Div(key_pos, dims.block_size), axis=1)  # [S, L]
         return b.Add(b.Mul(block, dims.block_size), b.Mod(key_pos, dims.block_size))
 
-    seq_lens = b.Cast("seq_lens", to=INT64)
-    plan = _plan(b, dims, "query_start_loc", seq_lens, slots)
+    query_offsets = _offsets(b, "query_start_loc")
+    seq_lens = _checked_seq_lens(b, dims, table, query_offsets[2])
+    plan = _plan(b, dims, query_offsets, seq_lens, slots)
     # [num_blocks * block_size * Hkv, D]: row slot * Hkv + kv_head.
     keys = b.Flatten("key_cache", axis=3)
     values = b.Flatten("value_cache", axis=3)
@@ -332,11 +384,14 @@ def varlen_attention(opset: int) -> onnx.FunctionProto:
     b = Builder()
     dims = _dims(b, paged=False)
     key_starts, _, key_lens = _offsets(b, "cu_seqlens_k")
+    query_offsets = _offsets(b, "cu_seqlens_q")
+    same_count = b.Equal(b.Shape(key_lens), b.Shape(query_offsets[2]))
+    key_lens = _refuse_if(b, key_lens, [b.Not(same_count)], "cu_seqlens_k_count")
 
     def rows(key_pos: str) -> str:
         return b.Add(b.Unsqueeze(key_starts, b.ints([1])), b.Unsqueeze(key_pos, b.ints([0])))
 
-    plan = _plan(b, dims, "cu_seqlens_q", key_lens, rows)
+    plan = _plan(b, dims, query_offsets, key_lens, rows)
     # [Tk * Hkv, D]: row token * Hkv + kv_head.
     keys = b.Flatten("key", axis=2)
     values = b.Flatten("value", axis=2)

@@ -36,9 +36,11 @@ class Builder:
         *inputs: str,
         outputs: int = 1,
         names: Sequence[str] | None = None,
+        node_hint: str | None = None,
         **attributes,
     ) -> str | list[str]:
-        """Appends a node; ``names`` fixes its output names (else ``outputs`` fresh ones)."""
+        """Appends a node; ``names`` fixes its output names (else ``outputs`` fresh ones);
+        ``node_hint`` starts the node's name (onnxruntime's errors quote it)."""
         if names is None:
             names = [self.fresh(op_type.lower()) for _ in range(outputs)]
         names = list(names)
@@ -47,7 +49,7 @@ class Builder:
                 op_type,
                 list(inputs),
                 names,
-                name=self.fresh(f"n_{op_type}"),
+                name=self.fresh(node_hint or f"n_{op_type}"),
                 **{k: v for k, v in attributes.items() if v is not None},
             )
         )

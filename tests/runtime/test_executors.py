@@ -349,3 +349,36 @@ def test_every_layer_reuses_the_step_plan(source, model, pt2_path, monkeypatch):
     (plan,) = plans
     # slot checks, attention checks and the sdpa plan: one entry each for all layers
     assert len(plan) == 3
+
+
+def _stale_executor(kind: str, model, onnx_path):
+    """A fresh executor: a torch backend's name, or ``ort-bodies`` / ``ort-native``."""
+    if kind.startswith("ort-"):
+        from attnexport.runtime import OrtExecutor
+
+        return OrtExecutor(onnx_path, num_threads=1, kernels=kind.removeprefix("ort-"))
+    backend = next((b for b in registered_backends() if b.name == kind), None)
+    if backend is None or backend.unavailable_reason() is not None:
+        pytest.skip(f"{kind}: {backend.unavailable_reason() if backend else 'not registered'}")
+    device = "cpu" if "cpu" in backend.capabilities.devices else "cuda"
+    return TorchExecutor(model, block_size=BLOCK_SIZE, backend=kind, device=device)
+
+
+@pytest.mark.parametrize("fill", [float("nan"), float("inf"), float("-inf")], ids=str)
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "sdpa",
+        "ipex",
+        "xformers",
+        "ort-bodies",
+        pytest.param("ort-native", marks=ORT_KERNEL_MODES[1].marks),
+    ],
+)
+def test_stale_cache_values_do_not_leak_into_requests(kind, fill, model, onnx_path, eager_tokens):
+    """A pool whose every slot holds NaN/Inf (what freed blocks of an earlier request may hold)
+    generates the same tokens as a zeroed one: unwritten slots never enter the arithmetic."""
+    engine = Engine(_stale_executor(kind, model, onnx_path), CACHE, LIMITS)
+    for cache in engine.executor.kv_caches:  # the OrtExecutor binds these very tensors
+        cache.fill_(fill)
+    assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == eager_tokens

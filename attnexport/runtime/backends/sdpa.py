@@ -217,6 +217,10 @@ class _DecodeChunk:
     block_ids: torch.Tensor
     """[b, n] int64 blocks to gather (padding entries clamped to a valid block)."""
     masks: Masks
+    stale: torch.Tensor | None
+    """int64 rows of the gathered [b * n * BS] slots past each sequence's length (None if
+    none): their values are zeroed after the gather, since a masked weight of 0 times a stale
+    NaN or Inf value is NaN."""
 
 
 @dataclass(frozen=True)
@@ -298,6 +302,8 @@ def _build_step_plan(
             (chunk_lens - 1)[:, None], chunk_lens, width * block_size, causal, sliding_window, alibi
         )
         tokens = torch.tensor([starts[i] for i in rows], device=query_start_loc.device)
+        key_positions = torch.arange(width * block_size, device=chunk_lens.device)
+        stale = (key_positions[None, :] >= chunk_lens[:, None]).view(-1).nonzero().view(-1)
         chunks.append(
             _DecodeChunk(
                 start=first,
@@ -305,6 +311,7 @@ def _build_step_plan(
                 tokens=None if decode_only else tokens,
                 block_ids=block_ids.clamp_(0, num_blocks - 1),  # padding entries
                 masks=masks,
+                stale=stale if stale.numel() else None,
             )
         )
     prefills = [
@@ -377,6 +384,8 @@ class SdpaBackend(AttentionBackend):
                 work_dtype,
                 _workspace.get("value", shape, work_dtype, query.device),
             )
+            if chunk.stale is not None:  # keys need nothing: their logits are masked to -inf
+                value.view(-1, *shape[2:]).index_fill_(0, chunk.stale, 0.0)
             q = query[chunk.start : chunk.stop] if chunk.tokens is None else query[chunk.tokens]
             result = grouped_attention(
                 q.unsqueeze(1), key, value, chunk.masks, scale, alibi_slopes, logits_soft_cap

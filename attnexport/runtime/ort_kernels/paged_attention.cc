@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -151,6 +150,9 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
   if (previous_end < 0 || previous_end > tokens)
     return invalid("PagedAttention: query_start_loc[0] = " + std::to_string(previous_end) +
                    " is outside [0, num_tokens = " + std::to_string(tokens) + "]");
+  if (previous_end != 0)
+    return invalid("PagedAttention: query_start_loc[0] = " + std::to_string(previous_end) +
+                   " must be 0");
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t begin = batch.query_start[s], end = batch.query_start[s + 1];
     const int64_t length = batch.seq_lens[s];
@@ -162,6 +164,11 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
       return invalid("PagedAttention: seq_lens[" + std::to_string(s) + "] = " +
                      std::to_string(length) + " is outside [0, max_blocks * block_size = " +
                      std::to_string(max_blocks * block_size) + "]");
+    if (causal && length < end - begin)
+      return invalid("PagedAttention: seq_lens[" + std::to_string(s) + "] = " +
+                     std::to_string(length) + " is smaller than its " +
+                     std::to_string(end - begin) +
+                     " query tokens (with causal=1 seq_lens counts the context and the queries)");
     const int32_t* row = batch.block_tables + s * max_blocks;
     for (int64_t b = 0; b < (length + block_size - 1) / block_size; ++b)
       if (row[b] < 0 || row[b] >= num_blocks)
@@ -175,14 +182,15 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
     previous_end = end;
   }
 
+  if (previous_end != tokens)
+    return invalid("PagedAttention: query_start_loc[" + std::to_string(num_seqs) + "] = " +
+                   std::to_string(previous_end) + " must be num_tokens = " +
+                   std::to_string(tokens));
+
+  // Every output row is a query of one sequence: the offsets cover [0, num_tokens).
   Tensor output;
   ATTNEXPORT_RETURN_IF_ERROR(make_output(context, 0, {tokens, num_heads, head_size}, &output));
   batch.out = output.data;
-  // Rows outside every sequence's queries are zeros (all-zero bits in every float type).
-  const size_t row_bytes = num_heads * head_size * element_size(type);
-  auto* out_bytes = static_cast<char*>(batch.out);
-  std::memset(out_bytes, 0, row_bytes * batch.query_start[0]);
-  std::memset(out_bytes + row_bytes * previous_end, 0, row_bytes * (tokens - previous_end));
 
   return with_float_type(type, [&](auto tag) {
     return run_all<decltype(tag)>(context, batch, items);
