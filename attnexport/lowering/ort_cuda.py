@@ -9,7 +9,8 @@ maps onto it::
         cumulative_sequence_length = query_start_loc,
         past_seqlens = seq_lens - query_lens,
         block_table = block_tables,
-        slot_mapping = max(int32(slot_mapping), -1))   # negative slots -> -1, "skip"
+        slot_mapping = max(int32(slot_mapping), -1))   # negative slots -> -1, "skip";
+                                                     # past int32: the run fails
       -> output [T, H*D], key_cache_out, value_cache_out   (the caches, aliased in place)
 
 with attributes ``num_heads``, ``kv_num_heads``, ``scale``, ``softcap`` = logits_soft_cap,
@@ -106,6 +107,25 @@ def _writer(attention: ir.Node) -> ir.Node | None:
     return node
 
 
+def _int32_slots(emit: _Emitter, slots: ir.Value) -> ir.Value:
+    """``slots`` (int32 or int64 [T]) in int64 with every negative slot -> -1, ready for an
+    exact Cast to int32: a slot past int32 fails the run instead of wrapping (2^32 + 5 would
+    write slot 5). The failure is a ``Gather`` whose index is the count of such slots, on a
+    1-row copy (ONNX has no assert; onnxruntime refuses an index past the end and names the
+    node, ``invalid_slot_mapping``), as the function bodies' metadata checks do."""
+    slots = emit("Cast", [slots], {"to": ir.DataType.INT64})
+    too_big = emit("Greater", [slots, emit.const([2**31 - 1], np.int64)])
+    count = emit(
+        "ReduceSum",
+        [emit("Cast", [too_big], {"to": ir.DataType.INT64})],
+        {"keepdims": 0},
+    )
+    unsqueezed = emit("Unsqueeze", [slots, emit.const([0], np.int64)])
+    node = ir.node("Gather", [unsqueezed, count], {"axis": 0}, name="invalid_slot_mapping")
+    emit.graph.insert_before(emit.anchor, node)
+    return emit("Max", [node.outputs[0], emit.const(-1, np.int64)])
+
+
 def _replace(graph: ir.Graph, attention: ir.Node, write: ir.Node) -> None:
     emit = _Emitter(graph, attention)
     query, _, _, block_tables, seq_lens, query_start_loc = attention.inputs[:6]
@@ -117,7 +137,11 @@ def _replace(graph: ir.Graph, attention: ir.Node, write: ir.Node) -> None:
     )
     past = emit("Sub", [seq_lens, emit("Sub", [ends, starts])])
     slots32 = emit(
-        "Max", [emit("Cast", [slots], {"to": ir.DataType.INT32}), emit.const(-1, np.int32)]
+        "Max",
+        [
+            emit("Cast", [_int32_slots(emit, slots)], {"to": ir.DataType.INT32}),
+            emit.const(-1, np.int32),
+        ],
     )
     window = _attribute(attention, "sliding_window", -1)
     outputs = emit(

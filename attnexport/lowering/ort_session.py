@@ -49,6 +49,23 @@ _TYPE_STRINGS = {
 }
 
 
+def _check_fits(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    """Raises ValueError naming input ``name`` when a value of the integer ``tensor`` lies
+    outside ``dtype``: ``Tensor.to`` would wrap it (an int64 slot 2^32 + 5 becomes slot 5)."""
+    if tensor.numel() == 0 or torch.bool in (tensor.dtype, dtype):
+        return
+    info, source = torch.iinfo(dtype), torch.iinfo(tensor.dtype)
+    if info.min <= source.min and source.max <= info.max:
+        return
+    low, high = int(tensor.min()), int(tensor.max())
+    if low < info.min or high > info.max:
+        bad = low if low < info.min else high
+        raise ValueError(
+            f"{name}: value {bad} does not fit the model's {dtype} input "
+            f"(range [{info.min}, {info.max}])"
+        )
+
+
 def flatten_inputs(inputs: Mapping[str, object]) -> dict[str, torch.Tensor]:
     """Flattens list/tuple/dict values the way the exporter names graph inputs:
     ``{"kv_caches": [a, b]}`` -> ``{"kv_caches_0": a, "kv_caches_1": b}``."""
@@ -180,6 +197,7 @@ class PagedOrtSession:
         if expected is not None and tensor.dtype != expected:
             if tensor.dtype.is_floating_point or expected.is_floating_point:
                 raise TypeError(f"{name}: expected dtype {expected}, got {tensor.dtype}")
+            _check_fits(name, tensor, expected)
             tensor = tensor.to(expected)
         return tensor.contiguous()
 

@@ -37,57 +37,15 @@ PROFILE = settings.get_profile(
 EAGER_TARGETS = [b.name for b in registered_backends() if b.unavailable_reason() is None]
 TARGETS = [*EAGER_TARGETS, *ONNX_TARGETS]
 
-# (target, op, kind) -> the item of issue 16 that fixes it; "*" matches any target, "onnx" both
-# ONNX paths, "eager" every backend.
-_ITEM3 = "issue 16 item 3: NaN/Inf left in pool slots no sequence sees reach the output"
-_ITEM6 = "issue 16 item 6: stock onnxruntime (function bodies) accepts bad metadata"
-_ITEM6_NATIVE = "issue 16 item 6: the native PagedAttention kernel accepts bad metadata"
-_ITEM6_ALLOC = "issue 16 item 6: a body allocates by a bad length (tens of GB)"
-_ITEM7_WRAP = "issue 16 item 7: int32 offsets that wrap pass the monotone check"
-_ITEM7_EMPTY = (
-    "issue 16 item 7: empty block tables with causal=False: sdpa raises a raw RuntimeError"
-)
-_ITEM7_TRUNC = "issue 16 item 7: int64 ids truncated to int32 (PagedOrtSession converts them)"
-# Found by this suite and owned by no item of issue 16 (reported to the lead, not fixed here:
-# each needs a runtime check in a function body, the mechanism item 6 is building).
+# (target, op, kind) -> why it fails today; "*" matches any target, "onnx" both ONNX paths,
+# "eager" every backend.
 _BODY_SHAPES = "unowned: ONNX function bodies do not check shapes against each other"
-_BODY_HEADS = "unowned: ONNX bodies drop or reuse query heads when H != the node's num_heads"
 _DUP_SLOTS = "unowned: ReshapeAndCache in onnxruntime accepts a slot written twice"
-_ITEM4_MEMO = "issue 16 item 4: metadata rewritten through NumPy is hidden by the memo"
-_ITEM4_INFERENCE = "issue 16 item 4: the op raises under torch.inference_mode()"
 KNOWN: dict[tuple[str, str, str], str] = {
-    ("eager", "reshape_and_cache", "inference_mode"): _ITEM4_INFERENCE,
-    ("eager", "paged_attention", "inference_mode"): _ITEM4_INFERENCE,
-    ("eager", "varlen_attention", "inference_mode"): _ITEM4_INFERENCE,
-    ("eager", "reshape_and_cache", "memo_rewrite_bad"): _ITEM4_MEMO,
-    ("eager", "paged_attention", "memo_rewrite_bad"): _ITEM4_MEMO,
-    ("eager", "varlen_attention", "memo_rewrite_bad"): _ITEM4_MEMO,
-    ("eager", "paged_attention", "memo_rewrite_valid"): _ITEM4_MEMO,
-    ("ipex", "reshape_and_cache", "memo_rewrite_valid"): _ITEM4_MEMO,
-    ("ipex", "varlen_attention", "memo_rewrite_valid"): _ITEM4_MEMO,
     ("onnx-bodies", "reshape_and_cache", "shape"): _BODY_SHAPES,
     ("onnx", "reshape_and_cache", "slot_dup"): _DUP_SLOTS,
     ("onnx-bodies", "paged_attention", "shape"): _BODY_SHAPES,
-    ("onnx-bodies", "paged_attention", "heads"): _BODY_HEADS,
     ("onnx", "varlen_attention", "shape"): _BODY_SHAPES,
-    ("onnx", "varlen_attention", "heads"): _BODY_HEADS,
-    ("sdpa", "paged_attention", "stale_nan"): _ITEM3,
-    ("eager", "paged_attention", "qsl_wrap"): _ITEM7_WRAP,
-    ("eager", "varlen_attention", "offsets_wrap"): _ITEM7_WRAP,
-    ("sdpa", "paged_attention", "empty_table"): _ITEM7_EMPTY,
-    ("onnx", "reshape_and_cache", "int64_slots_wrap"): _ITEM7_TRUNC,
-    ("onnx", "paged_attention", "int64_ids_wrap"): _ITEM7_TRUNC,
-    ("onnx", "varlen_attention", "int64_ids_wrap"): _ITEM7_TRUNC,
-    ("onnx-bodies", "paged_attention", "block_id"): _ITEM6,
-    ("onnx", "paged_attention", "seq_short"): _ITEM6,
-    ("onnx-bodies", "paged_attention", "seq_huge"): _ITEM6_ALLOC,
-    ("onnx-bodies", "paged_attention", "qsl_nonmono"): _ITEM6,
-    ("onnx", "paged_attention", "qsl_last"): _ITEM6,
-    ("onnx-bodies", "paged_attention", "qsl_wrap"): _ITEM6_ALLOC,
-    # VarlenAttention has no native kernel: both ONNX paths run its body.
-    ("onnx", "varlen_attention", "offsets_nonmono"): _ITEM6,
-    ("onnx", "varlen_attention", "offsets_last"): _ITEM6,
-    ("onnx", "varlen_attention", "offsets_wrap"): _ITEM6_ALLOC,
 }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -129,6 +130,26 @@ def test_ort_cuda_maps_write_and_attention_to_one_contrib_node(ort_cuda_model):
     output_reshape = producers["output"]
     assert output_reshape.op_type == "Reshape" and output_reshape.input[0] == node.output[0]
     assert read_metadata(model).target == "ort-cuda"
+
+
+def test_ort_cuda_slot_mapping_past_int32_fails_instead_of_wrapping(ort_cuda_model, tmp_path):
+    """The contrib op takes int32 slots: the int64 slot_mapping is cast to int32 in the graph,
+    where 2^32 + 5 would become slot 5. The subgraph that computes the contrib op's slots runs
+    here on the CPU provider (no CUDA EP here): valid and negative slots come out as before,
+    a slot past int32 fails the run in the node that names it."""
+    import onnxruntime as ort
+
+    model, path = ort_cuda_model
+    (node,) = [n for n in model.graph.node if n.domain == "com.microsoft"]
+    part = tmp_path / "slots.onnx"
+    onnx.utils.extract_model(str(path), str(part), ["slot_mapping"], [node.input[10]])
+    session = ort.InferenceSession(str(part), providers=["CPUExecutionProvider"])
+    slots = np.array([3, -1, -7, 2**31 - 1, -(2**40)], dtype=np.int64)
+    (out,) = session.run(None, {"slot_mapping": slots})
+    assert out.dtype == np.int32 and out.tolist() == [3, -1, -1, 2**31 - 1, -1]
+    for bad in (2**32 + 5, 2**31):
+        with pytest.raises(Exception, match="invalid_slot_mapping"):
+            session.run(None, {"slot_mapping": np.array([1, bad], dtype=np.int64)})
 
 
 def test_ort_cuda_keeps_what_the_contrib_op_cannot_compute(tmp_path):
