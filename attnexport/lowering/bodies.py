@@ -58,6 +58,26 @@ def _refuse_if(b: Builder, tensor: str, bad: list[str], what: str) -> str:
     return b.op("Gather", unsqueezed, count, axis=0, node_hint=f"invalid_{what}")
 
 
+def _differs(b: Builder, actual: str, expected: str) -> str:
+    """1-D bool: true where the 1-D int64 ``actual`` and ``expected`` (shapes, or parts of
+    them, of one length) differ."""
+    return b.Not(b.Equal(actual, expected))
+
+
+def _attention_shape_flags(b: Builder, dims: _Dims, keys: str, values: str) -> list[str]:
+    """The per-layer shape checks of an attention node: the query is [T, H, D] and ``keys``
+    (``value``s alike) end in [Hkv, D], as the node's attributes say; ``values`` has the
+    shape of ``keys`` (the same blocks or tokens). Cheap: Shape and Equal of a few ints."""
+    heads_and_size = b.Concat(dims.heads, dims.head_size, axis=0)
+    kv_heads_and_size = b.Concat(dims.kv_heads, dims.head_size, axis=0)
+    key_shape = b.Shape(keys)
+    return [
+        _differs(b, b.Shape("query", start=1), heads_and_size),
+        _differs(b, b.Shape(keys, start=-2), kv_heads_and_size),
+        _differs(b, b.Shape(values), key_shape),
+    ]
+
+
 def _offsets(b: Builder, cumulative: str) -> tuple[str, str, str]:
     """(starts, ends, lengths) int64 [S] of an int32 cumulative-offset tensor [S + 1], which
     must start at 0 and not decrease (in int64: no wrapped difference passes). That the last
@@ -258,11 +278,15 @@ def _attend(
     plan: _Plan,
     dims: _Dims,
     output: str,
+    shape_flags: list[str],
 ) -> str:
     """The per-layer part: query [T, H, D], keys/values [N * Hkv, D] (rows as in ``plan``) ->
     ``output`` [T, H, D] in the query's dtype. Math in float32; the only copies of keys and
-    values are the two gathers."""
+    values are the two gathers. ``shape_flags`` (1-D bool, true = mismatch) refuse the run
+    (:func:`_refuse_if`) before the queries are read: they guard the 2-element width that
+    every read of the queries and of the result goes through, not a big tensor."""
     group_width = b.Concat(b.ints([-1]), b.Mul(dims.group, dims.head_size), axis=0)
+    group_width = _refuse_if(b, group_width, shape_flags, "shapes")
     q = b.Gather(b.Reshape(query, group_width), plan.q_index, axis=0)  # [S, Hkv, Q, G * D]
     q = b.Reshape(b.Cast(q, to=FLOAT), plan.q_shape, allowzero=1)  # [S, Hkv, Q * G, D]
     k = b.Cast(b.Gather(keys, plan.kv_index, axis=0), to=FLOAT)  # [S, Hkv, L, D]
@@ -283,14 +307,34 @@ def _attend(
 def reshape_and_cache(opset: int) -> onnx.FunctionProto:
     """``attnexport.ReshapeAndCache`` in standard ops (NonZero + Gather + ScatterND)."""
     b = Builder()
+    block_size = b.Unsqueeze(b.attribute("block_size", "int"), b.ints([0]))
     slots = b.Cast("slot_mapping", to=INT64)
     # Rows with a slot >= 0 (Gather, not Compress: Compress's schema has no bfloat16).
     kept = b.Squeeze(b.NonZero(b.GreaterOrEqual(slots, b.ints([0]))), b.ints([0]))
     slots = b.Gather(slots, kept, axis=0)
-    block_size = b.Unsqueeze(b.attribute("block_size", "int"), b.ints([0]))
     blocks = b.Unsqueeze(b.Div(slots, block_size), b.ints([1]))
     offsets = b.Unsqueeze(b.Mod(slots, block_size), b.ints([1]))
     index = b.Concat(blocks, offsets, axis=1)  # [T', 2] = (block, offset)
+    # A slot written twice has no defined value (docs/ops.md; the torch op refuses it): as
+    # many distinct slots as kept ones. Shared by every layer like the index.
+    distinct = b.op("Unique", slots, outputs=4)[0]
+    index = _refuse_if(b, index, [_differs(b, b.Shape(distinct), b.Shape(slots))], "slot_mapping")
+    # The index depends on slot_mapping only (shared by every layer after inlining); the
+    # shapes are per layer, so the check guards the small index both writes read: no cache
+    # is written before a mismatch fails the run.
+    key_shape, cache_shape = b.Shape("key"), b.Shape("key_cache")
+    index = _refuse_if(
+        b,
+        index,
+        [
+            _differs(b, b.Shape("value"), key_shape),
+            _differs(b, b.Shape("value_cache"), cache_shape),
+            _differs(b, b.Shape("key", start=1), b.Shape("key_cache", start=2)),
+            _differs(b, b.Shape("key_cache", start=1, end=2), block_size),
+            _differs(b, b.Shape("slot_mapping"), b.Shape("key", end=1)),
+        ],
+        "shapes",
+    )
     for token, cache in (("key", "key_cache"), ("value", "value_cache")):
         b.op("ScatterND", cache, index, b.Gather(token, kept, axis=0), names=[f"{cache}_out"])
     return function(
@@ -355,10 +399,12 @@ def paged_attention(opset: int) -> onnx.FunctionProto:
     query_offsets = _offsets(b, "query_start_loc")
     seq_lens = _checked_seq_lens(b, dims, table, query_offsets[2])
     plan = _plan(b, dims, query_offsets, seq_lens, slots)
+    flags = _attention_shape_flags(b, dims, "key_cache", "value_cache")
+    flags.append(_differs(b, b.Shape("key_cache", start=1, end=2), dims.block_size))
     # [num_blocks * block_size * Hkv, D]: row slot * Hkv + kv_head.
     keys = b.Flatten("key_cache", axis=3)
     values = b.Flatten("value_cache", axis=3)
-    _attend(b, "query", keys, values, "alibi_slopes", plan, dims, "output")
+    _attend(b, "query", keys, values, "alibi_slopes", plan, dims, "output", flags)
     return function(
         b,
         "PagedAttention",
@@ -392,10 +438,11 @@ def varlen_attention(opset: int) -> onnx.FunctionProto:
         return b.Add(b.Unsqueeze(key_starts, b.ints([1])), b.Unsqueeze(key_pos, b.ints([0])))
 
     plan = _plan(b, dims, query_offsets, key_lens, rows)
+    flags = _attention_shape_flags(b, dims, "key", "value")
     # [Tk * Hkv, D]: row token * Hkv + kv_head.
     keys = b.Flatten("key", axis=2)
     values = b.Flatten("value", axis=2)
-    _attend(b, "query", keys, values, "alibi_slopes", plan, dims, "output")
+    _attend(b, "query", keys, values, "alibi_slopes", plan, dims, "output", flags)
     return function(
         b,
         "VarlenAttention",

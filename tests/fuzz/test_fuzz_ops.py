@@ -11,8 +11,7 @@ The oracle, per case (each run in a worker process, so a crash fails the test, n
 * never a crash, a hang, a huge allocation, a raw ``IndexError``/``RuntimeError``, or a silent
   answer to a malformed input.
 
-Classes that fail on today's code because of a fix owned by another item of issue 16 carry a
-strict xfail naming that item (:data:`KNOWN`).
+A class that fails for a known reason carries a strict xfail naming it (:data:`KNOWN`).
 """
 
 from __future__ import annotations
@@ -37,16 +36,9 @@ PROFILE = settings.get_profile(
 EAGER_TARGETS = [b.name for b in registered_backends() if b.unavailable_reason() is None]
 TARGETS = [*EAGER_TARGETS, *ONNX_TARGETS]
 
-# (target, op, kind) -> why it fails today; "*" matches any target, "onnx" both ONNX paths,
-# "eager" every backend.
-_BODY_SHAPES = "unowned: ONNX function bodies do not check shapes against each other"
-_DUP_SLOTS = "unowned: ReshapeAndCache in onnxruntime accepts a slot written twice"
-KNOWN: dict[tuple[str, str, str], str] = {
-    ("onnx-bodies", "reshape_and_cache", "shape"): _BODY_SHAPES,
-    ("onnx", "reshape_and_cache", "slot_dup"): _DUP_SLOTS,
-    ("onnx-bodies", "paged_attention", "shape"): _BODY_SHAPES,
-    ("onnx", "varlen_attention", "shape"): _BODY_SHAPES,
-}
+# (target, op, kind) -> why that class fails today, as a strict xfail; "*" matches any target,
+# "onnx" both ONNX paths, "eager" every backend. Empty: every class found so far is fixed.
+KNOWN: dict[tuple[str, str, str], str] = {}
 
 
 def _known(target: str, op: str, kind: str) -> str | None:

@@ -8,6 +8,7 @@
 
 #include "reshape_and_cache.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -63,6 +64,18 @@ OrtStatus* ReshapeAndCache::compute(OrtKernelContext* context) const {
                      std::to_string(slot[t]) + " is past the cache's " +
                      std::to_string(num_slots) + " slots");
   }
+  // A slot written twice has no defined value (the op contract, docs/ops.md; the torch op
+  // refuses it too). Sorting a copy of the T slots (T is the step's new tokens, small) and
+  // comparing neighbours costs far less than the rows' copies below.
+  std::vector<int64_t> sorted;
+  sorted.reserve(tokens);
+  for (int64_t s : slot)
+    if (s >= 0) sorted.push_back(s);
+  std::sort(sorted.begin(), sorted.end());
+  const auto twice = std::adjacent_find(sorted.begin(), sorted.end());
+  if (twice != sorted.end())
+    return invalid("ReshapeAndCache: slot_mapping: slot " + std::to_string(*twice) +
+                   " is written by more than one token");
 
   const size_t row = key_cache.dims[2] * key_cache.dims[3] * element;  // bytes per slot
   const Tensor* sources[2] = {&key, &value};
