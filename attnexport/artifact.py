@@ -412,7 +412,7 @@ def save_pt2(program: torch.export.ExportedProgram, path: Path) -> None:
 def rebuild_eager_model(manifest: dict):
     """The eager model an artifact was exported from (zoo name + seed, or the checkpoint
     directory if it still exists); None when the checkpoint is gone."""
-    from models.registry import load_checkpoint, load_zoo_model
+    from attnexport.models.registry import load_checkpoint, load_zoo_model
 
     source = manifest["source"]
     dtype = DTYPES[manifest["dtype"]]

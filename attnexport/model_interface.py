@@ -16,8 +16,8 @@ that torch.export/ONNX keep them as graph inputs and outputs)::
                           #   each [num_blocks, block_size, num_kv_heads, head_size]
     ) -> logits           # [N, vocab_size] float32
 
-*Encoder-decoder* models (``models.bart``) run the encoder and the decoder in one forward, so
-that one exported graph serves every step. After the decoder inputs come::
+*Encoder-decoder* models (``attnexport.models.bart``) run the encoder and the decoder in one
+forward, so that one exported graph serves every step. After the decoder inputs come::
 
         encoder_input_ids,   # [T_enc] int64, encoder tokens of the sequences encoded in this
                              #   step, packed (T_enc may be 0: nothing to encode)

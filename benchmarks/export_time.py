@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from attnexport.lowering import export_program, to_onnx
-from models.llama import LlamaConfig, LlamaForCausalLM
+from attnexport.models.llama import LlamaConfig, LlamaForCausalLM
 
 
 def build(layers: int, hidden: int) -> LlamaForCausalLM:

@@ -87,7 +87,7 @@ def make_checkpoint(directory: Path, quick: bool) -> None:
 def export_onnx(checkpoint: Path, path: Path) -> float:
     """Our ONNX export of the checkpoint; returns the seconds it took."""
     from attnexport.lowering import to_onnx
-    from models import load_model
+    from attnexport.models import load_model
 
     model = load_model(checkpoint)
     sample = model.export_sample(block_size=BLOCK_SIZE)
@@ -164,8 +164,8 @@ def leg_ort(args, spin: bool = True, kernels: str = "native") -> dict:
 
 def leg_torch(args, backend: str) -> dict:
     from attnexport.custom_ops import registered_backends
+    from attnexport.models import load_model
     from attnexport.runtime import TorchExecutor
-    from models import load_model
 
     if backend not in {b.name for b in registered_backends()}:
         return {"skipped": f"the {backend} backend is not registered in this build"}

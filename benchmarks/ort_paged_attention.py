@@ -17,8 +17,8 @@ import time
 
 import torch
 
+from attnexport.lowering.single_node import single_node_session
 from attnexport.runtime import ort_kernels
-from attnexport.testing import single_node_session
 
 BLOCK_SIZE = 16
 # (heads, kv heads, head size, batch, context, queries per sequence)

@@ -1,7 +1,7 @@
 """The attnexport model zoo: architectures written on the attnexport ops, importable from
 local Hugging Face checkpoints::
 
-    from models import load_model
+    from attnexport.models import load_model
     model = load_model("llama")                    # tiny config, seeded weights ("zoo:llama")
     model = load_model("/path/to/hf_checkpoint")   # config.json + *.safetensors
     sample = model.export_sample(block_size=16)     # args + dynamic shapes for torch.export
@@ -11,9 +11,9 @@ See ``docs/models.md`` for the architectures, the Hugging Face configs they impo
 options they refuse.
 """
 
-from models.base import ExportSample, PagedModel
-from models.errors import CheckpointError, ModelRefError, UnsupportedModelError
-from models.registry import (
+from attnexport.models.base import ExportSample, PagedModel
+from attnexport.models.errors import CheckpointError, ModelRefError, UnsupportedModelError
+from attnexport.models.registry import (
     class_for_hf_config,
     load_checkpoint,
     load_model,

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnexport.model_interface import ENCODER_DECODER_INPUT_NAMES, CacheSpec
-from models.base import (
+from attnexport.models.base import (
     SAMPLE_ENCODER_LENGTHS,
     ExportSample,
     ModelConfig,
@@ -45,11 +45,11 @@ from models.base import (
     decoder_dims,
     sample_batch,
 )
-from models.decoder import decoder_dynamic_shapes, decoder_sample_args
-from models.errors import UnsupportedModelError
-from models.hf_config import check_model_type, refuse, required
-from models.hf_config import field as hf_field
-from models.layers import (
+from attnexport.models.decoder import decoder_dynamic_shapes, decoder_sample_args
+from attnexport.models.errors import UnsupportedModelError
+from attnexport.models.hf_config import check_model_type, refuse, required
+from attnexport.models.hf_config import field as hf_field
+from attnexport.models.layers import (
     EmptySafeLayerNorm,
     PagedAttention,
     PagedMetadata,

@@ -21,9 +21,9 @@ from torch import nn
 from attnexport.custom_ops import ScheduledSequence, build_attention_metadata
 from attnexport.errors import UserError
 from attnexport.model_interface import CacheSpec
-from models import loader
-from models.errors import CheckpointError
-from models.layers import RMSNorm
+from attnexport.models import loader
+from attnexport.models.errors import CheckpointError
+from attnexport.models.layers import RMSNorm
 
 
 @dataclass(frozen=True)

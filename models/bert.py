@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from attnexport.model_interface import ENCODER_INPUT_NAMES, CacheSpec
-from models.base import ExportSample, ModelConfig, PagedModel
-from models.errors import UnsupportedModelError
-from models.hf_config import check_model_type, refuse, required
-from models.hf_config import field as hf_field
-from models.layers import VarlenAttention, activation
+from attnexport.models.base import ExportSample, ModelConfig, PagedModel
+from attnexport.models.errors import UnsupportedModelError
+from attnexport.models.hf_config import check_model_type, refuse, required
+from attnexport.models.hf_config import field as hf_field
+from attnexport.models.layers import VarlenAttention, activation
 
 BERT_ARCHITECTURES = (
     "BertModel",

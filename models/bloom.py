@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.base import ModelConfig
-from models.decoder import DecoderModel
-from models.errors import UnsupportedModelError
-from models.hf_config import check_model_type, required
-from models.hf_config import field as hf_field
-from models.layers import ACTIVATIONS, PagedAttention, alibi_slopes
+from attnexport.models.base import ModelConfig
+from attnexport.models.decoder import DecoderModel
+from attnexport.models.errors import UnsupportedModelError
+from attnexport.models.hf_config import check_model_type, required
+from attnexport.models.hf_config import field as hf_field
+from attnexport.models.layers import ACTIVATIONS, PagedAttention, alibi_slopes
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnexport.model_interface import DECODER_INPUT_NAMES, CacheSpec
-from models.base import (
+from attnexport.models.base import (
     SAMPLE_LOGITS_INDICES,
     ExportSample,
     PagedModel,
@@ -19,7 +19,7 @@ from models.base import (
     decoder_dims,
     sample_batch,
 )
-from models.layers import PagedMetadata
+from attnexport.models.layers import PagedMetadata
 
 
 class DecoderModel(PagedModel):

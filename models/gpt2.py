@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.base import ModelConfig
-from models.decoder import DecoderModel
-from models.errors import UnsupportedModelError
-from models.hf_config import check_model_type, refuse, required
-from models.hf_config import field as hf_field
-from models.layers import PagedAttention, activation
+from attnexport.models.base import ModelConfig
+from attnexport.models.decoder import DecoderModel
+from attnexport.models.errors import UnsupportedModelError
+from attnexport.models.hf_config import check_model_type, refuse, required
+from attnexport.models.hf_config import field as hf_field
+from attnexport.models.layers import PagedAttention, activation
 
 _CONV1D = re.compile(r".*\.(c_attn|c_proj|c_fc)\.weight")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.errors import UnsupportedModelError
+from attnexport.models.errors import UnsupportedModelError
 
 
 def field(hf: dict, name: str, default: Any = None, *aliases: str) -> Any:

@@ -13,7 +13,7 @@ from torch import nn
 
 import attnexport  # noqa: F401  (registers torch.ops.attnexport)
 from attnexport.custom_ops.alibi import alibi_slopes as _alibi_slopes
-from models.errors import UnsupportedModelError
+from attnexport.models.errors import UnsupportedModelError
 
 
 class PagedMetadata(NamedTuple):

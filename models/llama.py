@@ -1,9 +1,9 @@
 """Llama family: RoPE (default, linear or Llama-3 scaling), grouped-query attention, RMSNorm,
 SwiGLU, tied or untied embeddings, optional attention/MLP biases and per-layer sliding windows.
 
-Mistral (:mod:`models.mistral`) and Qwen2 (:mod:`models.qwen2`) are this network with other
-config fields; they only parse their configs. Parameter names mirror transformers'
-``LlamaForCausalLM``, so checkpoints load by name.
+Mistral (:mod:`attnexport.models.mistral`) and Qwen2 (:mod:`attnexport.models.qwen2`) are this
+network with other config fields; they only parse their configs. Parameter names mirror
+transformers' ``LlamaForCausalLM``, so checkpoints load by name.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import torch
 from torch import nn
 
 from attnexport import qkv_rotary_embedding
-from models.base import ModelConfig
-from models.decoder import DecoderModel
-from models.errors import UnsupportedModelError
-from models.hf_config import check_model_type, required
-from models.hf_config import field as hf_field
-from models.layers import GatedMLP, PagedAttention, PagedMetadata, RMSNorm, activation
-from models.rope import RopeConfig, RotaryEmbedding
+from attnexport.models.base import ModelConfig
+from attnexport.models.decoder import DecoderModel
+from attnexport.models.errors import UnsupportedModelError
+from attnexport.models.hf_config import check_model_type, required
+from attnexport.models.hf_config import field as hf_field
+from attnexport.models.layers import GatedMLP, PagedAttention, PagedMetadata, RMSNorm, activation
+from attnexport.models.rope import RopeConfig, RotaryEmbedding
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from attnexport.errors import require
-from models.errors import CheckpointError
+from attnexport.models.errors import CheckpointError
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 

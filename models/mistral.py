@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.hf_config import check_model_type, required
-from models.hf_config import field as hf_field
-from models.llama import LlamaConfig, LlamaForCausalLM
+from attnexport.models.hf_config import check_model_type, required
+from attnexport.models.hf_config import field as hf_field
+from attnexport.models.llama import LlamaConfig, LlamaForCausalLM
 
 
 @dataclass(frozen=True)

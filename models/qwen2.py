@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.errors import UnsupportedModelError
-from models.hf_config import check_model_type, required
-from models.hf_config import field as hf_field
-from models.llama import LlamaConfig, LlamaForCausalLM
+from attnexport.models.errors import UnsupportedModelError
+from attnexport.models.hf_config import check_model_type, required
+from attnexport.models.hf_config import field as hf_field
+from attnexport.models.llama import LlamaConfig, LlamaForCausalLM
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 

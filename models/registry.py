@@ -12,19 +12,20 @@ from pathlib import Path
 
 import torch
 
-from models import loader
-from models.base import PagedModel
-from models.errors import ModelRefError, UnsupportedModelError
+from attnexport.models import loader
+from attnexport.models.base import PagedModel
+from attnexport.models.errors import ModelRefError, UnsupportedModelError
 
-# zoo name -> "module:Class"; imported on first use so that ``import models`` stays light.
+# zoo name -> "module:Class"; imported on first use so that ``import attnexport.models``
+# stays light.
 _ZOO = {
-    "llama": "models.llama:LlamaForCausalLM",
-    "mistral": "models.mistral:MistralForCausalLM",
-    "qwen2": "models.qwen2:Qwen2ForCausalLM",
-    "bloom": "models.bloom:BloomForCausalLM",
-    "gpt2": "models.gpt2:GPT2LMHeadModel",
-    "bert": "models.bert:BertModel",
-    "bart": "models.bart:BartForConditionalGeneration",
+    "llama": "attnexport.models.llama:LlamaForCausalLM",
+    "mistral": "attnexport.models.mistral:MistralForCausalLM",
+    "qwen2": "attnexport.models.qwen2:Qwen2ForCausalLM",
+    "bloom": "attnexport.models.bloom:BloomForCausalLM",
+    "gpt2": "attnexport.models.gpt2:GPT2LMHeadModel",
+    "bert": "attnexport.models.bert:BertModel",
+    "bart": "attnexport.models.bart:BartForConditionalGeneration",
 }
 
 

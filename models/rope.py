@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.errors import UnsupportedModelError
+from attnexport.models.errors import UnsupportedModelError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _PER_LAYER_KEYS = ("full_attention", "sliding_attention", "chunked_attention")

@@ -9,7 +9,7 @@ import torch
 
 from attnexport.custom_ops import BackendUnsupportedError
 from attnexport.runtime import ort_kernels
-from attnexport.testing import tolerance
+from attnexport.tolerances import tolerance
 
 # Tests of the native onnxruntime kernels skip, with the reason, where the library is not built
 # (make's test targets require it: ATTNEXPORT_REQUIRE_ORT_KERNELS=1).

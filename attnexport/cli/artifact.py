@@ -154,7 +154,7 @@ def export_artifact(
     """Exports zoo model or checkpoint ``model_ref`` into directory ``out``; returns the
     manifest. ``step(description)`` is called before each long step (for progress display)."""
     from attnexport import lowering
-    from models import load_checkpoint, load_zoo_model, resolve_model_ref
+    from attnexport.models import load_checkpoint, load_zoo_model, resolve_model_ref
 
     if options.target not in ("attnexport", "standard", "ort-cuda"):
         raise ArtifactError(

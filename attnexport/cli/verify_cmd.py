@@ -7,7 +7,7 @@ reference is the eager model on the ``sdpa`` backend. When the artifact comes fr
 that is still there and transformers is installed, a ``transformers`` leg runs the checkpoint in
 transformers on the same batch (logits) and compares its greedy tokens with the engine's on the
 artifact (:mod:`attnexport.cli.verify_hf`). Exit code 1 when an error exceeds the tolerance of
-:func:`attnexport.testing.model_tolerance` or a greedy token differs.
+:func:`attnexport.tolerances.model_tolerance` or a greedy token differs.
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def verify_artifact(
 ) -> tuple[str, list[Comparison]]:
     """Runs every leg; returns the reference leg's name and each output's comparison with it
     (the reference is ``eager[sdpa]``, or ``pt2`` when the checkpoint is gone)."""
-    from attnexport.testing import model_tolerance
+    from attnexport.tolerances import model_tolerance
 
     manifest = read_manifest(artifact)
     if manifest is None:

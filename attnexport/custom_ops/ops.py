@@ -1,8 +1,7 @@
 """The attnexport ops (namespace ``attnexport``), with fake kernels for tracing.
 
 Each op validates its inputs (:mod:`.validation`), describes the call (:class:`AttentionCall`),
-and runs it on the backend chosen by :func:`select_backend`. The contract is DESIGN.md
-section 3; ``docs/ops.md`` is the user-facing reference.
+and runs it on the backend chosen by :func:`select_backend`. The contract is docs/ops.md.
 """
 
 from __future__ import annotations
@@ -23,9 +22,9 @@ def _op(schema: str) -> Callable[[Callable], Callable]:
     function as its kernel on every device, and returns a function of the same signature and
     docstring that calls the op through the dispatcher, which is what torch.export records.
 
-    The low-level registration, like vLLM's ``direct_register_custom_op``: a call costs ~2 us
-    over the kernel, where ``torch.library.custom_op`` adds ~10 us (its autograd wrapper and a
-    dynamo-disabled frame), 2.5-3.4 ms per decode step of a 12-layer model in eager mode. In-place
+    The low-level registration, like vLLM's ``direct_register_custom_op``: ``torch.library.
+    custom_op`` adds an autograd wrapper and a dynamo-disabled frame to every call, several times
+    the dispatcher's cost (docs/benchmarks.md, "Measured design choices"). In-place
     ops declare what they write in the schema (``Tensor(a!)``)."""
 
     def register(kernel: Callable) -> Callable:

@@ -1,6 +1,6 @@
 """The reference semantics of the attnexport ops, written for clarity, not speed.
 
-Each function follows DESIGN.md section 3 line by line, one sequence at a time, and computes in
+Each function follows docs/ops.md line by line, one sequence at a time, and computes in
 ``compute_dtype`` (float64 by default). Tests compare every backend with these; they are also
 the executable definition of the masking rules.
 """

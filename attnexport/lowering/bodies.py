@@ -1,12 +1,12 @@
 """Standard-ONNX function bodies of the attnexport nodes, so stock onnxruntime runs them.
 
-Every body works for any dynamic shape and follows DESIGN.md section 3 exactly (the float64
+Every body works for any dynamic shape and follows docs/ops.md exactly (the float64
 reference in :mod:`attnexport.custom_ops.reference` is the test oracle):
 
 * ``ReshapeAndCache``: drops padding tokens (negative slots) with ``NonZero`` + ``Gather`` and
   writes the rest with one ``ScatterND`` per cache whose data input is the cache input and whose
   output is the node output. When an inlined graph binds one buffer as both, onnxruntime skips
-  the copy and the write costs O(new tokens), not O(cache) (DESIGN.md section 4).
+  the copy and the write costs O(new tokens), not O(cache) (docs/traps.md).
 * ``PagedAttention`` / ``VarlenAttention``: "plan once, run per layer". The plan (gather
   indices, mask, output rows) depends only on the metadata inputs and on the static geometry
   attributes (``num_heads``, ``num_kv_heads``, ``head_size``, ``block_size``), so after

@@ -1,6 +1,6 @@
 """``to_onnx``: a model on the attnexport ops -> an ONNX file that stock onnxruntime runs.
 
-Pipeline (each step answers a trap of DESIGN.md section 4)::
+Pipeline (each step answers a trap of docs/traps.md)::
 
     export_program            torch.export + cache checks (caches are forward inputs)
     functionalize_cache_writes in-place reshape_and_cache -> functional twin + copy_

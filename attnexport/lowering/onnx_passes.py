@@ -1,7 +1,7 @@
 """Passes on the ONNX graph (``onnx_ir``) that torch.onnx produced from the functionalized
 program: cache outputs, output names, and the in-place check.
 
-torch.onnx drops mutated inputs from the outputs (DESIGN.md section 4). Here the written caches
+torch.onnx drops mutated inputs from the outputs (docs/traps.md). Here the written caches
 come back by structure, not by name: each ``attnexport.ReshapeAndCache`` node's outputs are the
 new values of its cache inputs, so the last write into graph input ``X`` becomes the graph
 output ``X_out``. This runs on the unoptimized graph (nothing dead-code eliminated yet).

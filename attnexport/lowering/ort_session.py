@@ -1,7 +1,7 @@
 """Running an exported model in onnxruntime with the caches updated in place.
 
 A plain ``InferenceSession.run`` copies every cache input and allocates every cache output:
-O(cache size) per step (DESIGN.md section 4). With IO binding, and the *same* buffer bound as
+O(cache size) per step (docs/traps.md). With IO binding, and the *same* buffer bound as
 cache input ``X`` and output ``X_out``, the ``ScatterND`` that writes the cache finds its output
 already holding its input and writes only the new tokens. The recipe, in onnxruntime terms::
 

@@ -5,7 +5,7 @@
   would bake it into the file), when a cache is written through a view, or when a forward input
   is modified in place by something other than ``attnexport::reshape_and_cache``.
 * :func:`functionalize_cache_writes` — torch.onnx cannot lower an in-place custom op
-  (DESIGN.md section 4), so each ``reshape_and_cache`` becomes
+  (docs/traps.md), so each ``reshape_and_cache`` becomes
   ``reshape_and_cache_functional`` plus ``aten.copy_`` of the results into the caches; the
   copies turn into input mutations when torch.onnx functionalizes the program.
 """

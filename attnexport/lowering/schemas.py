@@ -1,7 +1,7 @@
 """The ``attnexport`` ONNX domain: operator schemas of its nodes (version 1).
 
 :func:`register_schemas` adds them to ``onnx.defs`` (idempotent), which the ONNX translation
-and ``onnx.checker`` need. The nodes implement DESIGN.md section 3; their standard-op
+and ``onnx.checker`` need. The nodes implement docs/ops.md; their standard-op
 function bodies are in :mod:`attnexport.lowering.bodies`.
 """
 

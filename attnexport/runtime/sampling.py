@@ -132,8 +132,8 @@ def sample(
 def _argmax(logits: torch.Tensor | np.ndarray) -> list[int]:
     """The first maximum (or NaN) of each row of ``[N, vocab]`` logits."""
     # NumPy's argmax runs on the calling thread. torch's would wake its OpenMP pool, whose
-    # threads then spin on the cores an onnxruntime session is about to use (measured:
-    # 2.6 ms per step at batch 8 against ~0.03 ms).
+    # threads then spin on the cores an onnxruntime session is about to use (docs/benchmarks.md,
+    # "Measured design choices").
     if isinstance(logits, torch.Tensor):
         if logits.dtype not in (torch.float32, torch.float64):
             logits = logits.float()  # NumPy has no bfloat16; the float32 values keep the order

@@ -23,7 +23,7 @@ from attnexport.custom_ops import (
     select_backend,
     use_backend,
 )
-from attnexport.testing import AttentionCase, make_paged_inputs
+from tests.attention_cases import AttentionCase, make_paged_inputs
 
 
 class _Fp16OnlyBackend(AttentionBackend):
@@ -161,7 +161,7 @@ def test_environment_variable_selects_the_default(value, expected):
 def test_environment_variable_with_unknown_name_fails_clearly():
     code = (
         "import attnexport, torch\n"
-        "from attnexport.testing import AttentionCase, make_paged_inputs\n"
+        "from tests.attention_cases import AttentionCase, make_paged_inputs\n"
         "x = make_paged_inputs(AttentionCase('d', (1,), (3,)))\n"
         "attnexport.paged_attention(x['query'], x['key_cache'], x['value_cache'],"
         " x['block_tables'], x['seq_lens'], x['query_start_loc'], 0.1)\n"

@@ -6,7 +6,7 @@ import torch
 from torch.export import Dim
 
 import attnexport
-from attnexport.testing import AttentionCase, make_paged_inputs, make_varlen_inputs
+from tests.attention_cases import AttentionCase, make_paged_inputs, make_varlen_inputs
 
 
 class PagedBlock(torch.nn.Module):
@@ -86,7 +86,9 @@ def _dynamic_shapes():
 
 def test_export_keeps_ops_and_matches_eager_on_new_shapes():
     case, sample = _inputs((3, 1, 4), (5, 20, 0), seed=0)
-    module = PagedBlock(case.head_size**-0.5, attnexport.testing.alibi_slopes(case.num_heads))
+    module = PagedBlock(
+        case.head_size**-0.5, attnexport.custom_ops.alibi.alibi_slopes(case.num_heads)
+    )
     program = torch.export.export(module, sample, dynamic_shapes=_dynamic_shapes())
 
     targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]

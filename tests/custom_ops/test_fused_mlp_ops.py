@@ -85,7 +85,7 @@ def test_fused_add_rms_norm_matches_reference(shape, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_fused_add_rms_norm_is_the_add_and_norm_it_replaces(dtype):
     """Bit for bit the residual add and the RMSNorm module the Llama layers used to run."""
-    from models.layers import RMSNorm
+    from attnexport.models.layers import RMSNorm
 
     x, residual, weight = _norm_inputs(6, 48, dtype=dtype)
     norm = RMSNorm(48, EPSILON).to(dtype)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import attnexport  # noqa: F401
-from attnexport.testing import AttentionCase, make_paged_inputs, make_varlen_inputs
+from tests.attention_cases import AttentionCase, make_paged_inputs, make_varlen_inputs
 
 CASES = [
     AttentionCase("mixed", (1, 9, 1, 5), (40, 0, 3, 12)),

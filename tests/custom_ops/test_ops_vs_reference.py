@@ -7,7 +7,12 @@ import torch
 
 import attnexport
 from attnexport.custom_ops import reference
-from attnexport.testing import AttentionCase, make_paged_inputs, make_varlen_inputs, standard_cases
+from tests.attention_cases import (
+    AttentionCase,
+    make_paged_inputs,
+    make_varlen_inputs,
+    standard_cases,
+)
 from tests.helpers import assert_close_to_reference, paged_args, skip_unsupported
 
 CASES = standard_cases()

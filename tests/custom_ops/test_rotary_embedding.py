@@ -10,7 +10,7 @@ import torch
 
 import attnexport
 from attnexport.custom_ops import reference
-from attnexport.testing import make_rotary_inputs
+from tests.attention_cases import make_rotary_inputs
 from tests.helpers import assert_close_to_reference
 
 SHAPES = [(1, 1, 2), (1, 16, 64), (7, 5, 80), (33, 3, 128), (0, 4, 32)]

@@ -10,7 +10,7 @@ import torch
 
 import attnexport
 from attnexport.custom_ops import reference
-from attnexport.testing import AttentionCase, fill_unused_slots, make_paged_inputs
+from tests.attention_cases import AttentionCase, fill_unused_slots, make_paged_inputs
 from tests.helpers import assert_close_to_reference, paged_args, skip_unsupported
 
 STALE_CASES = [

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import attnexport
 from attnexport.custom_ops import StepPlan, get_backend, step_plan, use_backend
 from attnexport.custom_ops.planning import MISSING, current_step_plan, entry_key
-from attnexport.testing import AttentionCase, make_paged_inputs, make_rotary_inputs
+from tests.attention_cases import AttentionCase, make_paged_inputs, make_rotary_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 CASE = AttentionCase("decode", (1, 1, 1), (30, 2, 17), num_heads=4, num_kv_heads=2)
@@ -146,10 +146,10 @@ def test_step_plan_put_refuses_tensors_it_does_not_own():
 
 
 def test_the_torch_executor_opens_one_plan_per_step(monkeypatch):
+    from attnexport.models import load_model
     from attnexport.runtime import TorchExecutor
     from attnexport.runtime.executors import torch_executor
     from attnexport.runtime.model_input import pack_decoder_step
-    from models import load_model
 
     model = load_model("llama")
     executor = TorchExecutor(model, backend="sdpa", block_size=4)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import attnexport
-from attnexport.testing import AttentionCase, make_paged_inputs, make_varlen_inputs
+from tests.attention_cases import AttentionCase, make_paged_inputs, make_varlen_inputs
 
 CASE = AttentionCase("mixed", (1, 4, 1), (7, 0, 20), num_heads=4, num_kv_heads=2)
 

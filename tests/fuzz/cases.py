@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from hypothesis import strategies as st
 
-from attnexport.testing import (
+from tests.attention_cases import (
     AttentionCase,
     make_paged_inputs,
     make_rotary_inputs,

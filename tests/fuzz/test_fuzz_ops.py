@@ -24,7 +24,7 @@ from hypothesis import given, settings
 
 from attnexport.custom_ops import reference, registered_backends
 from attnexport.runtime import ort_kernels
-from attnexport.testing import tolerance
+from attnexport.tolerances import tolerance
 from tests.fuzz.cases import EAGER_ONLY, KINDS
 from tests.fuzz.harness import WorkerDied
 from tests.fuzz.worker import ONNX_TARGETS, FuzzCase, Outcome

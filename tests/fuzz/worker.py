@@ -186,7 +186,7 @@ class _Runner:
         """A session of one ``op_type`` node typed like ``template`` (cached: building one
         costs more than running a case). Its geometry attributes come from the template's
         shapes past the token axis, so those are part of the key."""
-        from attnexport.testing import single_node_session
+        from attnexport.lowering.single_node import single_node_session
 
         signature = tuple(
             (n, t.dtype, t.dim(), tuple(t.shape[1:]) if t.is_floating_point() else ())

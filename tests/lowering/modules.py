@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from attnexport.custom_ops import ScheduledSequence, build_attention_metadata
-from attnexport.testing import alibi_slopes
+from attnexport.custom_ops.alibi import alibi_slopes
 
 ops = torch.ops.attnexport
 

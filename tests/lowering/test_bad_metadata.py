@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from attnexport.custom_ops import reference
-from attnexport.testing import AttentionCase, make_paged_inputs, single_node_session
+from attnexport.lowering.single_node import single_node_session
+from tests.attention_cases import AttentionCase, make_paged_inputs
 from tests.helpers import ORT_KERNEL_MODES, assert_close_to_reference
 from tests.lowering.test_bodies import _paged_inputs, _paged_session
 

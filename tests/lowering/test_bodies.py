@@ -14,12 +14,12 @@ import torch
 import attnexport
 from attnexport.custom_ops import reference
 from attnexport.lowering.ort_session import PagedOrtSession
-from attnexport.testing import (
+from attnexport.lowering.single_node import single_node_session
+from tests.attention_cases import (
     AttentionCase,
     make_paged_inputs,
     make_rotary_inputs,
     make_varlen_inputs,
-    single_node_session,
     standard_cases,
 )
 from tests.helpers import ORT_KERNEL_MODES, assert_close_to_reference, requires_ort_kernels

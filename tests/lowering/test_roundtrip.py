@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attnexport.lowering import PagedOrtSession, export_program, to_onnx
-from attnexport.testing import tolerance
+from attnexport.tolerances import tolerance
 from tests.lowering.modules import (
     AttentionStack,
     CrossAttention,

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from attnexport.custom_ops import reference
-from attnexport.testing import fill_unused_slots, make_paged_inputs, single_node_session
+from attnexport.lowering.single_node import single_node_session
+from tests.attention_cases import fill_unused_slots, make_paged_inputs
 from tests.custom_ops.test_stale_slots import FILLS, STALE_CASES
 from tests.helpers import ORT_KERNEL_MODES, assert_close_to_reference
 from tests.lowering.test_bodies import _attention_attributes, _slopes

@@ -12,9 +12,9 @@ import pytest
 import torch
 import transformers
 
-from attnexport.testing import model_tolerance
-from models import load_model
-from models.bert import SentenceEmbedder, offsets_of
+from attnexport.models import load_model
+from attnexport.models.bert import SentenceEmbedder, offsets_of
+from attnexport.tolerances import model_tolerance
 from tests.models.executors import EXECUTORS, compile_module
 
 ATOL = model_tolerance(torch.float32)

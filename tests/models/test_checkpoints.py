@@ -10,8 +10,8 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from attnexport.testing import model_tolerance
-from models import CheckpointError, load_model
+from attnexport.models import CheckpointError, load_model
+from attnexport.tolerances import model_tolerance
 from tests.models.hf_reference import build_checkpoint, causal_lm_logits
 
 ATOL = model_tolerance(torch.float32)

@@ -12,9 +12,9 @@ import pytest
 import torch
 import transformers
 
+from attnexport.models import load_model
 from attnexport.runtime.step_driver import PagedDriver
-from attnexport.testing import model_tolerance
-from models import load_model
+from attnexport.tolerances import model_tolerance
 from tests.models.executors import EXECUTORS, make_runner
 from tests.models.hf_reference import build_checkpoint, causal_lm_logits, greedy_generate
 

@@ -6,8 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import UnsupportedModelError, class_for_hf_config, load_model, model_class, zoo_names
-from models.rope import RopeConfig
+from attnexport.models import (
+    UnsupportedModelError,
+    class_for_hf_config,
+    load_model,
+    model_class,
+    zoo_names,
+)
+from attnexport.models.rope import RopeConfig
 
 ZOO = zoo_names()
 

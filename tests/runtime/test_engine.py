@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from attnexport.models import load_model
 from attnexport.runtime import CacheConfig, Engine, SamplingParams, SchedulerConfig, TorchExecutor
-from models import load_model
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 256

@@ -8,6 +8,8 @@ import dataclasses
 
 import pytest
 
+from attnexport.models import load_model
+from attnexport.models.bart import BartConfig, BartForConditionalGeneration
 from attnexport.runtime import (
     CacheConfig,
     EncoderDecoderConfig,
@@ -18,8 +20,6 @@ from attnexport.runtime import (
 )
 from attnexport.runtime.sequence import EncoderInput, Request
 from attnexport.runtime.sequence import Sequence as Seq
-from models import load_model
-from models.bart import BartConfig, BartForConditionalGeneration
 from tests.models.hf_reference import tiny_bart
 
 BLOCK_SIZE = 4

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from attnexport.custom_ops import registered_backends
+from attnexport.models import load_model
 from attnexport.runtime import (
     CacheConfig,
     Engine,
@@ -19,7 +20,6 @@ from attnexport.runtime import (
     TorchExecutor,
     ort_kernels,
 )
-from models import load_model
 from tests.helpers import ORT_KERNEL_MODES
 
 BLOCK_SIZE = 4

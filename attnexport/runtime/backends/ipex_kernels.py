@@ -1,9 +1,9 @@
 """IPEX's paged-attention kernels as custom ops of ours (namespace ``attnexport_ipex``).
 
 IPEX registers its kernels as ``torch.ops.torch_ipex.*`` with schemas that declare no mutation,
-so under inductor a read of the cache before a write returned the post-write value (DESIGN.md
-section 4). Each kernel is wrapped here in an op whose schema says what it writes, with a fake
-kernel for tracing. The wrappers also check what IPEX does not (it segfaults or returns garbage
+so under inductor a read of the cache before a write returned the post-write value
+(docs/traps.md). Each kernel is wrapped here in an op whose schema says what it writes, with a
+fake kernel for tracing. The wrappers also check what IPEX does not (it segfaults or returns garbage
 on a wrong layout, dtype or index type) before calling it.
 
 intel_extension_for_pytorch is imported lazily, by :func:`load_ipex`, never when this module is

@@ -7,14 +7,14 @@ computed in fp32 (fp64 for fp64 inputs).
 
 Decode sequences (one query token each) run in chunks whose gathered blocks stay cache-resident,
 in workspace buffers reused across calls: with glibc malloc, fresh large temporaries page-fault
-on every call, which made decode several times slower (DESIGN.md section 4). What the step's
+on every call, which made decode several times slower (docs/traps.md). What the step's
 metadata fixes (which sequences decode, their blocks, the masks) is planned once per step (kept
 in the executor's step plan, :mod:`attnexport.custom_ops.planning`) and reused by every layer.
 Sequences with several query tokens run one at a time in query chunks that bound the logits'
 memory.
 
 ``F.scaled_dot_product_attention(enable_gqa=True)`` is not used: on CPU it falls back to the
-math path, 10-40x slower than a grouped matmul (DESIGN.md section 4).
+math path, much slower than a grouped matmul (docs/traps.md).
 """
 
 from __future__ import annotations

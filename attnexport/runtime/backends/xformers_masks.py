@@ -1,4 +1,4 @@
-"""xFormers attention biases that encode the attnexport masking rules (DESIGN.md section 3).
+"""xFormers attention biases that encode the attnexport masking rules (docs/ops.md).
 
 Query j of a sequence with q queries and L keys sits at position ``p = L - q + j``
 ("bottom-right" alignment); key k is visible iff (not causal or k <= p) and

@@ -2,7 +2,7 @@
 the KV caches updated in place.
 
 A plain ``InferenceSession.run`` copies every cache input and allocates every cache output
-(O(cache) per step, DESIGN.md section 4). Here each cache tensor is wrapped once, zero-copy, in
+(O(cache) per step, docs/traps.md). Here each cache tensor is wrapped once, zero-copy, in
 an ``OrtValue`` that is bound *both* as the cache input ``X`` and as its output ``X_out`` of one
 persistent ``IOBinding``; the cache write (``ScatterND``) then finds its output already holding
 its input and writes only the new tokens. Per step only the small index inputs are re-bound.

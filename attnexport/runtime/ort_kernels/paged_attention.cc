@@ -4,7 +4,7 @@
 // The standard-op body gathers every visible key and value row into a padded batch before two
 // matmuls; that copy is most of its time. This kernel reads the rows where they lie in the
 // paged cache: one work item per (sequence, KV head, tile of queries), the G query heads of the
-// KV head's group sharing every key and value row they load. Semantics: DESIGN.md section 3.
+// KV head's group sharing every key and value row they load. Semantics: docs/ops.md.
 
 #include "paged_attention.h"
 
@@ -20,11 +20,10 @@ namespace attnexport {
 
 constexpr int64_t kQueryTile = 16;
 constexpr int64_t kMaxHeadSize = 256;
-// Below this many multiply-adds (~5 us on one core) waking the thread pool costs more than it
-// saves. A decode step of one sequence over 190 keys (12/4/64 heads, ~290K multiply-adds) is
-// worth splitting: in a model its keys and values come from memory, not the caches (the
-// weights stream through them every step), and the 125M benchmark model's batch-1 step was 2%
-// faster with it split; at 40 keys splitting changed nothing.
+// Below this many multiply-adds (a few microseconds on one core) waking the thread pool costs
+// more than it saves. A decode step of one sequence over 190 keys (12/4/64 heads, ~290K
+// multiply-adds) is worth splitting: in a model its keys and values come from memory, not the
+// caches (the weights stream through them every step); docs/benchmarks.md has the measurement.
 constexpr int64_t kParallelWork = 1 << 16;
 constexpr ONNXTensorElementDataType kFloat32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr ONNXTensorElementDataType kFloat16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;

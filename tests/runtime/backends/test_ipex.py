@@ -21,10 +21,10 @@ from attnexport.custom_ops import (
     step_plan,
     use_backend,
 )
+from attnexport.custom_ops.alibi import alibi_slopes
 from attnexport.runtime.backends import ipex_plan
-from attnexport.testing import (
+from tests.attention_cases import (
     AttentionCase,
-    alibi_slopes,
     make_paged_inputs,
     make_varlen_inputs,
     standard_cases,

@@ -8,7 +8,7 @@ import torch
 import attnexport
 from attnexport.custom_ops import reference, step_plan, use_backend
 from attnexport.runtime.backends import sdpa
-from attnexport.testing import AttentionCase, make_paged_inputs
+from tests.attention_cases import AttentionCase, make_paged_inputs
 from tests.helpers import assert_close_to_reference, paged_args
 
 

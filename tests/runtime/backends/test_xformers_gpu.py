@@ -24,12 +24,12 @@ from attnexport.custom_ops import (
 from attnexport.custom_ops.dispatch import AttentionCall
 from attnexport.runtime.backends import xformers as xformers_backend
 from attnexport.runtime.backends import xformers_choice as choice
-from attnexport.testing import (
+from attnexport.tolerances import tolerance
+from tests.attention_cases import (
     AttentionCase,
     make_paged_inputs,
     make_varlen_inputs,
     standard_cases,
-    tolerance,
 )
 from tests.helpers import assert_close_to_reference, skip_unsupported
 
@@ -332,8 +332,8 @@ def test_zoo_model_through_the_ops_on_cuda(name, dtype, tmp_path, operators):
     prefill, a chunked prefill mixed with decodes and decode steps (64-token blocks, shuffled):
     under ``auto`` (xformers where it runs, sdpa where it refuses) its logits match
     transformers' fp32 forward of the whole sequence, and xformers took part."""
+    from attnexport.models import load_model
     from attnexport.runtime.step_driver import PagedDriver
-    from models import load_model
     from tests.models.hf_reference import build_checkpoint, causal_lm_logits
 
     hf_class, config = _zoo_configs()[name]

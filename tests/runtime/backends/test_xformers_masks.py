@@ -1,7 +1,7 @@
 """The xformers backend's masks and plans, on CPU, with the real xformers bias objects.
 
 xFormers has no CPU kernels, but its biases materialize on CPU. These tests check that the
-biases the backend builds from our tensors mean exactly DESIGN.md section 3 (against
+biases the backend builds from our tensors mean exactly docs/ops.md (against
 ``reference.visible_keys``), and run the backend's kernels end to end with only the xFormers
 kernel call replaced by a float64 attention over the materialized bias (``_emulated_forward``),
 for each operator route (Hopper, Ampere with and without a paged operator).
@@ -23,13 +23,13 @@ from xformers.ops.fmha import cutlass, flash, flash3, triton_splitk
 
 import attnexport
 from attnexport.custom_ops import AttentionCall, reference, validation
+from attnexport.custom_ops.alibi import alibi_slopes
 from attnexport.custom_ops.planning import MISSING, entry_key, step_plan
 from attnexport.runtime.backends import xformers as xformers_backend
 from attnexport.runtime.backends import xformers_choice as choice
 from attnexport.runtime.backends import xformers_masks as masks
-from attnexport.testing import (
+from tests.attention_cases import (
     AttentionCase,
-    alibi_slopes,
     make_paged_inputs,
     make_varlen_inputs,
     standard_cases,
