@@ -364,33 +364,42 @@ def _wrong_dtype(draw, x: dict) -> dict:
     return x | {name: x[name].to(dtype)}
 
 
+def _elementwise_case(
+    draw, op: str, kind: str, template: dict, attrs: dict, reshaped: Callable[[dict], dict]
+) -> FuzzCase:
+    """The kinds every elementwise op shares: well formed (also under inference mode), one
+    input in a dtype the op refuses, one of another rank, and ``reshaped(inputs)``: shapes that
+    disagree, as the op draws them."""
+    inputs, valid = dict(template), kind in ("well_formed", "inference_mode")
+    if kind == "dtype":
+        inputs = _wrong_dtype(draw, inputs)
+    elif kind == "rank":
+        inputs = _reranked(draw, inputs)
+    elif kind == "shape":
+        inputs = reshaped(inputs)
+    elif not valid:
+        raise AssertionError(kind)
+    return _case(op, kind, inputs, attrs, template, valid)
+
+
 @st.composite
 def rotary_embedding(draw, kind: str) -> FuzzCase:
     tokens, heads = draw(st.integers(0, 5)), draw(st.integers(1, 4))
     head_size = draw(st.sampled_from([4, 8, 16]))
     dtype = draw(st.sampled_from(_SMALL_DTYPES))
     x, cos, sin = make_rotary_inputs(tokens, heads, head_size, dtype, draw(st.integers(0, 99)))
-    template = {"x": x, "cos": cos, "sin": sin}
-    inputs, valid = dict(template), False
-    if kind in ("well_formed", "inference_mode"):
-        valid = True
-    elif kind == "dtype":
-        inputs = _wrong_dtype(draw, inputs)
-    elif kind == "rank":
-        inputs = _reranked(draw, inputs)
-    elif kind == "shape":
+
+    def reshaped(inputs: dict) -> dict:
         change = draw(st.sampled_from(["odd", "tokens", "width"]))
         if change == "odd":
-            inputs = {n: t[..., :-1].contiguous() for n, t in inputs.items()}
-        elif change == "tokens":
-            inputs["cos"] = torch.cat(
-                (cos, cos[:1] if tokens else torch.ones(1, head_size, dtype=dtype))
-            )
-        else:
-            inputs["sin"] = sin[:, : head_size // 2].contiguous()
-    else:
-        raise AssertionError(kind)
-    return _case("rotary_embedding", kind, inputs, {}, template, valid)
+            return {n: t[..., :-1].contiguous() for n, t in inputs.items()}
+        if change == "tokens":
+            extra = cos[:1] if tokens else torch.ones(1, head_size, dtype=dtype)
+            return inputs | {"cos": torch.cat((cos, extra))}
+        return inputs | {"sin": sin[:, : head_size // 2].contiguous()}
+
+    template = {"x": x, "cos": cos, "sin": sin}
+    return _elementwise_case(draw, "rotary_embedding", kind, template, {}, reshaped)
 
 
 @st.composite
@@ -402,50 +411,31 @@ def qkv_rotary_embedding(draw, kind: str) -> FuzzCase:
     _, cos, sin = make_rotary_inputs(tokens, 1, head_size, dtype, draw(st.integers(0, 99)))
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_size).to(dtype)
     template = {"qkv": qkv, "cos": cos, "sin": sin}
-    inputs, attrs, valid = dict(template), {"num_heads": heads, "num_kv_heads": kv_heads}, False
-    if kind in ("well_formed", "inference_mode"):
-        valid = True
-    elif kind == "dtype":
-        inputs = _wrong_dtype(draw, inputs)
-    elif kind == "rank":
-        inputs = _reranked(draw, inputs)
-    elif kind == "shape":
+    attrs = {"num_heads": heads, "num_kv_heads": kv_heads}
+    if kind == "head_counts":
+        attrs[draw(st.sampled_from(sorted(attrs)))] = draw(st.sampled_from([0, -1, -2]))
+        return _case("qkv_rotary_embedding", kind, dict(template), attrs, template, False)
+
+    def reshaped(inputs: dict) -> dict:
         change = draw(st.sampled_from(["width", "tokens", "odd"]))
         if change == "width":
-            inputs["qkv"] = torch.cat((qkv, qkv[:, :head_size]), dim=1)
-        elif change == "tokens":
-            inputs["sin"] = torch.cat((sin, torch.ones(1, head_size, dtype=dtype)))
-        else:
-            inputs = {n: t[:, :-1].contiguous() for n, t in inputs.items()}
-    elif kind == "head_counts":
-        attrs[draw(st.sampled_from(sorted(attrs)))] = draw(st.sampled_from([0, -1, -2]))
-    else:
-        raise AssertionError(kind)
-    return _case("qkv_rotary_embedding", kind, inputs, attrs, template, valid)
+            return inputs | {"qkv": torch.cat((qkv, qkv[:, :head_size]), dim=1)}
+        if change == "tokens":
+            return inputs | {"sin": torch.cat((sin, torch.ones(1, head_size, dtype=dtype)))}
+        return {n: t[:, :-1].contiguous() for n, t in inputs.items()}
+
+    return _elementwise_case(draw, "qkv_rotary_embedding", kind, template, attrs, reshaped)
 
 
 @st.composite
 def silu_and_mul(draw, kind: str) -> FuzzCase:
     tokens, half = draw(st.integers(0, 5)), draw(st.integers(1, 40))
     dtype = draw(st.sampled_from(_SMALL_DTYPES))
-    x = (
-        torch.randn(
-            tokens, 2 * half, generator=torch.Generator().manual_seed(draw(st.integers(0, 99)))
-        )
-        * 4
-    ).to(dtype)
-    template, inputs, valid = {"x": x}, {"x": x}, False
-    if kind in ("well_formed", "inference_mode"):
-        valid = True
-    elif kind == "dtype":
-        inputs = _wrong_dtype(draw, inputs)
-    elif kind == "rank":
-        inputs = _reranked(draw, inputs)
-    elif kind == "shape":
-        inputs = {"x": x[:, :-1].contiguous()}
-    else:
-        raise AssertionError(kind)
-    return _case("silu_and_mul", kind, inputs, {}, template, valid)
+    g = torch.Generator().manual_seed(draw(st.integers(0, 99)))
+    x = (torch.randn(tokens, 2 * half, generator=g) * 4).to(dtype)
+    return _elementwise_case(
+        draw, "silu_and_mul", kind, {"x": x}, {}, lambda _: {"x": x[:, :-1].contiguous()}
+    )
 
 
 @st.composite
@@ -458,19 +448,13 @@ def fused_add_rms_norm(draw, kind: str) -> FuzzCase:
         "residual": torch.randn(tokens, hidden, generator=g).to(dtype),
         "weight": torch.randn(hidden, generator=g).to(dtype),
     }
-    inputs, attrs, valid = dict(template), {"epsilon": 1e-5}, False
-    if kind in ("well_formed", "inference_mode"):
-        valid = True
-    elif kind == "dtype":
-        inputs = _wrong_dtype(draw, inputs)
-    elif kind == "rank":
-        inputs = _reranked(draw, inputs)
-    elif kind == "shape":
+
+    def reshaped(inputs: dict) -> dict:
         name = draw(st.sampled_from(["residual", "weight"]))
-        inputs[name] = torch.cat((inputs[name], inputs[name][..., :1]), dim=-1)
-    else:
-        raise AssertionError(kind)
-    return _case("fused_add_rms_norm", kind, inputs, attrs, template, valid)
+        return inputs | {name: torch.cat((inputs[name], inputs[name][..., :1]), dim=-1)}
+
+    attrs = {"epsilon": 1e-5}
+    return _elementwise_case(draw, "fused_add_rms_norm", kind, template, attrs, reshaped)
 
 
 # Issue 16 item 4: the ops under torch.inference_mode(), and metadata rewritten in place
