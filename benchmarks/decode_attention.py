@@ -144,7 +144,7 @@ def _implementations(step: _Step, config: Config, with_ipex: bool) -> dict:
     impls = {"sdpa": public_op("sdpa")}
     if not with_ipex:
         return impls
-    from attnexport.runtime.backends import ipex_kernels
+    from attnexport.backends import ipex_kernels
 
     raw = ipex_kernels.load_ipex().single_query_cached_kv_attention
     backend = get_backend("ipex")

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 import attnexport
+from attnexport.backends import xformers as xformers_backend
+from attnexport.backends import xformers_choice as choice
 from attnexport.custom_ops import (
     BackendUnsupportedError,
     get_backend,
@@ -22,8 +24,6 @@ from attnexport.custom_ops import (
     use_backend,
 )
 from attnexport.custom_ops.dispatch import AttentionCall
-from attnexport.runtime.backends import xformers as xformers_backend
-from attnexport.runtime.backends import xformers_choice as choice
 from attnexport.tolerances import tolerance
 from tests.attention_cases import (
     AttentionCase,
