@@ -40,6 +40,7 @@ import torch
 
 import attnexport
 from attnexport.custom_ops import get_backend, use_backend
+from attnexport.custom_ops.paged_attention import PagedAttentionCall
 
 SHAPES = ((32, 8, 128), (8, 2, 64))
 """(query heads, KV heads, head size)."""
@@ -175,7 +176,7 @@ def _implementations(step: _Step, config: Config, with_ipex: bool) -> dict:
         )
 
     def ipex_backend(layer: int):
-        backend.paged_attention(*step.paged_args(layer), step.scale, True, None, -1, 0.0)
+        backend.paged_attention(PagedAttentionCall(*step.paged_args(layer), step.scale))
 
     return {
         "ipex": public_op("ipex"),

@@ -35,10 +35,10 @@ def expect(cond, message: Callable[[], str] | str, error: type[Exception] = Valu
 
 
 def expect_rank(name: str, tensor: torch.Tensor, rank: int, dims: str) -> None:
-    expect(
-        tensor.dim() == rank,
-        lambda: f"{name}: expected a {rank}-D tensor {dims}, got shape {tuple(tensor.shape)}",
-    )
+    if tensor.dim() != rank:  # a rank is never symbolic
+        raise ValueError(
+            f"{name}: expected a {rank}-D tensor {dims}, got shape {tuple(tensor.shape)}"
+        )
 
 
 def expect_ranks(dims: str, **tensors: torch.Tensor) -> None:
@@ -72,13 +72,12 @@ def expect_dtype_of(reference_name: str, reference: torch.Tensor, **tensors: tor
 def expect_shape_of(reference_name: str, reference: torch.Tensor, **tensors: torch.Tensor) -> None:
     """Each tensor has the shape of ``reference``."""
     for name, tensor in tensors.items():
-        expect(
-            tensor.shape == reference.shape,
-            lambda name=name, tensor=tensor: (
+        # Comparing sizes (symbolic ones too) gives a plain bool (a symbolic size is guarded).
+        if tensor.shape != reference.shape:
+            raise ValueError(
                 f"{name}: expected shape {tuple(reference.shape)} (the shape of "
                 f"{reference_name}), got {tuple(tensor.shape)}"
-            ),
-        )
+            )
 
 
 def expect_same_device(**tensors: torch.Tensor) -> None:

@@ -22,7 +22,7 @@ import contextvars
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 
@@ -41,9 +41,10 @@ class BackendUnsupportedError(UserError, RuntimeError):
     """No selected backend can run a call; the message lists each backend's reasons."""
 
 
-@dataclass(frozen=True)
-class AttentionCall:
-    """What one op call asks of a backend, described before any kernel runs."""
+class AttentionCall(NamedTuple):
+    """What one op call asks of a backend, described before any kernel runs (an immutable,
+    hashable record: selection is remembered per call; a NamedTuple because one is made per op
+    call and a frozen dataclass costs several times more to build)."""
 
     op: str
     """One of ``OPS``."""

@@ -53,7 +53,13 @@ def check(call: CacheWriteCall) -> None:
     expect_rank("slot_mapping", slot_mapping, 1, "[num_tokens]")
     expect_dtype("slot_mapping", slot_mapping, SLOT_DTYPES)
     expect_dtype_of("key", key, value=value, key_cache=key_cache, value_cache=value_cache)
-    expect_same_device(**call._asdict())
+    expect_same_device(
+        key=key,
+        value=value,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        slot_mapping=slot_mapping,
+    )
     expect(
         key.shape[1] == key_cache.shape[2] and key.shape[2] == key_cache.shape[3],
         lambda: (
