@@ -45,14 +45,10 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def write_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Scatters key/value [T, Hkv, D] into caches of any strides; negative slots are skipped."""
+def write_cache(call: CacheWriteCall) -> None:
+    """Scatters the call's key/value [T, Hkv, D] into caches of any strides; negative slots are
+    skipped."""
+    key, value, key_cache, value_cache, slot_mapping = call
     slots = slot_mapping.to(torch.int64)
     if bool((slots < 0).any()):
         keep = slots >= 0
@@ -326,7 +322,7 @@ class SdpaBackend(AttentionBackend):
     )
 
     def reshape_and_cache(self, call: CacheWriteCall) -> None:
-        write_cache(*call)
+        write_cache(call)
 
     def paged_attention(self, call: PagedAttentionCall) -> torch.Tensor:
         query, key_cache, value_cache = call.query, call.key_cache, call.value_cache

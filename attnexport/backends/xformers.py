@@ -391,7 +391,7 @@ class XformersBackend(AttentionBackend):
         return reasons + choice.call_reasons(call, device_facts(torch.cuda.current_device()))
 
     def reshape_and_cache(self, call: CacheWriteCall) -> None:
-        write_cache(*call)
+        write_cache(call)
 
     def varlen_attention(self, call: VarlenAttentionCall) -> torch.Tensor:
         query, alibi = call.query, call.alibi_slopes is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -14,8 +15,9 @@ _LIB = torch.library.Library("attnexport", "DEF")
 
 def register(spec: OpSpec) -> Callable:
     """Defines ``attnexport::<name><schema>`` with ``spec.kernel`` as its kernel on every device
-    and ``spec.fake`` as its fake kernel, and returns a function of the kernel's signature and
-    docstring that calls the op through the dispatcher, which is what torch.export records.
+    and ``spec.fake`` as its fake kernel, and returns a function of the kernel's signature (or
+    the typed call's) and docstring that calls the op through the dispatcher, which is what
+    torch.export records.
 
     The low-level registration, like vLLM's ``direct_register_custom_op``: ``torch.library.
     custom_op`` adds an autograd wrapper and a dynamo-disabled frame to every call, several times
@@ -30,6 +32,9 @@ def register(spec: OpSpec) -> Callable:
     def call(*args, **kwargs):
         return packet(*args, **kwargs)
 
+    if spec.call_type is not None:  # the kernel takes ``*args``: show the typed call's fields
+        returns = inspect.signature(spec.kernel).return_annotation
+        call.__signature__ = inspect.signature(spec.call_type).replace(return_annotation=returns)
     return call
 
 

@@ -34,6 +34,9 @@ class OpSpec:
     """The op writes its cache arguments in place (declared ``Tensor(a!)`` in the schema)."""
     backend_op: bool = False
     """The op runs on the selected kernel backend (:mod:`.dispatch`); else it is plain torch."""
+    call_type: type | None = None
+    """The typed call (a NamedTuple) whose fields are the op's arguments, when the kernel takes
+    ``*args``: the registered function then has its signature."""
 
     @property
     def qualified_name(self) -> str:

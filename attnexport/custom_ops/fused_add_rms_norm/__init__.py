@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from attnexport.custom_ops.checks import (
-    expect,
-    expect_dtype_of,
-    expect_floating,
-    expect_rank,
-    expect_same_device,
-)
+from attnexport.custom_ops import checks
 from attnexport.custom_ops.library import register
 from attnexport.custom_ops.spec import OpSpec
 
@@ -19,20 +13,20 @@ SCHEMA = "(Tensor x, Tensor residual, Tensor weight, float epsilon) -> (Tensor, 
 
 def check(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
     """Validates a fused_add_rms_norm call (shapes, dtypes and devices)."""
-    expect_floating("x", x)
-    expect_rank("x", x, 2, "[num_tokens, hidden]")
+    checks.expect_floating("x", x)
+    checks.expect_rank("x", x, 2, "[num_tokens, hidden]")
     for name, tensor, shape in (
         ("residual", residual, tuple(x.shape)),
         ("weight", weight, (x.shape[1],)),
     ):
-        expect_dtype_of("x", x, **{name: tensor})
-        expect(
+        checks.expect_dtype_of("x", x, **{name: tensor})
+        checks.expect(
             tuple(tensor.shape) == shape,
             lambda name=name, tensor=tensor, shape=shape: (
                 f"{name}: expected shape {list(shape)} (from x), got {tuple(tensor.shape)}"
             ),
         )
-    expect_same_device(x=x, residual=residual, weight=weight)
+    checks.expect_same_device(x=x, residual=residual, weight=weight)
 
 
 def fused_add_rms_norm(

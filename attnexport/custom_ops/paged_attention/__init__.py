@@ -6,23 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from attnexport.custom_ops import attention
-from attnexport.custom_ops.checks import (
-    CACHE_DIMS,
-    INDEX_DTYPE,
-    BatchSummary,
-    check_heads,
-    check_offsets,
-    expect,
-    expect_dtype,
-    expect_dtype_of,
-    expect_floating,
-    expect_rank,
-    expect_ranks,
-    expect_same_device,
-    expect_shape_of,
-    is_fake,
-)
+from attnexport.custom_ops import attention, checks
 from attnexport.custom_ops.dispatch import select_backend
 from attnexport.custom_ops.library import register
 from attnexport.custom_ops.planning import memoised
@@ -36,36 +20,52 @@ SCHEMA = (
 
 
 class PagedAttentionCall(NamedTuple):
-    """A paged-attention call as a backend receives it: the arguments of
-    :func:`paged_attention`, in its order and with its defaults."""
+    """The arguments of :func:`paged_attention` (in its order, with its defaults), as a backend
+    receives them. S sequences, T query tokens."""
 
     query: torch.Tensor
+    """``[T, H, D]`` floating point."""
     key_cache: torch.Tensor
+    """``[num_blocks, block_size, Hkv, D]``, dtype of query; H must be a multiple of Hkv
+    (grouped-query attention)."""
     value_cache: torch.Tensor
+    """As key_cache."""
     block_tables: torch.Tensor
+    """``[S, max_blocks_per_seq]`` int32, the blocks of each sequence in order."""
     seq_lens: torch.Tensor
+    """``[S]`` int32, the KV length of each sequence (cached + new, already written)."""
     query_start_loc: torch.Tensor
+    """``[S + 1]`` int32 cumulative query counts; ``[-1] == T``."""
     scale: float
+    """Multiplies ``q . k``."""
     causal: bool = True
+    """Query j of sequence i sits at ``p = seq_lens[i] - q_i + j`` and sees keys ``k <= p``;
+    False lets every query see all ``seq_lens[i]`` keys."""
     alibi_slopes: torch.Tensor | None = None
+    """Optional ``[H]`` float; adds ``slope[h] * (k - p)`` (in fp32)."""
     sliding_window: int = -1
+    """If >= 0, key k is visible only when ``p - k < sliding_window``."""
     logits_soft_cap: float = 0.0
+    """If > 0, logits become ``cap * tanh(logits / cap)`` before ALiBi."""
 
 
-def check(call: PagedAttentionCall) -> BatchSummary | None:
+def check(call: PagedAttentionCall) -> checks.BatchSummary | None:
     """Validates a paged-attention call; returns the batch summary (None while tracing)."""
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc = call[:6]
-    expect_floating("query", query)
-    expect_rank("query", query, 3, "[num_tokens, num_heads, head_size]")
-    expect_ranks(CACHE_DIMS, key_cache=key_cache, value_cache=value_cache)
-    expect_rank("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
-    expect_rank("seq_lens", seq_lens, 1, "[num_seqs]")
-    expect_rank("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
-    expect_dtype_of("query", query, key_cache=key_cache, value_cache=value_cache)
-    expect_dtype("block_tables", block_tables, (INDEX_DTYPE,))
-    expect_dtype("seq_lens", seq_lens, (INDEX_DTYPE,))
-    expect_dtype("query_start_loc", query_start_loc, (INDEX_DTYPE,))
-    expect_same_device(
+    checks.expect_floating("query", query)
+    checks.expect_rank("query", query, 3, "[num_tokens, num_heads, head_size]")
+    checks.expect_ranks(checks.CACHE_DIMS, key_cache=key_cache, value_cache=value_cache)
+    checks.expect_rank("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
+    checks.expect_rank("seq_lens", seq_lens, 1, "[num_seqs]")
+    checks.expect_rank("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
+    checks.expect_dtype_of("query", query, key_cache=key_cache, value_cache=value_cache)
+    for name, tensor in (
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    ):
+        checks.expect_dtype(name, tensor, (checks.INDEX_DTYPE,))
+    checks.expect_same_device(
         query=query,
         key_cache=key_cache,
         value_cache=value_cache,
@@ -73,24 +73,24 @@ def check(call: PagedAttentionCall) -> BatchSummary | None:
         seq_lens=seq_lens,
         query_start_loc=query_start_loc,
     )
-    expect_shape_of("key_cache", key_cache, value_cache=value_cache)
-    expect(
+    checks.expect_shape_of("key_cache", key_cache, value_cache=value_cache)
+    checks.expect(
         query.shape[2] == key_cache.shape[3],
         lambda: (
             f"query: expected head_size {key_cache.shape[3]} (the head_size of key_cache), "
             f"got shape {tuple(query.shape)}"
         ),
     )
-    check_heads(query.shape[1], key_cache.shape[2], "query", "key_cache")
+    checks.check_heads(query.shape[1], key_cache.shape[2], "query", "key_cache")
     num_seqs = seq_lens.shape[0]
-    expect(
+    checks.expect(
         block_tables.shape[0] == num_seqs,
         lambda: (
             f"block_tables: expected {num_seqs} rows (one per sequence in seq_lens), "
             f"got shape {tuple(block_tables.shape)}"
         ),
     )
-    expect(
+    checks.expect(
         query_start_loc.shape[0] == num_seqs + 1,
         lambda: (
             f"query_start_loc: expected shape [{num_seqs} + 1] (num_seqs + 1), "
@@ -98,7 +98,7 @@ def check(call: PagedAttentionCall) -> BatchSummary | None:
         ),
     )
     attention.check_options(call)
-    if is_fake(query, key_cache, block_tables, seq_lens, query_start_loc):
+    if checks.is_fake(query, key_cache, block_tables, seq_lens, query_start_loc):
         return None
 
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
@@ -110,15 +110,15 @@ def check(call: PagedAttentionCall) -> BatchSummary | None:
     )
 
 
-def _summarise(call: PagedAttentionCall, num_blocks: int, block_size: int) -> BatchSummary:
+def _summarise(call: PagedAttentionCall, num_blocks: int, block_size: int) -> checks.BatchSummary:
     """The value checks of a paged-attention call (shapes already checked); its summary."""
     block_tables, seq_lens = call.block_tables, call.seq_lens
     num_seqs = seq_lens.shape[0]
-    query_lens = check_offsets(
+    query_lens = checks.check_offsets(
         "query_start_loc", call.query_start_loc, call.query.shape[0], "num_tokens"
     )
     if num_seqs == 0:
-        return BatchSummary(0, 0, 0, True, False)
+        return checks.BatchSummary(0, 0, 0, True, False)
     if int(seq_lens.min()) < 0:
         raise ValueError(f"seq_lens: expected non-negative lengths, got {seq_lens.tolist()}")
     lens = seq_lens.to(torch.int64)  # int64 below: block counts of lengths near 2^31 wrap
@@ -151,7 +151,7 @@ def _summarise(call: PagedAttentionCall, num_blocks: int, block_size: int) -> Ba
         )
     max_query_len = int(query_lens.max())
     multi = query_lens > 1
-    return BatchSummary(
+    return checks.BatchSummary(
         num_seqs=num_seqs,
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
@@ -160,53 +160,18 @@ def _summarise(call: PagedAttentionCall, num_blocks: int, block_size: int) -> Ba
     )
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    causal: bool = True,
-    alibi_slopes: torch.Tensor | None = None,
-    sliding_window: int = -1,
-    logits_soft_cap: float = 0.0,
-) -> torch.Tensor:
+def paged_attention(*args) -> torch.Tensor:
     """Attention of packed ragged queries over a paged KV cache (prefill, decode, chunked
     prefill, mixed batches, and non-causal cross-attention).
 
-    Args:
-        query: ``[T, H, D]`` floating point.
-        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``, dtype of query;
-            H must be a multiple of Hkv (grouped-query attention).
-        block_tables: ``[S, max_blocks_per_seq]`` int32, the blocks of each sequence in order.
-        seq_lens: ``[S]`` int32, the KV length of each sequence (cached + new, already written).
-        query_start_loc: ``[S + 1]`` int32 cumulative query counts; ``[-1] == T``.
-        scale: multiplies ``q . k``.
-        causal: query j of sequence i sits at ``p = seq_lens[i] - q_i + j`` and sees keys
-            ``k <= p``; False lets every query see all ``seq_lens[i]`` keys.
-        alibi_slopes: optional ``[H]`` float; adds ``slope[h] * (k - p)`` (in fp32).
-        sliding_window: if >= 0, key k is visible only when ``p - k < sliding_window``.
-        logits_soft_cap: if > 0, logits become ``cap * tanh(logits / cap)`` before ALiBi.
+    Takes the arguments of :class:`PagedAttentionCall` (by position or name).
 
     Returns:
         ``[T, H, D]`` in the dtype of query; a query that sees no key gets zeros.
     """
-    call = PagedAttentionCall(
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale,
-        causal,
-        alibi_slopes,
-        sliding_window,
-        logits_soft_cap,
-    )
+    call = PagedAttentionCall(*args)
     summary = check(call)
+    query, key_cache = call.query, call.key_cache
     if query.shape[0] == 0:
         return torch.empty_like(query)
     request = attention.describe(
@@ -236,8 +201,8 @@ def gather_sequence(
 
 
 def reference(*args, compute_dtype: torch.dtype = torch.float64, **kwargs) -> torch.Tensor:
-    """Reference of ``attnexport::paged_attention`` (its arguments, as :func:`paged_attention`
-    takes them); returns [T, H, D] in ``compute_dtype``, one sequence at a time."""
+    """Reference of ``attnexport::paged_attention`` (the arguments of
+    :class:`PagedAttentionCall`); returns [T, H, D] in ``compute_dtype``, a sequence at a time."""
     call = PagedAttentionCall(*args, **kwargs)
     query = call.query
     out = torch.zeros(query.shape, dtype=compute_dtype, device=query.device)
@@ -265,6 +230,7 @@ SPEC = OpSpec(
     reference,
     cache_arguments=("key_cache", "value_cache"),
     backend_op=True,
+    call_type=PagedAttentionCall,
 )
 SPECS = (SPEC,)
 

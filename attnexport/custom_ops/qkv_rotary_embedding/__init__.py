@@ -6,8 +6,8 @@ import functools
 
 import torch
 
+from attnexport.custom_ops import checks
 from attnexport.custom_ops import rotary_embedding as rotary
-from attnexport.custom_ops.checks import expect, expect_floating, expect_rank
 from attnexport.custom_ops.library import register
 from attnexport.custom_ops.spec import OpSpec
 
@@ -21,19 +21,19 @@ def check(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int
 ) -> None:
     """Validates a qkv_rotary_embedding call (shapes and dtypes only; it reads no index)."""
-    expect_floating("qkv", qkv)
-    expect_rank("qkv", qkv, 2, "[num_tokens, (num_heads + 2 * num_kv_heads) * head_size]")
+    checks.expect_floating("qkv", qkv)
+    checks.expect_rank("qkv", qkv, 2, "[num_tokens, (num_heads + 2 * num_kv_heads) * head_size]")
     for name, count in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
         if count < 1:
             raise ValueError(f"{name}: expected a positive head count, got {count}")
-    expect_rank("cos", cos, 2, "[num_tokens, head_size]")
+    checks.expect_rank("cos", cos, 2, "[num_tokens, head_size]")
     head_size = cos.shape[1]
-    expect(
+    checks.expect(
         head_size % 2 == 0,
         lambda: f"cos: expected an even head_size (it rotates halves), got {tuple(cos.shape)}",
     )
     width = (num_heads + 2 * num_kv_heads) * head_size
-    expect(
+    checks.expect(
         qkv.shape[1] == width,
         lambda: (
             f"qkv: expected {width} columns ((num_heads {num_heads} + 2 * num_kv_heads "

@@ -6,20 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from attnexport.custom_ops.checks import (
-    CACHE_DIMS,
-    SLOT_DTYPES,
-    TOKEN_DIMS,
-    expect,
-    expect_dtype,
-    expect_dtype_of,
-    expect_floating,
-    expect_rank,
-    expect_ranks,
-    expect_same_device,
-    expect_shape_of,
-    is_fake,
-)
+from attnexport.custom_ops import checks
 from attnexport.custom_ops.dispatch import AttentionCall, select_backend
 from attnexport.custom_ops.library import register
 from attnexport.custom_ops.planning import memoised
@@ -31,52 +18,55 @@ FUNCTIONAL_SCHEMA = f"({_ARGS.format('', '')}) -> (Tensor, Tensor)"
 
 
 class CacheWriteCall(NamedTuple):
-    """A cache write as a backend receives it (arguments of ``attnexport::reshape_and_cache``)."""
+    """The arguments of :func:`reshape_and_cache` (and of its functional twin), as a backend
+    receives them."""
 
     key: torch.Tensor
     """``[T, Hkv, D]``, the cache dtype."""
     value: torch.Tensor
-    """``[T, Hkv, D]``, the cache dtype."""
+    """As key."""
     key_cache: torch.Tensor
     """``[num_blocks, block_size, Hkv, D]``; written in place."""
     value_cache: torch.Tensor
+    """As key_cache."""
     slot_mapping: torch.Tensor
-    """``[T]`` int32 or int64; negative: a padding token, not written."""
+    """``[T]`` int32 or int64. Token t goes to block ``slot // block_size``, offset
+    ``slot % block_size``; a negative slot marks a padding token (skipped)."""
 
 
 def check(call: CacheWriteCall) -> None:
-    """Validates a cache write; see :func:`reshape_and_cache` for the contract."""
+    """Validates a cache write; see :class:`CacheWriteCall` for the contract."""
     key, value, key_cache, value_cache, slot_mapping = call
-    expect_floating("key", key)
-    expect_ranks(TOKEN_DIMS, key=key, value=value)
-    expect_ranks(CACHE_DIMS, key_cache=key_cache, value_cache=value_cache)
-    expect_rank("slot_mapping", slot_mapping, 1, "[num_tokens]")
-    expect_dtype("slot_mapping", slot_mapping, SLOT_DTYPES)
-    expect_dtype_of("key", key, value=value, key_cache=key_cache, value_cache=value_cache)
-    expect_same_device(
+    checks.expect_floating("key", key)
+    checks.expect_ranks(checks.TOKEN_DIMS, key=key, value=value)
+    checks.expect_ranks(checks.CACHE_DIMS, key_cache=key_cache, value_cache=value_cache)
+    checks.expect_rank("slot_mapping", slot_mapping, 1, "[num_tokens]")
+    checks.expect_dtype("slot_mapping", slot_mapping, checks.SLOT_DTYPES)
+    checks.expect_dtype_of("key", key, value=value, key_cache=key_cache, value_cache=value_cache)
+    checks.expect_same_device(
         key=key,
         value=value,
         key_cache=key_cache,
         value_cache=value_cache,
         slot_mapping=slot_mapping,
     )
-    expect(
+    checks.expect(
         key.shape[1] == key_cache.shape[2] and key.shape[2] == key_cache.shape[3],
         lambda: (
             f"key: expected [num_tokens, {key_cache.shape[2]}, {key_cache.shape[3]}] "
             f"(num_kv_heads and head_size of key_cache), got {tuple(key.shape)}"
         ),
     )
-    expect_shape_of("key", key, value=value)
-    expect_shape_of("key_cache", key_cache, value_cache=value_cache)
-    expect(
+    checks.expect_shape_of("key", key, value=value)
+    checks.expect_shape_of("key_cache", key_cache, value_cache=value_cache)
+    checks.expect(
         slot_mapping.shape[0] == key.shape[0],
         lambda: (
             f"slot_mapping: expected shape [{key.shape[0]}] (one slot per key token), "
             f"got {tuple(slot_mapping.shape)}"
         ),
     )
-    if is_fake(key, key_cache, slot_mapping) or slot_mapping.numel() == 0:
+    if checks.is_fake(key, key_cache, slot_mapping) or slot_mapping.numel() == 0:
         return
     capacity = key_cache.shape[0] * key_cache.shape[1]
     memoised("slots", (slot_mapping,), (capacity,), lambda: _check_slots(slot_mapping, capacity))
@@ -112,42 +102,27 @@ def _write(call: CacheWriteCall) -> None:
     select_backend(request).reshape_and_cache(call)
 
 
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+def reshape_and_cache(*args) -> None:
     """Writes new keys and values into the paged caches, in place.
 
-    Args:
-        key, value: ``[T, Hkv, D]``, the cache dtype.
-        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``; written in place.
-        slot_mapping: ``[T]`` int32 or int64. Token t goes to block ``slot // block_size``,
-            offset ``slot % block_size``; a negative slot marks a padding token (skipped).
+    Takes the arguments of :class:`CacheWriteCall` (by position or name).
     """
-    call = CacheWriteCall(key, value, key_cache, value_cache, slot_mapping)
+    call = CacheWriteCall(*args)
     check(call)
     _write(call)
 
 
-def reshape_and_cache_functional(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def reshape_and_cache_functional(*args) -> tuple[torch.Tensor, torch.Tensor]:
     """The functional twin of :func:`reshape_and_cache`, used by the lowering.
 
     Same arguments; the caches are left untouched and the written copies
     ``(new_key_cache, new_value_cache)`` are returned.
     """
-    check(CacheWriteCall(key, value, key_cache, value_cache, slot_mapping))
-    new_key_cache, new_value_cache = key_cache.clone(), value_cache.clone()
-    _write(CacheWriteCall(key, value, new_key_cache, new_value_cache, slot_mapping))
-    return new_key_cache, new_value_cache
+    call = CacheWriteCall(*args)
+    check(call)
+    copies = call._replace(key_cache=call.key_cache.clone(), value_cache=call.value_cache.clone())
+    _write(copies)
+    return copies.key_cache, copies.value_cache
 
 
 def _fake(*args) -> None:
@@ -160,28 +135,25 @@ def _fake_functional(*args) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(call.key_cache), torch.empty_like(call.value_cache)
 
 
-def reference(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Reference of ``attnexport::reshape_and_cache``: writes token t of key/value [T, Hkv, D]
-    at slot ``slot_mapping[t]``; a negative slot skips it."""
-    block_size = key_cache.shape[1]
-    for t, slot in enumerate(slot_mapping.tolist()):
+def reference(*args, **kwargs) -> None:
+    """Reference of ``attnexport::reshape_and_cache`` (the arguments of
+    :class:`CacheWriteCall`): writes token t of key/value at slot ``slot_mapping[t]``, in
+    place; a negative slot skips it."""
+    call = CacheWriteCall(*args, **kwargs)
+    block_size = call.key_cache.shape[1]
+    for t, slot in enumerate(call.slot_mapping.tolist()):
         if slot < 0:
             continue
-        key_cache[slot // block_size, slot % block_size] = key[t]
-        value_cache[slot // block_size, slot % block_size] = value[t]
+        call.key_cache[slot // block_size, slot % block_size] = call.key[t]
+        call.value_cache[slot // block_size, slot % block_size] = call.value[t]
 
 
-def _functional_reference(key, value, key_cache, value_cache, slot_mapping):
+def _functional_reference(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of ``attnexport::reshape_and_cache_functional``: the written copies."""
-    key_cache, value_cache = key_cache.clone(), value_cache.clone()
-    reference(key, value, key_cache, value_cache, slot_mapping)
-    return key_cache, value_cache
+    call = CacheWriteCall(*args, **kwargs)
+    copies = call._replace(key_cache=call.key_cache.clone(), value_cache=call.value_cache.clone())
+    reference(*copies)
+    return copies.key_cache, copies.value_cache
 
 
 _CACHES = ("key_cache", "value_cache")
@@ -194,6 +166,7 @@ SPEC = OpSpec(
     cache_arguments=_CACHES,
     writes_caches=True,
     backend_op=True,
+    call_type=CacheWriteCall,
 )
 FUNCTIONAL_SPEC = OpSpec(
     "reshape_and_cache_functional",
@@ -203,6 +176,7 @@ FUNCTIONAL_SPEC = OpSpec(
     _functional_reference,
     cache_arguments=_CACHES,
     backend_op=True,
+    call_type=CacheWriteCall,
 )
 SPECS = (SPEC, FUNCTIONAL_SPEC)
 

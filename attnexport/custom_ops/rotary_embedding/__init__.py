@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from attnexport.custom_ops.checks import (
-    expect,
-    expect_dtype_of,
-    expect_floating,
-    expect_rank,
-    expect_same_device,
-)
+from attnexport.custom_ops import checks
 from attnexport.custom_ops.library import register
 from attnexport.custom_ops.spec import OpSpec
 
@@ -19,9 +13,9 @@ SCHEMA = "(Tensor x, Tensor cos, Tensor sin) -> Tensor"
 
 def check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Validates a rotary-embedding call (shapes and dtypes only; it reads no index)."""
-    expect_floating("x", x)
-    expect_rank("x", x, 3, "[num_tokens, num_heads, head_size]")
-    expect(
+    checks.expect_floating("x", x)
+    checks.expect_rank("x", x, 3, "[num_tokens, num_heads, head_size]")
+    checks.expect(
         x.shape[2] % 2 == 0,
         lambda: f"x: expected an even head_size (it rotates halves), got shape {tuple(x.shape)}",
     )
@@ -33,17 +27,17 @@ def check_tables(
 ) -> None:
     """cos and sin: ``[T, head_size]`` in the dtype and on the device of ``x``."""
     for name, table in (("cos", cos), ("sin", sin)):
-        expect_rank(name, table, 2, "[num_tokens, head_size]")
-        expect_dtype_of(x_name, x, **{name: table})
+        checks.expect_rank(name, table, 2, "[num_tokens, head_size]")
+        checks.expect_dtype_of(x_name, x, **{name: table})
         for axis, size in ((0, x.shape[0]), (1, head_size)):
-            expect(
+            checks.expect(
                 table.shape[axis] == size,
                 lambda name=name, table=table: (
                     f"{name}: expected shape [{x.shape[0]}, {head_size}] (num_tokens and "
                     f"head_size of {x_name}), got {tuple(table.shape)}"
                 ),
             )
-    expect_same_device(**{x_name: x, "cos": cos, "sin": sin})
+    checks.expect_same_device(**{x_name: x, "cos": cos, "sin": sin})
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

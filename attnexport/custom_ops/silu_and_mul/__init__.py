@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from attnexport.custom_ops.checks import expect, expect_floating, expect_rank
+from attnexport.custom_ops import checks
 from attnexport.custom_ops.library import register
 from attnexport.custom_ops.spec import OpSpec
 
@@ -13,9 +13,9 @@ SCHEMA = "(Tensor x) -> Tensor"
 
 def check(x: torch.Tensor) -> None:
     """Validates a silu_and_mul call: a 2-D float tensor whose last dim holds two halves."""
-    expect_floating("x", x)
-    expect_rank("x", x, 2, "[num_tokens, 2 * d]")
-    expect(
+    checks.expect_floating("x", x)
+    checks.expect_rank("x", x, 2, "[num_tokens, 2 * d]")
+    checks.expect(
         x.shape[1] % 2 == 0,
         lambda: f"x: expected an even last dim (gate and up halves), got shape {tuple(x.shape)}",
     )

@@ -7,22 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from attnexport.custom_ops import attention
-from attnexport.custom_ops.checks import (
-    INDEX_DTYPE,
-    BatchSummary,
-    check_heads,
-    check_offsets,
-    expect,
-    expect_dtype,
-    expect_dtype_of,
-    expect_floating,
-    expect_rank,
-    expect_ranks,
-    expect_same_device,
-    expect_shape_of,
-    is_fake,
-)
+from attnexport.custom_ops import attention, checks
 from attnexport.custom_ops.dispatch import select_backend
 from attnexport.custom_ops.library import register
 from attnexport.custom_ops.planning import memoised
@@ -36,56 +21,64 @@ SCHEMA = (
 
 
 class VarlenAttentionCall(NamedTuple):
-    """A varlen-attention call as a backend receives it: the arguments of
-    :func:`varlen_attention`, in its order and with its defaults."""
+    """The arguments of :func:`varlen_attention` (in its order, with its defaults), as a
+    backend receives them. S sequences; query j of a sequence of q queries and k keys sits at
+    position ``p = k - q + j`` (aligned to the end of the keys, "bottom-right")."""
 
     query: torch.Tensor
+    """``[Tq, H, D]`` floating point."""
     key: torch.Tensor
+    """``[Tk, Hkv, D]`` in the dtype of query; H must be a multiple of Hkv."""
     value: torch.Tensor
+    """As key."""
     cu_seqlens_q: torch.Tensor
+    """``[S + 1]`` int32 cumulative query counts; ``[-1] == Tq``."""
     cu_seqlens_k: torch.Tensor
+    """``[S + 1]`` int32 cumulative key counts; ``[-1] == Tk``."""
     scale: float
+    """As in :class:`~attnexport.custom_ops.paged_attention.PagedAttentionCall`, and so are
+    the options below (with ``p`` as above)."""
     causal: bool = False
     alibi_slopes: torch.Tensor | None = None
     sliding_window: int = -1
     logits_soft_cap: float = 0.0
 
 
-def check(call: VarlenAttentionCall) -> BatchSummary | None:
+def check(call: VarlenAttentionCall) -> checks.BatchSummary | None:
     """Validates a varlen-attention call; returns the batch summary (None while tracing)."""
     query, key, value, cu_seqlens_q, cu_seqlens_k = call[:5]
-    expect_floating("query", query)
-    expect_rank("query", query, 3, "[num_query_tokens, num_heads, head_size]")
-    expect_ranks("[num_key_tokens, num_kv_heads, head_size]", key=key, value=value)
-    expect_ranks("[num_seqs + 1]", cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    expect_dtype_of("query", query, key=key, value=value)
-    expect_dtype("cu_seqlens_q", cu_seqlens_q, (INDEX_DTYPE,))
-    expect_dtype("cu_seqlens_k", cu_seqlens_k, (INDEX_DTYPE,))
-    expect_same_device(
+    checks.expect_floating("query", query)
+    checks.expect_rank("query", query, 3, "[num_query_tokens, num_heads, head_size]")
+    checks.expect_ranks("[num_key_tokens, num_kv_heads, head_size]", key=key, value=value)
+    checks.expect_ranks("[num_seqs + 1]", cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    checks.expect_dtype_of("query", query, key=key, value=value)
+    checks.expect_dtype("cu_seqlens_q", cu_seqlens_q, (checks.INDEX_DTYPE,))
+    checks.expect_dtype("cu_seqlens_k", cu_seqlens_k, (checks.INDEX_DTYPE,))
+    checks.expect_same_device(
         query=query, key=key, value=value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k
     )
-    expect_shape_of("key", key, value=value)
-    expect(
+    checks.expect_shape_of("key", key, value=value)
+    checks.expect(
         query.shape[2] == key.shape[2],
         lambda: (
             f"query: expected head_size {key.shape[2]} (the head_size of key), "
             f"got shape {tuple(query.shape)}"
         ),
     )
-    check_heads(query.shape[1], key.shape[1], "query", "key")
-    expect(
+    checks.check_heads(query.shape[1], key.shape[1], "query", "key")
+    checks.expect(
         cu_seqlens_q.shape[0] == cu_seqlens_k.shape[0],
         lambda: (
             f"cu_seqlens_k: expected shape {tuple(cu_seqlens_q.shape)} (the shape of "
             f"cu_seqlens_q, num_seqs + 1), got {tuple(cu_seqlens_k.shape)}"
         ),
     )
-    expect(
+    checks.expect(
         cu_seqlens_q.shape[0] >= 1,
         "cu_seqlens_q: expected at least one offset (num_seqs + 1 >= 1), got an empty tensor",
     )
     attention.check_options(call)
-    if is_fake(query, key, cu_seqlens_q, cu_seqlens_k):
+    if checks.is_fake(query, key, cu_seqlens_q, cu_seqlens_k):
         return None
     return memoised(
         "varlen",
@@ -97,13 +90,13 @@ def check(call: VarlenAttentionCall) -> BatchSummary | None:
 
 def _summarise(
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, num_queries: int, num_keys: int
-) -> BatchSummary:
+) -> checks.BatchSummary:
     """The value checks of a varlen-attention call (shapes already checked); its summary."""
-    query_lens = check_offsets("cu_seqlens_q", cu_seqlens_q, num_queries, "num_query_tokens")
-    key_lens = check_offsets("cu_seqlens_k", cu_seqlens_k, num_keys, "num_key_tokens")
+    query_lens = checks.check_offsets("cu_seqlens_q", cu_seqlens_q, num_queries, "num_query_tokens")
+    key_lens = checks.check_offsets("cu_seqlens_k", cu_seqlens_k, num_keys, "num_key_tokens")
     num_seqs = query_lens.numel()
     max_query_len = int(query_lens.max()) if num_seqs else 0
-    return BatchSummary(
+    return checks.BatchSummary(
         num_seqs=num_seqs,
         max_query_len=max_query_len,
         max_seq_len=int(key_lens.max()) if num_seqs else 0,
@@ -112,47 +105,20 @@ def _summarise(
     )
 
 
-def varlen_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    scale: float,
-    causal: bool = False,
-    alibi_slopes: torch.Tensor | None = None,
-    sliding_window: int = -1,
-    logits_soft_cap: float = 0.0,
-) -> torch.Tensor:
+def varlen_attention(*args) -> torch.Tensor:
     """Attention over packed ragged sequences without a cache (encoders, cross-attention at
     prefill).
 
-    Args:
-        query: ``[Tq, H, D]``; key, value: ``[Tk, Hkv, D]`` of the same dtype.
-        cu_seqlens_q, cu_seqlens_k: ``[S + 1]`` int32 cumulative lengths.
-        scale, causal, alibi_slopes, sliding_window, logits_soft_cap: as in
-            :func:`~attnexport.paged_attention`, with query j of a sequence of q queries and k
-            keys at position ``p = k - q + j`` (aligned to the end of the keys, "bottom-right").
+    Takes the arguments of :class:`VarlenAttentionCall` (by position or name).
 
     Returns:
         ``[Tq, H, D]`` in the dtype of query; a query that sees no key gets zeros.
     """
-    call = VarlenAttentionCall(
-        query,
-        key,
-        value,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        scale,
-        causal,
-        alibi_slopes,
-        sliding_window,
-        logits_soft_cap,
-    )
+    call = VarlenAttentionCall(*args)
     summary = check(call)
-    if query.shape[0] == 0:
-        return torch.empty_like(query)
-    request = attention.describe("varlen_attention", call, key.shape[1], summary)
+    if call.query.shape[0] == 0:
+        return torch.empty_like(call.query)
+    request = attention.describe("varlen_attention", call, call.key.shape[1], summary)
     return select_backend(request).varlen_attention(call)
 
 
@@ -162,11 +128,9 @@ def _fake(*args) -> torch.Tensor:
 
 
 def reference(*args, compute_dtype: torch.dtype = torch.float64, **kwargs) -> torch.Tensor:
-    """Reference of ``attnexport::varlen_attention`` (its arguments, as
-    :func:`varlen_attention` takes them); returns [Tq, H, D] in ``compute_dtype``.
-
-    Query j of a sequence with q queries and k keys sits at position k - q + j (bottom-right).
-    """
+    """Reference of ``attnexport::varlen_attention`` (the arguments of
+    :class:`VarlenAttentionCall`); returns [Tq, H, D] in ``compute_dtype``, a sequence at a
+    time (query j of a sequence with q queries and k keys at position k - q + j)."""
     call = VarlenAttentionCall(*args, **kwargs)
     query = call.query
     out = torch.zeros(query.shape, dtype=compute_dtype, device=query.device)
@@ -188,7 +152,15 @@ def reference(*args, compute_dtype: torch.dtype = torch.float64, **kwargs) -> to
     return out
 
 
-SPEC = OpSpec("varlen_attention", SCHEMA, varlen_attention, _fake, reference, backend_op=True)
+SPEC = OpSpec(
+    "varlen_attention",
+    SCHEMA,
+    varlen_attention,
+    _fake,
+    reference,
+    backend_op=True,
+    call_type=VarlenAttentionCall,
+)
 SPECS = (SPEC,)
 
 varlen_attention = register(SPEC)
