@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from attnexport.custom_ops.checks import BatchSummary, expect, expect_floating, expect_rank
+from attnexport.custom_ops import checks
 from attnexport.custom_ops.dispatch import AttentionCall
 
 OPTION_ARGS = (
@@ -48,27 +48,23 @@ def check_options(call: AttentionOptions) -> None:
         )
     if slopes is not None:
         num_heads = query.shape[1]
-        expect_floating("alibi_slopes", slopes)
-        expect_rank("alibi_slopes", slopes, 1, "[num_heads]")
-        expect(
+        checks.expect_floating("alibi_slopes", slopes)
+        checks.expect_rank("alibi_slopes", slopes, 1, "[num_heads]")
+        checks.expect(
             slopes.shape[0] == num_heads,
             lambda: (
                 f"alibi_slopes: expected shape [{num_heads}] (one slope per query head), "
                 f"got {tuple(slopes.shape)}"
             ),
         )
-        if slopes.device != query.device:
-            raise ValueError(
-                f"alibi_slopes: expected device {query.device} (the device of query), "
-                f"got {slopes.device}"
-            )
+        checks.expect_same_device(("query", "alibi_slopes"), (query, slopes))
 
 
 def describe(
     op: str,
     call: AttentionOptions,
     num_kv_heads: int,
-    summary: BatchSummary,
+    summary: checks.BatchSummary,
     block_size: int | None = None,
     cache_contiguous: bool = True,
 ) -> AttentionCall:

@@ -59,37 +59,39 @@ def expect_floating(name: str, tensor: torch.Tensor) -> None:
         raise TypeError(f"{name}: expected a floating-point tensor, got {tensor.dtype}")
 
 
-def expect_dtype_of(reference_name: str, reference: torch.Tensor, **tensors: torch.Tensor) -> None:
-    """Each tensor has the dtype of ``reference``."""
+def expect_like(attribute: str, reference_name: str, reference: torch.Tensor, **tensors) -> None:
+    """Each tensor has the ``attribute`` (``"dtype"``: else TypeError, or ``"shape"``: else
+    ValueError) of ``reference``. Sizes compare to a plain bool (a symbolic one is guarded)."""
+    expected = getattr(reference, attribute)
     for name, tensor in tensors.items():
-        if tensor.dtype != reference.dtype:
-            raise TypeError(
-                f"{name}: expected dtype {reference.dtype} (the dtype of {reference_name}), "
-                f"got {tensor.dtype}"
+        actual = getattr(tensor, attribute)
+        if actual != expected:
+            error, show = (TypeError, str) if attribute == "dtype" else (ValueError, tuple)
+            raise error(
+                f"{name}: expected {attribute} {show(expected)} (the {attribute} of "
+                f"{reference_name}), got {show(actual)}"
             )
 
 
-def expect_shape_of(reference_name: str, reference: torch.Tensor, **tensors: torch.Tensor) -> None:
-    """Each tensor has the shape of ``reference``."""
-    for name, tensor in tensors.items():
-        # Comparing sizes (symbolic ones too) gives a plain bool (a symbolic size is guarded).
-        if tensor.shape != reference.shape:
+def expect_same_device(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> None:
+    """Every tensor is on the device of the first (``names[i]`` names ``tensors[i]``)."""
+    first = tensors[0].device
+    for name, tensor in zip(names, tensors, strict=True):
+        if tensor.device != first:
             raise ValueError(
-                f"{name}: expected shape {tuple(reference.shape)} (the shape of "
-                f"{reference_name}), got {tuple(tensor.shape)}"
+                f"{name}: expected device {first} (the device of {names[0]}), got {tensor.device}"
             )
 
 
-def expect_same_device(**tensors: torch.Tensor) -> None:
-    """Every tensor is on the device of the first."""
-    items = iter(tensors.items())
-    first_name, first = next(items)
-    for name, tensor in items:
-        if tensor.device != first.device:
-            raise ValueError(
-                f"{name}: expected device {first.device} (the device of {first_name}), "
-                f"got {tensor.device}"
-            )
+def expect_head_size(query: torch.Tensor, head_size, source: str) -> None:
+    """query ``[T, H, D]`` has head size ``head_size`` (that of ``source``)."""
+    expect(
+        query.shape[2] == head_size,
+        lambda: (
+            f"query: expected head_size {head_size} (the head_size of {source}), "
+            f"got shape {tuple(query.shape)}"
+        ),
+    )
 
 
 def is_fake(*tensors: torch.Tensor) -> bool:

@@ -19,14 +19,14 @@ def check(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None
         ("residual", residual, tuple(x.shape)),
         ("weight", weight, (x.shape[1],)),
     ):
-        checks.expect_dtype_of("x", x, **{name: tensor})
+        checks.expect_like("dtype", "x", x, **{name: tensor})
         checks.expect(
             tuple(tensor.shape) == shape,
             lambda name=name, tensor=tensor, shape=shape: (
                 f"{name}: expected shape {list(shape)} (from x), got {tuple(tensor.shape)}"
             ),
         )
-    checks.expect_same_device(x=x, residual=residual, weight=weight)
+    checks.expect_same_device(("x", "residual", "weight"), (x, residual, weight))
 
 
 def fused_add_rms_norm(

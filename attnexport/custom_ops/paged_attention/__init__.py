@@ -58,29 +58,16 @@ def check(call: PagedAttentionCall) -> checks.BatchSummary | None:
     checks.expect_rank("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
     checks.expect_rank("seq_lens", seq_lens, 1, "[num_seqs]")
     checks.expect_rank("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
-    checks.expect_dtype_of("query", query, key_cache=key_cache, value_cache=value_cache)
+    checks.expect_like("dtype", "query", query, key_cache=key_cache, value_cache=value_cache)
     for name, tensor in (
         ("block_tables", block_tables),
         ("seq_lens", seq_lens),
         ("query_start_loc", query_start_loc),
     ):
         checks.expect_dtype(name, tensor, (checks.INDEX_DTYPE,))
-    checks.expect_same_device(
-        query=query,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        block_tables=block_tables,
-        seq_lens=seq_lens,
-        query_start_loc=query_start_loc,
-    )
-    checks.expect_shape_of("key_cache", key_cache, value_cache=value_cache)
-    checks.expect(
-        query.shape[2] == key_cache.shape[3],
-        lambda: (
-            f"query: expected head_size {key_cache.shape[3]} (the head_size of key_cache), "
-            f"got shape {tuple(query.shape)}"
-        ),
-    )
+    checks.expect_same_device(call._fields[:6], call[:6])
+    checks.expect_like("shape", "key_cache", key_cache, value_cache=value_cache)
+    checks.expect_head_size(query, key_cache.shape[3], "key_cache")
     checks.check_heads(query.shape[1], key_cache.shape[2], "query", "key_cache")
     num_seqs = seq_lens.shape[0]
     checks.expect(

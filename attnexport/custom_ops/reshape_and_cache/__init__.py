@@ -42,14 +42,10 @@ def check(call: CacheWriteCall) -> None:
     checks.expect_ranks(checks.CACHE_DIMS, key_cache=key_cache, value_cache=value_cache)
     checks.expect_rank("slot_mapping", slot_mapping, 1, "[num_tokens]")
     checks.expect_dtype("slot_mapping", slot_mapping, checks.SLOT_DTYPES)
-    checks.expect_dtype_of("key", key, value=value, key_cache=key_cache, value_cache=value_cache)
-    checks.expect_same_device(
-        key=key,
-        value=value,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        slot_mapping=slot_mapping,
+    checks.expect_like(
+        "dtype", "key", key, value=value, key_cache=key_cache, value_cache=value_cache
     )
+    checks.expect_same_device(call._fields, call)
     checks.expect(
         key.shape[1] == key_cache.shape[2] and key.shape[2] == key_cache.shape[3],
         lambda: (
@@ -57,8 +53,8 @@ def check(call: CacheWriteCall) -> None:
             f"(num_kv_heads and head_size of key_cache), got {tuple(key.shape)}"
         ),
     )
-    checks.expect_shape_of("key", key, value=value)
-    checks.expect_shape_of("key_cache", key_cache, value_cache=value_cache)
+    checks.expect_like("shape", "key", key, value=value)
+    checks.expect_like("shape", "key_cache", key_cache, value_cache=value_cache)
     checks.expect(
         slot_mapping.shape[0] == key.shape[0],
         lambda: (

@@ -28,7 +28,7 @@ def check_tables(
     """cos and sin: ``[T, head_size]`` in the dtype and on the device of ``x``."""
     for name, table in (("cos", cos), ("sin", sin)):
         checks.expect_rank(name, table, 2, "[num_tokens, head_size]")
-        checks.expect_dtype_of(x_name, x, **{name: table})
+        checks.expect_like("dtype", x_name, x, **{name: table})
         for axis, size in ((0, x.shape[0]), (1, head_size)):
             checks.expect(
                 table.shape[axis] == size,
@@ -37,7 +37,7 @@ def check_tables(
                     f"head_size of {x_name}), got {tuple(table.shape)}"
                 ),
             )
-    checks.expect_same_device(**{x_name: x, "cos": cos, "sin": sin})
+    checks.expect_same_device((x_name, "cos", "sin"), (x, cos, sin))
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -51,20 +51,12 @@ def check(call: VarlenAttentionCall) -> checks.BatchSummary | None:
     checks.expect_rank("query", query, 3, "[num_query_tokens, num_heads, head_size]")
     checks.expect_ranks("[num_key_tokens, num_kv_heads, head_size]", key=key, value=value)
     checks.expect_ranks("[num_seqs + 1]", cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    checks.expect_dtype_of("query", query, key=key, value=value)
+    checks.expect_like("dtype", "query", query, key=key, value=value)
     checks.expect_dtype("cu_seqlens_q", cu_seqlens_q, (checks.INDEX_DTYPE,))
     checks.expect_dtype("cu_seqlens_k", cu_seqlens_k, (checks.INDEX_DTYPE,))
-    checks.expect_same_device(
-        query=query, key=key, value=value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k
-    )
-    checks.expect_shape_of("key", key, value=value)
-    checks.expect(
-        query.shape[2] == key.shape[2],
-        lambda: (
-            f"query: expected head_size {key.shape[2]} (the head_size of key), "
-            f"got shape {tuple(query.shape)}"
-        ),
-    )
+    checks.expect_same_device(call._fields[:5], call[:5])
+    checks.expect_like("shape", "key", key, value=value)
+    checks.expect_head_size(query, key.shape[2], "key")
     checks.check_heads(query.shape[1], key.shape[1], "query", "key")
     checks.expect(
         cu_seqlens_q.shape[0] == cu_seqlens_k.shape[0],
