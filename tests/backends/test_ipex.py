@@ -30,7 +30,7 @@ from tests.attention_cases import (
     make_varlen_inputs,
     standard_cases,
 )
-from tests.helpers import assert_close_to_reference, paged_args
+from tests.helpers import assert_close_to_reference, layer_args, paged_args
 
 IPEX = get_backend("ipex")
 UNAVAILABLE = IPEX.unavailable_reason()
@@ -473,17 +473,7 @@ def test_exported_attnexport_ops_run_on_ipex():
             )
 
     x = make_paged_inputs(AttentionCase("mixed", (1, 9, 1), (40, 0, 3)))
-    args = (
-        x["query"],
-        x["key"],
-        x["value"],
-        x["key_cache"],
-        x["value_cache"],
-        x["slot_mapping"],
-        x["block_tables"],
-        x["seq_lens"],
-        x["query_start_loc"],
-    )
+    args = layer_args(x)
     program = torch.export.export(Layer(), tuple(a.clone() for a in args))
     with use_backend("ipex"):
         actual = program.module()(*(a.clone() for a in args))

@@ -41,7 +41,7 @@ from tests.backends.test_xformers_dispatch import (
     AMPERE_FLASH_ATTN,
     HOPPER,
 )
-from tests.helpers import assert_close_to_reference
+from tests.helpers import assert_close_to_reference, paged_args
 
 PROFILES = {"hopper": HOPPER, "ampere": AMPERE, "ampere+flash_attn": AMPERE_FLASH_ATTN}
 OP_NAMES = {
@@ -325,14 +325,7 @@ def _expected_ops(case: AttentionCase, x: dict, facts) -> set[str]:
 def test_paged_attention_emulated(emulated, case):
     backend, facts, used = emulated
     x = _spare_padding(make_paged_inputs(case))
-    args = (
-        x["query"],
-        x["key_cache"],
-        x["value_cache"],
-        x["block_tables"],
-        x["seq_lens"],
-        x["query_start_loc"],
-    )
+    args = paged_args(x)
     _skip_refused(
         "paged_attention", case, paged.check(paged.PagedAttentionCall(*args, **x["kwargs"])), facts
     )
