@@ -14,9 +14,10 @@ import torch
 class OpSpec:
     """One ``attnexport::<name>`` op.
 
-    ``kernel``, ``fake``, ``check`` and ``reference`` take the op's arguments in schema order
-    (``check`` and ``fake`` as the slice's typed call where it has one); the registered op is
-    :attr:`function`.
+    ``kernel``, ``fake`` and ``reference`` take the op's arguments in schema order (the slice's
+    checks, which the kernel and the fake run first, take its typed call where it has one).
+    :func:`~.library.register` registers the op and returns the function users call; the slice
+    binds it to the op's name.
     """
 
     name: str
