@@ -76,10 +76,11 @@ def expect_like(attribute: str, reference_name: str, reference: torch.Tensor, **
 def expect_same_device(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> None:
     """Every tensor is on the device of the first (``names[i]`` names ``tensors[i]``)."""
     first = tensors[0].device
-    for name, tensor in zip(names, tensors, strict=True):
+    for i, tensor in enumerate(tensors):
         if tensor.device != first:
             raise ValueError(
-                f"{name}: expected device {first} (the device of {names[0]}), got {tensor.device}"
+                f"{names[i]}: expected device {first} (the device of {names[0]}), "
+                f"got {tensor.device}"
             )
 
 

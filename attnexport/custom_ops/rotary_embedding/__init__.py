@@ -26,9 +26,11 @@ def check_tables(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_name: str, head_size
 ) -> None:
     """cos and sin: ``[T, head_size]`` in the dtype and on the device of ``x``."""
-    for name, table in (("cos", cos), ("sin", sin)):
+    tables = (("cos", cos), ("sin", sin))
+    for name, table in tables:
         checks.expect_rank(name, table, 2, "[num_tokens, head_size]")
-        checks.expect_like("dtype", x_name, x, **{name: table})
+    checks.expect_like("dtype", x_name, x, cos=cos, sin=sin)
+    for name, table in tables:
         for axis, size in ((0, x.shape[0]), (1, head_size)):
             checks.expect(
                 table.shape[axis] == size,
