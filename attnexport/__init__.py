@@ -4,25 +4,27 @@
 backends.
 """
 
+from attnexport import backends as _backends  # noqa: F401  (registers the backends)
 from attnexport._version import __version__
+from attnexport.backends.block_copy import copy_blocks, swap_blocks
 from attnexport.custom_ops import (
     AttentionMetadata,
     BackendUnsupportedError,
     ScheduledSequence,
     build_attention_metadata,
-    fused_add_rms_norm,
-    paged_attention,
-    qkv_rotary_embedding,
+    set_default_backend,
+    use_backend,
+)
+from attnexport.custom_ops.fused_add_rms_norm import fused_add_rms_norm
+from attnexport.custom_ops.paged_attention import paged_attention
+from attnexport.custom_ops.qkv_rotary_embedding import qkv_rotary_embedding
+from attnexport.custom_ops.reshape_and_cache import (
     reshape_and_cache,
     reshape_and_cache_functional,
-    rotary_embedding,
-    set_default_backend,
-    silu_and_mul,
-    use_backend,
-    varlen_attention,
 )
-from attnexport.runtime import backends as _backends  # noqa: F401  (registers the backends)
-from attnexport.runtime.block_copy import copy_blocks, swap_blocks
+from attnexport.custom_ops.rotary_embedding import rotary_embedding
+from attnexport.custom_ops.silu_and_mul import silu_and_mul
+from attnexport.custom_ops.varlen_attention import varlen_attention
 
 __all__ = [
     "AttentionMetadata",

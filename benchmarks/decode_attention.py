@@ -40,6 +40,7 @@ import torch
 
 import attnexport
 from attnexport.custom_ops import get_backend, use_backend
+from attnexport.custom_ops.paged_attention import PagedAttentionCall
 
 SHAPES = ((32, 8, 128), (8, 2, 64))
 """(query heads, KV heads, head size)."""
@@ -144,7 +145,7 @@ def _implementations(step: _Step, config: Config, with_ipex: bool) -> dict:
     impls = {"sdpa": public_op("sdpa")}
     if not with_ipex:
         return impls
-    from attnexport.runtime.backends import ipex_kernels
+    from attnexport.backends import ipex_kernels
 
     raw = ipex_kernels.load_ipex().single_query_cached_kv_attention
     backend = get_backend("ipex")
@@ -175,7 +176,7 @@ def _implementations(step: _Step, config: Config, with_ipex: bool) -> dict:
         )
 
     def ipex_backend(layer: int):
-        backend.paged_attention(*step.paged_args(layer), step.scale, True, None, -1, 0.0)
+        backend.paged_attention(PagedAttentionCall(*step.paged_args(layer), step.scale))
 
     return {
         "ipex": public_op("ipex"),

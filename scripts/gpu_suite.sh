@@ -5,7 +5,7 @@
 #
 # LOG_DIR defaults to $OUT when set (the device tool's output folder), else ./gpu-logs. It gets
 # six files: env.txt (torch, CUDA, GPU, xformers, backend availability, operators found),
-# pytest_gpu.log + pytest_gpu.xml (tests/runtime/backends/test_xformers_gpu.py and the generic
+# pytest_gpu.log + pytest_gpu.xml (tests/backends/test_xformers_gpu.py and the generic
 # op suite, which is parametrized over every backend), pytest_all.log (the whole suite, unless
 # GPU_SUITE_ALL=0), bench.json + bench.err (benchmarks/xformers_attention.py, BENCH_ARGS,
 # default --quick). Exit status: that of the GPU tests.
@@ -63,13 +63,13 @@ from attnexport.custom_ops import get_backend
 reason = get_backend("xformers").unavailable_reason()
 print("xformers backend:", reason or "available")
 if reason is None:
-    from attnexport.runtime.backends.xformers import device_facts
+    from attnexport.backends.xformers import device_facts
 
     print(device_facts(torch.cuda.current_device()))
 EOF
 cat "$LOG/env.txt"
 
-"$PY" -m pytest tests/runtime/backends/test_xformers_gpu.py tests/custom_ops/test_ops_vs_reference.py \
+"$PY" -m pytest tests/backends/test_xformers_gpu.py tests/custom_ops/test_ops_vs_reference.py \
   -q -ra -p no:cacheprovider --junitxml="$LOG/pytest_gpu.xml" 2>&1 | tee "$LOG/pytest_gpu.log"
 status=${PIPESTATUS[0]}
 

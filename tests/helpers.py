@@ -38,6 +38,13 @@ def skip_unsupported():
         pytest.skip(str(error))
 
 
+def layer_args(x: dict) -> tuple:
+    """The tensors of one attention layer (new keys and values, their cache write, then the
+    paged attention) from a :func:`make_paged_inputs` dict."""
+    names = ("query", "key", "value", "key_cache", "value_cache", "slot_mapping")
+    return (*(x[name] for name in names), *paged_args(x)[3:])
+
+
 def paged_args(x: dict) -> tuple:
     """The positional tensors of ``paged_attention`` from a :func:`make_paged_inputs` dict."""
     return (

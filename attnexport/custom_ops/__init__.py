@@ -1,9 +1,18 @@
-"""The attnexport ops: schemas, fake kernels, validation, reference semantics and dispatch.
+"""The attnexport ops layer: one slice per op (schema, fake kernel, checks, float64 reference;
+``attnexport.custom_ops.<op>``), the backend registry they dispatch to, the step's attention
+metadata and its per-step plan.
 
-Importing this package registers ``torch.ops.attnexport.*``.
+Importing this package registers ``torch.ops.attnexport.*``. It imports no kernel backend
+(``import attnexport`` registers those) and nothing of the runtime or the lowering. The
+registries below are built by iterating :data:`~.slices.OP_SLICES`.
 """
 
+from __future__ import annotations
+
+import importlib
+
 from attnexport.custom_ops.dispatch import (
+    OPS,
     AttentionBackend,
     AttentionCall,
     BackendCapabilities,
@@ -21,41 +30,42 @@ from attnexport.custom_ops.metadata import (
     ScheduledSequence,
     build_attention_metadata,
 )
-from attnexport.custom_ops.ops import (
-    fused_add_rms_norm,
-    paged_attention,
-    qkv_rotary_embedding,
-    reshape_and_cache,
-    reshape_and_cache_functional,
-    rotary_embedding,
-    silu_and_mul,
-    varlen_attention,
-)
 from attnexport.custom_ops.planning import StepPlan, step_plan
+from attnexport.custom_ops.slices import OP_SLICES
+from attnexport.custom_ops.spec import OpSpec
+
+OP_SPECS: dict[str, OpSpec] = {
+    spec.name: spec
+    for name in OP_SLICES
+    for spec in importlib.import_module(f"{__name__}.{name}").SPECS
+}
+"""Every ``attnexport::`` op by name, in slice order."""
+
+CACHE_ARGUMENTS: dict[str, tuple[tuple[int, str], ...]] = {
+    name: spec.cache_argument_positions() for name, spec in OP_SPECS.items() if spec.cache_arguments
+}
+"""Op name -> ``(argument index, argument name)`` of each KV-cache argument."""
 
 __all__ = [
+    "CACHE_ARGUMENTS",
+    "OPS",
+    "OP_SLICES",
+    "OP_SPECS",
     "AttentionBackend",
     "AttentionCall",
     "AttentionMetadata",
     "BackendCapabilities",
     "BackendUnsupportedError",
+    "OpSpec",
     "ScheduledSequence",
     "StepPlan",
     "build_attention_metadata",
     "current_backend_name",
-    "fused_add_rms_norm",
     "get_backend",
-    "paged_attention",
-    "qkv_rotary_embedding",
     "register_backend",
     "registered_backends",
-    "reshape_and_cache",
-    "reshape_and_cache_functional",
-    "rotary_embedding",
     "select_backend",
     "set_default_backend",
-    "silu_and_mul",
     "step_plan",
     "use_backend",
-    "varlen_attention",
 ]

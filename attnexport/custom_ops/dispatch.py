@@ -1,9 +1,12 @@
 """Kernel backends: the interface, the registry, and per-call selection.
 
-The op implementations in :mod:`attnexport.custom_ops.ops` describe each call as an
-:class:`AttentionCall`, ask :func:`select_backend` for a backend that can run it, and call it.
-Concrete backends (``sdpa``, ``ipex``, ``xformers``) live in :mod:`attnexport.runtime.backends`
-and register themselves here, so this package never imports the runtime.
+The ops that run on a backend (the ``OPS``) describe each call as an :class:`AttentionCall`,
+ask :func:`select_backend` for a backend that can run it, and hand it the call's arguments as
+one typed call (:class:`~.reshape_and_cache.CacheWriteCall`,
+:class:`~.paged_attention.PagedAttentionCall`, :class:`~.varlen_attention.VarlenAttentionCall`).
+Concrete backends (``sdpa``, ``ipex``, ``xformers``) live in :mod:`attnexport.backends` and
+register themselves here (``import attnexport`` imports them), so the ops layer never imports
+them.
 
 Selection: ``use_backend(name)`` (a context manager) beats ``set_default_backend(name)``, which
 beats the ``ATTNEXPORT_BACKEND`` environment variable read at import; the default is ``auto``.
@@ -17,13 +20,18 @@ import abc
 import contextlib
 import contextvars
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 
 from attnexport.errors import UserError
+
+if TYPE_CHECKING:
+    from attnexport.custom_ops.paged_attention import PagedAttentionCall
+    from attnexport.custom_ops.reshape_and_cache import CacheWriteCall
+    from attnexport.custom_ops.varlen_attention import VarlenAttentionCall
 
 AUTO = "auto"
 OPS = ("reshape_and_cache", "paged_attention", "varlen_attention")
@@ -33,9 +41,10 @@ class BackendUnsupportedError(UserError, RuntimeError):
     """No selected backend can run a call; the message lists each backend's reasons."""
 
 
-@dataclass(frozen=True)
-class AttentionCall:
-    """What one op call asks of a backend, described before any kernel runs."""
+class AttentionCall(NamedTuple):
+    """What one op call asks of a backend, described before any kernel runs (an immutable,
+    hashable record: selection is remembered per call; a NamedTuple because one is made per op
+    call and a frozen dataclass costs several times more to build)."""
 
     op: str
     """One of ``OPS``."""
@@ -143,7 +152,8 @@ class AttentionBackend(abc.ABC):
     """A set of kernels for the attnexport ops over the standard cache layout.
 
     Subclasses set ``name``, ``priority`` (higher is preferred by ``auto``) and
-    ``capabilities``, and implement the three kernels. Inputs reach a kernel already validated.
+    ``capabilities``, and implement the three kernels, each taking the op's typed call. Inputs
+    reach a kernel already validated.
     """
 
     name: ClassVar[str]
@@ -165,68 +175,16 @@ class AttentionBackend(abc.ABC):
         return self.capabilities.reasons(call)
 
     @abc.abstractmethod
-    def reshape_and_cache(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
+    def reshape_and_cache(self, call: CacheWriteCall) -> None:
         """Writes key/value [T, Hkv, D] into the caches at ``slot_mapping``; negative skips."""
 
     @abc.abstractmethod
-    def paged_attention(
-        self,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        scale: float,
-        causal: bool,
-        alibi_slopes: torch.Tensor | None,
-        sliding_window: int,
-        logits_soft_cap: float,
-    ) -> torch.Tensor:
+    def paged_attention(self, call: PagedAttentionCall) -> torch.Tensor:
         """Attention of query [T, H, D] over the paged caches; returns [T, H, D]."""
 
     @abc.abstractmethod
-    def varlen_attention(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        scale: float,
-        causal: bool,
-        alibi_slopes: torch.Tensor | None,
-        sliding_window: int,
-        logits_soft_cap: float,
-    ) -> torch.Tensor:
+    def varlen_attention(self, call: VarlenAttentionCall) -> torch.Tensor:
         """Attention over packed ragged sequences without a cache; returns [Tq, H, D]."""
-
-    def swap_blocks(
-        self, src_cache: torch.Tensor, dst_cache: torch.Tensor, src_to_dst: torch.Tensor
-    ) -> None:
-        """Copies whole blocks ``src_cache[s] -> dst_cache[d]`` for each row (s, d), across
-        devices or pools. ``src_to_dst`` is ``[n, 2]`` int64 (already validated)."""
-        if src_to_dst.numel() == 0:
-            return
-        mapping = src_to_dst.to(src_cache.device)
-        blocks = src_cache.index_select(0, mapping[:, 0])
-        dst_ids = src_to_dst[:, 1].to(dst_cache.device)
-        dst_cache.index_copy_(0, dst_ids, blocks.to(dst_cache.device, non_blocking=True))
-
-    def copy_blocks(self, caches: Sequence[torch.Tensor], src_to_dst: torch.Tensor) -> None:
-        """Copies blocks within each cache, for copy-on-write (already validated)."""
-        if src_to_dst.numel() == 0:
-            return
-        for cache in caches:
-            mapping = src_to_dst.to(cache.device)
-            cache.index_copy_(0, mapping[:, 1], cache.index_select(0, mapping[:, 0]))
 
 
 _REGISTRY: dict[str, AttentionBackend] = {}
@@ -286,19 +244,6 @@ def use_backend(name: str) -> Iterator[None]:
         yield
     finally:
         _selected.reset(token)
-
-
-def backend_for_device(device_type: str) -> AttentionBackend:
-    """The backend for host-side cache work (block swaps and copies) on ``device_type``: the
-    selected one, or under ``auto`` the highest-priority available one for that device."""
-    name = _check_name(current_backend_name())
-    candidates = registered_backends() if name == AUTO else [_REGISTRY[name]]
-    for backend in candidates:
-        if backend.is_available() and device_type in backend.capabilities.devices:
-            return backend
-    raise BackendUnsupportedError(
-        f"no available attention backend ({name}) supports device {device_type!r}"
-    )
 
 
 def _describe(call: AttentionCall) -> str:

@@ -24,6 +24,7 @@ from attnexport.custom_ops import (
     use_backend,
 )
 from tests.attention_cases import AttentionCase, make_paged_inputs
+from tests.helpers import paged_args
 
 
 class _Fp16OnlyBackend(AttentionBackend):
@@ -107,14 +108,7 @@ def test_forced_backend_lists_reasons(narrow_backend):
 def test_ops_dispatch_to_the_selected_backend(narrow_backend):
     case = AttentionCase("mixed", (1, 3), (4, 60), head_size=64, block_size=64, dtype=torch.float16)
     x = make_paged_inputs(case)
-    args = (
-        x["query"],
-        x["key_cache"],
-        x["value_cache"],
-        x["block_tables"],
-        x["seq_lens"],
-        x["query_start_loc"],
-    )
+    args = paged_args(x)
     before = _Fp16OnlyBackend.calls
     with use_backend("auto"):
         attnexport.paged_attention(*args, **x["kwargs"])

@@ -7,6 +7,7 @@ from torch.export import Dim
 
 import attnexport
 from tests.attention_cases import AttentionCase, make_paged_inputs, make_varlen_inputs
+from tests.helpers import layer_args
 
 
 class PagedBlock(torch.nn.Module):
@@ -53,17 +54,7 @@ def _inputs(query_lens, context_lens, seed):
         "export", query_lens, context_lens, num_heads=4, num_kv_heads=2, alibi=True
     )
     x = make_paged_inputs(case, seed=seed)
-    args = (
-        x["query"],
-        x["key"],
-        x["value"],
-        x["key_cache"],
-        x["value_cache"],
-        x["slot_mapping"],
-        x["block_tables"],
-        x["seq_lens"],
-        x["query_start_loc"],
-    )
+    args = layer_args(x)
     return case, args
 
 

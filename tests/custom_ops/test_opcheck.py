@@ -7,6 +7,7 @@ import torch
 
 import attnexport  # noqa: F401
 from tests.attention_cases import AttentionCase, make_paged_inputs, make_varlen_inputs
+from tests.helpers import paged_args
 
 CASES = [
     AttentionCase("mixed", (1, 9, 1, 5), (40, 0, 3, 12)),
@@ -46,14 +47,7 @@ def test_reshape_and_cache(case):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_paged_attention(case):
     x = make_paged_inputs(case)
-    args = (
-        x["query"],
-        x["key_cache"],
-        x["value_cache"],
-        x["block_tables"],
-        x["seq_lens"],
-        x["query_start_loc"],
-    )
+    args = paged_args(x)
     torch.library.opcheck(
         torch.ops.attnexport.paged_attention.default, args, x["kwargs"], test_utils=TEST_UTILS
     )

@@ -10,8 +10,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from attnexport.backends.block_copy import copy_blocks, swap_blocks
 from attnexport.model_interface import CacheSpec
-from attnexport.runtime.block_copy import copy_blocks, swap_blocks
 from attnexport.runtime.model_input import ModelInput
 
 

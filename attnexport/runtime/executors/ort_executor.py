@@ -7,7 +7,7 @@ an ``OrtValue`` that is bound *both* as the cache input ``X`` and as its output 
 persistent ``IOBinding``; the cache write (``ScatterND``) then finds its output already holding
 its input and writes only the new tokens. Per step only the small index inputs are re-bound.
 The cache memory is a torch tensor as well, so block swaps and copy-on-write copies use the
-shared torch code (:mod:`attnexport.runtime.block_copy`).
+shared torch code (:mod:`attnexport.backends.block_copy`).
 """
 
 from __future__ import annotations

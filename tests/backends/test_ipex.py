@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import attnexport
+from attnexport.backends import ipex_plan
 from attnexport.custom_ops import (
     BackendUnsupportedError,
     get_backend,
@@ -22,14 +23,14 @@ from attnexport.custom_ops import (
     use_backend,
 )
 from attnexport.custom_ops.alibi import alibi_slopes
-from attnexport.runtime.backends import ipex_plan
+from attnexport.custom_ops.paged_attention import PagedAttentionCall
 from tests.attention_cases import (
     AttentionCase,
     make_paged_inputs,
     make_varlen_inputs,
     standard_cases,
 )
-from tests.helpers import assert_close_to_reference, paged_args
+from tests.helpers import assert_close_to_reference, layer_args, paged_args
 
 IPEX = get_backend("ipex")
 UNAVAILABLE = IPEX.unavailable_reason()
@@ -472,17 +473,7 @@ def test_exported_attnexport_ops_run_on_ipex():
             )
 
     x = make_paged_inputs(AttentionCase("mixed", (1, 9, 1), (40, 0, 3)))
-    args = (
-        x["query"],
-        x["key"],
-        x["value"],
-        x["key_cache"],
-        x["value_cache"],
-        x["slot_mapping"],
-        x["block_tables"],
-        x["seq_lens"],
-        x["query_start_loc"],
-    )
+    args = layer_args(x)
     program = torch.export.export(Layer(), tuple(a.clone() for a in args))
     with use_backend("ipex"):
         actual = program.module()(*(a.clone() for a in args))
@@ -510,25 +501,18 @@ def test_slot_plan_converts_once_per_step():
 def test_attention_plan_is_built_once_and_routes_tokens():
     case = AttentionCase("mixed", (1, 9, 1, 17, 0), (40, 0, 3, 12, 5))
     x = make_paged_inputs(case)
-    options = dict(
-        num_tokens=x["query"].shape[0],
-        block_size=case.block_size,
-        causal=True,
-        sliding_window=-1,
-        use_flash=True,
-        num_heads=case.num_heads,
-        head_size=case.head_size,
-    )
+    call = PagedAttentionCall(*paged_args(x), **x["kwargs"])
     metadata = (x["block_tables"], x["seq_lens"], x["query_start_loc"])
     with step_plan(metadata):
-        plan = ipex_plan.plan_attention(*metadata, **options)
-        assert ipex_plan.plan_attention(*metadata, **options) is plan
+        plan = ipex_plan.plan_attention(call)
+        assert ipex_plan.plan_attention(call) is plan
     assert plan.rows.tokens.tolist() == [0, 10]  # the two decode tokens
     assert plan.flash.cu_seqlens_q.tolist() == [0, 9, 26]  # the two multi-token sequences
     assert plan.flash.cu_seqlens_k.tolist() == [0, 9, 38]
     assert all(t.dtype == torch.int32 for t in (plan.flash.block_tables, plan.flash.cu_seqlens_k))
 
-    alibi = ipex_plan.plan_attention(*metadata, **{**options, "use_flash": False})
+    slopes = alibi_slopes(case.num_heads)
+    alibi = ipex_plan.plan_attention(call._replace(alibi_slopes=slopes))  # no flash with ALiBi
     assert alibi.flash is None and alibi.rows.tokens is None  # every token is a row
     lens = torch.cat([chunk.context_lens for chunk in alibi.rows.chunks])
     # Query j of a sequence sees p + 1 keys, p its position: 41, then 1..9, then 4, ...
@@ -538,18 +522,10 @@ def test_attention_plan_is_built_once_and_routes_tokens():
 def test_windowed_rows_list_only_visible_slots():
     case = AttentionCase("p", (4,), (6,), block_size=4, sliding_window=3)
     x = make_paged_inputs(case)
-    plan = ipex_plan.plan_attention(
-        x["block_tables"],
-        x["seq_lens"],
-        x["query_start_loc"],
-        num_tokens=4,
-        block_size=4,
-        causal=True,
-        sliding_window=3,
-        use_flash=False,
-        num_heads=4,
-        head_size=32,
+    call = PagedAttentionCall(
+        *paged_args(x), 0.125, alibi_slopes=alibi_slopes(case.num_heads), sliding_window=3
     )
+    plan = ipex_plan.plan_attention(call)  # ALiBi: rows, no flash
     (chunk,) = plan.rows.chunks
     assert plan.rows.per_token and chunk.context_lens.tolist() == [3, 3, 3, 3]
     blocks = x["block_tables"][0].tolist()

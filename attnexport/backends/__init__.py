@@ -5,10 +5,10 @@ intel_extension_for_pytorch and ``xformers`` imports xformers on first use
 (``unavailable_reason()`` says why one cannot run here).
 """
 
+from attnexport.backends.ipex import IpexBackend
+from attnexport.backends.sdpa import SdpaBackend
+from attnexport.backends.xformers import XformersBackend
 from attnexport.custom_ops.dispatch import register_backend
-from attnexport.runtime.backends.ipex import IpexBackend
-from attnexport.runtime.backends.sdpa import SdpaBackend
-from attnexport.runtime.backends.xformers import XformersBackend
 
 register_backend(SdpaBackend())
 register_backend(IpexBackend())

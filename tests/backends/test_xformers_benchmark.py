@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "xformers_attention.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "xformers_attention.py"
 
 
 def _load():

@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import torch
 
+from attnexport.backends import ipex_kernels, ipex_plan
+from attnexport.custom_ops import attention
 from attnexport.custom_ops.dispatch import OPS, AttentionBackend, AttentionCall, BackendCapabilities
-from attnexport.runtime.backends import ipex_kernels, ipex_plan
+from attnexport.custom_ops.paged_attention import PagedAttentionCall
+from attnexport.custom_ops.reshape_and_cache import CacheWriteCall
+from attnexport.custom_ops.varlen_attention import VarlenAttentionCall
 
 VARLEN_BLOCK_SIZE = 64
 """Block size of the temporary paged cache built for ``varlen_attention``."""
@@ -115,34 +119,13 @@ def _run_flash(
         out.index_copy_(0, plan.tokens, flash_out)
 
 
-def _attend(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    causal: bool,
-    alibi_slopes: torch.Tensor | None,
-    sliding_window: int,
-    logits_soft_cap: float,
-) -> torch.Tensor:
-    """Paged attention with the arguments of ``attnexport::paged_attention`` (causal sequences
-    may also have more queries than keys: the first ones see nothing and get zeros)."""
-    plan = ipex_plan.plan_attention(
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        num_tokens=query.shape[0],
-        block_size=key_cache.shape[1],
-        causal=causal,
-        sliding_window=sliding_window,
-        use_flash=alibi_slopes is None,
-        num_heads=query.shape[1],
-        head_size=query.shape[2],
-    )
-    query, scale = _positive_scale(_heads_adjacent(query), scale)
+def _attend(call: PagedAttentionCall) -> torch.Tensor:
+    """Paged attention of ``call`` (causal sequences may also have more queries than keys: the
+    first ones see nothing and get zeros)."""
+    plan = ipex_plan.plan_attention(call)
+    key_cache, value_cache, alibi_slopes = call.key_cache, call.value_cache, call.alibi_slopes
+    causal, sliding_window, logits_soft_cap = call.causal, call.sliding_window, call.logits_soft_cap
+    query, scale = _positive_scale(_heads_adjacent(call.query), call.scale)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if plan.rows is not None:
         if alibi_slopes is not None:
@@ -196,48 +179,37 @@ class IpexBackend(AttentionBackend):
             )
         return reasons
 
-    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        plan = ipex_plan.plan_slots(slot_mapping)
+    def reshape_and_cache(self, call: CacheWriteCall) -> None:
+        key, value = call.key, call.value
+        plan = ipex_plan.plan_slots(call.slot_mapping)
         if plan.keep is not None:
             key, value = key.index_select(0, plan.keep), value.index_select(0, plan.keep)
         ipex_kernels.raw_reshape_and_cache(
             key if key.stride(2) == 1 else key.contiguous(),
             value if value.stride(2) == 1 else value.contiguous(),
-            key_cache,
-            value_cache,
+            call.key_cache,
+            call.value_cache,
             plan.slots,
         )
 
-    paged_attention = staticmethod(_attend)
+    def paged_attention(self, call: PagedAttentionCall) -> torch.Tensor:
+        return _attend(call)
 
-    def varlen_attention(
-        self,
-        query,
-        key,
-        value,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        scale,
-        causal,
-        alibi_slopes,
-        sliding_window,
-        logits_soft_cap,
-    ) -> torch.Tensor:
-        paging = ipex_plan.page_varlen(cu_seqlens_q, cu_seqlens_k, VARLEN_BLOCK_SIZE)
+    def varlen_attention(self, call: VarlenAttentionCall) -> torch.Tensor:
+        key, value = call.key, call.value
+        paging = ipex_plan.page_varlen(call.cu_seqlens_q, call.cu_seqlens_k, VARLEN_BLOCK_SIZE)
         shape = (paging.num_blocks, VARLEN_BLOCK_SIZE, *key.shape[1:])
         key_cache, value_cache = key.new_empty(shape), value.new_empty(shape)
         key_cache.view(-1, *key.shape[1:]).index_copy_(0, paging.key_slots, key)
         value_cache.view(-1, *value.shape[1:]).index_copy_(0, paging.key_slots, value)
         return _attend(
-            query,
-            key_cache,
-            value_cache,
-            paging.block_tables,
-            paging.seq_lens,
-            cu_seqlens_q,
-            scale,
-            causal,
-            alibi_slopes,
-            sliding_window,
-            logits_soft_cap,
+            PagedAttentionCall(
+                call.query,
+                key_cache,
+                value_cache,
+                paging.block_tables,
+                paging.seq_lens,
+                call.cu_seqlens_q,
+                *attention.options(call),
+            )
         )

@@ -1,13 +1,15 @@
-"""Host-side block moves for paged caches: swapping between pools and copy-on-write."""
+"""Host-side block moves for paged caches: swapping between pools and copy-on-write.
+
+Whole blocks move with ``index_select``/``index_copy_`` in the standard layout
+``[num_blocks, block_size, num_kv_heads, head_size]``, which every backend shares, so these are
+plain functions of the kernel layer rather than methods of an attention backend.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
-
-from attnexport.custom_ops.dispatch import backend_for_device
-from attnexport.custom_ops.validation import check_block_mapping
 
 
 def _check_cache(name: str, cache: torch.Tensor) -> None:
@@ -16,6 +18,28 @@ def _check_cache(name: str, cache: torch.Tensor) -> None:
             f"{name}: expected a 4-D cache [num_blocks, block_size, num_kv_heads, head_size], "
             f"got shape {tuple(cache.shape)}"
         )
+
+
+def check_block_mapping(
+    name: str, src_to_dst: torch.Tensor, src_blocks: int, dst_blocks: int
+) -> None:
+    """Validates an ``[n, 2]`` int64 (source block, destination block) mapping."""
+    if src_to_dst.dtype != torch.int64:
+        raise TypeError(f"{name}: expected dtype torch.int64, got {src_to_dst.dtype}")
+    if src_to_dst.dim() != 2 or src_to_dst.shape[1] != 2:
+        raise ValueError(f"{name}: expected shape [n, 2], got {tuple(src_to_dst.shape)}")
+    if src_to_dst.numel() == 0:
+        return
+    src, dst = src_to_dst[:, 0], src_to_dst[:, 1]
+    for column, ids, limit in (("source", src, src_blocks), ("destination", dst, dst_blocks)):
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= limit:
+            bad = low if low < 0 else high
+            raise ValueError(
+                f"{name}: {column} block {bad} is out of range; expected ids in [0, {limit})"
+            )
+    if torch.unique(dst).numel() != dst.numel():
+        raise ValueError(f"{name}: expected distinct destination blocks, got a block written twice")
 
 
 def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, src_to_dst: torch.Tensor) -> None:
@@ -39,8 +63,11 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, src_to_dst: to
             f"got {dst_cache.dtype}"
         )
     check_block_mapping("src_to_dst", src_to_dst, src_cache.shape[0], dst_cache.shape[0])
-    device = dst_cache.device if dst_cache.device.type != "cpu" else src_cache.device
-    backend_for_device(device.type).swap_blocks(src_cache, dst_cache, src_to_dst)
+    if src_to_dst.numel() == 0:
+        return
+    blocks = src_cache.index_select(0, src_to_dst[:, 0].to(src_cache.device))
+    dst_ids = src_to_dst[:, 1].to(dst_cache.device)
+    dst_cache.index_copy_(0, dst_ids, blocks.to(dst_cache.device, non_blocking=True))
 
 
 def copy_blocks(caches: Sequence[torch.Tensor], src_to_dst: torch.Tensor) -> None:
@@ -62,4 +89,8 @@ def copy_blocks(caches: Sequence[torch.Tensor], src_to_dst: torch.Tensor) -> Non
             )
     num_blocks = caches[0].shape[0]
     check_block_mapping("src_to_dst", src_to_dst, num_blocks, num_blocks)
-    backend_for_device(caches[0].device.type).copy_blocks(caches, src_to_dst)
+    if src_to_dst.numel() == 0:
+        return
+    for cache in caches:
+        mapping = src_to_dst.to(cache.device)
+        cache.index_copy_(0, mapping[:, 1], cache.index_select(0, mapping[:, 0]))

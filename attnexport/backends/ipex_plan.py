@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attnexport.custom_ops.paged_attention import PagedAttentionCall
 from attnexport.custom_ops.planning import current_step_plan, memoised
 
 PARTITION_SIZE = 128
@@ -204,58 +205,32 @@ def _flash_plan(
     )
 
 
-def plan_attention(
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    *,
-    num_tokens: int,
-    block_size: int,
-    causal: bool,
-    sliding_window: int,
-    use_flash: bool,
-    num_heads: int,
-    head_size: int,
-) -> AttentionPlan:
+def plan_attention(call: PagedAttentionCall) -> AttentionPlan:
     """The plan of one paged-attention step (kept in the step plan for the other layers).
 
-    Args:
-        block_tables: ``[S, W]`` int32; seq_lens: ``[S]`` int32; query_start_loc: ``[S + 1]``
-            int32, with the semantics of ``attnexport::paged_attention`` except that causal
-            sequences may have more queries than keys (varlen: the first ones see nothing).
-        use_flash: route multi-token sequences to flash_attn_varlen_func (no ALiBi).
+    ``call`` has the semantics of ``attnexport::paged_attention`` except that causal sequences
+    may have more queries than keys (varlen: the first ones see nothing). Multi-token
+    sequences go to flash_attn_varlen_func unless there is ALiBi (it refuses it).
     """
-    return memoised(
-        "ipex-paged",
-        (block_tables, seq_lens, query_start_loc),
-        (num_tokens, block_size, causal, sliding_window, use_flash, num_heads, head_size),
-        lambda: _build_attention_plan(
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            num_tokens,
-            block_size,
-            causal,
-            sliding_window,
-            use_flash,
-            num_heads,
-            head_size,
-        ),
+    query = call.query
+    extra = (
+        query.shape[0],
+        call.key_cache.shape[1],
+        call.causal,
+        call.sliding_window,
+        call.alibi_slopes is None,
+        query.shape[1],
+        query.shape[2],
     )
+    metadata = (call.block_tables, call.seq_lens, call.query_start_loc)
+    return memoised("ipex-paged", metadata, extra, lambda: _build_attention_plan(call))
 
 
-def _build_attention_plan(
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    num_tokens: int,
-    block_size: int,
-    causal: bool,
-    sliding_window: int,
-    use_flash: bool,
-    num_heads: int,
-    head_size: int,
-) -> AttentionPlan:
+def _build_attention_plan(call: PagedAttentionCall) -> AttentionPlan:
+    block_tables, seq_lens, query_start_loc = call.block_tables, call.seq_lens, call.query_start_loc
+    num_tokens, num_heads, head_size = call.query.shape
+    block_size, causal, sliding_window = call.key_cache.shape[1], call.causal, call.sliding_window
+    use_flash = call.alibi_slopes is None
     starts = query_start_loc.to(torch.int64)
     query_lens = starts[1:] - starts[:-1]
     lens = seq_lens.to(torch.int64)

@@ -8,12 +8,12 @@ xformers. ``scripts/gpu_suite.sh`` runs it (with the rest of the suite) on a GPU
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
 import attnexport
+from attnexport.backends import xformers as xformers_backend
+from attnexport.backends import xformers_choice as choice
 from attnexport.custom_ops import (
     BackendUnsupportedError,
     get_backend,
@@ -22,8 +22,6 @@ from attnexport.custom_ops import (
     use_backend,
 )
 from attnexport.custom_ops.dispatch import AttentionCall
-from attnexport.runtime.backends import xformers as xformers_backend
-from attnexport.runtime.backends import xformers_choice as choice
 from attnexport.tolerances import tolerance
 from tests.attention_cases import (
     AttentionCase,
@@ -157,8 +155,8 @@ def test_auto_prefers_xformers_on_cuda_and_falls_back():
     )
     with use_backend("auto"):
         assert select_backend(call).name == "xformers"
-        assert select_backend(replace(call, soft_cap=True)).name == "sdpa"
-        assert select_backend(replace(call, dtype=torch.float64)).name == "sdpa"
+        assert select_backend(call._replace(soft_cap=True)).name == "sdpa"
+        assert select_backend(call._replace(dtype=torch.float64)).name == "sdpa"
 
 
 def test_cache_write_and_block_copies_on_cuda():

@@ -12,6 +12,8 @@ import importlib.util
 import pytest
 import torch
 
+from attnexport.backends import xformers_choice as choice
+from attnexport.backends.xformers_choice import DeviceFacts, Environment, PagedCase
 from attnexport.custom_ops import (
     AttentionCall,
     BackendUnsupportedError,
@@ -19,8 +21,6 @@ from attnexport.custom_ops import (
     select_backend,
     use_backend,
 )
-from attnexport.runtime.backends import xformers_choice as choice
-from attnexport.runtime.backends.xformers_choice import DeviceFacts, Environment, PagedCase
 
 HOPPER = DeviceFacts((9, 0), fa3=True, fa2=True, fa2_paged=False, triton=True)
 AMPERE = DeviceFacts((8, 0), fa3=False, fa2=True, fa2_paged=False, triton=True)

@@ -6,24 +6,16 @@ import pytest
 import torch
 
 import attnexport
+from attnexport.backends import sdpa
 from attnexport.custom_ops import reference, step_plan, use_backend
-from attnexport.runtime.backends import sdpa
+from attnexport.custom_ops.paged_attention import PagedAttentionCall
 from tests.attention_cases import AttentionCase, make_paged_inputs
 from tests.helpers import assert_close_to_reference, paged_args
 
 
 def _plan(x: dict, case: AttentionCase):
-    return sdpa._plan_step(
-        x["block_tables"],
-        x["seq_lens"],
-        x["query_start_loc"],
-        x["query"].shape[0],
-        x["key_cache"].shape,
-        torch.float32,
-        case.causal,
-        case.sliding_window,
-        case.alibi,
-    )
+    call = PagedAttentionCall(*paged_args(x), **x["kwargs"])
+    return sdpa._plan_step(call, torch.float32)
 
 
 @pytest.mark.parametrize(

@@ -93,10 +93,15 @@ def load_ipex() -> IpexKernels:
     )
 
 
-@functools.cache
 def _head_mapping(num_heads: int, num_kv_heads: int) -> torch.Tensor:
-    # IPEX's CPU kernel ignores it (it derives the group from the shapes) but requires it.
-    return torch.arange(num_heads, dtype=torch.int32) // (num_heads // num_kv_heads)
+    """The KV head of each query head, int32 [num_heads], kept in the step's plan (no global
+    memo). IPEX's CPU kernel ignores it (it derives the group from the shapes) but requires it."""
+    return memoised(
+        "ipex-head-mapping",
+        (),
+        (num_heads, num_kv_heads),
+        lambda: torch.arange(num_heads, dtype=torch.int32) // (num_heads // num_kv_heads),
+    )
 
 
 # --------------------------------------------------------------------------- checks

@@ -30,11 +30,14 @@ from dataclasses import dataclass
 
 import torch
 
+from attnexport.backends import xformers_choice as choice
+from attnexport.backends import xformers_masks as masks
+from attnexport.backends.sdpa import write_cache
 from attnexport.custom_ops.dispatch import AttentionBackend, AttentionCall, BackendCapabilities
+from attnexport.custom_ops.paged_attention import PagedAttentionCall
 from attnexport.custom_ops.planning import memoised
-from attnexport.runtime.backends import xformers_choice as choice
-from attnexport.runtime.backends import xformers_masks as masks
-from attnexport.runtime.backends.sdpa import write_cache
+from attnexport.custom_ops.reshape_and_cache import CacheWriteCall
+from attnexport.custom_ops.varlen_attention import VarlenAttentionCall
 
 
 def environment() -> choice.Environment:
@@ -387,78 +390,48 @@ class XformersBackend(AttentionBackend):
             return reasons
         return reasons + choice.call_reasons(call, device_facts(torch.cuda.current_device()))
 
-    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        write_cache(key, value, key_cache, value_cache, slot_mapping)
+    def reshape_and_cache(self, call: CacheWriteCall) -> None:
+        write_cache(call)
 
-    def varlen_attention(
-        self,
-        query,
-        key,
-        value,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        scale,
-        causal,
-        alibi_slopes,
-        sliding_window,
-        logits_soft_cap,
-    ) -> torch.Tensor:
-        extra = (query.dtype, query.shape[2], causal, sliding_window, alibi_slopes is not None)
+    def varlen_attention(self, call: VarlenAttentionCall) -> torch.Tensor:
+        query, alibi = call.query, call.alibi_slopes is not None
+        extra = (query.dtype, query.shape[2], call.causal, call.sliding_window, alibi)
 
         def build() -> _VarlenPlan:
-            q_starts, k_starts = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+            q_starts, k_starts = call.cu_seqlens_q.tolist(), call.cu_seqlens_k.tolist()
             return plan_varlen(
                 [b - a for a, b in itertools.pairwise(q_starts)],
                 [b - a for a, b in itertools.pairwise(k_starts)],
-                causal,
-                sliding_window,
-                alibi_slopes is not None,
+                call.causal,
+                call.sliding_window,
+                alibi,
                 query.dtype,
                 query.shape[2],
                 _facts(query.device),
                 query.device,
             )
 
-        plan = memoised("xformers-varlen", (cu_seqlens_q, cu_seqlens_k), extra, build)
-        return _run_varlen(
-            plan, query.contiguous(), key.contiguous(), value.contiguous(), scale, alibi_slopes
-        )
+        plan = memoised("xformers-varlen", (call.cu_seqlens_q, call.cu_seqlens_k), extra, build)
+        key, value = call.key.contiguous(), call.value.contiguous()
+        return _run_varlen(plan, query.contiguous(), key, value, call.scale, call.alibi_slopes)
 
-    def paged_attention(
-        self,
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale,
-        causal,
-        alibi_slopes,
-        sliding_window,
-        logits_soft_cap,
-    ) -> torch.Tensor:
-        metadata = (block_tables, seq_lens, query_start_loc)
-        extra = (
-            query.dtype,
-            query.shape[2],
-            key_cache.shape[1],
-            causal,
-            sliding_window,
-            alibi_slopes is not None,
-        )
+    def paged_attention(self, call: PagedAttentionCall) -> torch.Tensor:
+        query, key_cache, block_size = call.query, call.key_cache, call.key_cache.shape[1]
+        alibi, scale = call.alibi_slopes is not None, call.scale
+        metadata = (call.block_tables, call.seq_lens, call.query_start_loc)
+        extra = (query.dtype, query.shape[2], block_size, call.causal, call.sliding_window, alibi)
         plan = memoised(
             "xformers-paged",
             metadata,
             extra,
             lambda: plan_paged(
-                block_tables,
-                seq_lens.tolist(),
-                query_start_loc.tolist(),
-                key_cache.shape[1],
-                causal,
-                sliding_window,
-                alibi_slopes is not None,
+                call.block_tables,
+                call.seq_lens.tolist(),
+                call.query_start_loc.tolist(),
+                block_size,
+                call.causal,
+                call.sliding_window,
+                alibi,
                 query.dtype,
                 query.shape[2],
                 _facts(query.device),
@@ -468,7 +441,7 @@ class XformersBackend(AttentionBackend):
         query = query.contiguous()
         num_kv_heads, head_size = key_cache.shape[2:]
         flat_keys = key_cache.view(-1, num_kv_heads, head_size)
-        flat_values = value_cache.view(-1, num_kv_heads, head_size)
+        flat_values = call.value_cache.view(-1, num_kv_heads, head_size)
         part = plan.paged
         if plan.covers_all and plan.gathered is None and part.tokens is None:
             return _attend(part.op, query, flat_keys, flat_values, part.bias, scale, paged=True)
@@ -486,7 +459,7 @@ class XformersBackend(AttentionBackend):
                 flat_keys.index_select(0, gathered.slots),
                 flat_values.index_select(0, gathered.slots),
                 scale,
-                alibi_slopes,
+                call.alibi_slopes,
             )
             _put(out, gathered.tokens, result)
         return out

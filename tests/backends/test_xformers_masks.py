@@ -22,24 +22,26 @@ pytest.importorskip(
 from xformers.ops.fmha import cutlass, flash, flash3, triton_splitk
 
 import attnexport
-from attnexport.custom_ops import AttentionCall, reference, validation
+from attnexport.backends import xformers as xformers_backend
+from attnexport.backends import xformers_choice as choice
+from attnexport.backends import xformers_masks as masks
+from attnexport.custom_ops import AttentionCall, reference
+from attnexport.custom_ops import paged_attention as paged
+from attnexport.custom_ops import varlen_attention as varlen
 from attnexport.custom_ops.alibi import alibi_slopes
 from attnexport.custom_ops.planning import MISSING, entry_key, step_plan
-from attnexport.runtime.backends import xformers as xformers_backend
-from attnexport.runtime.backends import xformers_choice as choice
-from attnexport.runtime.backends import xformers_masks as masks
 from tests.attention_cases import (
     AttentionCase,
     make_paged_inputs,
     make_varlen_inputs,
     standard_cases,
 )
-from tests.helpers import assert_close_to_reference
-from tests.runtime.backends.test_xformers_dispatch import (
+from tests.backends.test_xformers_dispatch import (
     AMPERE,
     AMPERE_FLASH_ATTN,
     HOPPER,
 )
+from tests.helpers import assert_close_to_reference, paged_args
 
 PROFILES = {"hopper": HOPPER, "ampere": AMPERE, "ampere+flash_attn": AMPERE_FLASH_ATTN}
 OP_NAMES = {
@@ -208,7 +210,7 @@ def test_plans_from_attention_metadata():
     cache = torch.randn(8, block_size, 2, 64)
     keys = cache.view(-1, 2, 64).index_select(0, gathered.slots)
     expected_keys = torch.cat(
-        [reference.gather_sequence(cache, step.block_tables[i], n) for i, n in enumerate(seq_lens)]
+        [paged.gather_sequence(cache, step.block_tables[i], n) for i, n in enumerate(seq_lens)]
     )
     assert torch.equal(keys, expected_keys)
     assert gathered.tokens is None and gathered.varlen.op == "fa2"
@@ -323,26 +325,12 @@ def _expected_ops(case: AttentionCase, x: dict, facts) -> set[str]:
 def test_paged_attention_emulated(emulated, case):
     backend, facts, used = emulated
     x = _spare_padding(make_paged_inputs(case))
-    args = (
-        x["query"],
-        x["key_cache"],
-        x["value_cache"],
-        x["block_tables"],
-        x["seq_lens"],
-        x["query_start_loc"],
-    )
+    args = paged_args(x)
     _skip_refused(
-        "paged_attention", case, validation.check_paged_attention(*args, **x["kwargs"]), facts
+        "paged_attention", case, paged.check(paged.PagedAttentionCall(*args, **x["kwargs"])), facts
     )
     kwargs = x["kwargs"]
-    out = backend.paged_attention(
-        *args,
-        kwargs["scale"],
-        kwargs["causal"],
-        kwargs["alibi_slopes"],
-        kwargs["sliding_window"],
-        kwargs["logits_soft_cap"],
-    )
+    out = backend.paged_attention(paged.PagedAttentionCall(*args, **kwargs))
     assert out.dtype == case.dtype and out.shape == x["query"].shape
     assert_close_to_reference(out, reference.paged_attention(*args, **kwargs))
     assert set(used) == _expected_ops(case, x, facts)
@@ -355,16 +343,9 @@ def test_varlen_attention_emulated(emulated, case):
     args = (x["query"], x["key"], x["value"], x["cu_seqlens_q"], x["cu_seqlens_k"])
     kwargs = x["kwargs"]
     _skip_refused(
-        "varlen_attention", case, validation.check_varlen_attention(*args, **kwargs), facts
+        "varlen_attention", case, varlen.check(varlen.VarlenAttentionCall(*args, **kwargs)), facts
     )
-    out = backend.varlen_attention(
-        *args,
-        kwargs["scale"],
-        kwargs["causal"],
-        kwargs["alibi_slopes"],
-        kwargs["sliding_window"],
-        kwargs["logits_soft_cap"],
-    )
+    out = backend.varlen_attention(varlen.VarlenAttentionCall(*args, **kwargs))
     assert_close_to_reference(out, reference.varlen_attention(*args, **kwargs))
     expected_op = choice.varlen_op(case.dtype, case.head_size, case.alibi, facts)
     assert set(used) == {expected_op}
@@ -375,7 +356,7 @@ def test_cross_attention_with_more_queries_than_keys_emulated(emulated):
     for causal in (False, True):
         x = make_varlen_inputs(AttentionCase("cross", (6, 2), (-3, 3), causal=causal))
         args = (x["query"], x["key"], x["value"], x["cu_seqlens_q"], x["cu_seqlens_k"])
-        out = backend.varlen_attention(*args, 0.2, causal, None, -1, 0.0)
+        out = backend.varlen_attention(varlen.VarlenAttentionCall(*args, 0.2, causal))
         kwargs = x["kwargs"] | {"scale": 0.2}
         assert_close_to_reference(out, reference.varlen_attention(*args, **kwargs))
         if causal:
@@ -391,8 +372,8 @@ def test_plans_are_reused_across_layers(emulated):
     args += [x["query_start_loc"], 0.2, True, None, -1, 0.0]
     key = entry_key("xformers-paged", metadata, (torch.bfloat16, 32, 16, True, -1, False))
     with step_plan(metadata) as step:
-        first = backend.paged_attention(*args)
+        first = backend.paged_attention(paged.PagedAttentionCall(*args))
         plan = step.get(key)
         assert plan is not MISSING
-        assert torch.equal(backend.paged_attention(*args), first)
+        assert torch.equal(backend.paged_attention(paged.PagedAttentionCall(*args)), first)
         assert step.get(key) is plan

@@ -25,8 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
+from attnexport.custom_ops import attention
+from attnexport.custom_ops.attention import AttentionOptions
 from attnexport.custom_ops.dispatch import AttentionBackend, BackendCapabilities
+from attnexport.custom_ops.paged_attention import PagedAttentionCall
 from attnexport.custom_ops.planning import memoised
+from attnexport.custom_ops.reshape_and_cache import CacheWriteCall
+from attnexport.custom_ops.varlen_attention import VarlenAttentionCall
 
 # Logits of one query chunk are kept under this many bytes.
 _LOGITS_BUDGET_BYTES = 64 * 2**20
@@ -40,14 +45,10 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def write_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Scatters key/value [T, Hkv, D] into caches of any strides; negative slots are skipped."""
+def write_cache(call: CacheWriteCall) -> None:
+    """Scatters the call's key/value [T, Hkv, D] into caches of any strides; negative slots are
+    skipped."""
+    key, value, key_cache, value_cache, slot_mapping = call
     slots = slot_mapping.to(torch.int64)
     if bool((slots < 0).any()):
         keep = slots >= 0
@@ -235,53 +236,34 @@ class _Prefill:
 
 
 @dataclass(frozen=True)
-class _StepPlan:
+class _PagedPlan:
     decode: tuple[_DecodeChunk, ...]
     prefills: tuple[_Prefill, ...]
 
 
-def _plan_step(
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    num_tokens: int,
-    cache_shape: torch.Size,
-    work_dtype: torch.dtype,
-    causal: bool,
-    sliding_window: int,
-    alibi: bool,
-) -> _StepPlan:
+def _plan_step(call: PagedAttentionCall, work_dtype: torch.dtype) -> _PagedPlan:
     """Host-side work of a paged-attention step, kept in the step plan for its other layers."""
+    extra = (
+        call.query.shape[0],
+        tuple(call.key_cache.shape),
+        work_dtype,
+        call.causal,
+        call.sliding_window,
+        call.alibi_slopes is not None,
+    )
     return memoised(
         "sdpa-paged",
-        (block_tables, seq_lens, query_start_loc),
-        (num_tokens, tuple(cache_shape), work_dtype, causal, sliding_window, alibi),
-        lambda: _build_step_plan(
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            num_tokens,
-            cache_shape,
-            work_dtype,
-            causal,
-            sliding_window,
-            alibi,
-        ),
+        (call.block_tables, call.seq_lens, call.query_start_loc),
+        extra,
+        lambda: _build_step_plan(call, work_dtype),
     )
 
 
-def _build_step_plan(
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    num_tokens: int,
-    cache_shape: torch.Size,
-    work_dtype: torch.dtype,
-    causal: bool,
-    sliding_window: int,
-    alibi: bool,
-) -> _StepPlan:
-    num_blocks, block_size, num_kv_heads, head_size = cache_shape
+def _build_step_plan(call: PagedAttentionCall, work_dtype: torch.dtype) -> _PagedPlan:
+    block_tables, seq_lens, query_start_loc = call.block_tables, call.seq_lens, call.query_start_loc
+    causal, sliding_window, alibi = call.causal, call.sliding_window, call.alibi_slopes is not None
+    num_tokens = call.query.shape[0]
+    num_blocks, block_size, num_kv_heads, head_size = call.key_cache.shape
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     query_lens = [end - start for start, end in itertools.pairwise(starts)]
     # A decode over no key (non-causal over an empty cache) is zeros: nothing to gather (its
@@ -324,7 +306,7 @@ def _build_step_plan(
         for i, n in enumerate(query_lens)
         if n > 1 and lens[i] > 0  # non-causal over an empty sequence: zeros
     ]
-    return _StepPlan(tuple(chunks), tuple(prefills))
+    return _PagedPlan(tuple(chunks), tuple(prefills))
 
 
 class SdpaBackend(AttentionBackend):
@@ -339,35 +321,13 @@ class SdpaBackend(AttentionBackend):
         notes=("reference-quality pure PyTorch; fp32 logits for half-precision inputs",),
     )
 
-    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        write_cache(key, value, key_cache, value_cache, slot_mapping)
+    def reshape_and_cache(self, call: CacheWriteCall) -> None:
+        write_cache(call)
 
-    def paged_attention(
-        self,
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale,
-        causal,
-        alibi_slopes,
-        sliding_window,
-        logits_soft_cap,
-    ) -> torch.Tensor:
+    def paged_attention(self, call: PagedAttentionCall) -> torch.Tensor:
+        query, key_cache, value_cache = call.query, call.key_cache, call.value_cache
         work_dtype = compute_dtype(query.dtype)
-        plan = _plan_step(
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            query.shape[0],
-            key_cache.shape,
-            work_dtype,
-            causal,
-            sliding_window,
-            alibi_slopes is not None,
-        )
+        plan = _plan_step(call, work_dtype)
         out = torch.zeros_like(query)
         for chunk in plan.decode:
             shape = (*chunk.block_ids.shape, *key_cache.shape[1:])
@@ -388,76 +348,57 @@ class SdpaBackend(AttentionBackend):
                 value.view(-1, *shape[2:]).index_fill_(0, chunk.stale, 0.0)
             q = query[chunk.start : chunk.stop] if chunk.tokens is None else query[chunk.tokens]
             result = grouped_attention(
-                q.unsqueeze(1), key, value, chunk.masks, scale, alibi_slopes, logits_soft_cap
+                q.unsqueeze(1),
+                key,
+                value,
+                chunk.masks,
+                call.scale,
+                call.alibi_slopes,
+                call.logits_soft_cap,
             )
             if chunk.tokens is None:
                 out[chunk.start : chunk.stop] = result[:, 0]
             else:
                 out.index_copy_(0, chunk.tokens, result[:, 0].to(query.dtype))
 
-        options = (scale, causal, alibi_slopes, sliding_window, logits_soft_cap)
         for prefill in plan.prefills:
             self._attend_sequence(
+                call,
                 query[prefill.start : prefill.stop],
                 gather_blocks(key_cache, prefill.block_ids, work_dtype),
                 gather_blocks(value_cache, prefill.block_ids, work_dtype),
                 prefill.seq_len,
                 out[prefill.start : prefill.stop],
-                *options,
             )
         return out
 
-    def varlen_attention(
-        self,
-        query,
-        key,
-        value,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        scale,
-        causal,
-        alibi_slopes,
-        sliding_window,
-        logits_soft_cap,
-    ) -> torch.Tensor:
+    def varlen_attention(self, call: VarlenAttentionCall) -> torch.Tensor:
+        query = call.query
         work_dtype = compute_dtype(query.dtype)
-        q_starts, k_starts = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        q_starts, k_starts = call.cu_seqlens_q.tolist(), call.cu_seqlens_k.tolist()
         out = torch.zeros_like(query)
         for i in range(len(q_starts) - 1):
             q0, q1, k0, k1 = q_starts[i], q_starts[i + 1], k_starts[i], k_starts[i + 1]
             if q1 == q0 or k1 == k0:
                 continue
-            k = key[k0:k1].to(work_dtype).unsqueeze(0)  # [1, L, Hkv, D]
-            v = value[k0:k1].to(work_dtype).unsqueeze(0)
-            self._attend_sequence(
-                query[q0:q1],
-                k,
-                v,
-                k1 - k0,
-                out[q0:q1],
-                scale,
-                causal,
-                alibi_slopes,
-                sliding_window,
-                logits_soft_cap,
-            )
+            k = call.key[k0:k1].to(work_dtype).unsqueeze(0)  # [1, L, Hkv, D]
+            v = call.value[k0:k1].to(work_dtype).unsqueeze(0)
+            self._attend_sequence(call, query[q0:q1], k, v, k1 - k0, out[q0:q1])
         return out
 
     @staticmethod
     def _attend_sequence(
+        options: AttentionOptions,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         num_keys: int,
         out: torch.Tensor,
-        scale: float,
-        causal: bool,
-        alibi_slopes: torch.Tensor | None,
-        sliding_window: int,
-        logits_soft_cap: float,
     ) -> None:
         """One sequence: query [q, H, D] (the last q positions) over key/value [1, L, Hkv, D]
-        (L >= num_keys valid keys); writes ``out`` [q, H, D] in query chunks."""
+        (L >= num_keys valid keys), with the logits options of ``options`` (the op's call);
+        writes ``out`` [q, H, D] in query chunks."""
+        scale, causal, alibi_slopes, sliding_window, logits_soft_cap = attention.options(options)
         num_queries, num_heads, _ = query.shape
         chunk = _query_chunk(num_heads, num_keys, key.element_size())
         first_position = num_keys - num_queries
