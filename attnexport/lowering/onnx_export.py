@@ -145,7 +145,7 @@ def to_onnx(
     geometry = cache_geometry({n: samples[n] for n in caches.inputs if n in samples}, cache_spec)
 
     functional, _ = functionalize_cache_writes(program)
-    from attnexport.lowering.translation import translation_table
+    from attnexport.lowering.registry import translation_table
 
     with _quiet_torch_onnx():
         onnx_program = torch.onnx.export(
