@@ -26,7 +26,7 @@ def single_node_session(
     import onnx_ir as ir
     import onnxruntime as ort
 
-    from attnexport.lowering.metadata import ModelMetadata
+    from attnexport.lowering.model_contract import GraphContract
     from attnexport.lowering.registry import DOMAIN, all_bodies, onnx_ops, register_schemas
     from attnexport.runtime import ort_kernels
 
@@ -67,7 +67,7 @@ def single_node_session(
     )
     model = ir.Model(graph, ir_version=10, functions=all_bodies(opset))
     written = {n.removesuffix("_out"): n for n in outputs if n.endswith("_out")}
-    model.metadata_props.update(ModelMetadata("attnexport", tuple(written), written).to_props())
+    model.metadata_props.update(GraphContract("attnexport", tuple(written), written).to_props())
     proto = ir.serde.serialize_model(model)
     onnx.checker.check_model(proto, full_check=True)
     options = ort.SessionOptions()

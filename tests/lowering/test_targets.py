@@ -11,7 +11,7 @@ import onnx
 import pytest
 import torch
 
-from attnexport.lowering import PagedOrtSession, export_program, read_metadata, to_onnx
+from attnexport.lowering import PagedOrtSession, export_program, read_contract, to_onnx
 from attnexport.lowering.schemas import DOMAIN
 from tests.lowering.modules import PagedAttentionOnly, StepPlanner, attention_inputs
 
@@ -129,7 +129,7 @@ def test_ort_cuda_maps_write_and_attention_to_one_contrib_node(ort_cuda_model):
     assert list(node.output[1:]) == ["key_cache_out", "value_cache_out"]
     output_reshape = producers["output"]
     assert output_reshape.op_type == "Reshape" and output_reshape.input[0] == node.output[0]
-    assert read_metadata(model).target == "ort-cuda"
+    assert read_contract(model).target == "ort-cuda"
 
 
 def test_ort_cuda_slot_mapping_past_int32_fails_instead_of_wrapping(ort_cuda_model, tmp_path):
@@ -157,7 +157,7 @@ def test_ort_cuda_keeps_what_the_contrib_op_cannot_compute(tmp_path):
     model = to_onnx(_program(torch.float32), (), tmp_path / "m.onnx", target="ort-cuda")
     assert "com.microsoft" not in _domains(model)
     assert sorted(f.name for f in model.functions) == ["PagedAttention", "ReshapeAndCache"]
-    notes = read_metadata(model).extra["target_notes"]
+    notes = read_contract(model).extra["target_notes"]
     assert "kept with its body: dtype" in notes
 
 
