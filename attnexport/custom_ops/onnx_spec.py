@@ -26,9 +26,6 @@ DOMAIN_VERSION = 1
 FLOAT_TYPES = ("tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)")
 
 TOKENS = "num_tokens"
-CACHE_DIMS = ("num_blocks", "block_size", "num_kv_heads", "head_size")
-"""The dimension names of a paged KV cache (the layout of docs/ops.md)."""
-CACHE_DOC = "[num_blocks, block_size, num_kv_heads, head_size]"
 
 Dim = Callable[[str, int], int]
 """``dim(input name, axis)``: a static dimension of one of the node's inputs."""
@@ -48,6 +45,14 @@ class Port:
     empty: the port names no dimension."""
     cache: bool = False
     """A paged KV cache: must be a graph input, read (and, for a write, updated) in place."""
+
+
+_CACHE_DIMS = ("num_blocks", "block_size", "num_kv_heads", "head_size")
+CACHES = tuple(
+    Port(name, "T", f"[{', '.join(_CACHE_DIMS)}]", dims=_CACHE_DIMS, cache=True)
+    for name in ("key_cache", "value_cache")
+)
+"""The key and value cache ports of a paged node (the layout of docs/ops.md)."""
 
 
 @dataclass(frozen=True)

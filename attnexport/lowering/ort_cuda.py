@@ -144,22 +144,12 @@ def _constant(op, values, dtype) -> ir.Value:
     return op.Constant(value=ir.tensor(np.array(values, dtype=dtype)))
 
 
-def _contrib_attention(
-    op,
-    query,
-    key,
-    value,
-    key_cache,
-    value_cache,
-    slot_mapping,
-    block_tables,
-    seq_lens,
-    starts,
-    output,
-    **_,
-):
+def _contrib_attention(op, query, key, value, key_cache, value_cache, output, **match):
     """The replacement: one com.microsoft.PagedAttention (module doc)."""
     attention = output.producer()
+    slot_mapping, block_tables, seq_lens, starts = (
+        match[name] for name in ("slot_mapping", "block_tables", "seq_lens", "starts")
+    )
     flat = _constant(op, [0, -1], np.int64)  # [T, heads * head_size]
     first = op.Slice(starts, _constant(op, [0], np.int64), _constant(op, [-1], np.int64))
     ends = op.Slice(starts, _constant(op, [1], np.int64), _constant(op, [2**62], np.int64))

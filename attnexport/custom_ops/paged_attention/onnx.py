@@ -8,24 +8,9 @@ block ids it reads first.
 from __future__ import annotations
 
 from attnexport.custom_ops import onnx_attention as core
-from attnexport.custom_ops.onnx_builder import (
-    BOOL,
-    INT64,
-    Builder,
-    arange,
-    differs,
-    refuse_if,
-)
-from attnexport.custom_ops.onnx_spec import (
-    CACHE_DIMS,
-    CACHE_DOC,
-    Attribute,
-    Dim,
-    OnnxOp,
-    Port,
-    attnexport_opset,
-    traced_dims,
-)
+from attnexport.custom_ops.onnx_builder import BOOL, INT64, Builder, arange, differs, refuse_if
+from attnexport.custom_ops.onnx_spec import CACHES, Attribute, Dim, OnnxOp, Port, traced_dims
+from attnexport.custom_ops.onnx_spec import attnexport_opset as attnexport
 
 
 def _geometry(dim: Dim) -> dict[str, int]:
@@ -46,7 +31,7 @@ def translate(
     logits_soft_cap: float = 0.0,
 ):
     """attnexport::paged_attention(...) -> Tensor"""
-    return attnexport_opset().PagedAttention(
+    return attnexport().PagedAttention(
         query,
         key_cache,
         value_cache,
@@ -127,8 +112,7 @@ ONNX_OPS = (
         summary="Attention of packed ragged queries over a paged KV cache.",
         inputs=(
             core.QUERY,
-            Port("key_cache", "T", CACHE_DOC, dims=CACHE_DIMS, cache=True),
-            Port("value_cache", "T", CACHE_DOC, dims=CACHE_DIMS, cache=True),
+            *CACHES,
             Port(
                 "block_tables",
                 "I",

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from attnexport.custom_ops.onnx_builder import INT64, Builder, differs, refuse_if
 from attnexport.custom_ops.onnx_spec import (
-    CACHE_DIMS,
-    CACHE_DOC,
+    CACHES,
     FLOAT_TYPES,
     TOKENS,
     Attribute,
@@ -90,8 +89,7 @@ ONNX_OPS = (
         inputs=(
             Port("key", "T", "[num_tokens, num_kv_heads, head_size]", dims=_TOKEN_DIMS),
             Port("value", "T", "[num_tokens, num_kv_heads, head_size]", dims=_TOKEN_DIMS),
-            Port("key_cache", "T", CACHE_DOC, dims=CACHE_DIMS, cache=True),
-            Port("value_cache", "T", CACHE_DOC, dims=CACHE_DIMS, cache=True),
+            *CACHES,
             Port(
                 "slot_mapping",
                 "S",
