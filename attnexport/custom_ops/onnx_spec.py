@@ -33,7 +33,8 @@ Dim = Callable[[str, int], int]
 
 @dataclass(frozen=True)
 class Port:
-    """An input or output of a node (the torch op's argument of the same position)."""
+    """An input or output of a node. An input that names dimensions or is a cache is the torch
+    op's argument of the same position: the lowering looks those up by index."""
 
     name: str
     type: str
@@ -57,6 +58,8 @@ CACHES = tuple(
 
 @dataclass(frozen=True)
 class Attribute:
+    """A scalar attribute of a node (schema and function body alike)."""
+
     name: str
     kind: str
     """``"float"`` or ``"int"``."""
