@@ -93,7 +93,7 @@ def _writer(attention: ir.Node) -> ir.Node | None:
 
 
 def _write_then_attend(
-    op, query, key, value, key_cache, value_cache, slot_mapping, block_tables, seq_lens, starts
+    op, query, key, value, key_cache, value_cache, slot_mapping, block_tables, seq_lens, offsets
 ):
     """The pattern: an attention reading both caches a write produced."""
     key_cache_out, value_cache_out = op.ReshapeAndCache(
@@ -111,7 +111,7 @@ def _write_then_attend(
         value_cache_out,
         block_tables,
         seq_lens,
-        starts,
+        offsets,
         _domain=DOMAIN,
         _allow_other_inputs=True,  # the ALiBi slopes, checked to be zeros
         _outputs=["output"],
@@ -147,13 +147,14 @@ def _constant(op, values, dtype) -> ir.Value:
 def _contrib_attention(op, query, key, value, key_cache, value_cache, output, **match):
     """The replacement: one com.microsoft.PagedAttention (module doc)."""
     attention = output.producer()
-    slot_mapping, block_tables, seq_lens, starts = (
-        match[name] for name in ("slot_mapping", "block_tables", "seq_lens", "starts")
+    slot_mapping, block_tables, seq_lens, offsets = (
+        match[name] for name in ("slot_mapping", "block_tables", "seq_lens", "offsets")
     )
     flat = _constant(op, [0, -1], np.int64)  # [T, heads * head_size]
-    first = op.Slice(starts, _constant(op, [0], np.int64), _constant(op, [-1], np.int64))
-    ends = op.Slice(starts, _constant(op, [1], np.int64), _constant(op, [2**62], np.int64))
-    past = op.Sub(seq_lens, op.Sub(ends, first))
+    # query_start_loc [S + 1] -> the query counts ends - starts
+    starts = op.Slice(offsets, _constant(op, [0], np.int64), _constant(op, [-1], np.int64))
+    ends = op.Slice(offsets, _constant(op, [1], np.int64), _constant(op, [2**62], np.int64))
+    past = op.Sub(seq_lens, op.Sub(ends, starts))
     slots32 = op.Max(
         op.Cast(_int32_slots(op, slot_mapping), to=ir.DataType.INT32),
         _constant(op, -1, np.int32),
@@ -165,7 +166,7 @@ def _contrib_attention(op, query, key, value, key_cache, value_cache, output, **
         op.Reshape(value, flat),
         key_cache,
         value_cache,
-        starts,
+        offsets,
         past,
         block_tables,
         None,  # cos_cache
@@ -181,7 +182,7 @@ def _contrib_attention(op, query, key, value, key_cache, value_cache, output, **
         _outputs=3,
     )
     int32 = ir.TensorType(ir.DataType.INT32)
-    for int32_value in (first, ends, past, slots32):
+    for int32_value in (starts, ends, past, slots32):
         int32_value.type = int32
     outputs[0].type = query.type
     return op.Reshape(outputs[0], op.Shape(query)), outputs[1], outputs[2]
