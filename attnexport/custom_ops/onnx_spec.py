@@ -166,7 +166,7 @@ def traced_dims(**values) -> Dim:
 
 def attnexport_opset():
     """The onnxscript opset of :data:`DOMAIN`, whose ops the translations call (the schemas
-    must be registered before a translation runs, see :mod:`attnexport.lowering.schemas`)."""
+    must be registered before a translation runs, see :mod:`attnexport.lowering.registry`)."""
     from onnxscript.values import Opset
 
     return Opset(DOMAIN, DOMAIN_VERSION)

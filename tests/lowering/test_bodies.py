@@ -422,7 +422,7 @@ def test_schemas_registered_first_leave_onnxscript_importable():
     """No attnexport node shares a name with a standard op: onnx.reference (imported by
     onnxscript) refuses two schemas of one name, so registering first broke the import."""
     code = (
-        "from attnexport.lowering.schemas import register_schemas\n"
+        "from attnexport.lowering.registry import register_schemas\n"
         "register_schemas()\n"
         "import onnxscript, onnx.reference\n"
     )

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attnexport.lowering import PagedOrtSession, export_program, read_contract, to_onnx
-from attnexport.lowering.schemas import DOMAIN
+from attnexport.lowering.registry import DOMAIN
 from tests.lowering.modules import (
     PagedAttentionOnly,
     StepPlanner,
