@@ -3,7 +3,8 @@
 * :func:`export_program` — ``torch.export`` of a model on the attnexport ops, checked.
 * :func:`to_onnx` — an ONNX file with ``attnexport``-domain nodes carrying standard-op function
   bodies (or other targets, see :mod:`.targets`), caches exposed as ``<input>_out`` outputs,
-  readable dimension names and the metadata of :mod:`.metadata`.
+  readable dimension names and the graph contract of :mod:`.model_contract` (its
+  ``metadata_props``: which inputs are caches, their geometry, the target).
 * :class:`PagedOrtSession` — runs such a file in onnxruntime with the caches updated in place.
 
 ``docs/lowering.md`` is the user guide. ``onnx``/``onnxscript``/``onnxruntime`` load lazily.
@@ -16,30 +17,35 @@ from typing import TYPE_CHECKING
 from attnexport.lowering.export import export_program
 
 if TYPE_CHECKING:
-    from attnexport.lowering.metadata import ModelMetadata, read_metadata
+    from attnexport.lowering.model_contract import GraphContract, read_contract
     from attnexport.lowering.onnx_export import to_onnx
     from attnexport.lowering.ort_session import PagedOrtSession
     from attnexport.lowering.targets import TARGETS
 
 _LAZY = {
     "to_onnx": "attnexport.lowering.onnx_export",
-    "ModelMetadata": "attnexport.lowering.metadata",
-    "read_metadata": "attnexport.lowering.metadata",
+    "GraphContract": "attnexport.lowering.model_contract",
+    "read_contract": "attnexport.lowering.model_contract",
     "PagedOrtSession": "attnexport.lowering.ort_session",
     "TARGETS": "attnexport.lowering.targets",
 }
 
 __all__ = [
     "TARGETS",
-    "ModelMetadata",
+    "GraphContract",
     "PagedOrtSession",
     "export_program",
-    "read_metadata",
+    "read_contract",
     "to_onnx",
 ]
 
+# The names before the graph contract was named for what it is ("metadata" is the per-step
+# attention metadata); kept for the users of the earlier public API.
+_RENAMED = {"ModelMetadata": "GraphContract", "read_metadata": "read_contract"}
+
 
 def __getattr__(name: str):
+    name = _RENAMED.get(name, name)
     if name in _LAZY:
         import importlib
 

@@ -22,52 +22,27 @@ import onnx_ir as ir
 import torch
 from torch.export import ExportedProgram
 
+from attnexport.custom_ops.onnx_spec import TOKENS
 from attnexport.lowering.passes import node_argument
+from attnexport.lowering.registry import torch_op_specs
 
-_ops = torch.ops.attnexport
-
-_TOKENS = "num_tokens"
-_ROLE_DIMS = {
-    "query": (_TOKENS, "num_heads", "head_size"),
-    "key": (_TOKENS, "num_kv_heads", "head_size"),
-    "cache": ("num_blocks", "block_size", "num_kv_heads", "head_size"),
-    "slot_mapping": (_TOKENS,),
-    "block_tables": ("num_seqs", "max_blocks_per_seq"),
-    "seq_lens": ("num_seqs",),
-    "offsets": ("num_seqs_plus_1",),
-    "varlen_key": ("num_key_tokens", "num_kv_heads", "head_size"),
-    "logits_indices": ("num_logits",),
-}
-_WRITE_ROLES = ("key", "key", "cache", "cache", "slot_mapping")
-_OP_ROLES = {
-    _ops.reshape_and_cache.default: _WRITE_ROLES,
-    _ops.reshape_and_cache_functional.default: _WRITE_ROLES,
-    _ops.paged_attention.default: (
-        "query",
-        "cache",
-        "cache",
-        "block_tables",
-        "seq_lens",
-        "offsets",
-    ),
-    _ops.varlen_attention.default: ("query", "varlen_key", "varlen_key", "offsets", "offsets"),
-}
+_SEQS = ("num_seqs",)
 # The decoder forward of attnexport.model_interface (and common encoder inputs), by name.
-_NAME_ROLES = {
-    "input_ids": "slot_mapping",
-    "hidden": "slot_mapping",
-    "hidden_states": "slot_mapping",
-    "positions": "slot_mapping",
-    "slot_mapping": "slot_mapping",
-    "block_tables": "block_tables",
-    "seq_lens": "seq_lens",
-    "query_start_loc": "offsets",
-    "cu_seqlens": "offsets",
-    "logits_indices": "logits_indices",
+_NAME_DIMS = {
+    "input_ids": (TOKENS,),
+    "hidden": (TOKENS,),
+    "hidden_states": (TOKENS,),
+    "positions": (TOKENS,),
+    "slot_mapping": (TOKENS,),
+    "block_tables": (*_SEQS, "max_blocks_per_seq"),
+    "seq_lens": _SEQS,
+    "query_start_loc": ("num_seqs_plus_1",),
+    "cu_seqlens": ("num_seqs_plus_1",),
+    "logits_indices": ("num_logits",),
 }
 
 BATCH_DIM_NAMES = frozenset(
-    {_TOKENS, "num_key_tokens", "num_seqs", "num_seqs_plus_1", "num_blocks", "max_blocks_per_seq"}
+    {TOKENS, "num_key_tokens", "num_seqs", "num_seqs_plus_1", "num_blocks", "max_blocks_per_seq"}
 )
 """Dimensions that change from step to step and must stay dynamic."""
 
@@ -75,19 +50,26 @@ _SYMBOL = re.compile(r"\b[su]\d+\b")
 
 
 def input_dim_names(ep: ExportedProgram) -> dict[str, tuple[str, ...]]:
-    """``{input name: names of its dims}`` from the roles of the inputs (see module doc)."""
-    roles: dict[str, str] = {}
+    """``{input name: names of its dims}`` from the roles of the inputs (see module doc): the
+    dimension names of the op input an input feeds (the slices' ``Port.dims``), else of its
+    name."""
+    ops = torch.ops.attnexport
+    op_dims = {
+        getattr(ops, name).default: spec.input_dims()
+        for name, (spec, _) in torch_op_specs().items()
+    }
+    names: dict[str, tuple[str, ...]] = {}
     for node in ep.graph.nodes:
-        if node.op != "call_function" or node.target not in _OP_ROLES:
+        if node.op != "call_function" or node.target not in op_dims:
             continue
-        for index, role in enumerate(_OP_ROLES[node.target]):
+        for index, dims in op_dims[node.target].items():
             source = node_argument(node, index)
             if isinstance(source, torch.fx.Node) and source.op == "placeholder":
-                roles.setdefault(source.name, role)
+                names.setdefault(source.name, dims)
     for node in ep.graph.nodes:
-        if node.op == "placeholder" and node.name in _NAME_ROLES:
-            roles.setdefault(node.name, _NAME_ROLES[node.name])
-    return {name: _ROLE_DIMS[role] for name, role in roles.items()}
+        if node.op == "placeholder" and node.name in _NAME_DIMS:
+            names.setdefault(node.name, _NAME_DIMS[node.name])
+    return names
 
 
 def _flat_leaves(value, spec, path: str) -> Iterator[tuple[str, object]]:

@@ -10,7 +10,7 @@ Pipeline (each step answers a trap of docs/traps.md)::
     optimize_ir               onnxscript's optimizer (after exposing, so nothing is dropped)
     rename_dims, name_outputs readable dimension and output names
     apply_target              attach bodies / inline them / map to com.microsoft
-    metadata, ir_version 10   then save, onnx.checker full check, in-place structure check
+    graph contract, IR 10     metadata_props; then save, full onnx.checker, in-place check
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 
 from attnexport.lowering import naming, onnx_passes
 from attnexport.lowering.export import DIM_NAMES_META, export_program
-from attnexport.lowering.metadata import ModelMetadata, cache_geometry
+from attnexport.lowering.model_contract import GraphContract, cache_geometry
 from attnexport.lowering.passes import check_program, functionalize_cache_writes
 from attnexport.lowering.targets import apply_target, check_target
 from attnexport.model_interface import CacheSpec
@@ -145,7 +145,7 @@ def to_onnx(
     geometry = cache_geometry({n: samples[n] for n in caches.inputs if n in samples}, cache_spec)
 
     functional, _ = functionalize_cache_writes(program)
-    from attnexport.lowering.translation import translation_table
+    from attnexport.lowering.registry import translation_table
 
     with _quiet_torch_onnx():
         onnx_program = torch.onnx.export(
@@ -172,7 +172,7 @@ def to_onnx(
 
     model.ir_version = IR_VERSION
     model.producer_name = "attnexport"
-    info = ModelMetadata(
+    contract = GraphContract(
         target=target,
         cache_inputs=caches.inputs,
         cache_outputs=cache_outputs,
@@ -180,7 +180,7 @@ def to_onnx(
         extra=dict(metadata or {}),
         **geometry,
     )
-    model.metadata_props.update(info.to_props())
+    model.metadata_props.update(contract.to_props())
     if notes:
         model.metadata_props["target_notes"] = "\n".join(notes)
     proto = _save(model, Path(path))

@@ -14,13 +14,20 @@ from collections.abc import Sequence
 import onnx
 import onnx_ir as ir
 
-from attnexport.lowering.schemas import DOMAIN
+from attnexport.custom_ops.onnx_spec import OnnxOp
+from attnexport.lowering.registry import DOMAIN, onnx_ops
 
 _PASSTHROUGH = ("Identity", "CastLike", "Cast")
 
 
+def _spec(node: ir.Node) -> OnnxOp | None:
+    return onnx_ops().get(node.op_type) if node.domain == DOMAIN else None
+
+
 def is_write(node: ir.Node) -> bool:
-    return node.domain == DOMAIN and node.op_type == "ReshapeAndCache"
+    """A node whose outputs are the new values of its cache inputs (``ReshapeAndCache``)."""
+    spec = _spec(node)
+    return spec is not None and spec.writes_caches
 
 
 def _same_type(a: ir.Value, b: ir.Value) -> bool:
@@ -43,11 +50,11 @@ def connect_caches_directly(model: ir.Model) -> None:
     """Makes every cache read/write take its cache straight from the upstream value, skipping
     the no-op copies torch emits for ``aten.copy``, so that a write's data input is the graph
     input itself (required for the in-place update)."""
-    cache_slots = {"ReshapeAndCache": (2, 3), "PagedAttention": (1, 2)}
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        if node.domain != DOMAIN or node.op_type not in cache_slots:
+        spec = _spec(node)
+        if spec is None:
             continue
-        for index in cache_slots[node.op_type]:
+        for index in spec.cache_inputs:
             value = node.inputs[index]
             if value is not None:
                 node.replace_input_with(index, _strip_passthrough(value))
@@ -73,7 +80,7 @@ def expose_cache_writes(model: ir.Model, written: Sequence[str]) -> dict[str, st
     for node in graph:  # topological order: later writes of a cache replace earlier ones
         if not is_write(node):
             continue
-        for index, new_value in zip((2, 3), node.outputs, strict=True):
+        for index, new_value in zip(_spec(node).cache_inputs, node.outputs, strict=True):
             cache = _strip_passthrough(node.inputs[index])
             if cache.name in inputs and inputs[cache.name] is cache:
                 base = cache.name
@@ -82,7 +89,7 @@ def expose_cache_writes(model: ir.Model, written: Sequence[str]) -> dict[str, st
             else:
                 kind = "an initializer (a constant)" if cache.is_initializer() else "not an input"
                 raise ValueError(
-                    f"ReshapeAndCache node '{node.name}' writes '{cache.name}', which is {kind}; "
+                    f"{node.op_type} node '{node.name}' writes '{cache.name}', which is {kind}; "
                     f"a written cache must be a graph input"
                 )
             origin[new_value] = base

@@ -21,38 +21,22 @@ A node is left as an attnexport node (running its standard-op body, also on the 
 the contrib op cannot express it: fp32/fp64 dtypes (it takes fp16/bf16), ALiBi (no slope
 input), a read-only attention (it always writes), a window of 1, non-static head counts, or a
 write whose tokens are not the query tokens. The reasons are returned as notes.
+
+The mapping is one onnxscript rewrite rule: the pattern (write -> attention), the check (what
+the contrib op can express) and the replacement.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
+from onnxscript.rewriter import pattern
 
-from attnexport.lowering.schemas import DOMAIN
+from attnexport.lowering.registry import DOMAIN
 
 MS_DOMAIN = "com.microsoft"
 _HALF = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
-
-
-def _constant(values, dtype) -> ir.Node:
-    return ir.node("Constant", [], {"value": ir.tensor(np.array(values, dtype=dtype))})
-
-
-class _Emitter:
-    """Inserts new nodes before ``anchor``."""
-
-    def __init__(self, graph: ir.Graph, anchor: ir.Node) -> None:
-        self.graph, self.anchor = graph, anchor
-
-    def __call__(self, op_type, inputs, attributes=None, domain="", num_outputs=1):
-        node = ir.node(op_type, inputs, attributes, domain=domain, num_outputs=num_outputs)
-        self.graph.insert_before(self.anchor, node)
-        return node.outputs[0] if num_outputs == 1 else node.outputs
-
-    def const(self, values, dtype) -> ir.Value:
-        node = _constant(values, dtype)
-        self.graph.insert_before(self.anchor, node)
-        return node.outputs[0]
+_MAPPED_ELSEWHERE = "its cache write feeds another attention already mapped"
 
 
 def _attribute(node: ir.Node, name: str, default):
@@ -98,6 +82,7 @@ def _why_not(attention: ir.Node, write: ir.Node | None) -> str | None:
 
 
 def _writer(attention: ir.Node) -> ir.Node | None:
+    """The ReshapeAndCache whose outputs are the attention's caches, if any."""
     key_cache, value_cache = attention.inputs[1], attention.inputs[2]
     node = key_cache.producer()
     if node is None or node.domain != DOMAIN or node.op_type != "ReshapeAndCache":
@@ -107,101 +92,120 @@ def _writer(attention: ir.Node) -> ir.Node | None:
     return node
 
 
-def _int32_slots(emit: _Emitter, slots: ir.Value) -> ir.Value:
+def _write_then_attend(
+    op, query, key, value, key_cache, value_cache, slot_mapping, block_tables, seq_lens, offsets
+):
+    """The pattern: an attention reading both caches a write produced."""
+    key_cache_out, value_cache_out = op.ReshapeAndCache(
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        _domain=DOMAIN,
+        _outputs=["key_cache_out", "value_cache_out"],
+    )
+    output = op.PagedAttention(
+        query,
+        key_cache_out,
+        value_cache_out,
+        block_tables,
+        seq_lens,
+        offsets,
+        _domain=DOMAIN,
+        _allow_other_inputs=True,  # the ALiBi slopes, checked to be zeros
+        _outputs=["output"],
+    )
+    return output, key_cache_out, value_cache_out
+
+
+def _mappable(context, output: ir.Value, key_cache_out: ir.Value, **_) -> pattern.MatchResult:
+    """The check: the contrib op can compute this pair (else the reason, see the notes)."""
+    result = pattern.MatchResult()
+    reason = _why_not(output.producer(), key_cache_out.producer())
+    return result.fail(reason) if reason else result
+
+
+def _int32_slots(op, slots: ir.Value) -> ir.Value:
     """``slots`` (int32 or int64 [T]) in int64 with every negative slot -> -1, ready for an
     exact Cast to int32: a slot past int32 fails the run instead of wrapping (2^32 + 5 would
     write slot 5). The failure is a ``Gather`` whose index is the count of such slots, on a
     1-row copy (ONNX has no assert; onnxruntime refuses an index past the end and names the
     node, ``invalid_slot_mapping``), as the function bodies' metadata checks do."""
-    slots = emit("Cast", [slots], {"to": ir.DataType.INT64})
-    too_big = emit("Greater", [slots, emit.const([2**31 - 1], np.int64)])
-    count = emit(
-        "ReduceSum",
-        [emit("Cast", [too_big], {"to": ir.DataType.INT64})],
-        {"keepdims": 0},
-    )
-    unsqueezed = emit("Unsqueeze", [slots, emit.const([0], np.int64)])
-    node = ir.node("Gather", [unsqueezed, count], {"axis": 0}, name="invalid_slot_mapping")
-    emit.graph.insert_before(emit.anchor, node)
-    return emit("Max", [node.outputs[0], emit.const(-1, np.int64)])
+    slots = op.Cast(slots, to=ir.DataType.INT64)
+    too_big = op.Greater(slots, _constant(op, [2**31 - 1], np.int64))
+    count = op.ReduceSum(op.Cast(too_big, to=ir.DataType.INT64), keepdims=0)
+    unsqueezed = op.Unsqueeze(slots, _constant(op, [0], np.int64))
+    checked = op.Gather(unsqueezed, count, axis=0, _name="invalid_slot_mapping")
+    return op.Max(checked, _constant(op, -1, np.int64))
 
 
-def _replace(graph: ir.Graph, attention: ir.Node, write: ir.Node) -> None:
-    emit = _Emitter(graph, attention)
-    query, _, _, block_tables, seq_lens, query_start_loc = attention.inputs[:6]
-    key, value, key_cache, value_cache, slots = write.inputs
-    flat = emit.const([0, -1], np.int64)  # [T, heads * head_size]
-    starts = emit("Slice", [query_start_loc, emit.const([0], np.int64), emit.const([-1], np.int64)])
-    ends = emit(
-        "Slice", [query_start_loc, emit.const([1], np.int64), emit.const([2**62], np.int64)]
+def _constant(op, values, dtype) -> ir.Value:
+    return op.Constant(value=ir.tensor(np.array(values, dtype=dtype)))
+
+
+def _contrib_attention(op, query, key, value, key_cache, value_cache, output, **match):
+    """The replacement: one com.microsoft.PagedAttention (module doc)."""
+    attention = output.producer()
+    slot_mapping, block_tables, seq_lens, offsets = (
+        match[name] for name in ("slot_mapping", "block_tables", "seq_lens", "offsets")
     )
-    past = emit("Sub", [seq_lens, emit("Sub", [ends, starts])])
-    slots32 = emit(
-        "Max",
-        [
-            emit("Cast", [_int32_slots(emit, slots)], {"to": ir.DataType.INT32}),
-            emit.const(-1, np.int32),
-        ],
+    flat = _constant(op, [0, -1], np.int64)  # [T, heads * head_size]
+    # query_start_loc [S + 1] -> the query counts ends - starts
+    starts = op.Slice(offsets, _constant(op, [0], np.int64), _constant(op, [-1], np.int64))
+    ends = op.Slice(offsets, _constant(op, [1], np.int64), _constant(op, [2**62], np.int64))
+    past = op.Sub(seq_lens, op.Sub(ends, starts))
+    slots32 = op.Max(
+        op.Cast(_int32_slots(op, slot_mapping), to=ir.DataType.INT32),
+        _constant(op, -1, np.int32),
     )
     window = _attribute(attention, "sliding_window", -1)
-    outputs = emit(
-        "PagedAttention",
-        [
-            emit("Reshape", [query, flat]),
-            emit("Reshape", [key, flat]),
-            emit("Reshape", [value, flat]),
-            key_cache,
-            value_cache,
-            query_start_loc,
-            past,
-            block_tables,
-            None,  # cos_cache
-            None,  # sin_cache
-            slots32,
-        ],
-        {
-            "num_heads": _static(query, 1),
-            "kv_num_heads": _static(key_cache, 2),
-            "scale": float(_attribute(attention, "scale", 1.0)),
-            "softcap": float(_attribute(attention, "logits_soft_cap", 0.0)),
-            "is_causal": int(_attribute(attention, "causal", 1)),
-            "local_window_size": window - 1 if window >= 0 else -1,
-        },
-        domain=MS_DOMAIN,
-        num_outputs=3,
+    outputs = op.PagedAttention(
+        op.Reshape(query, flat),
+        op.Reshape(key, flat),
+        op.Reshape(value, flat),
+        key_cache,
+        value_cache,
+        offsets,
+        past,
+        block_tables,
+        None,  # cos_cache
+        None,  # sin_cache
+        slots32,
+        num_heads=_static(query, 1),
+        kv_num_heads=_static(key_cache, 2),
+        scale=float(_attribute(attention, "scale", 1.0)),
+        softcap=float(_attribute(attention, "logits_soft_cap", 0.0)),
+        is_causal=int(_attribute(attention, "causal", 1)),
+        local_window_size=window - 1 if window >= 0 else -1,
+        _domain=MS_DOMAIN,
+        _outputs=3,
     )
-    output = emit("Reshape", [outputs[0], emit("Shape", [query])])
     int32 = ir.TensorType(ir.DataType.INT32)
-    for value in (starts, ends, past, slots32):
-        value.type = int32
+    for int32_value in (starts, ends, past, slots32):
+        int32_value.type = int32
     outputs[0].type = query.type
-    for old, new in ((attention.outputs[0], output), *zip(write.outputs, outputs[1:], strict=True)):
-        name = old.name
-        new.type, new.shape = old.type, old.shape
-        old.replace_all_uses_with(new, replace_graph_outputs=True)
-        old.name, new.name = None, name
-    graph.remove([attention, write], safe=True)
+    return op.Reshape(outputs[0], op.Shape(query)), outputs[1], outputs[2]
+
+
+_RULES = pattern.RewriteRuleSet(
+    [pattern.RewriteRule(_write_then_attend, _contrib_attention, _mappable)]
+)
 
 
 def map_paged_attention(model: ir.Model) -> list[str]:
     """Replaces every mappable write + attention pair (module doc); returns why the other
     PagedAttention nodes stay attnexport nodes."""
-    graph = model.graph
+    if _RULES.apply_to_model(model):
+        model.opset_imports[MS_DOMAIN] = 1
     notes = []
-    pairs = []
-    for node in graph:
+    for node in model.graph:
         if node.domain != DOMAIN or node.op_type != "PagedAttention":
             continue
-        write = _writer(node)
-        reason = _why_not(node, write)
-        if reason is None and write in {w for _, w in pairs}:
-            reason = "its cache write feeds another attention already mapped"
-        if reason:
-            notes.append(f"PagedAttention '{node.name}' kept with its body: {reason}")
+        producer = node.inputs[1].producer()
+        if producer is not None and producer.domain == MS_DOMAIN:
+            reason = _MAPPED_ELSEWHERE
         else:
-            pairs.append((node, write))
-    for attention, write in pairs:
-        _replace(graph, attention, write)
-    if pairs:
-        model.opset_imports[MS_DOMAIN] = 1
+            reason = _why_not(node, _writer(node)) or "not matched"
+        notes.append(f"PagedAttention '{node.name}' kept with its body: {reason}")
     return notes

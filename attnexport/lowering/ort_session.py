@@ -9,7 +9,7 @@ already holding its input and writes only the new tokens. The recipe, in onnxrun
     for name, tensor in inputs.items():        # torch tensors, contiguous, zero copy
         binding.bind_input(name, device, index, onnx_type(tensor), tensor.shape,
                            tensor.data_ptr())
-    for name, out in cache_outputs.items():    # from the model's metadata
+    for name, out in cache_outputs.items():    # from the graph contract
         cache = inputs[name]
         binding.bind_output(out, device, index, onnx_type(cache), cache.shape,
                             cache.data_ptr())  # the input's own buffer
@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 import torch
 
-from attnexport.lowering.metadata import ModelMetadata, read_metadata
+from attnexport.lowering.model_contract import GraphContract, read_contract
 
 _ONNX_TYPES = {
     torch.float32: onnx.TensorProto.FLOAT,
@@ -131,7 +131,7 @@ class PagedOrtSession:
         self.session = ort.InferenceSession(
             source, sess_options=session_options, providers=providers or ["CPUExecutionProvider"]
         )
-        self.metadata: ModelMetadata = read_metadata(self.session)
+        self.contract: GraphContract = read_contract(self.session)
         self.input_types = {i.name: _TYPE_STRINGS.get(i.type) for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
 
@@ -155,7 +155,7 @@ class PagedOrtSession:
         unknown = sorted(set(flat) - set(self.input_types))
         if unknown:
             raise ValueError(f"inputs: unknown {unknown}; the model takes {self.input_names}")
-        caches = set(self.metadata.cache_inputs)
+        caches = set(self.contract.cache_inputs)
         binding = self.session.io_binding()
         for name, tensor in flat.items():
             tensor = self._conform(name, tensor, is_cache=name in caches)
@@ -169,7 +169,7 @@ class PagedOrtSession:
             )
         # Outputs in session order, so that binding.get_outputs() lines up with output_names.
         # Non-cache outputs land on the CPU (onnxruntime copies them from the device).
-        cache_of = {output: name for name, output in self.metadata.cache_outputs.items()}
+        cache_of = {output: name for name, output in self.contract.cache_outputs.items()}
         for output in self.output_names:
             if output in cache_of:
                 cache = flat[cache_of[output]]
@@ -206,7 +206,7 @@ class PagedOrtSession:
         ``{name: tensor}`` (on CPU)."""
         binding = self.bind(inputs)
         self.session.run_with_iobinding(binding)
-        written = set(self.metadata.cache_outputs.values())
+        written = set(self.contract.cache_outputs.values())
         return {
             name: ortvalue_to_torch(value)
             for name, value in zip(self.output_names, binding.get_outputs(), strict=True)

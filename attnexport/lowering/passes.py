@@ -20,15 +20,32 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-_ops = torch.ops.attnexport
+from attnexport.lowering.registry import torch_op_specs
 
-# op overload -> ((argument index, argument name), ...) of its cache arguments, and whether
-# the op writes them in place.
-_CACHE_ARGUMENTS = {
-    _ops.reshape_and_cache.default: (((2, "key_cache"), (3, "value_cache")), True),
-    _ops.reshape_and_cache_functional.default: (((2, "key_cache"), (3, "value_cache")), False),
-    _ops.paged_attention.default: (((1, "key_cache"), (2, "value_cache")), False),
-}
+
+def _cache_arguments() -> dict:
+    """``{op overload: (((argument index, argument name), ...) of its cache arguments,
+    whether it writes them in place)}``, from the slices' ONNX faces."""
+    ops = torch.ops.attnexport
+    return {
+        getattr(ops, name).default: (
+            tuple((i, spec.inputs[i].name) for i in spec.cache_inputs),
+            in_place,
+        )
+        for name, (spec, in_place) in torch_op_specs().items()
+        if spec.cache_inputs
+    }
+
+
+def _functional_twins() -> dict:
+    """``{in-place op overload: (its functional twin's overload, its cache argument indices)}``."""
+    ops = torch.ops.attnexport
+    return {
+        getattr(ops, name).default: (getattr(ops, spec.torch_op).default, spec.cache_inputs)
+        for name, (spec, in_place) in torch_op_specs().items()
+        if in_place
+    }
+
 
 _CONSTANT_KINDS = {
     InputKind.PARAMETER: "parameter",
@@ -103,11 +120,12 @@ def _view_base(value):
 
 def _check_foreign_mutations(ep: ExportedProgram, user_inputs: set[str]) -> None:
     """Raises if a forward input is modified in place by an op other than ours."""
+    ours = _cache_arguments()
     for node in ep.graph.nodes:
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
             continue
-        if target in _CACHE_ARGUMENTS:
+        if target in ours:
             continue
         for index, argument in enumerate(target._schema.arguments):
             if argument.alias_info is None or not argument.alias_info.is_write:
@@ -130,10 +148,11 @@ def check_program(ep: ExportedProgram) -> CacheInputs:
     user_inputs = _user_inputs(ep)
     used: set[str] = set()
     written: set[str] = set()
+    cache_arguments = _cache_arguments()
     for node in ep.graph.nodes:
-        if node.op != "call_function" or node.target not in _CACHE_ARGUMENTS:
+        if node.op != "call_function" or node.target not in cache_arguments:
             continue
-        arguments, in_place = _CACHE_ARGUMENTS[node.target]
+        arguments, in_place = cache_arguments[node.target]
         for index, role in arguments:
             source = node_argument(node, index)
             _check_cache_argument(ep, node, source, role, in_place)
@@ -170,23 +189,22 @@ def _copy_program(ep: ExportedProgram) -> ExportedProgram:
 
 
 def functionalize_cache_writes(ep: ExportedProgram) -> tuple[ExportedProgram, int]:
-    """A copy of ``ep`` where every in-place ``reshape_and_cache`` is
-    ``reshape_and_cache_functional`` + ``aten.copy_`` into the caches; returns it and the number
-    of rewritten calls. ``ep`` itself is left unchanged."""
+    """A copy of ``ep`` where every in-place cache write (``reshape_and_cache``) is its
+    functional twin (``reshape_and_cache_functional``) + ``aten.copy_`` of its outputs into the
+    caches; returns it and the number of rewritten calls. ``ep`` itself is left unchanged."""
     ep = _copy_program(ep)
     graph = ep.graph
+    twins = _functional_twins()
     count = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not _ops.reshape_and_cache.default:
+        if node.op != "call_function" or node.target not in twins:
             continue
-        key, value, key_cache, value_cache, slots = (node_argument(node, i) for i in range(5))
+        functional, cache_indices = twins[node.target]
+        arguments = [node_argument(node, i) for i in range(len(functional._schema.arguments))]
         with graph.inserting_before(node):
-            written = graph.call_function(
-                _ops.reshape_and_cache_functional.default,
-                (key, value, key_cache, value_cache, slots),
-            )
+            written = graph.call_function(functional, tuple(arguments))
             written.meta.update(node.meta)
-            for index, cache in enumerate((key_cache, value_cache)):
+            for index, cache in enumerate(arguments[i] for i in cache_indices):
                 new_cache = graph.call_function(operator.getitem, (written, index))
                 if "val" in cache.meta:
                     new_cache.meta["val"] = cache.meta["val"]

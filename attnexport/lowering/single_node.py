@@ -8,24 +8,6 @@ import torch
 from attnexport.lowering.ort_session import PagedOrtSession
 
 
-def _geometry(op_type: str, inputs: dict[str, torch.Tensor]) -> dict[str, int]:
-    """The static-shape attributes the exporter sets on ``op_type`` for these inputs."""
-    if op_type in ("NeoxRotaryEmbedding", "SiluAndMul", "FusedAddRMSNorm"):
-        return {}
-    if op_type == "NeoxQKVRotaryEmbedding":
-        return {}  # the head counts are not in the shapes: the caller passes them
-    if op_type == "ReshapeAndCache":
-        return {"block_size": inputs["key_cache"].shape[1]}
-    paged = op_type == "PagedAttention"
-    keys = inputs["key_cache"] if paged else inputs["key"]
-    heads = {
-        "num_heads": inputs["query"].shape[1],
-        "num_kv_heads": keys.shape[-2],
-        "head_size": inputs["query"].shape[2],
-    }
-    return heads | ({"block_size": keys.shape[1]} if paged else {})
-
-
 def single_node_session(
     op_type: str,
     inputs: dict[str, torch.Tensor],
@@ -41,48 +23,55 @@ def single_node_session(
     types; dims are symbolic); a cache output ``X_out`` is written in place into input ``X``.
     The geometry attributes come from the inputs' shapes, as in an export."""
     import onnx
+    import onnx_ir as ir
     import onnxruntime as ort
-    from onnx import helper
 
-    from attnexport.lowering import bodies
-    from attnexport.lowering.metadata import ModelMetadata
-    from attnexport.lowering.ort_session import PagedOrtSession
-    from attnexport.lowering.schemas import DOMAIN, register_schemas
+    from attnexport.lowering.model_contract import GraphContract
+    from attnexport.lowering.registry import DOMAIN, all_bodies, onnx_ops, register_schemas
     from attnexport.runtime import ort_kernels
 
     types = {
-        torch.float32: onnx.TensorProto.FLOAT,
-        torch.float16: onnx.TensorProto.FLOAT16,
-        torch.bfloat16: onnx.TensorProto.BFLOAT16,
-        torch.int32: onnx.TensorProto.INT32,
-        torch.int64: onnx.TensorProto.INT64,
+        torch.float32: ir.DataType.FLOAT,
+        torch.float16: ir.DataType.FLOAT16,
+        torch.bfloat16: ir.DataType.BFLOAT16,
+        torch.int32: ir.DataType.INT32,
+        torch.int64: ir.DataType.INT64,
     }
     register_schemas()
-    attributes = _geometry(op_type, inputs) | attributes
+    geometry = onnx_ops()[op_type].geometry(lambda name, axis: inputs[name].shape[axis])
 
-    def info(name, tensor):
-        dims = [f"{name}_{i}" for i in range(tensor.dim())]
-        return helper.make_tensor_value_info(name, types[tensor.dtype], dims)
+    def values(tensors: dict[str, torch.Tensor]) -> list[ir.Value]:
+        return [
+            ir.Value(
+                name=name,
+                type=ir.TensorType(types[t.dtype]),
+                shape=ir.Shape([f"{name}_{i}" for i in range(t.dim())]),
+            )
+            for name, t in tensors.items()
+        ]
 
-    node = helper.make_node(op_type, list(inputs), list(outputs), domain=DOMAIN, **attributes)
-    graph = helper.make_graph(
-        [node],
+    graph_inputs, graph_outputs = values(inputs), values(outputs)
+    node = ir.Node(
+        DOMAIN,
         op_type,
-        [info(n, t) for n, t in inputs.items()],
-        [info(n, t) for n, t in outputs.items()],
+        graph_inputs,
+        attributes=ir.convenience.convert_attributes(geometry | attributes),
+        outputs=graph_outputs,
     )
+    graph = ir.Graph(
+        graph_inputs,
+        graph_outputs,
+        nodes=[node],
+        opset_imports={"": opset, DOMAIN: 1},
+        name=op_type,
+    )
+    model = ir.Model(graph, ir_version=10, functions=all_bodies(opset))
     written = {n.removesuffix("_out"): n for n in outputs if n.endswith("_out")}
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, 1)],
-        functions=bodies.all_bodies(opset),
-        ir_version=10,
-    )
-    props = ModelMetadata("attnexport", tuple(written), written).to_props()
-    helper.set_model_props(model, props)
-    onnx.checker.check_model(model, full_check=True)
+    model.metadata_props.update(GraphContract("attnexport", tuple(written), written).to_props())
+    proto = ir.serde.serialize_model(model)
+    onnx.checker.check_model(proto, full_check=True)
     options = ort.SessionOptions()
     options.intra_op_num_threads = num_threads
     if kernels == "native":
         ort_kernels.register(options)
-    return PagedOrtSession(model, session_options=options)
+    return PagedOrtSession(proto, session_options=options)

@@ -14,8 +14,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes.common import InlinePass
 
-from attnexport.lowering import bodies
-from attnexport.lowering.schemas import DOMAIN, DOMAIN_VERSION
+from attnexport.lowering.registry import DOMAIN, DOMAIN_VERSION, all_bodies
 
 TARGETS = ("attnexport", "standard", "ort-cuda")
 
@@ -41,9 +40,8 @@ def attach_bodies(model: ir.Model) -> None:
         model.opset_imports.pop(DOMAIN, None)
         return
     model.opset_imports[DOMAIN] = DOMAIN_VERSION
-    for proto in bodies.all_bodies(model.opset_imports[""]):
-        if proto.name in used:
-            function = ir.serde.deserialize_function(proto)
+    for function in all_bodies(model.opset_imports[""]):
+        if function.name in used:
             model.functions[function.identifier()] = function
 
 

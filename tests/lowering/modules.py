@@ -24,6 +24,15 @@ class LayerOptions:
     logits_soft_cap: float = 0.0
 
 
+def write_and_attend(q, k, v, caches, slot_mapping, metadata, scale: float, **mask) -> torch.Tensor:
+    """What every module here runs per layer: ``reshape_and_cache`` of ``k``/``v`` into
+    ``caches`` (key, value) at ``slot_mapping``, then ``paged_attention`` of ``q`` over them;
+    ``metadata`` is (block_tables, seq_lens, query_start_loc)."""
+    key_cache, value_cache = caches
+    ops.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping)
+    return ops.paged_attention(q, key_cache, value_cache, *metadata, scale, **mask)
+
+
 class _Projections(nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_size: int) -> None:
         super().__init__()
@@ -86,20 +95,18 @@ class AttentionStack(nn.Module):
     ) -> torch.Tensor:
         for i, (layer, opt) in enumerate(zip(self.layers, self.options, strict=True)):
             q, k, v = layer.qkv(hidden, key_states)
-            key_cache, value_cache = kv_caches[2 * i], kv_caches[2 * i + 1]
-            ops.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping)
-            out = ops.paged_attention(
+            out = write_and_attend(
                 q,
-                key_cache,
-                value_cache,
-                block_tables,
-                seq_lens,
-                query_start_loc,
+                k,
+                v,
+                kv_caches[2 * i : 2 * i + 2],
+                slot_mapping,
+                (block_tables, seq_lens, query_start_loc),
                 self.scale,
-                opt.causal,
-                self.slopes if opt.alibi else None,
-                opt.sliding_window,
-                opt.logits_soft_cap,
+                causal=opt.causal,
+                alibi_slopes=self.slopes if opt.alibi else None,
+                sliding_window=opt.sliding_window,
+                logits_soft_cap=opt.logits_soft_cap,
             )
             hidden = hidden + layer.out(out)
             key_states = key_states + 0.5  # keys of the next layer differ from this one's
@@ -129,14 +136,15 @@ class CrossAttention(nn.Module):
         value_cache: torch.Tensor,
     ) -> torch.Tensor:
         q, k, v = self.proj.qkv(hidden, encoder_states)
-        ops.reshape_and_cache(k, v, key_cache, value_cache, cross_slot_mapping)
-        out = ops.paged_attention(
+        metadata = (block_tables, seq_lens, query_start_loc)
+        caches = (key_cache, value_cache)
+        out = write_and_attend(
             q,
-            key_cache,
-            value_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
+            k,
+            v,
+            caches,
+            cross_slot_mapping,
+            metadata,
             0.3,
             causal=False,
             alibi_slopes=self.slopes,
@@ -196,14 +204,15 @@ class PagedAttentionOnly(nn.Module):
         key_cache,
         value_cache,
     ):
-        ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-        return ops.paged_attention(
+        metadata = (block_tables, seq_lens, query_start_loc)
+        caches = (key_cache, value_cache)
+        return write_and_attend(
             query,
-            key_cache,
-            value_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
+            key,
+            value,
+            caches,
+            slot_mapping,
+            metadata,
             self.scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.soft_cap,

@@ -17,7 +17,7 @@ from attnexport.custom_ops import reference
 from attnexport.lowering.single_node import single_node_session
 from tests.attention_cases import AttentionCase, make_paged_inputs
 from tests.helpers import ORT_KERNEL_MODES, assert_close_to_reference
-from tests.lowering.test_bodies import _paged_inputs, _paged_session
+from tests.lowering.test_bodies import _attention_session, _paged_inputs
 
 INT32_MAX = 2**31 - 1
 # Sequence 1 has 9 query tokens and no context; 4 sequences for the wrapping offsets.
@@ -90,7 +90,7 @@ HUGE_PAGED = {
 @pytest.mark.parametrize("name", list(BAD_PAGED))
 def test_paged_attention_node_refuses_bad_metadata(name: str, kernels: str):
     inputs, kwargs = _paged_inputs(CASE)
-    session = _paged_session(inputs, kwargs, kernels)
+    session = _attention_session(inputs, kwargs, kernels)
     session.run(inputs)  # the well-formed batch runs
     BAD_PAGED[name](inputs)
     with pytest.raises(Exception) as refused:
@@ -116,7 +116,7 @@ def test_paged_attention_node_refuses_bad_metadata(name: str, kernels: str):
 def test_paged_attention_body_names_the_refused_input(name: str, node: str):
     """The failing node of a body's check is named after the input it checks."""
     inputs, kwargs = _paged_inputs(CASE)
-    session = _paged_session(inputs, kwargs, "bodies")
+    session = _attention_session(inputs, kwargs, "bodies")
     BAD_PAGED[name](inputs)
     with pytest.raises(Exception, match=rf"Gather node\. Name:'\w*{node}_\d+'"):
         session.run(inputs)
@@ -146,7 +146,7 @@ def test_reshape_and_cache_node_refuses_a_slot_past_the_cache(kernels: str):
 @pytest.mark.parametrize("kernels", [p for p in ORT_KERNEL_MODES if p != "bodies"])
 def test_native_paged_attention_names_what_it_refuses(name: str, message: str, kernels: str):
     inputs, kwargs = _paged_inputs(CASE)
-    session = _paged_session(inputs, kwargs, kernels)
+    session = _attention_session(inputs, kwargs, kernels)
     BAD_PAGED[name](inputs)
     with pytest.raises(Exception, match=message):
         session.run(inputs)
@@ -157,7 +157,7 @@ def test_non_causal_paged_attention_takes_more_queries_than_keys(kernels: str):
     """Cross-attention: seq_lens below the query count is valid without ``causal``."""
     inputs, kwargs = _paged_inputs(CASE.with_(causal=False))
     inputs["seq_lens"][1] = 4
-    out = _paged_session(inputs, kwargs, kernels).run(inputs)["output"]
+    out = _attention_session(inputs, kwargs, kernels).run(inputs)["output"]
     expected = reference.paged_attention(*list(inputs.values())[:6], **kwargs)
     assert_close_to_reference(out, expected)
 
@@ -203,11 +203,11 @@ _HUGE_CHILD = textwrap.dedent(
     """
     import resource, sys
     from tests.lowering.test_bad_metadata import CASE, HUGE_PAGED
-    from tests.lowering.test_bodies import _paged_inputs, _paged_session
+    from tests.lowering.test_bodies import _paged_inputs, _attention_session
 
     kernels, name = sys.argv[1:]
     inputs, kwargs = _paged_inputs(CASE.with_(causal="non-causal" not in name))
-    session = _paged_session(inputs, kwargs, kernels)
+    session = _attention_session(inputs, kwargs, kernels)
     session.run(inputs)
     HUGE_PAGED[name](inputs)
     with open("/proc/self/status") as status:

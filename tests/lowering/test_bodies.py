@@ -54,19 +54,18 @@ def _paged_inputs(case: AttentionCase) -> tuple[dict, dict]:
     return inputs, x["kwargs"]
 
 
-def _paged_session(inputs: dict, kwargs: dict, kernels: str) -> PagedOrtSession:
-    return single_node_session(
-        "PagedAttention",
-        inputs,
-        {"output": inputs["query"]},
-        kernels,
-        **_attention_attributes(kwargs),
-    )
+def _attention_session(
+    inputs: dict, kwargs: dict, kernels: str, op_type: str = "PagedAttention"
+) -> PagedOrtSession:
+    """A session of one attention node (``op_type``) with the reference's ``kwargs``."""
+    output = {"output": inputs["query"]}
+    attributes = _attention_attributes(kwargs)
+    return single_node_session(op_type, inputs, output, kernels, **attributes)
 
 
 def _check_paged_attention(case: AttentionCase, kernels: str) -> None:
     inputs, kwargs = _paged_inputs(case)
-    out = _paged_session(inputs, kwargs, kernels).run(inputs)["output"]
+    out = _attention_session(inputs, kwargs, kernels).run(inputs)["output"]
     expected = reference.paged_attention(*list(inputs.values())[:6], **kwargs)
     assert out.shape == inputs["query"].shape and out.dtype == case.dtype
     assert_close_to_reference(out, expected)
@@ -84,13 +83,7 @@ def test_varlen_attention_body_matches_reference(case: AttentionCase, kernels: s
     x = make_varlen_inputs(case)
     inputs = {n: x[n] for n in ("query", "key", "value", "cu_seqlens_q", "cu_seqlens_k")}
     inputs["alibi_slopes"] = _slopes(case, x["kwargs"])
-    session = single_node_session(
-        "VarlenAttention",
-        inputs,
-        {"output": x["query"]},
-        kernels,
-        **_attention_attributes(x["kwargs"]),
-    )
+    session = _attention_session(inputs, x["kwargs"], kernels, "VarlenAttention")
     out = session.run(inputs)["output"]
     expected = reference.varlen_attention(*list(inputs.values())[:5], **x["kwargs"])
     assert_close_to_reference(out, expected)
@@ -217,7 +210,7 @@ def test_paged_attention_with_no_query_tokens(kernels: str):
 def test_native_paged_attention_refuses_bad_indices_before_reading(change, message):
     """The kernel reads the cache through these indices: it checks them first and names them."""
     inputs, kwargs = _paged_inputs(AttentionCase("mixed", (1, 9, 1), (4, 0, 3)))
-    session = _paged_session(inputs, kwargs, "native")
+    session = _attention_session(inputs, kwargs, "native")
     change(inputs)
     with pytest.raises(Exception, match=message):
         session.run(inputs)
@@ -259,7 +252,7 @@ def test_native_paged_attention_refuses_query_offsets_past_the_tokens_without_se
     kernel zeroes the output rows before the first offset)."""
     inputs, kwargs = _paged_inputs(AttentionCase("decode", (1, 1), (5, 16)))
     inputs["query"] = inputs["query"][:2]
-    session = _paged_session(inputs, kwargs, "native")
+    session = _attention_session(inputs, kwargs, "native")
     inputs |= {
         "block_tables": inputs["block_tables"][:0],
         "seq_lens": inputs["seq_lens"][:0],
@@ -429,7 +422,7 @@ def test_schemas_registered_first_leave_onnxscript_importable():
     """No attnexport node shares a name with a standard op: onnx.reference (imported by
     onnxscript) refuses two schemas of one name, so registering first broke the import."""
     code = (
-        "from attnexport.lowering.schemas import register_schemas\n"
+        "from attnexport.lowering.registry import register_schemas\n"
         "register_schemas()\n"
         "import onnxscript, onnx.reference\n"
     )

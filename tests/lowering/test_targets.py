@@ -11,9 +11,14 @@ import onnx
 import pytest
 import torch
 
-from attnexport.lowering import PagedOrtSession, export_program, read_metadata, to_onnx
-from attnexport.lowering.schemas import DOMAIN
-from tests.lowering.modules import PagedAttentionOnly, StepPlanner, attention_inputs
+from attnexport.lowering import PagedOrtSession, export_program, read_contract, to_onnx
+from attnexport.lowering.registry import DOMAIN
+from tests.lowering.modules import (
+    PagedAttentionOnly,
+    StepPlanner,
+    attention_inputs,
+    write_and_attend,
+)
 
 BLOCK_SIZE = 4
 WINDOW, SOFT_CAP, SCALE = 7, 4.0, 0.3
@@ -24,10 +29,11 @@ def _inputs(dtype, num_blocks=8, plan=None, padding=1, seed=0) -> dict:
     return attention_inputs(step, padding, head_size=16, dtype=dtype, seed=seed)
 
 
-def _program(dtype, shared_tokens: bool = False):
-    """The ops module exported; ``shared_tokens``: one token dimension for queries and keys
-    (no padding rows), as in a model whose q, k and v come from the same hidden states."""
-    model = PagedAttentionOnly(SCALE, sliding_window=WINDOW, soft_cap=SOFT_CAP)
+def _program(dtype, shared_tokens: bool = False, model: torch.nn.Module | None = None):
+    """The ops module (or ``model``, with its inputs) exported; ``shared_tokens``: one token
+    dimension for queries and keys (no padding rows), as in a model whose q, k and v come from
+    the same hidden states."""
+    model = model or PagedAttentionOnly(SCALE, sliding_window=WINDOW, soft_cap=SOFT_CAP)
     caches = [torch.zeros(8, BLOCK_SIZE, 2, 16, dtype=dtype) for _ in range(2)]
     inputs = _inputs(dtype, padding=0 if shared_tokens else 1)
     shapes = None
@@ -129,7 +135,7 @@ def test_ort_cuda_maps_write_and_attention_to_one_contrib_node(ort_cuda_model):
     assert list(node.output[1:]) == ["key_cache_out", "value_cache_out"]
     output_reshape = producers["output"]
     assert output_reshape.op_type == "Reshape" and output_reshape.input[0] == node.output[0]
-    assert read_metadata(model).target == "ort-cuda"
+    assert read_contract(model).target == "ort-cuda"
 
 
 def test_ort_cuda_slot_mapping_past_int32_fails_instead_of_wrapping(ort_cuda_model, tmp_path):
@@ -157,8 +163,32 @@ def test_ort_cuda_keeps_what_the_contrib_op_cannot_compute(tmp_path):
     model = to_onnx(_program(torch.float32), (), tmp_path / "m.onnx", target="ort-cuda")
     assert "com.microsoft" not in _domains(model)
     assert sorted(f.name for f in model.functions) == ["PagedAttention", "ReshapeAndCache"]
-    notes = read_metadata(model).extra["target_notes"]
+    notes = read_contract(model).extra["target_notes"]
     assert "kept with its body: dtype" in notes
+
+
+class _TwoReadersOfOneWrite(torch.nn.Module):
+    """One cache write read by two attentions: the contrib op writes and attends in one node,
+    so only one of them can become it."""
+
+    def forward(self, query, key, value, slot_mapping, block_tables, seq_lens, offsets, kc, vc):
+        metadata = (block_tables, seq_lens, offsets)
+        first = write_and_attend(query, key, value, (kc, vc), slot_mapping, metadata, SCALE)
+        second = torch.ops.attnexport.paged_attention(query, kc, vc, *metadata, 0.5)
+        return first + second
+
+
+def test_ort_cuda_maps_one_attention_per_write(tmp_path):
+    program = _program(torch.float16, shared_tokens=True, model=_TwoReadersOfOneWrite())
+    model = to_onnx(program, (), tmp_path / "m.onnx", target="ort-cuda")
+    (contrib,) = [n for n in model.graph.node if n.domain == "com.microsoft"]
+    (kept,) = [n for n in model.graph.node if n.domain == DOMAIN]
+    assert kept.op_type == "PagedAttention"
+    # The kept attention reads the caches the contrib node wrote (its outputs 1 and 2).
+    assert list(kept.input[1:3]) == list(contrib.output[1:3])
+    assert list(contrib.output[1:]) == ["kc_out", "vc_out"]
+    notes = read_contract(model).extra["target_notes"]
+    assert "kept with its body: its cache write feeds another attention already mapped" in notes
 
 
 def _cuda_ep_available() -> str | None:

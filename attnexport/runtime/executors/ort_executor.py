@@ -119,8 +119,8 @@ class OrtExecutor(Executor):
         # The lowering's session reads the attnexport metadata; the binding below is ours: it
         # persists across steps instead of being rebuilt for every run.
         paged = PagedOrtSession(path, providers=[provider], session_options=options)
-        self.session, self.metadata, self.path = paged.session, paged.metadata, path
-        meta = self.metadata
+        self.session, self.contract, self.path = paged.session, paged.contract, path
+        meta = self.contract
         if meta.block_size is None or not meta.cache_inputs:
             raise UserError(f"model: {path} has no paged KV caches in its attnexport metadata")
         inputs = {i.name: i for i in self.session.get_inputs()}
@@ -172,10 +172,10 @@ class OrtExecutor(Executor):
         # small and the sampler runs there) whatever the execution provider.
         binding.bind_output(self._logits_name, "cpu")
         values = []
-        for name, cache in zip(self.metadata.cache_inputs, self.kv_caches, strict=True):
+        for name, cache in zip(self.contract.cache_inputs, self.kv_caches, strict=True):
             value = OrtValue.from_dlpack(cache)
             binding.bind_ortvalue_input(name, value)
-            binding.bind_ortvalue_output(self.metadata.cache_outputs[name], value)
+            binding.bind_ortvalue_output(self.contract.cache_outputs[name], value)
             values.append(value)
         self._binding, self._cache_values = binding, values
         self._input_buffers, self._logits = {}, None

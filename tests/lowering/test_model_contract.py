@@ -1,5 +1,5 @@
-"""What the file says about itself: metadata_props, readable dimension names, input/output
-names, IR version and the ONNX checker."""
+"""What the file says about itself: its graph contract (metadata_props), readable dimension
+names, input/output names, IR version and the ONNX checker."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from attnexport import lowering
 from attnexport._version import __version__
-from attnexport.lowering import ModelMetadata, export_program, read_metadata, to_onnx
+from attnexport.lowering import GraphContract, export_program, read_contract, to_onnx
 from attnexport.model_interface import CacheSpec
 from tests.lowering.modules import AttentionStack, LayerOptions, StepPlanner
 
@@ -67,14 +68,19 @@ def test_metadata_props(exported):
     }
 
 
-def test_metadata_reads_back_from_proto_path_and_session(exported):
+def test_contract_reads_back_from_proto_path_and_session(exported):
     proto, path = exported
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    parsed = [read_metadata(proto), read_metadata(path), read_metadata(session)]
+    parsed = [read_contract(proto), read_contract(path), read_contract(session)]
     assert parsed[0] == parsed[1] == parsed[2]
     assert parsed[0].num_layers == 2 and parsed[0].block_size == 4
     assert parsed[0].extra == {"architecture": "toy-stack"}
-    assert ModelMetadata.from_props(parsed[0].to_props()) == parsed[0]
+    assert GraphContract.from_props(parsed[0].to_props()) == parsed[0]
+
+
+def test_earlier_names_of_the_contract_still_resolve():
+    assert lowering.ModelMetadata is GraphContract
+    assert lowering.read_metadata is read_contract
 
 
 def test_names_and_dimensions(exported):

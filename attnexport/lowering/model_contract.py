@@ -1,4 +1,7 @@
-"""The ``metadata_props`` an exported model carries, for runtimes and tools.
+"""The graph contract: what an exported model promises the runtime that loads it (which inputs
+are KV caches and which outputs their in-place updates, the cache geometry, the target), stored
+in the file's ONNX ``metadata_props``. Not the per-step attention metadata
+(:class:`~attnexport.custom_ops.AttentionMetadata`), which the runtime builds every step.
 
 Keys (all values are strings; lists and maps are JSON):
 
@@ -19,7 +22,7 @@ Keys (all values are strings; lists and maps are JSON):
 ``outputs``                  JSON list of the non-cache graph outputs, in order
 ===========================  ==============================================================
 
-Caller-supplied metadata (for instance ``architecture``) is added under its own keys. The
+Caller-supplied keys (for instance ``architecture``) is added under its own keys. The
 geometry keys are absent when the model has no cache.
 """
 
@@ -32,8 +35,8 @@ from dataclasses import dataclass, field
 import torch
 
 from attnexport._version import __version__
+from attnexport.custom_ops.onnx_spec import DOMAIN, DOMAIN_VERSION
 from attnexport.errors import UserError
-from attnexport.lowering.schemas import DOMAIN, DOMAIN_VERSION
 from attnexport.model_interface import CacheSpec
 
 CACHE_LAYOUT = "num_blocks,block_size,num_kv_heads,head_size"
@@ -42,8 +45,9 @@ _GEOMETRY = ("block_size", "num_layers", "num_cross_layers", "num_kv_heads", "he
 
 
 @dataclass(frozen=True)
-class ModelMetadata:
-    """What :func:`attnexport.lowering.to_onnx` records in ``metadata_props``."""
+class GraphContract:
+    """What :func:`attnexport.lowering.to_onnx` records in ``metadata_props``: the contract
+    between the graph and the runtime that binds its caches."""
 
     target: str
     cache_inputs: tuple[str, ...] = ()
@@ -81,7 +85,7 @@ class ModelMetadata:
         return {**props, **self.extra}
 
     @classmethod
-    def from_props(cls, props: Mapping[str, str]) -> ModelMetadata:
+    def from_props(cls, props: Mapping[str, str]) -> GraphContract:
         """Parses ``metadata_props`` (or onnxruntime's ``custom_metadata_map``)."""
         if "attnexport_version" not in props:
             # the file is the user's (run / Engine.from_path on another tool's ONNX model)
@@ -118,16 +122,16 @@ class ModelMetadata:
         )
 
 
-def read_metadata(model) -> ModelMetadata:
-    """The attnexport metadata of an ONNX model (``onnx.ModelProto``, a path, or an
-    ``onnxruntime.InferenceSession``)."""
+def read_contract(model) -> GraphContract:
+    """The graph contract of an ONNX model (``onnx.ModelProto``, a path, or an
+    ``onnxruntime.InferenceSession``), read from its ``metadata_props``."""
     import onnx
 
     if hasattr(model, "get_modelmeta"):
-        return ModelMetadata.from_props(model.get_modelmeta().custom_metadata_map)
+        return GraphContract.from_props(model.get_modelmeta().custom_metadata_map)
     if not isinstance(model, onnx.ModelProto):
         model = onnx.load(str(model), load_external_data=False)
-    return ModelMetadata.from_props({p.key: p.value for p in model.metadata_props})
+    return GraphContract.from_props({p.key: p.value for p in model.metadata_props})
 
 
 def dtype_name(dtype: torch.dtype) -> str:

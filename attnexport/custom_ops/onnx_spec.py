@@ -1,0 +1,172 @@
+"""The ONNX face of an op slice: one :class:`OnnxOp` per ``attnexport``-domain node.
+
+Each ``attnexport/custom_ops/<slice>/onnx.py`` exposes ``ONNX_OPS``, a tuple of these. The
+lowering iterates :data:`~attnexport.custom_ops.slices.OP_SLICES` and builds every registry
+from them: the ``onnx.defs`` schemas, the torch.onnx translation table, the function bodies,
+which torch-op arguments are KV caches, the dimension names of the inputs and the static
+geometry attributes. Only the lowering imports these modules (they need onnx, onnx_ir and
+onnxscript; ``import attnexport.custom_ops`` does not load them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import onnx
+import onnx_ir as ir
+from onnx.defs import OpSchema
+
+from attnexport.custom_ops.onnx_builder import Builder
+
+DOMAIN = "attnexport"
+"""The ONNX domain of the attnexport nodes."""
+DOMAIN_VERSION = 1
+
+FLOAT_TYPES = ("tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)")
+
+TOKENS = "num_tokens"
+
+Dim = Callable[[str, int], int]
+"""``dim(input name, axis)``: a static dimension of one of the node's inputs."""
+
+
+@dataclass(frozen=True)
+class Port:
+    """An input or output of a node. An input that names dimensions or is a cache is the torch
+    op's argument of the same position: the lowering looks those up by index."""
+
+    name: str
+    type: str
+    """Its type-constraint letter (``T``, ``I``...)."""
+    doc: str
+    optional: bool = False
+    dims: tuple[str, ...] = ()
+    """The names the exporter gives the graph input this port reads (``num_tokens``...);
+    empty: the port names no dimension."""
+    cache: bool = False
+    """A paged KV cache: must be a graph input, read (and, for a write, updated) in place."""
+
+
+_CACHE_DIMS = ("num_blocks", "block_size", "num_kv_heads", "head_size")
+CACHES = tuple(
+    Port(name, "T", f"[{', '.join(_CACHE_DIMS)}]", dims=_CACHE_DIMS, cache=True)
+    for name in ("key_cache", "value_cache")
+)
+"""The key and value cache ports of a paged node (the layout of docs/ops.md)."""
+
+
+@dataclass(frozen=True)
+class Attribute:
+    """A scalar attribute of a node (schema and function body alike)."""
+
+    name: str
+    kind: str
+    """``"float"`` or ``"int"``."""
+    doc: str
+    default: float | int | None = None
+    """``None``: required."""
+
+
+@dataclass(frozen=True)
+class OnnxOp:
+    """One ``attnexport``-domain node and the torch ops that lower to it."""
+
+    node: str
+    """The node's op_type in :data:`DOMAIN` (public: files depend on it)."""
+    doc: str
+    summary: str
+    """The function body's one-line doc."""
+    inputs: tuple[Port, ...]
+    outputs: tuple[Port, ...]
+    type_constraints: tuple[tuple[str, tuple[str, ...], str], ...]
+    attributes: tuple[Attribute, ...]
+    torch_op: str
+    """The functional ``torch.ops.attnexport`` op translated to this node; its arguments
+    start with :attr:`inputs`, in order."""
+    translate: Callable
+    """The onnxscript translation of :attr:`torch_op` (``custom_translation_table``)."""
+    body: Callable[[Builder], None]
+    """Writes the node's standard-op body: reads the inputs by name, names the outputs."""
+    geometry: Callable[[Dim], dict[str, int]] = lambda dim: {}
+    """The static geometry attributes the exporter derives from the input shapes."""
+    in_place_op: str | None = None
+    """A torch op that writes the caches in place and is rewritten to :attr:`torch_op`
+    before the translation (torch.onnx cannot lower in-place custom ops)."""
+
+    @property
+    def cache_inputs(self) -> tuple[int, ...]:
+        """Indices of the cache inputs; a writing node's outputs are their new values."""
+        return tuple(i for i, port in enumerate(self.inputs) if port.cache)
+
+    @property
+    def writes_caches(self) -> bool:
+        return self.in_place_op is not None
+
+    def schema(self) -> OpSchema:
+        """The ``onnx.defs`` schema of the node."""
+
+        def param(port: Port) -> OpSchema.FormalParameter:
+            option = OpSchema.FormalParameterOption
+            kind = option.Optional if port.optional else option.Single
+            return OpSchema.FormalParameter(port.name, port.type, port.doc, param_option=kind)
+
+        def attribute(a: Attribute) -> OpSchema.Attribute:
+            if a.default is None:
+                kind = {"float": OpSchema.AttrType.FLOAT, "int": OpSchema.AttrType.INT}[a.kind]
+                return OpSchema.Attribute(a.name, kind, a.doc, required=True)
+            value = onnx.helper.make_attribute(a.name, a.default)
+            return OpSchema.Attribute(a.name, value, a.doc)
+
+        return OpSchema(
+            self.node,
+            DOMAIN,
+            DOMAIN_VERSION,
+            doc=self.doc,
+            inputs=[param(p) for p in self.inputs],
+            outputs=[param(p) for p in self.outputs],
+            type_constraints=[(t, list(types), doc) for t, types, doc in self.type_constraints],
+            attributes=[attribute(a) for a in self.attributes],
+        )
+
+    def function(self, opset: int) -> ir.Function:
+        """The node's standard-op body for a model of standard opset ``opset``."""
+        b = Builder([p.name for p in self.inputs])
+        self.body(b)
+        return b.function(
+            self.node,
+            DOMAIN,
+            [p.name for p in self.outputs],
+            opset,
+            {a.name: a.default for a in self.attributes},
+            doc=self.summary,
+        )
+
+    def input_dims(self) -> Mapping[int, tuple[str, ...]]:
+        """``{input index: dimension names}`` of the inputs that name dimensions."""
+        return {i: p.dims for i, p in enumerate(self.inputs) if p.dims}
+
+
+def traced_dims(**values) -> Dim:
+    """The :data:`Dim` of a translation: ``values`` are the traced inputs by port name; the
+    dimension asked for must be static (the nodes take it as an attribute)."""
+
+    def dim(name: str, axis: int) -> int:
+        shape = getattr(values[name], "shape", None)
+        size = shape[axis] if shape is not None and -len(shape) <= axis < len(shape) else None
+        if not isinstance(size, int):
+            raise ValueError(
+                f"{name}: expected a static dimension {axis} for the ONNX export, got {size!r} "
+                f"(shape {shape}); heads, head size and block size cannot be dynamic"
+            )
+        return size
+
+    return dim
+
+
+def attnexport_opset():
+    """The onnxscript opset of :data:`DOMAIN`, whose ops the translations call (the schemas
+    must be registered before a translation runs, see :mod:`attnexport.lowering.registry`)."""
+    from onnxscript.values import Opset
+
+    return Opset(DOMAIN, DOMAIN_VERSION)
