@@ -41,7 +41,7 @@ def _demo(out: Path, model: str, keep: bool, overwrite: bool = False) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from attnexport.cli.artifact import ExportOptions, export_artifact
+    from attnexport.artifact import ExportOptions, export_artifact
     from attnexport.cli.progress import steps
     from attnexport.cli.verify_cmd import verify_artifact
     from attnexport.runtime import SamplingParams, engine_from_path

@@ -8,8 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from attnexport.artifact import read_manifest
-from attnexport.cli.artifact import TOKENIZER_FILES
+from attnexport.artifact import TOKENIZER_FILES, read_manifest
+from attnexport.cli import choices
 from attnexport.cli.errors import CliError, add_trust_flag
 from attnexport.cli.prompts import PromptSpec, chat_messages, read_prompts_file
 
@@ -90,17 +90,17 @@ def add_parser(commands) -> None:
     )
     parser.add_argument(
         "--executor",
-        choices=("auto", "ort", "torch"),
+        choices=choices.executors(),
         default="auto",
         help="onnxruntime (default when model.onnx exists) or torch (.pt2)",
     )
     parser.add_argument(
         "--backend",
-        choices=("auto", "sdpa", "ipex", "xformers"),
+        choices=choices.attention_backends(),
         default="auto",
         help="attention backend of the torch executor",
     )
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--device", choices=choices.devices(), default="cpu")
     add_trust_flag(parser)
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
     parser.set_defaults(run=run)

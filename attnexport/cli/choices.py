@@ -1,0 +1,45 @@
+"""The values the CLI's flags accept, each taken from the registry that owns it (never a copy),
+so that a new backend, target, dtype or executor reaches the command line by itself."""
+
+from __future__ import annotations
+
+from attnexport.artifact import DTYPE_NAMES, EXECUTORS, FORMATS
+
+
+def export_formats() -> tuple[str, ...]:
+    """``export --format``: each model file format of an export directory, or both."""
+    return FORMATS
+
+
+def model_dtypes() -> tuple[str, ...]:
+    """``export --dtype``: the dtype names a manifest records."""
+    return DTYPE_NAMES
+
+
+def onnx_targets() -> tuple[str, ...]:
+    """``export --target``: the lowering's ONNX targets."""
+    from attnexport.lowering import TARGETS
+
+    return tuple(TARGETS)
+
+
+def executors() -> tuple[str, ...]:
+    """``run --executor``: ``auto`` and the executors an artifact's files run on."""
+    return EXECUTORS
+
+
+def attention_backends() -> tuple[str, ...]:
+    """``run --backend``: ``auto`` and every registered kernel backend (available here or
+    not: an unavailable one is refused with its reason when the command runs)."""
+    import attnexport  # noqa: F401  (registers the built-in backends)
+    from attnexport.custom_ops.dispatch import AUTO, registered_backends
+
+    return (AUTO, *(backend.name for backend in registered_backends()))
+
+
+def devices() -> tuple[str, ...]:
+    """``run --device``: the devices the executors run on (onnxruntime's execution providers
+    decide: the torch executor runs on the same ones)."""
+    from attnexport.runtime.executors.ort_executor import PROVIDERS
+
+    return tuple(PROVIDERS)

@@ -1,0 +1,39 @@
+"""Every choice list of the command line is its registry's: a backend, target, dtype, executor
+or device added there reaches the flags without a second list to keep in step."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from attnexport.artifact import DTYPE_NAMES, EXECUTOR_FORMAT, MODEL_FILES
+from attnexport.cli.bench_cmd import BENCHMARKS
+from attnexport.cli.main import build_parser
+from attnexport.custom_ops import registered_backends
+from attnexport.lowering import TARGETS
+from attnexport.runtime.executors.ort_executor import PROVIDERS
+
+
+def _choices(command: str, flag: str) -> list[str]:
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub = commands.choices[command]
+    action = next(a for a in sub._actions if flag in a.option_strings or a.dest == flag)
+    return list(action.choices)
+
+
+@pytest.mark.parametrize(
+    "command,flag,registry",
+    [
+        ("export", "--format", lambda: [*MODEL_FILES, "both"]),
+        ("export", "--target", lambda: list(TARGETS)),
+        ("export", "--dtype", lambda: list(DTYPE_NAMES)),
+        ("run", "--executor", lambda: ["auto", *EXECUTOR_FORMAT]),
+        ("run", "--backend", lambda: ["auto", *(b.name for b in registered_backends())]),
+        ("run", "--device", lambda: list(PROVIDERS)),
+        ("bench", "name", lambda: list(BENCHMARKS)),
+    ],
+)
+def test_cli_choices_are_the_registries(command, flag, registry):
+    assert _choices(command, flag) == registry()
