@@ -22,6 +22,7 @@ from attnexport.artifact.errors import ArtifactError, UnsafeArtifactError
 from attnexport.artifact.files import (
     EXECUTOR_FORMAT,
     EXECUTORS,
+    EXPORT_FILES,
     FORMATS,
     MANIFEST,
     MODEL_FILES,
@@ -79,6 +80,7 @@ __all__ = [
     "DTYPE_NAMES",
     "EXECUTORS",
     "EXECUTOR_FORMAT",
+    "EXPORT_FILES",
     "FORMAT",
     "FORMATS",
     "FORMAT_VERSION",

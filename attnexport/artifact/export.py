@@ -12,14 +12,7 @@ from pathlib import Path
 import torch
 
 from attnexport.artifact.errors import ArtifactError
-from attnexport.artifact.files import (
-    MANIFEST,
-    MODEL_FILES,
-    ONNX_DATA_FILE,
-    ONNX_FILE,
-    PT2_FILE,
-    TOKENIZER_FILES,
-)
+from attnexport.artifact.files import EXPORT_FILES, ONNX_FILE, PT2_FILE, TOKENIZER_FILES
 from attnexport.artifact.manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -171,7 +164,7 @@ def earlier_export(out: Path, *, overwrite: bool) -> list[Path]:
     unless ``overwrite``. Called before anything is loaded, so a refusal costs nothing."""
     if out.exists() and not out.is_dir():
         raise ArtifactError(f"--out: {out} exists and is not a directory")
-    earlier = [out / n for n in (MANIFEST, *MODEL_FILES.values(), ONNX_DATA_FILE)]
+    earlier = [out / n for n in EXPORT_FILES]
     earlier = [p for p in earlier if p.exists() or p.is_symlink()]
     if earlier and not overwrite:
         raise ArtifactError(
@@ -194,8 +187,8 @@ def remove_earlier_export(out: Path) -> None:
         if manifest is None
         else [*(manifest.get("tokenizer_files") or []), "generation_config.json"]
     )
-    owned = (*TOKENIZER_FILES, MANIFEST, *MODEL_FILES.values(), ONNX_DATA_FILE)
-    for name in {MANIFEST, *MODEL_FILES.values(), ONNX_DATA_FILE, *copied}:
+    owned = (*TOKENIZER_FILES, *EXPORT_FILES)
+    for name in {*EXPORT_FILES, *copied}:
         path = out / name
         if name in owned and (path.is_file() or path.is_symlink()):
             path.unlink()

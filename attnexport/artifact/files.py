@@ -16,6 +16,8 @@ ONNX_DATA_FILE = f"{ONNX_FILE}.data"
 PT2_FILE = "model.pt2"
 MODEL_FILES = {"onnx": ONNX_FILE, "pt2": PT2_FILE}
 """The model file of each format; the manifest's ``files`` maps formats to these names."""
+EXPORT_FILES = (MANIFEST, *MODEL_FILES.values(), ONNX_DATA_FILE)
+"""The files an export writes besides the tokenizer files it copies."""
 FORMATS = (*MODEL_FILES, "both")
 """What ``attnexport export --format`` accepts: one model file format, or both."""
 EXECUTORS = ("auto", "ort", "torch")

@@ -47,6 +47,25 @@ def greedy_generate(
     return out.sequences[0, -steps:].tolist(), torch.cat(out.logits).float()
 
 
+TINY_LLAMA = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=64,
+)
+"""The sizes of :func:`tiny_llama`: one layer, two heads sharing one KV head."""
+
+
+def tiny_llama(directory: Path, **overrides):
+    """A transformers Llama of :data:`TINY_LLAMA`'s sizes, seeded 0, saved into ``directory``;
+    returns it in eval mode. ``overrides`` replace ``LlamaConfig`` fields."""
+    config = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides})
+    return build_checkpoint("LlamaForCausalLM", config, directory)
+
+
 def tiny_bart(directory: Path, **overrides):
     """A 2 + 2-layer transformers BART (d_model 32, vocab 120, 64 positions) initialised wide
     enough (``init_std`` 0.3) that greedy tokens vary, saved into ``directory``; returns it.
