@@ -6,7 +6,7 @@ reads; the CLI and ``attnexport.runtime.loading`` both use this package (it impo
   the sizes and SHA-256 digests of the model files (no torch).
 * :mod:`.resolve` — which model file a path means (no torch).
 * :mod:`.pt2` — safe ``.pt2`` loading (the archive is inspected; nothing is unpickled).
-* :mod:`.eager` — torch dtypes of the manifest's names; rebuilding the eager model.
+* :mod:`.eager` — what a manifest rebuilds in torch: dtypes, cache geometry, the eager model.
 * :mod:`.export` — writing an export directory (``attnexport export``).
 
 ``import attnexport.artifact`` loads no torch: the names of :mod:`.pt2`, :mod:`.eager` and
@@ -49,7 +49,7 @@ from attnexport.artifact.manifest import (
 from attnexport.artifact.resolve import resolve_artifact
 
 if TYPE_CHECKING:
-    from attnexport.artifact.eager import DTYPES, rebuild_eager_model
+    from attnexport.artifact.eager import DTYPES, manifest_cache_spec, rebuild_eager_model
     from attnexport.artifact.export import (
         CPU_UNRUNNABLE,
         ExportOptions,
@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "DTYPES": "eager",
+    "manifest_cache_spec": "eager",
     "rebuild_eager_model": "eager",
     "CPU_UNRUNNABLE": "export",
     "ExportOptions": "export",
@@ -104,6 +105,7 @@ __all__ = [
     "inspect_pt2",
     "is_export_manifest",
     "load_pt2",
+    "manifest_cache_spec",
     "model_file_digests",
     "read_manifest",
     "rebuild_eager_model",

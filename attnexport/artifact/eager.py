@@ -1,5 +1,5 @@
-"""The torch dtypes of the manifest's dtype names, and rebuilding the eager model an artifact
-was exported from."""
+"""What a manifest rebuilds in torch: the dtypes of its names, the cache geometry and the eager
+model an artifact was exported from."""
 
 from __future__ import annotations
 
@@ -25,3 +25,21 @@ def rebuild_eager_model(manifest: dict):
     if Path(source["path"]).is_dir():
         return load_checkpoint(source["path"], dtype=dtype)
     return None
+
+
+def manifest_cache_spec(manifest: dict):
+    """The :class:`~attnexport.model_interface.CacheSpec` of the manifest's ``cache`` (the
+    inverse of :func:`attnexport.artifact.manifest.cache_entry`); None for an encoder."""
+    from attnexport.model_interface import CacheSpec
+
+    cache = manifest["cache"]
+    if cache is None:
+        return None
+    return CacheSpec(
+        num_layers=cache["num_layers"],
+        num_kv_heads=cache["num_kv_heads"],
+        head_size=cache["head_size"],
+        dtype=getattr(torch, cache["dtype"]),
+        block_size=cache["block_size"],
+        num_cross_layers=cache.get("num_cross_layers", 0),
+    )

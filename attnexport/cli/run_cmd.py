@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from attnexport.artifact import TOKENIZER_FILES, read_manifest
+from attnexport.artifact import TOKENIZER_FILES, artifact_dir, read_manifest
 from attnexport.cli import choices
 from attnexport.cli.errors import CliError, add_trust_flag
 from attnexport.cli.prompts import PromptSpec, chat_messages, read_prompts_file
@@ -134,7 +134,7 @@ def load_tokenizer(artifact: Path, manifest: dict | None, required: bool = True)
     need it (``required``), else None: the outputs then have no text."""
     from attnexport.runtime.text import Tokenizer
 
-    directory = artifact if artifact.is_dir() else artifact.parent
+    directory = artifact_dir(artifact)
     if manifest is not None:
         present = bool(manifest.get("tokenizer_files"))
     else:
