@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from attnexport.artifact import ArtifactError, resolve_artifact
+from attnexport.artifact import ArtifactError, read_manifest, resolve_artifact, write_manifest
 from attnexport.cli.main import main
 from attnexport.runtime import Engine
 from tests.cli.helpers import assert_one_line_error, run_cli
@@ -71,6 +71,17 @@ def test_manifest_records_size_and_sha256(llama_export):
             "bytes": len(data),
             "sha256": hashlib.sha256(data).hexdigest(),
         }
+
+
+def test_the_writer_refuses_a_manifest_the_loaders_would_refuse(llama_export, tmp_path):
+    """``write_manifest`` validates as ``read_manifest`` does: an export never leaves behind a
+    manifest that every later command refuses; the valid one round-trips."""
+    manifest = read_manifest(llama_export)
+    with pytest.raises(ArtifactError, match="field 'cache'"):
+        write_manifest(tmp_path, {**manifest, "cache": None})
+    assert not (tmp_path / "manifest.json").exists()
+    write_manifest(tmp_path, manifest)
+    assert read_manifest(tmp_path) == manifest
 
 
 def test_a_swapped_model_onnx_is_a_named_error(export_copy, tmp_path, capsys):
