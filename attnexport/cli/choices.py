@@ -23,6 +23,14 @@ def onnx_targets() -> tuple[str, ...]:
     return tuple(TARGETS)
 
 
+def zoo_models() -> tuple[str, ...]:
+    """The zoo's model names (``export MODEL``, ``demo --model``; not a closed choice: ``export``
+    also takes checkpoint directories and ``zoo:NAME``)."""
+    from attnexport.models.registry import zoo_names
+
+    return tuple(zoo_names())
+
+
 def executors() -> tuple[str, ...]:
     """``run --executor``: ``auto`` and the executors an artifact's files run on."""
     return EXECUTORS

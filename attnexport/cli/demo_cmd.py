@@ -7,6 +7,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from attnexport.cli import choices
+
 DEMO_MODEL = "llama"
 DEMO_PROMPTS = ([1, 17, 42, 7, 99], [5, 3], [200, 201, 202, 203, 204, 205, 206, 207])
 
@@ -22,7 +24,11 @@ def add_parser(commands) -> None:
         metavar="DIR",
         help="keep the export here (default: a temporary directory)",
     )
-    parser.add_argument("--model", default=DEMO_MODEL, help=f"zoo model (default {DEMO_MODEL})")
+    parser.add_argument(
+        "--model",
+        default=DEMO_MODEL,
+        help=f"zoo model: {', '.join(choices.zoo_models())} (default {DEMO_MODEL})",
+    )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an earlier export in --out DIR"
     )

@@ -24,7 +24,8 @@ def add_parser(commands) -> None:
     parser.add_argument(
         "model",
         metavar="MODEL",
-        help="zoo name (llama, or zoo:llama) or checkpoint directory (a path: ./llama)",
+        help=f"zoo name ({', '.join(choices.zoo_models())}; or zoo:NAME) or checkpoint "
+        "directory (a path: ./llama)",
     )
     parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="output directory")
     parser.add_argument(

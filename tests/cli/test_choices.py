@@ -12,15 +12,20 @@ from attnexport.cli.bench_cmd import BENCHMARKS
 from attnexport.cli.main import build_parser
 from attnexport.custom_ops import registered_backends
 from attnexport.lowering import TARGETS
+from attnexport.models import zoo_names
 from attnexport.runtime.executors.ort_executor import PROVIDERS
 
 
-def _choices(command: str, flag: str) -> list[str]:
+def _action(command: str, flag: str) -> argparse.Action:
+    """The argparse action of ``flag`` (an option or a positional's name) of ``command``."""
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     sub = commands.choices[command]
-    action = next(a for a in sub._actions if flag in a.option_strings or a.dest == flag)
-    return list(action.choices)
+    return next(a for a in sub._actions if flag in a.option_strings or a.dest == flag)
+
+
+def _choices(command: str, flag: str) -> list[str]:
+    return list(_action(command, flag).choices)
 
 
 @pytest.mark.parametrize(
@@ -37,3 +42,8 @@ def _choices(command: str, flag: str) -> list[str]:
 )
 def test_cli_choices_are_the_registries(command, flag, registry):
     assert _choices(command, flag) == registry()
+
+
+@pytest.mark.parametrize("command,flag", [("export", "model"), ("demo", "--model")])
+def test_model_help_lists_the_zoo(command, flag):
+    assert all(name in _action(command, flag).help for name in zoo_names())
