@@ -3,7 +3,30 @@ so that a new backend, target, dtype or executor reaches the command line by its
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
+
 from attnexport.artifact import DTYPE_NAMES, EXECUTORS, FORMATS
+
+
+class RegistryChoices(Sequence):
+    """A flag's choices read from a registry the first time argparse needs them (checking a
+    value, writing ``--help``), so that building the parser imports no registry that is slow
+    to load (the lowering, onnxruntime) for the commands that never use it. The flag needs a
+    ``metavar``: without one, ``add_argument`` formats the choices at once."""
+
+    def __init__(self, read: Callable[[], Sequence[str]]) -> None:
+        self._read = read
+
+    @functools.cached_property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._read())
+
+    def __getitem__(self, index):
+        return self.names[index]
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 def export_formats() -> tuple[str, ...]:
@@ -16,11 +39,15 @@ def model_dtypes() -> tuple[str, ...]:
     return DTYPE_NAMES
 
 
-def onnx_targets() -> tuple[str, ...]:
-    """``export --target``: the lowering's ONNX targets."""
-    from attnexport.lowering import TARGETS
+def onnx_targets() -> Sequence[str]:
+    """``export --target``: the lowering's ONNX targets (read on first use)."""
 
-    return tuple(TARGETS)
+    def read() -> Sequence[str]:
+        from attnexport.lowering import TARGETS
+
+        return TARGETS
+
+    return RegistryChoices(read)
 
 
 def zoo_models() -> tuple[str, ...]:
@@ -45,9 +72,13 @@ def attention_backends() -> tuple[str, ...]:
     return (AUTO, *(backend.name for backend in registered_backends()))
 
 
-def devices() -> tuple[str, ...]:
+def devices() -> Sequence[str]:
     """``run --device``: the devices the executors run on (onnxruntime's execution providers
-    decide: the torch executor runs on the same ones)."""
-    from attnexport.runtime.executors.ort_executor import PROVIDERS
+    decide: the torch executor runs on the same ones; read on first use)."""
 
-    return tuple(PROVIDERS)
+    def read() -> Sequence[str]:
+        from attnexport.runtime.executors.ort_executor import PROVIDERS
+
+        return tuple(PROVIDERS)
+
+    return RegistryChoices(read)

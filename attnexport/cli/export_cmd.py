@@ -35,8 +35,10 @@ def add_parser(commands) -> None:
         "--target",
         choices=choices.onnx_targets(),
         default="attnexport",
-        help="ONNX flavour: attnexport nodes with function bodies (default), standard ops "
-        "only, or com.microsoft.PagedAttention for onnxruntime's CUDA EP",
+        metavar="TARGET",  # not the choices: listing them would import the lowering now
+        help="ONNX flavour, one of %(choices)s: attnexport nodes with function bodies "
+        "(default), standard ops only, or com.microsoft.PagedAttention for onnxruntime's "
+        "CUDA EP",
     )
     parser.add_argument("--dtype", choices=choices.model_dtypes(), default="float32")
     parser.add_argument(

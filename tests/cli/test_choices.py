@@ -4,6 +4,10 @@ or device added there reaches the flags without a second list to keep in step.""
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -47,3 +51,16 @@ def test_cli_choices_are_the_registries(command, flag, registry):
 @pytest.mark.parametrize("command,flag", [("export", "model"), ("demo", "--model")])
 def test_model_help_lists_the_zoo(command, flag):
     assert all(name in _action(command, flag).help for name in zoo_names())
+
+
+def test_building_the_parser_loads_neither_the_lowering_nor_onnxruntime():
+    """The slow registries are read when a flag is checked or ``--help`` is written, so that
+    every command (``backends``, ``--version``) starts without importing them."""
+    code = (
+        "import sys; from attnexport.cli.main import build_parser; build_parser(); "
+        "print(sorted(m for m in ('attnexport.lowering', 'onnxruntime') if m in sys.modules))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
