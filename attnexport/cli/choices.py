@@ -12,7 +12,7 @@ from attnexport.artifact import DTYPE_NAMES, EXECUTORS, FORMATS
 class RegistryChoices(Sequence):
     """A flag's choices read from a registry the first time argparse needs them (checking a
     value, writing ``--help``), so that building the parser imports no registry that is slow
-    to load (the lowering, onnxruntime) for the commands that never use it. The flag needs a
+    to load (the lowering) for the commands that never use it. The flag needs a
     ``metavar``: without one, ``add_argument`` formats the choices at once."""
 
     def __init__(self, read: Callable[[], Sequence[str]]) -> None:
@@ -72,13 +72,9 @@ def attention_backends() -> tuple[str, ...]:
     return (AUTO, *(backend.name for backend in registered_backends()))
 
 
-def devices() -> Sequence[str]:
+def devices() -> tuple[str, ...]:
     """``run --device``: the devices the executors run on (onnxruntime's execution providers
-    decide: the torch executor runs on the same ones; read on first use)."""
+    decide: the torch executor runs on the same ones)."""
+    from attnexport.runtime.executors.ort_executor import PROVIDERS
 
-    def read() -> Sequence[str]:
-        from attnexport.runtime.executors.ort_executor import PROVIDERS
-
-        return tuple(PROVIDERS)
-
-    return RegistryChoices(read)
+    return tuple(PROVIDERS)

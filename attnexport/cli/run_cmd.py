@@ -100,13 +100,7 @@ def add_parser(commands) -> None:
         default="auto",
         help="attention backend of the torch executor",
     )
-    parser.add_argument(
-        "--device",
-        choices=choices.devices(),
-        default="cpu",
-        metavar="DEVICE",  # not the choices: listing them would import onnxruntime now
-        help="one of %(choices)s (default cpu)",
-    )
+    parser.add_argument("--device", choices=choices.devices(), default="cpu")
     add_trust_flag(parser)
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
     parser.set_defaults(run=run)
