@@ -10,7 +10,8 @@ from pathlib import Path
 
 from attnexport.artifact import TOKENIZER_FILES, artifact_dir, read_manifest
 from attnexport.cli import choices
-from attnexport.cli.errors import CliError, add_trust_flag
+from attnexport.cli.errors import CliError
+from attnexport.cli.flags import add_trust_flag
 from attnexport.cli.prompts import PromptSpec, chat_messages, read_prompts_file
 
 

@@ -30,7 +30,8 @@ from attnexport.artifact import (
     read_manifest,
     rebuild_eager_model,
 )
-from attnexport.cli.errors import CliError, add_trust_flag
+from attnexport.cli.errors import CliError
+from attnexport.cli.flags import add_trust_flag
 from attnexport.cli.progress import steps
 
 PROMPT_LENGTHS = (7, 3, 12)
