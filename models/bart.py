@@ -43,6 +43,7 @@ from attnexport.models.base import (
     PagedModel,
     check_kv_caches,
     decoder_dims,
+    layer_caches,
     sample_batch,
 )
 from attnexport.models.decoder import decoder_dynamic_shapes, decoder_sample_args
@@ -325,13 +326,9 @@ class BartForConditionalGeneration(PagedModel):
         )
         decoder = self.model.decoder
         x = decoder.embed(input_ids, positions)
+        pairs = layer_caches(kv_caches)  # the self caches of every layer, then the cross caches
         for i, layer in enumerate(decoder.layers):
-            caches = (
-                kv_caches[2 * i],
-                kv_caches[2 * i + 1],
-                kv_caches[2 * (layers + i)],
-                kv_caches[2 * (layers + i) + 1],
-            )
+            caches = (*pairs[i], *pairs[layers + i])
             x = layer(x, encoder_out, caches, self_meta, cross_meta)
         x = x.index_select(0, logits_indices)
         head = self.lm_head if self.lm_head is not None else decoder.embed_tokens

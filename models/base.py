@@ -221,6 +221,12 @@ def check_kv_caches(kv_caches: list[torch.Tensor], expected: int) -> None:
         )
 
 
+def layer_caches(kv_caches: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``(key cache, value cache)`` of each layer of the forward's ``kv_caches``, which
+    interleaves them: ``[k_0, v_0, k_1, v_1, ...]``."""
+    return list(zip(kv_caches[0::2], kv_caches[1::2], strict=True))
+
+
 # ----------------------------------------------------------------------------- export samples
 
 # The sample batch: (cached tokens, new tokens) per sequence, one prefill and one chunk with

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attnexport.models.base import ModelConfig
+from attnexport.models.base import ModelConfig, layer_caches
 from attnexport.models.decoder import DecoderModel
 from attnexport.models.errors import UnsupportedModelError
 from attnexport.models.hf_config import check_model_type, refuse, required
@@ -151,8 +151,10 @@ class GPT2LMHeadModel(DecoderModel):
 
     def hidden_states(self, input_ids, positions, metadata, kv_caches) -> torch.Tensor:
         x = self.transformer.wte(input_ids) + self.transformer.wpe(positions)
-        for i, block in enumerate(self.transformer.h):
-            x = block(x, kv_caches[2 * i], kv_caches[2 * i + 1], metadata)
+        for block, (key_cache, value_cache) in zip(
+            self.transformer.h, layer_caches(kv_caches), strict=True
+        ):
+            x = block(x, key_cache, value_cache, metadata)
         return self.transformer.ln_f(x)
 
     def input_embeddings(self) -> nn.Embedding:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from attnexport import qkv_rotary_embedding
-from attnexport.models.base import ModelConfig
+from attnexport.models.base import ModelConfig, layer_caches
 from attnexport.models.decoder import DecoderModel
 from attnexport.models.errors import UnsupportedModelError
 from attnexport.models.hf_config import check_model_type, required
@@ -194,8 +194,10 @@ class LlamaForCausalLM(DecoderModel):
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb(positions, x.dtype)
         residual = None
-        for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, rope, kv_caches[2 * i], kv_caches[2 * i + 1], metadata)
+        for layer, (key_cache, value_cache) in zip(
+            self.model.layers, layer_caches(kv_caches), strict=True
+        ):
+            x, residual = layer(x, residual, rope, key_cache, value_cache, metadata)
         if residual is None:  # no layers
             return self.model.norm(x)
         return self.model.norm.add_and_norm(x, residual)[0]

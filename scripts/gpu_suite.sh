@@ -18,8 +18,8 @@
 #                    flash-attn-3 name on PyPI is a placeholder; its _C.so links libcudart.so.12,
 #                    so on a CUDA 13 torch check env.txt: the library may not load)
 #
-# This workplace's device machine has torch 2.11.0+cu130 and no network; xformers travels as
-# wheels (/work/.library/device/README.md). Here, in the repository root:
+# A GPU machine with torch 2.11.0+cu130 and no network gets xformers as wheels carried in
+# .whl/. Here, in the repository root:
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \

@@ -39,7 +39,7 @@ def wordpiece(directory: Path) -> Path:
 def byte_level_bpe(directory: Path, chat_template: bool = True) -> Path:
     """A GPT-2-style byte-level BPE (prefix-free, ``<s>`` prepended by its post-processor),
     with a chat template unless ``chat_template`` is False."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -50,17 +50,8 @@ def byte_level_bpe(directory: Path, chat_template: bool = True) -> Path:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator(CORPUS, trainer)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)]
-    )
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "pad_token": "<pad>",
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 64,
-    }
+    _prepend_bos(tokenizer, bos_id=0)
+    config = _fast_tokenizer_config(pad_token="<pad>", model_max_length=64)
     if chat_template:
         config["chat_template"] = CHAT_TEMPLATE
     return _save(directory, tokenizer, config)
@@ -69,7 +60,7 @@ def byte_level_bpe(directory: Path, chat_template: bool = True) -> Path:
 def sentencepiece_bpe(directory: Path) -> Path:
     """A Llama-style SentencePiece BPE: Metaspace pre-tokenizer, byte fallback for characters
     outside the vocabulary, ``<s>`` prepended."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 
     trainer = trainers.BpeTrainer(
         vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=60
@@ -97,17 +88,29 @@ def sentencepiece_bpe(directory: Path) -> Path:
             decoders.Strip(" ", 1, 0),
         ]
     )
+    _prepend_bos(tokenizer, bos_id=1)
+    config = _fast_tokenizer_config(unk_token="<unk>")
+    return _save(directory, tokenizer, config)
+
+
+def _prepend_bos(tokenizer, bos_id: int) -> None:
+    """``<s>`` (id ``bos_id``) before every sequence, as Llama's and GPT-2-style BPEs have it."""
+    from tokenizers import processors
+
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
     )
-    config = {
+
+
+def _fast_tokenizer_config(**tokens) -> dict:
+    """``tokenizer_config.json`` of a fast tokenizer with ``<s>``/``</s>`` and ``tokens``."""
+    return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>",
         "eos_token": "</s>",
-        "unk_token": "<unk>",
         "clean_up_tokenization_spaces": False,
+        **tokens,
     }
-    return _save(directory, tokenizer, config)
 
 
 def _save(directory: Path, tokenizer, config: dict) -> Path:

@@ -27,7 +27,7 @@ def add_parser(commands) -> None:
     lines = "\n".join(f"  {name:13s} {help}" for name, (_, help) in BENCHMARKS.items())
     parser = commands.add_parser(
         "bench",
-        help="run a benchmark (decode, generate, export, cache-update, xformers)",
+        help=f"run a benchmark ({', '.join(BENCHMARKS)})",
         description=f"Runs a benchmark script; arguments after NAME go to the script "
         f"(try `attnexport bench NAME --help`).\n\nbenchmarks:\n{lines}",
         formatter_class=argparse.RawDescriptionHelpFormatter,

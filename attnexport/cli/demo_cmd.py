@@ -7,6 +7,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from attnexport.cli import choices
+
 DEMO_MODEL = "llama"
 DEMO_PROMPTS = ([1, 17, 42, 7, 99], [5, 3], [200, 201, 202, 203, 204, 205, 206, 207])
 
@@ -22,7 +24,11 @@ def add_parser(commands) -> None:
         metavar="DIR",
         help="keep the export here (default: a temporary directory)",
     )
-    parser.add_argument("--model", default=DEMO_MODEL, help=f"zoo model (default {DEMO_MODEL})")
+    parser.add_argument(
+        "--model",
+        default=DEMO_MODEL,
+        help=f"zoo model: {', '.join(choices.zoo_models())} (default {DEMO_MODEL})",
+    )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an earlier export in --out DIR"
     )
@@ -41,7 +47,7 @@ def _demo(out: Path, model: str, keep: bool, overwrite: bool = False) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from attnexport.cli.artifact import ExportOptions, export_artifact
+    from attnexport.artifact import ExportOptions, export_artifact
     from attnexport.cli.progress import steps
     from attnexport.cli.verify_cmd import verify_artifact
     from attnexport.runtime import SamplingParams, engine_from_path

@@ -7,8 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
-from attnexport.artifact import DTYPES
-from attnexport.cli.artifact import FORMATS, ExportOptions, export_artifact
+from attnexport.artifact import DTYPES, ExportOptions, export_artifact
+from attnexport.cli import choices
 from attnexport.cli.progress import steps
 
 
@@ -24,18 +24,23 @@ def add_parser(commands) -> None:
     parser.add_argument(
         "model",
         metavar="MODEL",
-        help="zoo name (llama, or zoo:llama) or checkpoint directory (a path: ./llama)",
+        help=f"zoo name ({', '.join(choices.zoo_models())}; or zoo:NAME) or checkpoint "
+        "directory (a path: ./llama)",
     )
     parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="output directory")
-    parser.add_argument("--format", choices=FORMATS, default="onnx", help="default: onnx")
+    parser.add_argument(
+        "--format", choices=choices.export_formats(), default="onnx", help="default: onnx"
+    )
     parser.add_argument(
         "--target",
-        choices=("attnexport", "standard", "ort-cuda"),
+        choices=choices.onnx_targets(),
         default="attnexport",
-        help="ONNX flavour: attnexport nodes with function bodies (default), standard ops "
-        "only, or com.microsoft.PagedAttention for onnxruntime's CUDA EP",
+        metavar="TARGET",  # not the choices: listing them would import the lowering now
+        help="ONNX flavour, one of %(choices)s: attnexport nodes with function bodies "
+        "(default), standard ops only, or com.microsoft.PagedAttention for onnxruntime's "
+        "CUDA EP",
     )
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    parser.add_argument("--dtype", choices=choices.model_dtypes(), default="float32")
     parser.add_argument(
         "--block-size",
         type=int,

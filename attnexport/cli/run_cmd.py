@@ -8,9 +8,10 @@ import json
 import sys
 from pathlib import Path
 
-from attnexport.artifact import read_manifest
-from attnexport.cli.artifact import TOKENIZER_FILES
-from attnexport.cli.errors import CliError, add_trust_flag
+from attnexport.artifact import TOKENIZER_FILES, artifact_dir, read_manifest
+from attnexport.cli import choices
+from attnexport.cli.errors import CliError
+from attnexport.cli.flags import add_trust_flag
 from attnexport.cli.prompts import PromptSpec, chat_messages, read_prompts_file
 
 
@@ -90,17 +91,17 @@ def add_parser(commands) -> None:
     )
     parser.add_argument(
         "--executor",
-        choices=("auto", "ort", "torch"),
+        choices=choices.executors(),
         default="auto",
         help="onnxruntime (default when model.onnx exists) or torch (.pt2)",
     )
     parser.add_argument(
         "--backend",
-        choices=("auto", "sdpa", "ipex", "xformers"),
+        choices=choices.attention_backends(),
         default="auto",
         help="attention backend of the torch executor",
     )
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--device", choices=choices.devices(), default="cpu")
     add_trust_flag(parser)
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
     parser.set_defaults(run=run)
@@ -134,7 +135,7 @@ def load_tokenizer(artifact: Path, manifest: dict | None, required: bool = True)
     need it (``required``), else None: the outputs then have no text."""
     from attnexport.runtime.text import Tokenizer
 
-    directory = artifact if artifact.is_dir() else artifact.parent
+    directory = artifact_dir(artifact)
     if manifest is not None:
         present = bool(manifest.get("tokenizer_files"))
     else:

@@ -21,8 +21,17 @@ from pathlib import Path
 
 import torch
 
-from attnexport.artifact import check_model_file, load_pt2, read_manifest, rebuild_eager_model
-from attnexport.cli.errors import CliError, add_trust_flag
+from attnexport.artifact import (
+    DTYPES,
+    artifact_dir,
+    check_model_file,
+    load_pt2,
+    manifest_cache_spec,
+    read_manifest,
+    rebuild_eager_model,
+)
+from attnexport.cli.errors import CliError
+from attnexport.cli.flags import add_trust_flag
 from attnexport.cli.progress import steps
 
 PROMPT_LENGTHS = (7, 3, 12)
@@ -129,18 +138,9 @@ def _batch(manifest: dict, seed: int) -> tuple[list[list[int]], list[list[int]]]
 
 def _run_paged(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
     """Teacher-forced steps of a (encoder-)decoder; returns ``{output name: tensor}``."""
-    from attnexport.model_interface import CacheSpec
     from attnexport.runtime.step_driver import PagedDriver
 
-    cache = manifest["cache"]
-    spec = CacheSpec(
-        num_layers=cache["num_layers"],
-        num_kv_heads=cache["num_kv_heads"],
-        head_size=cache["head_size"],
-        dtype=getattr(torch, cache["dtype"]),
-        block_size=cache["block_size"],
-        num_cross_layers=cache["num_cross_layers"],
-    )
+    spec = manifest_cache_spec(manifest)
     prompts, decode_tokens = _batch(manifest, seed)
     blocks_needed = sum(
         -(-(n + DECODE_STEPS) // spec.block_size) + -(-n // spec.block_size) + 1
@@ -255,14 +255,14 @@ def verify_artifact(
             f"ARTIFACT: {artifact} has no manifest.json; verify needs an export "
             "directory made by `attnexport export`"
         )
-    directory = artifact if artifact.is_dir() else artifact.parent
+    directory = artifact_dir(artifact)
     step("rebuilding the eager model")
     model = rebuild_eager_model(manifest)
     legs = _legs(manifest, directory, model, trust_pickle)
     if len(legs) < 2:
         raise CliError(f"ARTIFACT: only {list(legs)} can run here; nothing to compare")
     run_leg = _run_encoder if manifest["kind"] == "encoder" else _run_paged
-    tolerance = model_tolerance(getattr(torch, manifest["dtype"]))
+    tolerance = model_tolerance(DTYPES[manifest["dtype"]])
     reference_name, *others = legs
     step(f"running {reference_name}")
     reference = run_leg(legs[reference_name], manifest, seed)

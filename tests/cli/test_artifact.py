@@ -10,23 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from attnexport.artifact import ArtifactError, resolve_artifact
+from attnexport.artifact import ArtifactError, read_manifest, resolve_artifact, write_manifest
 from attnexport.cli.main import main
 from attnexport.runtime import Engine
-
-
-def _run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def _one_line_error(err: str, command: str, *needles: str) -> None:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith(f"attnexport {command}: error: "), err
-    for needle in needles:
-        assert needle in lines[0], (needle, err)
+from tests.cli.helpers import assert_one_line_error, run_cli
 
 
 @pytest.fixture
@@ -43,12 +30,12 @@ def test_export_into_an_earlier_export_needs_overwrite(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["export", "llama", "--out", str(out), "--format", "both"]) == 0
     capsys.readouterr()
-    code, _, err = _run(capsys, "export", "llama", "--out", out, "--format", "pt2")
+    code, _, err = run_cli(capsys, "export", "llama", "--out", out, "--format", "pt2")
     assert code == 2
-    _one_line_error(err, "export", str(out), "--overwrite")
+    assert_one_line_error(err, "export", str(out), "--overwrite")
     assert (out / "model.onnx").is_file()  # nothing was touched
 
-    code, _, _ = _run(capsys, "export", "llama", "--out", out, "--format", "pt2", "--overwrite")
+    code, _, _ = run_cli(capsys, "export", "llama", "--out", out, "--format", "pt2", "--overwrite")
     assert code == 0
     assert not (out / "model.onnx").exists()  # the earlier export's file is gone
     manifest = json.loads((out / "manifest.json").read_text())
@@ -86,6 +73,17 @@ def test_manifest_records_size_and_sha256(llama_export):
         }
 
 
+def test_the_writer_refuses_a_manifest_the_loaders_would_refuse(llama_export, tmp_path):
+    """``write_manifest`` validates as ``read_manifest`` does: an export never leaves behind a
+    manifest that every later command refuses; the valid one round-trips."""
+    manifest = read_manifest(llama_export)
+    with pytest.raises(ArtifactError, match="field 'cache'"):
+        write_manifest(tmp_path, {**manifest, "cache": None})
+    assert not (tmp_path / "manifest.json").exists()
+    write_manifest(tmp_path, manifest)
+    assert read_manifest(tmp_path) == manifest
+
+
 def test_a_swapped_model_onnx_is_a_named_error(export_copy, tmp_path, capsys):
     assert main(["export", "llama", "--seed", "7", "--out", str(tmp_path / "other")]) == 0
     shutil.copy(tmp_path / "other" / "model.onnx", export_copy / "model.onnx")
@@ -96,9 +94,9 @@ def test_a_swapped_model_onnx_is_a_named_error(export_copy, tmp_path, capsys):
         ("verify", export_copy),
         ("inspect", export_copy),
     ):
-        code, _, err = _run(capsys, *argv)
+        code, _, err = run_cli(capsys, *argv)
         assert code == 2, (argv, err)
-        _one_line_error(err, argv[0], str(export_copy / "model.onnx"), "SHA-256")
+        assert_one_line_error(err, argv[0], str(export_copy / "model.onnx"), "SHA-256")
     with pytest.raises(ArtifactError, match="SHA-256"):
         Engine.from_path(export_copy)
 
@@ -107,9 +105,9 @@ def test_a_swapped_model_onnx_is_a_named_error(export_copy, tmp_path, capsys):
 def test_a_truncated_model_file_is_a_named_error(name, export_copy, capsys):
     (export_copy / name).write_bytes((export_copy / name).read_bytes()[:1000])
     executor = "ort" if name.endswith("onnx") else "torch"
-    code, _, err = _run(capsys, "run", export_copy, "--prompt-ids", "1", "--executor", executor)
+    code, _, err = run_cli(capsys, "run", export_copy, "--prompt-ids", "1", "--executor", executor)
     assert code == 2
-    _one_line_error(err, "run", str(export_copy / name))
+    assert_one_line_error(err, "run", str(export_copy / name))
 
 
 @pytest.mark.parametrize("name", ["model.onnx", "model.pt2"])
@@ -118,13 +116,13 @@ def test_a_corrupt_model_file_without_manifest_is_a_named_error(name, export_cop
     (export_copy / "manifest.json").unlink()
     (export_copy / name).write_bytes(b"\x00not a model\x00" * 50)
     executor = "ort" if name.endswith("onnx") else "torch"
-    code, _, err = _run(capsys, "run", export_copy, "--prompt-ids", "1", "--executor", executor)
+    code, _, err = run_cli(capsys, "run", export_copy, "--prompt-ids", "1", "--executor", executor)
     assert code == 2
-    _one_line_error(err, "run", str(export_copy / name))
+    assert_one_line_error(err, "run", str(export_copy / name))
     if name == "model.onnx":
-        code, _, err = _run(capsys, "inspect", export_copy / name)
+        code, _, err = run_cli(capsys, "inspect", export_copy / name)
         assert code == 2
-        _one_line_error(err, "inspect", str(export_copy / name))
+        assert_one_line_error(err, "inspect", str(export_copy / name))
 
 
 @pytest.mark.parametrize(
@@ -138,18 +136,18 @@ def test_a_corrupt_model_file_without_manifest_is_a_named_error(name, export_cop
 def test_a_bad_manifest_is_a_named_error(text, field, export_copy, capsys):
     (export_copy / "manifest.json").write_text(text)
     for argv in (("run", export_copy, "--prompt-ids", "1"), ("verify", export_copy)):
-        code, _, err = _run(capsys, *argv)
+        code, _, err = run_cli(capsys, *argv)
         assert code == 2
-        _one_line_error(err, argv[0], str(export_copy / "manifest.json"), field)
+        assert_one_line_error(err, argv[0], str(export_copy / "manifest.json"), field)
 
 
 def test_a_bad_manifest_field_is_named(export_copy, capsys):
     manifest = json.loads((export_copy / "manifest.json").read_text())
     manifest["files"] = {"onnx": "../elsewhere/model.onnx"}
     (export_copy / "manifest.json").write_text(json.dumps(manifest))
-    code, _, err = _run(capsys, "run", export_copy, "--prompt-ids", "1")
+    code, _, err = run_cli(capsys, "run", export_copy, "--prompt-ids", "1")
     assert code == 2
-    _one_line_error(err, "run", "manifest.json", "'files'")
+    assert_one_line_error(err, "run", "manifest.json", "'files'")
 
 
 def test_only_listed_model_files_are_loaded(tmp_path, llama_export, capsys):
@@ -163,9 +161,9 @@ def test_only_listed_model_files_are_loaded(tmp_path, llama_export, capsys):
     with pytest.raises(ArtifactError, match="not a model file"):
         resolve_artifact(out / "model.onnx")
     capsys.readouterr()
-    code, _, err = _run(capsys, "run", out / "model.onnx", "--prompt-ids", "1")
+    code, _, err = run_cli(capsys, "run", out / "model.onnx", "--prompt-ids", "1")
     assert code == 2
-    _one_line_error(err, "run", "model.onnx", "only listed files are loaded")
+    assert_one_line_error(err, "run", "model.onnx", "only listed files are loaded")
 
 
 # ----------------------------------------------------------------------------- zoo vs path
@@ -174,16 +172,16 @@ def test_only_listed_model_files_are_loaded(tmp_path, llama_export, capsys):
 def test_a_zoo_name_is_not_shadowed_by_a_directory(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     Path("llama").mkdir()  # not a checkpoint (no config.json), e.g. an earlier --out
-    code, out, _ = _run(capsys, "export", "llama", "--out", "x")
+    code, out, _ = run_cli(capsys, "export", "llama", "--out", "x")
     assert code == 0 and "zoo model llama" in out
     (Path("llama") / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    code, _, err = _run(capsys, "export", "llama", "--out", "y")
+    code, _, err = run_cli(capsys, "export", "llama", "--out", "y")
     assert code == 2
-    _one_line_error(err, "export", "zoo:llama", "./llama")
-    code, _, _ = _run(capsys, "export", "zoo:llama", "--out", "y", "--json")
+    assert_one_line_error(err, "export", "zoo:llama", "./llama")
+    code, _, _ = run_cli(capsys, "export", "zoo:llama", "--out", "y", "--json")
     assert code == 0
     manifest = json.loads(Path("y/manifest.json").read_text())
     assert manifest["source"] == {"kind": "zoo", "name": "llama", "seed": 0}
     # verify rebuilds the zoo model, not the ./llama checkpoint beside it
-    code, out, _ = _run(capsys, "verify", "y", "--json")
+    code, out, _ = run_cli(capsys, "verify", "y", "--json")
     assert code == 0 and json.loads(out)["reference"] == "eager[sdpa]"

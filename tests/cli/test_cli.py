@@ -14,12 +14,7 @@ import pytest
 from attnexport.artifact import file_digest
 from attnexport.cli.main import main
 from attnexport.runtime import ort_kernels
-
-
-def _run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+from tests.cli.helpers import run_cli
 
 
 def test_console_script_prints_help_and_version():
@@ -44,20 +39,9 @@ def test_export_writes_files_and_manifest(llama_export):
 def test_run_json_is_one_object_and_executors_agree(llama_export, capsys):
     results = {}
     for executor in ("ort", "torch"):
-        code, out, _ = _run(
-            capsys,
-            "run",
-            str(llama_export),
-            "--prompt-ids",
-            "1,2,3",
-            "--prompt-ids",
-            "9,8",
-            "--max-tokens",
-            "5",
-            "--executor",
-            executor,
-            "--json",
-        )
+        prompts = ["--prompt-ids", "1,2,3", "--prompt-ids", "9,8"]
+        flags = ["--max-tokens", "5", "--executor", executor, "--json"]
+        code, out, _ = run_cli(capsys, "run", llama_export, *prompts, *flags)
         assert code == 0
         results[executor] = json.loads(out)  # exactly one JSON object
     outputs = results["ort"]["outputs"]
@@ -67,21 +51,13 @@ def test_run_json_is_one_object_and_executors_agree(llama_export, capsys):
 
 
 def test_run_stops_on_stop_token(llama_export, capsys):
-    _, out, _ = _run(
+    _, out, _ = run_cli(
         capsys, "run", str(llama_export), "--prompt-ids", "1,2,3", "--max-tokens", "6", "--json"
     )
     first = json.loads(out)["outputs"][0]["token_ids"]
-    code, out, _ = _run(
-        capsys,
-        "run",
-        str(llama_export),
-        "--prompt-ids",
-        "1,2,3",
-        "--max-tokens",
-        "6",
-        "--stop-token-ids",
-        str(first[1]),
-        "--json",
+    stop = ["--stop-token-ids", str(first[1])]
+    code, out, _ = run_cli(
+        capsys, "run", llama_export, "--prompt-ids", "1,2,3", "--max-tokens", "6", *stop, "--json"
     )
     stopped = json.loads(out)["outputs"][0]
     assert code == 0 and stopped == {
@@ -93,26 +69,15 @@ def test_run_stops_on_stop_token(llama_export, capsys):
 
 
 def test_run_human_output(llama_export, capsys):
-    code, out, _ = _run(
-        capsys,
-        "run",
-        str(llama_export),
-        "--prompt-ids",
-        "4,5",
-        "--max-tokens",
-        "3",
-        "--temperature",
-        "0.8",
-        "--top-k",
-        "5",
-        "--seed",
-        "1",
+    sampling = ["--temperature", "0.8", "--top-k", "5", "--seed", "1"]
+    code, out, _ = run_cli(
+        capsys, "run", llama_export, "--prompt-ids", "4,5", "--max-tokens", "3", *sampling
     )
     assert code == 0 and "prompt 0" in out and "finish: length" in out
 
 
 def test_verify_table_and_json(llama_export, capsys):
-    code, out, _ = _run(capsys, "verify", str(llama_export), "--json")
+    code, out, _ = run_cli(capsys, "verify", str(llama_export), "--json")
     report = json.loads(out)
     assert code == 0 and report["ok"] and report["reference"] == "eager[sdpa]"
     legs = {c["leg"] for c in report["comparisons"]}
@@ -120,7 +85,7 @@ def test_verify_table_and_json(llama_export, capsys):
     if ort_kernels.unavailable_reason() is None:
         assert "onnx[native]" in legs
     assert all(c["max_abs"] <= c["tolerance"] for c in report["comparisons"])
-    code, out, _ = _run(capsys, "verify", str(llama_export))
+    code, out, _ = run_cli(capsys, "verify", str(llama_export))
     assert code == 0 and "onnx" in out and "within tolerance" in out
 
 
@@ -135,14 +100,14 @@ def test_verify_fails_when_the_onnx_file_is_wrong(llama_export, tmp_path, capsys
     manifest["file_digests"]["model.onnx"] = file_digest(broken / "model.onnx")
     (broken / "manifest.json").write_text(json.dumps(manifest))
     capsys.readouterr()
-    code, out, _ = _run(capsys, "verify", str(broken), "--json")
+    code, out, _ = run_cli(capsys, "verify", str(broken), "--json")
     report = json.loads(out)
     assert code == 1 and not report["ok"]
     assert any(c["leg"] == "onnx" and not c["ok"] for c in report["comparisons"])
 
 
 def test_inspect(llama_export, capsys):
-    code, out, _ = _run(capsys, "inspect", str(llama_export / "model.onnx"), "--json")
+    code, out, _ = run_cli(capsys, "inspect", str(llama_export / "model.onnx"), "--json")
     summary = json.loads(out)
     assert code == 0
     assert summary["custom_nodes"] == {
@@ -155,18 +120,18 @@ def test_inspect(llama_export, capsys):
     assert len(summary["cache_ports"]) == 4
     assert summary["cache_ports"][0] == {"input": "kv_caches_0", "output": "kv_caches_0_out"}
     assert summary["metadata"]["architecture"] == "llama"
-    code, out, _ = _run(capsys, "inspect", str(llama_export))
+    code, out, _ = run_cli(capsys, "inspect", str(llama_export))
     assert code == 0 and "attnexport::PagedAttention" in out and "cache ports: 4" in out
 
 
 def test_backends(capsys):
-    code, out, _ = _run(capsys, "backends", "--json")
+    code, out, _ = run_cli(capsys, "backends", "--json")
     report = {b["name"]: b for b in json.loads(out)["backends"]}
     assert code == 0 and report["sdpa"]["available"]
     assert report["sdpa"]["capabilities"]["ALiBi"] == "yes"
     for name, entry in report.items():
         assert entry["available"] or entry["unavailable_reason"], name
-    code, out, _ = _run(capsys, "backends")
+    code, out, _ = run_cli(capsys, "backends")
     assert code == 0 and "sdpa" in out
 
 
@@ -176,7 +141,7 @@ def test_bench_passes_arguments_to_the_script(capsys):
 
 
 def test_demo(tmp_path, capsys):
-    code, out, _ = _run(capsys, "demo", "--out", str(tmp_path / "demo"))
+    code, out, _ = run_cli(capsys, "demo", "--out", str(tmp_path / "demo"))
     assert code == 0
     assert "identical tokens on both executors" in out and "ok" in out
     assert (tmp_path / "demo" / "model.onnx").is_file()
@@ -221,7 +186,7 @@ def test_user_errors_are_one_line_with_exit_code_2(argv, message, tmp_path, llam
     if "{mixtral}" in argv:
         values["mixtral"] = _unsupported_checkpoint(tmp_path)
     argv = [a.format(**values) for a in argv]
-    code, _, err = _run(capsys, *argv)
+    code, _, err = run_cli(capsys, *argv)
     assert code == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err
@@ -230,5 +195,5 @@ def test_user_errors_are_one_line_with_exit_code_2(argv, message, tmp_path, llam
 
 
 def test_debug_shows_the_traceback(tmp_path, capsys):
-    code, _, err = _run(capsys, "--debug", "verify", str(tmp_path))
+    code, _, err = run_cli(capsys, "--debug", "verify", str(tmp_path))
     assert code == 2 and "Traceback" in err

@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-import transformers
 
 from attnexport.cli.main import main
+from tests.cli.helpers import hf_greedy
+from tests.models.hf_reference import tiny_llama
 
 PROMPT = [3, 14, 15, 92, 65]
+# two layers of four query heads over two KV heads (tiny_llama's default is one layer)
+TWO_LAYERS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+GQA_HEADS = dict(num_attention_heads=4, num_key_value_heads=2)
 
 
 def _word_level_tokenizer(path, vocab_size: int) -> None:
@@ -26,30 +29,19 @@ def _word_level_tokenizer(path, vocab_size: int) -> None:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf_llama")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+    model = tiny_llama(
+        path,
         vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=256,
+        **TWO_LAYERS,
+        **GQA_HEADS,
         rope_theta=5000.0,
         tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=7,
     )
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.save_pretrained(path)
-    _word_level_tokenizer(path, config.vocab_size)
+    _word_level_tokenizer(path, model.config.vocab_size)
     return path, model
-
-
-def _greedy(model, prompt, max_new_tokens):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(prompt) :].tolist()
 
 
 def test_export_then_run_matches_transformers(checkpoint, tmp_path, capsys):
@@ -68,7 +60,7 @@ def test_export_then_run_matches_transformers(checkpoint, tmp_path, capsys):
     assert main(argv) == 0
     outputs = json.loads(capsys.readouterr().out)["outputs"]
     for prompt, output in zip(prompts, outputs, strict=True):
-        expected = _greedy(model, prompt, 16)
+        expected = hf_greedy(model, prompt, 16)
         assert output["token_ids"] == expected
         assert output["finish_reason"] == ("stop" if expected[-1] == 7 else "length")
 
@@ -83,4 +75,4 @@ def test_text_prompt_uses_the_exported_tokenizer(checkpoint, tmp_path, capsys):
         == 0
     )
     output = json.loads(capsys.readouterr().out)["outputs"][0]
-    assert output["token_ids"] == _greedy(model, PROMPT, 6)
+    assert output["token_ids"] == hf_greedy(model, PROMPT, 6)

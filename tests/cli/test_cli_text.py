@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-import transformers
 from transformers import AutoTokenizer
 
 from attnexport.cli.main import main
-from tests.cli.test_cli_checkpoint import _greedy
+from tests.cli.helpers import hf_greedy, run_json
+from tests.models.hf_reference import tiny_llama
 from tests.text_tokenizers import BUILDERS
 
 MARKUP = "[/x]"  # an added token: rich would read it as a closing tag
@@ -29,21 +28,14 @@ def _checkpoint(path, tokenizer_name: str, save_with_transformers: bool):
         for name in ("tokenizer.json", "tokenizer_config.json"):
             (checkpoint / name).unlink()
         tokenizer.save_pretrained(str(checkpoint))
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+    model = tiny_llama(
+        checkpoint,
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
         max_position_embeddings=256,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.save_pretrained(checkpoint)
     out = path / "export"
     assert main(["export", str(checkpoint), "--out", str(out)]) == 0
     return out, model, AutoTokenizer.from_pretrained(str(checkpoint))
@@ -59,16 +51,8 @@ def bpe(tmp_path_factory):
     return _checkpoint(tmp_path_factory.mktemp("bpe"), "byte_level_bpe", True)
 
 
-def _run_json(capsys, *argv) -> list[dict]:
-    capsys.readouterr()
-    code = main(["run", *map(str, argv), "--json"])
-    captured = capsys.readouterr()
-    assert code == 0, captured.err
-    return json.loads(captured.out)["outputs"]
-
-
 def _expected(model, hf, prompt_ids, max_tokens):
-    tokens = _greedy(model, prompt_ids, max_tokens)
+    tokens = hf_greedy(model, prompt_ids, max_tokens)
     eos = hf.eos_token_id
     if eos in tokens:
         tokens = tokens[: tokens.index(eos) + 1]
@@ -81,7 +65,7 @@ def test_wordpiece_prompt_is_encoded_as_transformers(wordpiece, capsys):
     prompt = "The capital of France is"
     prompt_ids = hf(prompt)["input_ids"]
     assert len(prompt_ids) == 7
-    (output,) = _run_json(capsys, out, "--prompt", prompt, "--max-tokens", 8)
+    (output,) = run_json(capsys, out, "--prompt", prompt, "--max-tokens", 8)
     tokens, text = _expected(model, hf, prompt_ids, 8)
     assert output["token_ids"] == tokens
     assert output["prompt_token_ids"] == prompt_ids
@@ -91,7 +75,7 @@ def test_wordpiece_prompt_is_encoded_as_transformers(wordpiece, capsys):
 def test_byte_level_prompt_and_text_equal_transformers(bpe, capsys):
     out, model, hf = bpe
     prompts = ["The capital of France is", "😀 naïve café [/INST]"]
-    outputs = _run_json(capsys, out, "--prompt", prompts[0], "--prompt", prompts[1])
+    outputs = run_json(capsys, out, "--prompt", prompts[0], "--prompt", prompts[1])
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output["prompt_token_ids"] == hf(prompt)["input_ids"]
         assert (output["token_ids"], output["text"]) == _expected(
@@ -105,7 +89,7 @@ def test_chat_applies_the_template(bpe, capsys):
     assert (
         "chat_template.jinja" in json.loads((out / "manifest.json").read_text())["tokenizer_files"]
     )
-    outputs = _run_json(capsys, out, "--chat", "Hi!", "--chat", "Paris?", "--system", "Be brief")
+    outputs = run_json(capsys, out, "--chat", "Hi!", "--chat", "Paris?", "--system", "Be brief")
     for message, output in zip(["Hi!", "Paris?"], outputs, strict=True):
         messages = [
             {"role": "system", "content": "Be brief"},
@@ -132,7 +116,7 @@ def test_prompts_file(bpe, tmp_path, capsys):
     ]
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
-    first, second = _run_json(capsys, out, "--prompts-file", path)
+    first, second = run_json(capsys, out, "--prompts-file", path)
     assert first["prompt_token_ids"] == hf(lines[0]["prompt"])["input_ids"]
     assert (first["token_ids"], first["text"]) == _expected(model, hf, first["prompt_token_ids"], 4)
     assert "samples" not in first
@@ -179,7 +163,7 @@ def test_model_text_is_never_read_as_markup(bpe, capsys):
 def test_single_prompt_streams_its_text(bpe, capsys):
     out, _, _ = bpe
     prompt = "The capital of France is"
-    (output,) = _run_json(capsys, out, "--prompt", prompt)
+    (output,) = run_json(capsys, out, "--prompt", prompt)
     assert main(["run", str(out), "--prompt", prompt]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith(output["text"] + "\n")  # the streamed text, then the summary

@@ -9,41 +9,17 @@ import shutil
 import sys
 
 import pytest
-import torch
-import transformers
 
 from attnexport.cli.main import main
 from attnexport.errors import MissingDependencyError, require
-
-
-def _run(capsys, *argv) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def _one_line(err: str, command: str, *needles: str) -> None:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith(f"attnexport {command}: error: "), err
-    for needle in needles:
-        assert needle in lines[0], (needle, err)
+from tests.cli.helpers import assert_one_line_error, run_cli
+from tests.models.hf_reference import tiny_llama
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf_llama_tiny")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    tiny_llama(path)
     return path
 
 
@@ -72,9 +48,9 @@ def test_bad_config_values_exit_2_naming_file_and_field(
     changes, field, checkpoint, tmp_path, capsys
 ):
     path = _with_config(checkpoint, tmp_path, **changes)
-    code, _, err = _run(capsys, "export", path, "--out", tmp_path / "out")
+    code, _, err = run_cli(capsys, "export", path, "--out", tmp_path / "out")
     assert code == 2, err
-    _one_line(err, "export", str(path / "config.json"), field)
+    assert_one_line_error(err, "export", str(path / "config.json"), field)
 
 
 def test_nan_weights_are_refused_at_export(checkpoint, tmp_path, capsys):
@@ -85,9 +61,9 @@ def test_nan_weights_are_refused_at_export(checkpoint, tmp_path, capsys):
     weights = load_file(path / "model.safetensors")
     weights["model.layers.0.mlp.up_proj.weight"][3, 4] = float("nan")
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    code, _, err = _run(capsys, "export", path, "--out", tmp_path / "out")
+    code, _, err = run_cli(capsys, "export", path, "--out", tmp_path / "out")
     assert code == 2
-    _one_line(err, "export", "NaN", "up_proj")
+    assert_one_line_error(err, "export", "NaN", "up_proj")
     assert not (tmp_path / "out" / "model.onnx").exists()
 
 
@@ -98,9 +74,9 @@ def test_shard_index_outside_the_checkpoint_is_refused(checkpoint, tmp_path, cap
     shutil.move(path / "model.safetensors", outside)
     index = {"weight_map": {"lm_head.weight": "../elsewhere.safetensors"}}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    code, _, err = _run(capsys, "export", path, "--out", tmp_path / "out")
+    code, _, err = run_cli(capsys, "export", path, "--out", tmp_path / "out")
     assert code == 2
-    _one_line(err, "export", "model.safetensors.index.json", "../elsewhere.safetensors")
+    assert_one_line_error(err, "export", "model.safetensors.index.json", "../elsewhere.safetensors")
 
 
 def test_shard_symlinked_outside_the_checkpoint_is_refused(checkpoint, tmp_path, capsys):
@@ -111,17 +87,17 @@ def test_shard_symlinked_outside_the_checkpoint_is_refused(checkpoint, tmp_path,
     (path / "model-00001.safetensors").symlink_to(outside)
     index = {"weight_map": {"lm_head.weight": "model-00001.safetensors"}}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    code, _, err = _run(capsys, "export", path, "--out", tmp_path / "out")
+    code, _, err = run_cli(capsys, "export", path, "--out", tmp_path / "out")
     assert code == 2
-    _one_line(err, "export", "model.safetensors.index.json", "model-00001.safetensors")
+    assert_one_line_error(err, "export", "model.safetensors.index.json", "model-00001.safetensors")
 
 
 def test_missing_optional_dependency_names_the_extra(checkpoint, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "safetensors", None)  # import safetensors now fails
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
-    code, _, err = _run(capsys, "export", checkpoint, "--out", tmp_path / "out")
+    code, _, err = run_cli(capsys, "export", checkpoint, "--out", tmp_path / "out")
     assert code == 2
-    _one_line(err, "export", "safetensors", 'pip install "attnexport[hf]"')
+    assert_one_line_error(err, "export", "safetensors", 'pip install "attnexport[hf]"')
     with pytest.raises(MissingDependencyError, match=r"attnexport\[xformers\]"):
         require("attnexport_no_such_module", "xformers", "the xformers backend")
 
@@ -135,7 +111,7 @@ def test_an_internal_type_error_exits_1(monkeypatch, tmp_path, capsys):
         return None + 1  # a real TypeError from a bug
 
     monkeypatch.setattr(export_cmd, "export_artifact", broken)
-    code, _, err = _run(capsys, "export", "llama", "--out", tmp_path / "out")
+    code, _, err = run_cli(capsys, "export", "llama", "--out", tmp_path / "out")
     assert code == 1 and "internal error: TypeError" in err and "Traceback" not in err
     with pytest.raises(TypeError):
         main(["--debug", "export", "llama", "--out", str(tmp_path / "out")])
@@ -148,11 +124,11 @@ def test_verify_says_when_the_source_checkpoint_is_gone(checkpoint, tmp_path, ca
     assert main(["export", str(path), "--out", str(out), "--format", "both"]) == 0
     shutil.rmtree(path)
     capsys.readouterr()
-    code, out_json, _ = _run(capsys, "verify", out, "--json")
+    code, out_json, _ = run_cli(capsys, "verify", out, "--json")
     report = json.loads(out_json)
     assert code == 0 and report["reference"] == "pt2"
     assert len(report["notes"]) == 1 and "is gone" in report["notes"][0]
-    code, text, _ = _run(capsys, "verify", out)
+    code, text, _ = run_cli(capsys, "verify", out)
     assert code == 0 and "is gone" in " ".join(text.split())
 
 
@@ -160,7 +136,7 @@ def test_verify_adds_a_transformers_leg(checkpoint, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["export", str(checkpoint), "--out", str(out), "--format", "both"]) == 0
     capsys.readouterr()
-    code, text, _ = _run(capsys, "verify", out, "--json")
+    code, text, _ = run_cli(capsys, "verify", out, "--json")
     report = json.loads(text)
     rows = {c["output"]: c for c in report["comparisons"] if c["leg"] == "transformers"}
     assert code == 0 and report["ok"] and report["notes"] == []
@@ -179,9 +155,9 @@ def test_missing_transformers_names_the_extra(llama_export, tmp_path, monkeypatc
     (directory / "manifest.json").write_text(json.dumps(manifest))
     # Text goes through transformers' AutoTokenizer (which needs tokenizers for tokenizer.json).
     monkeypatch.setitem(sys.modules, "transformers", None)
-    code, _, err = _run(capsys, "run", directory, "--prompt", "hello")
+    code, _, err = run_cli(capsys, "run", directory, "--prompt", "hello")
     assert code == 2
-    _one_line(err, "run", "transformers", 'pip install "attnexport[hf]"')
+    assert_one_line_error(err, "run", "transformers", 'pip install "attnexport[hf]"')
 
 
 def test_another_tools_onnx_model_is_a_user_error(tmp_path, capsys):
@@ -195,9 +171,9 @@ def test_another_tools_onnx_model_is_a_user_error(tmp_path, capsys):
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
     )
     onnx.save(helper.make_model(graph), tmp_path / "other.onnx")
-    code, _, err = _run(capsys, "run", tmp_path / "other.onnx", "--prompt-ids", "1")
+    code, _, err = run_cli(capsys, "run", tmp_path / "other.onnx", "--prompt-ids", "1")
     assert code == 2
-    _one_line(err, "run", "not an attnexport model")
+    assert_one_line_error(err, "run", "not an attnexport model")
 
 
 def test_a_decoder_start_token_outside_the_vocabulary_is_a_user_error(tmp_path, capsys):
@@ -205,6 +181,8 @@ def test_a_decoder_start_token_outside_the_vocabulary_is_a_user_error(tmp_path, 
     out = tmp_path / "bart"
     assert main(["export", "bart", "--out", str(out)]) == 0
     capsys.readouterr()
-    code, _, err = _run(capsys, "run", out, "--prompt-ids", "5,6", "--decoder-start-token-id", 999)
+    code, _, err = run_cli(
+        capsys, "run", out, "--prompt-ids", "5,6", "--decoder-start-token-id", 999
+    )
     assert code == 2
-    _one_line(err, "run", "decoder_start_token_id 999 is outside the vocabulary")
+    assert_one_line_error(err, "run", "decoder_start_token_id 999 is outside the vocabulary")

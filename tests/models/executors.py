@@ -3,13 +3,14 @@ ONNX file from ``attnexport.lowering.to_onnx`` on onnxruntime."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from attnexport.runtime.step_driver import Runner
+from attnexport.runtime.step_driver import PagedDriver, Runner
 
 EXECUTORS = ("eager", "exported", "onnx")
 
@@ -40,6 +41,21 @@ def make_runner(
             return call(*args, kv_caches), kv_caches
 
     return run
+
+
+def teacher_forced_logits(driver: PagedDriver, steps: int, vocab_size: int) -> list[torch.Tensor]:
+    """A prefill (every position's logits) of the driver's sequences, then ``steps`` decode
+    steps, each appending to every sequence a token drawn below ``vocab_size`` from
+    ``random.Random(0)``; returns per sequence the logits of every step, concatenated:
+    ``[prompt length + steps, vocab]``."""
+    rng = random.Random(0)
+    logits = [driver.prefill(all_logits=True)]
+    sequences = range(len(driver.sequences))
+    for _ in range(steps):
+        for seq in sequences:
+            driver.append(seq, rng.randrange(vocab_size))
+        logits.append(driver.step(dict.fromkeys(sequences, 1)))
+    return [torch.cat([step[seq] for step in logits]) for seq in sequences]
 
 
 def onnx_callable(module: torch.nn.Module, sample, workdir: Path) -> Callable:

@@ -47,21 +47,24 @@ def greedy_generate(
     return out.sequences[0, -steps:].tolist(), torch.cat(out.logits).float()
 
 
+TINY_LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, max_position_embeddings=64)
+TINY_LLAMA |= dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+"""The sizes of :func:`tiny_llama`: one layer, two heads sharing one KV head."""
+
+
+def tiny_llama(directory: Path, **overrides):
+    """A transformers Llama of :data:`TINY_LLAMA`'s sizes, seeded 0, saved into ``directory``;
+    returns it in eval mode. ``overrides`` replace ``LlamaConfig`` fields."""
+    config = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides})
+    return build_checkpoint("LlamaForCausalLM", config, directory)
+
+
 def tiny_bart(directory: Path, **overrides):
     """A 2 + 2-layer transformers BART (d_model 32, vocab 120, 64 positions) initialised wide
     enough (``init_std`` 0.3) that greedy tokens vary, saved into ``directory``; returns it.
     ``overrides`` replace ``BartConfig`` fields."""
-    values = dict(
-        vocab_size=120,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=2,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=128,
-        max_position_embeddings=64,
-        init_std=0.3,
-    )
-    config = transformers.BartConfig(**{**values, **overrides})
+    sizes = dict(vocab_size=120, d_model=32, encoder_layers=2, decoder_layers=2, init_std=0.3)
+    heads = dict(encoder_attention_heads=2, decoder_attention_heads=4, max_position_embeddings=64)
+    ffn = dict(encoder_ffn_dim=64, decoder_ffn_dim=128)
+    config = transformers.BartConfig(**{**sizes, **heads, **ffn, **overrides})
     return build_checkpoint("BartForConditionalGeneration", config, directory)

@@ -5,17 +5,14 @@ through eager, the ExportedProgram and ONNX."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-import transformers
 
 from attnexport.models import load_model
 from attnexport.runtime.step_driver import PagedDriver
 from attnexport.tolerances import model_tolerance
-from tests.models.executors import EXECUTORS, make_runner
-from tests.models.hf_reference import build_checkpoint, greedy_generate
+from tests.models.executors import EXECUTORS, make_runner, teacher_forced_logits
+from tests.models.hf_reference import greedy_generate, tiny_bart
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 128
@@ -37,33 +34,19 @@ CASES = {
 }
 
 
-def _config(**overrides):
-    values = dict(
-        vocab_size=96,
-        d_model=64,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=96,
-        decoder_ffn_dim=80,
-        max_position_embeddings=64,
-        init_std=0.2,
-        forced_eos_token_id=None,
-        forced_bos_token_id=None,
-        eos_token_id=None,
-        bos_token_id=None,
-    )
-    values.update(overrides)
-    return transformers.BartConfig(**values)
+def _bart(directory, **overrides):
+    """A transformers BART (d_model 64, vocabulary 96, no special or forced tokens) saved into
+    ``directory``; ``overrides`` replace ``BartConfig`` fields."""
+    sizes = dict(vocab_size=96, d_model=64, encoder_attention_heads=4, init_std=0.2)
+    ffn = dict(encoder_ffn_dim=96, decoder_ffn_dim=80)
+    tokens = ("forced_eos_token_id", "forced_bos_token_id", "eos_token_id", "bos_token_id")
+    return tiny_bart(directory, **{**sizes, **ffn, **dict.fromkeys(tokens), **overrides})
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def loaded(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
-    hf_model = build_checkpoint(
-        "BartForConditionalGeneration", _config(**CASES[request.param]), directory
-    )
+    hf_model = _bart(directory, **CASES[request.param])
     # A non-zero bias shows that final_logits_bias is applied (transformers initialises zeros).
     with torch.no_grad():
         hf_model.final_logits_bias.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(3))
@@ -99,14 +82,8 @@ def test_encoding_step_matches_transformers(loaded, runner):
 def test_prefill_and_decode_logits_match_transformers(loaded, runner):
     hf_model, model = loaded
     driver = _driver(model, runner)
-    steps = [driver.prefill(all_logits=True)]
-    rng = random.Random(0)
-    for _ in range(DECODE_STEPS):
-        for seq in range(len(DECODER_PROMPTS)):
-            driver.append(seq, rng.randrange(96))
-        steps.append(driver.step(dict.fromkeys(range(len(DECODER_PROMPTS)), 1)))
-    for seq, encoder_ids in enumerate(ENCODER_INPUTS):
-        ours = torch.cat([step[seq] for step in steps])
+    logits = teacher_forced_logits(driver, DECODE_STEPS, vocab_size=96)
+    for seq, (encoder_ids, ours) in enumerate(zip(ENCODER_INPUTS, logits, strict=True)):
         with torch.no_grad():
             reference = hf_model(
                 input_ids=torch.tensor([encoder_ids]),

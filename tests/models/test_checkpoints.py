@@ -12,25 +12,19 @@ from safetensors.torch import load_file, save_file
 
 from attnexport.models import CheckpointError, load_model
 from attnexport.tolerances import model_tolerance
-from tests.models.hf_reference import build_checkpoint, causal_lm_logits
+from tests.models.hf_reference import build_checkpoint, causal_lm_logits, tiny_llama
 
 ATOL = model_tolerance(torch.float32)
 
 TOKENS = [3, 1, 4, 1, 5, 9, 2, 6]
 
 
-def _llama_config(**overrides):
-    values = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.2,
-    )
-    values.update(overrides)
-    return transformers.LlamaConfig(**values)
+def _llama(directory, **overrides):
+    """A two-layer transformers Llama (four heads over two KV heads, initialised wide) saved into
+    ``directory``; ``overrides`` replace ``LlamaConfig`` fields."""
+    sizes = dict(vocab_size=64, intermediate_size=48, num_hidden_layers=2, initializer_range=0.2)
+    heads = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    return tiny_llama(directory, **{**sizes, **heads, **overrides})
 
 
 def _our_logits(model, tokens):
@@ -43,16 +37,19 @@ def _our_logits(model, tokens):
     return driver.prefill(all_logits=True)[0]
 
 
+def _assert_loads_as(hf_model, directory) -> None:
+    """The checkpoint in ``directory``, loaded by attnexport, gives ``hf_model``'s logits."""
+    ours = _our_logits(load_model(directory), TOKENS)
+    torch.testing.assert_close(ours, causal_lm_logits(hf_model, TOKENS), atol=ATOL, rtol=0)
+
+
 def test_sharded_checkpoint_loads(tmp_path):
-    hf_model = build_checkpoint("LlamaForCausalLM", _llama_config(), tmp_path)
+    hf_model = _llama(tmp_path)
     hf_model.save_pretrained(tmp_path, max_shard_size="20KB")
     (tmp_path / "model.safetensors").unlink(missing_ok=True)
     shards = sorted(tmp_path.glob("model-*.safetensors"))
     assert len(shards) > 1 and (tmp_path / "model.safetensors.index.json").exists()
-    ours = _our_logits(load_model(tmp_path), TOKENS)
-    torch.testing.assert_close(
-        ours, causal_lm_logits(hf_model, TOKENS), atol=model_tolerance(torch.float32), rtol=0
-    )
+    _assert_loads_as(hf_model, tmp_path)
 
 
 def test_legacy_rope_fields_in_config_json(tmp_path):
@@ -63,19 +60,14 @@ def test_legacy_rope_fields_in_config_json(tmp_path):
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8,
     }
-    hf_model = build_checkpoint(
-        "LlamaForCausalLM", _llama_config(rope_parameters={**rope, "rope_theta": 300.0}), tmp_path
-    )
+    hf_model = _llama(tmp_path, rope_parameters={**rope, "rope_theta": 300.0})
     config = json.loads((tmp_path / "config.json").read_text())
     config.pop("rope_parameters")
     config["rope_theta"] = 300.0
     config["rope_scaling"] = {**rope, "type": rope["rope_type"]}
     del config["rope_scaling"]["rope_type"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    ours = _our_logits(load_model(tmp_path), TOKENS)
-    torch.testing.assert_close(
-        ours, causal_lm_logits(hf_model, TOKENS), atol=model_tolerance(torch.float32), rtol=0
-    )
+    _assert_loads_as(hf_model, tmp_path)
 
 
 def test_gpt2_without_transformer_prefix_and_as_pytorch_bin(tmp_path):
@@ -89,15 +81,12 @@ def test_gpt2_without_transformer_prefix_and_as_pytorch_bin(tmp_path):
     legacy = {k.removeprefix("transformer."): v for k, v in weights.items()}
     legacy["h.0.attn.bias"] = torch.ones(1, 1, 32, 32)
     torch.save(legacy, tmp_path / "pytorch_model.bin")
-    ours = _our_logits(load_model(tmp_path), TOKENS)
-    torch.testing.assert_close(
-        ours, causal_lm_logits(hf_model, TOKENS), atol=model_tolerance(torch.float32), rtol=0
-    )
+    _assert_loads_as(hf_model, tmp_path)
 
 
 @pytest.fixture
 def llama_dir(tmp_path):
-    build_checkpoint("LlamaForCausalLM", _llama_config(), tmp_path)
+    _llama(tmp_path)
     return tmp_path
 
 

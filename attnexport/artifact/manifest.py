@@ -1,0 +1,277 @@
+"""``manifest.json``: building, writing, reading and validating it, and the integrity of the
+model files it lists; no torch.
+
+``attnexport export`` writes::
+
+    {
+      "format": "attnexport-artifact", "format_version": 2,
+      "architecture": "llama", "kind": "decoder",
+      "source": {"kind": "zoo", "name": "llama", "seed": 0} | {"kind": "checkpoint", "path": ...},
+      "dtype": "float32", "config": {...the zoo config...},
+      "cache": {"block_size": 16, "num_layers": 2, "num_cross_layers": 0, "num_kv_heads": 2,
+                "head_size": 16, "dtype": "float32",
+                "layout": "num_blocks,block_size,num_kv_heads,head_size"} | null,
+      "target": "attnexport", "files": {"onnx": "model.onnx", "pt2": "model.pt2"},
+      "file_digests": {"model.onnx": {"bytes": 123456, "sha256": "9f2c..."}, ...},
+      "input_names": [...], "vocab_size": 256, "max_model_len": 2048,
+      "generation": {"eos_token_ids": [2], "decoder_start_token_id": null,
+                     "forced_bos_token_id": null, "forced_eos_token_id": null},
+      "tokenizer_files": ["tokenizer.json", ...],
+      "versions": {"attnexport": ..., "torch": ..., "onnx": ..., "onnxruntime": ..., ...},
+      "export_seconds": {"torch.export": 0.5, "onnx": 3.1}
+    }
+
+Since format version 2 ``file_digests`` records the size and SHA-256 of every model file it
+lists (``model.onnx``, its external data ``model.onnx.data`` when there is one, ``model.pt2``);
+loading a file whose size or digest differs is an :class:`ArtifactError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from pathlib import Path
+
+from attnexport.artifact.errors import ArtifactError
+from attnexport.artifact.files import MANIFEST, MODEL_FILES, ONNX_DATA_FILE, artifact_dir
+
+FORMAT = "attnexport-artifact"
+FORMAT_VERSION = 2
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+"""The model dtypes an export is made in (``attnexport export --dtype``)."""
+KINDS = ("decoder", "encoder", "encoder-decoder")
+SOURCE_KINDS = ("zoo", "checkpoint")
+CACHE_LAYOUT = "num_blocks,block_size,num_kv_heads,head_size"
+GENERATION_TOKENS = (
+    "decoder_start_token_id",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+)
+"""Single-token generation defaults recorded in the manifest (``attnexport run`` uses them)."""
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def read_manifest(path: str | os.PathLike, *, plain_ok: bool = False) -> dict | None:
+    """The validated manifest of an export directory or of the directory holding a model file;
+    None when there is none.
+
+    With ``plain_ok``, a JSON object without a ``format`` key (a hand-written manifest with,
+    say, ``config.max_position_embeddings``, which the runtime reads) is returned as it is: it
+    lists no model files, so the loaders treat the directory as one without a manifest.
+
+    Raises:
+        ArtifactError: ``manifest.json`` is not JSON, not an attnexport manifest, or a field
+            has the wrong type (the message names the file and the field).
+    """
+    file = artifact_dir(path) / MANIFEST
+    if not file.is_file():
+        return None
+    try:
+        manifest = json.loads(file.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ArtifactError(
+            f"{file}: not valid JSON ({error}); re-export the model (attnexport export ... "
+            "--overwrite)"
+        ) from None
+    if plain_ok and isinstance(manifest, dict) and "format" not in manifest:
+        return manifest
+    validate_manifest(manifest, file)
+    return manifest
+
+
+def is_export_manifest(manifest: dict | None) -> bool:
+    """True for a manifest ``attnexport export`` wrote (not None, not a plain one)."""
+    return manifest is not None and "format" in manifest
+
+
+def _field_error(file: Path, name: str, expected: str, value) -> ArtifactError:
+    return ArtifactError(f"{file}: field {name!r}: expected {expected}, got {value!r}")
+
+
+def validate_manifest(manifest, file: Path) -> None:
+    """Checks the keys the loaders read; ArtifactError naming ``file`` and the field."""
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ArtifactError(f"{file}: not an attnexport manifest (no 'format': {FORMAT!r})")
+    version = manifest.get("format_version")
+    if version not in (1, FORMAT_VERSION):
+        raise _field_error(file, "format_version", f"1 or {FORMAT_VERSION}", version)
+    if manifest.get("kind") not in KINDS:
+        raise _field_error(file, "kind", " or ".join(KINDS), manifest.get("kind"))
+    if manifest.get("dtype") not in DTYPE_NAMES:
+        raise _field_error(file, "dtype", " or ".join(DTYPE_NAMES), manifest.get("dtype"))
+    files = manifest.get("files")
+    if not isinstance(files, dict) or any(MODEL_FILES.get(k) != v for k, v in files.items()):
+        raise _field_error(file, "files", f"a subset of {MODEL_FILES}", files)
+    names = manifest.get("input_names")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise _field_error(file, "input_names", "a list of strings", names)
+    for key in ("vocab_size", "max_model_len"):
+        value = manifest.get(key)
+        if value is not None and (type(value) is not int or value < 1):
+            raise _field_error(file, key, "a positive integer or null", value)
+    cache = manifest.get("cache")
+    if manifest["kind"] != "encoder":
+        keys = ("block_size", "num_layers", "num_kv_heads", "head_size")
+        if not isinstance(cache, dict) or not all(
+            type(cache.get(k)) is int and cache[k] > 0 for k in keys
+        ):
+            raise _field_error(file, "cache", f"an object with positive {', '.join(keys)}", cache)
+    source = manifest.get("source")
+    if not isinstance(source, dict) or source.get("kind") not in SOURCE_KINDS:
+        raise _field_error(file, "source", "{'kind': 'zoo' | 'checkpoint', ...}", source)
+    generation = manifest.get("generation", {})
+    if not isinstance(generation, dict):
+        raise _field_error(file, "generation", "an object", generation)
+    if version >= 2:
+        digests = manifest.get("file_digests")
+        if not isinstance(digests, dict) or not set(files.values()) <= set(digests):
+            raise _field_error(file, "file_digests", "the size and sha256 of each file", digests)
+        for name, digest in digests.items():
+            if name not in (*MODEL_FILES.values(), ONNX_DATA_FILE) or not (
+                isinstance(digest, dict)
+                and type(digest.get("bytes")) is int
+                and isinstance(digest.get("sha256"), str)
+            ):
+                raise _field_error(file, f"file_digests.{name}", "{bytes, sha256}", digest)
+
+
+# ----------------------------------------------------------------------------- integrity
+
+
+def file_digest(path: Path) -> dict:
+    """``{"bytes": size, "sha256": hex digest}`` of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:  # hashlib.file_digest is Python >= 3.11; we support 3.10
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def model_file_digests(directory: Path, files: dict[str, str]) -> dict[str, dict]:
+    """The ``file_digests`` manifest entry for the model files ``files`` of ``directory`` (and
+    ``model.onnx.data`` when the ONNX weights went to external data)."""
+    names = list(files.values())
+    if "onnx" in files and (directory / ONNX_DATA_FILE).is_file():
+        names.append(ONNX_DATA_FILE)
+    return {name: file_digest(directory / name) for name in names}
+
+
+def check_model_file(manifest: dict, directory: Path, fmt: str) -> Path:
+    """The file of format ``fmt`` (``onnx`` or ``pt2``) that ``manifest`` lists, after checking
+    its size and SHA-256 against the manifest (format version 2).
+
+    Raises:
+        ArtifactError: the manifest does not list a ``fmt`` file, it is missing, or its size or
+            digest differs from the recorded one (another model's file, or a damaged copy).
+    """
+    manifest_file = directory / MANIFEST
+    name = manifest["files"].get(fmt)
+    if name is None:
+        raise ArtifactError(
+            f"{manifest_file}: this export has no {MODEL_FILES[fmt]} (files: "
+            f"{sorted(manifest['files'].values())}); re-export with --format {fmt} or both"
+        )
+    names = [name]
+    if fmt == "onnx" and ONNX_DATA_FILE in manifest.get("file_digests", {}):
+        names.append(ONNX_DATA_FILE)
+    for each in names:
+        path = directory / each
+        if not path.is_file():
+            raise ArtifactError(f"{path}: listed in {manifest_file} but missing; re-export")
+        expected = manifest.get("file_digests", {}).get(each)
+        if expected is None:
+            continue  # format version 1: no digests recorded
+        if path.stat().st_size != expected["bytes"] or file_digest(path) != expected:
+            raise ArtifactError(
+                f"{path}: size or SHA-256 differs from the one {manifest_file} records "
+                "(the file was replaced or damaged after export); re-export the model"
+            )
+    return directory / name
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def dtype_name(dtype) -> str:
+    """``torch.float32`` -> ``"float32"``: the manifest's spelling of a torch dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
+def cache_entry(cache_spec) -> dict | None:
+    """The manifest's ``cache``: a :class:`~attnexport.model_interface.CacheSpec` as JSON
+    (None for an encoder, which has no cache)."""
+    if cache_spec is None:
+        return None
+    return {
+        "block_size": cache_spec.block_size,
+        "num_layers": cache_spec.num_layers,
+        "num_cross_layers": cache_spec.num_cross_layers,
+        "num_kv_heads": cache_spec.num_kv_heads,
+        "head_size": cache_spec.head_size,
+        "dtype": dtype_name(cache_spec.dtype),
+        "layout": CACHE_LAYOUT,
+    }
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def generation_defaults(source: Path | None, model) -> dict:
+    """End-of-sequence tokens, decoder start and forced first/last tokens, as
+    ``transformers.generate`` would take them: ``generation_config.json`` first, then
+    ``config.json``. A zoo model has its config's decoder start token and nothing else."""
+    config = getattr(model, "config", None)
+    defaults = {"eos_token_ids": [], **dict.fromkeys(GENERATION_TOKENS)}
+    defaults["decoder_start_token_id"] = getattr(config, "decoder_start_token_id", None)
+    if source is None:
+        return defaults
+    bos = None
+    for name in ("config.json", "generation_config.json"):  # the later file wins
+        path = source / name
+        if not path.is_file():
+            continue
+        values = json.loads(path.read_text())
+        if "eos_token_id" in values:
+            defaults["eos_token_ids"] = _as_list(values["eos_token_id"])
+        bos = values.get("bos_token_id", bos)
+        for key in GENERATION_TOKENS:
+            if key in values:
+                defaults[key] = None if values[key] is None else int(values[key])
+    if defaults["decoder_start_token_id"] is None and model.kind == "encoder-decoder":
+        # transformers starts the decoder from the BOS token when no start token is set.
+        defaults["decoder_start_token_id"] = bos
+    return defaults
+
+
+def library_versions() -> dict[str, str]:
+    """The manifest's ``versions``: attnexport's and those of the libraries an export uses."""
+    import onnx
+    import onnxruntime
+    import onnxscript
+    import torch
+
+    from attnexport._version import __version__
+
+    return {
+        "attnexport": __version__,
+        "torch": torch.__version__,
+        "onnx": onnx.__version__,
+        "onnxscript": onnxscript.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def write_manifest(directory: Path, manifest: dict) -> None:
+    """Validates ``manifest`` as :func:`read_manifest` will (so an export never writes one its
+    loaders refuse) and writes it to ``directory / manifest.json``."""
+    file = directory / MANIFEST
+    validate_manifest(manifest, file)
+    file.write_text(json.dumps(manifest, indent=2) + "\n")

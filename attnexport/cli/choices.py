@@ -1,0 +1,80 @@
+"""The values the CLI's flags accept, each taken from the registry that owns it (never a copy),
+so that a new backend, target, dtype or executor reaches the command line by itself."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+from attnexport.artifact import DTYPE_NAMES, EXECUTORS, FORMATS
+
+
+class RegistryChoices(Sequence):
+    """A flag's choices read from a registry the first time argparse needs them (checking a
+    value, writing ``--help``), so that building the parser imports no registry that is slow
+    to load (the lowering) for the commands that never use it. The flag needs a
+    ``metavar``: without one, ``add_argument`` formats the choices at once."""
+
+    def __init__(self, read: Callable[[], Sequence[str]]) -> None:
+        self._read = read
+
+    @functools.cached_property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._read())
+
+    def __getitem__(self, index):
+        return self.names[index]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def export_formats() -> tuple[str, ...]:
+    """``export --format``: each model file format of an export directory, or both."""
+    return FORMATS
+
+
+def model_dtypes() -> tuple[str, ...]:
+    """``export --dtype``: the dtype names a manifest records."""
+    return DTYPE_NAMES
+
+
+def onnx_targets() -> Sequence[str]:
+    """``export --target``: the lowering's ONNX targets (read on first use)."""
+
+    def read() -> Sequence[str]:
+        from attnexport.lowering import TARGETS
+
+        return TARGETS
+
+    return RegistryChoices(read)
+
+
+def zoo_models() -> tuple[str, ...]:
+    """The zoo's model names (``export MODEL``, ``demo --model``; not a closed choice: ``export``
+    also takes checkpoint directories and ``zoo:NAME``)."""
+    from attnexport.models.registry import zoo_names
+
+    return tuple(zoo_names())
+
+
+def executors() -> tuple[str, ...]:
+    """``run --executor``: ``auto`` and the executors an artifact's files run on."""
+    return EXECUTORS
+
+
+def attention_backends() -> tuple[str, ...]:
+    """``run --backend``: ``auto`` and every registered kernel backend (available here or
+    not: an unavailable one is refused with its reason when the command runs)."""
+    import attnexport  # noqa: F401  (registers the built-in backends)
+    from attnexport.custom_ops.dispatch import AUTO, registered_backends
+
+    return (AUTO, *(backend.name for backend in registered_backends()))
+
+
+def devices() -> tuple[str, ...]:
+    """``run --device``: the devices the executors run on (onnxruntime's execution providers
+    decide: the torch executor runs on the same ones)."""
+    from attnexport.runtime.executors.ort_executor import PROVIDERS
+
+    return tuple(PROVIDERS)
