@@ -12,9 +12,7 @@ import functools
 import onnx
 from onnx.defs import OpSchema
 
-DOMAIN = "attnexport"
-"""The ONNX domain of the attnexport nodes."""
-DOMAIN_VERSION = 1
+from attnexport.model_props import DOMAIN, DOMAIN_VERSION
 
 FLOAT_TYPES = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"]
 

@@ -23,13 +23,13 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 
 from attnexport.runtime.config import blocks_for_tokens
-from attnexport.runtime.sequence import Request, Sequence
+from attnexport.runtime.sequence import Request, SequenceState
 
 BlockKey = tuple[int, tuple[int, ...]]
 """(hash of the previous block's key, the block's token ids): what a cached block holds."""
 
 
-def _first_predecessor(seq: Sequence) -> int:
+def _first_predecessor(seq: SequenceState) -> int:
     """What a sequence's first block follows: nothing (0), or the encoder input it attends."""
     encoder = seq.request.encoder
     if encoder is None:
@@ -124,7 +124,7 @@ class BlockManager:
         self.pending_copies: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ prefix cache
-    def _key(self, seq: Sequence, index: int) -> BlockKey:
+    def _key(self, seq: SequenceState, index: int) -> BlockKey:
         """The cache key of full block ``index`` of ``seq`` (keys are computed once, in order)."""
         keys = seq.block_hashes
         bs = self.block_size
@@ -134,7 +134,7 @@ class BlockManager:
             keys.append((previous, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
         return keys[index]
 
-    def match_prefix(self, seq: Sequence) -> list[int]:
+    def match_prefix(self, seq: SequenceState) -> list[int]:
         """Cached device blocks holding the leading full blocks of ``seq``'s tokens (at least one
         token is left to compute, so the step still produces logits). Nothing is reserved."""
         if not self.device.enable_caching or seq.block_ids:
@@ -147,7 +147,7 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def take_prefix(self, seq: Sequence, hits: list[int]) -> None:
+    def take_prefix(self, seq: SequenceState, hits: list[int]) -> None:
         """Makes the cached blocks ``hits`` (from :meth:`match_prefix`) the first blocks of
         ``seq`` and marks their tokens computed."""
         for block in hits:
@@ -156,7 +156,7 @@ class BlockManager:
         seq.num_computed = len(hits) * self.block_size
         seq.num_registered_blocks = len(hits)
 
-    def admission_cost(self, plan: list[tuple[Sequence, int]], hits: list[list[int]]) -> int:
+    def admission_cost(self, plan: list[tuple[SequenceState, int]], hits: list[list[int]]) -> int:
         """Device blocks that :meth:`admit` takes from the free count: the new blocks of each
         (sequence, new tokens) pair of ``plan`` after its cached ``hits``, plus every distinct
         hit block nobody holds (taking it makes it unevictable; samples may hit the same one)."""
@@ -168,7 +168,7 @@ class BlockManager:
             need += blocks_for_tokens(len(seq_hits) * bs + count, bs) - len(seq_hits)
         return need + len(unheld)
 
-    def admit(self, plan: list[tuple[Sequence, int]], hits: list[list[int]]) -> None:
+    def admit(self, plan: list[tuple[SequenceState, int]], hits: list[list[int]]) -> None:
         """Gives the sequences of ``plan`` (one request's, holding no blocks) their cached
         ``hits`` and the blocks for their new tokens.
 
@@ -181,7 +181,7 @@ class BlockManager:
         for seq, count in plan:
             self.allocate(seq, count)
 
-    def register_full_blocks(self, seq: Sequence) -> None:
+    def register_full_blocks(self, seq: SequenceState) -> None:
         """Adds the blocks of ``seq`` that are now full and computed to the prefix cache."""
         if not self.device.enable_caching:
             return
@@ -216,7 +216,7 @@ class BlockManager:
 
     # ------------------------------------------------------------------ growth
     def blocks_needed(
-        self, plan: Iterable[tuple[Sequence, int]], pool: BlockPool | None = None
+        self, plan: Iterable[tuple[SequenceState, int]], pool: BlockPool | None = None
     ) -> int:
         """Device blocks that :meth:`allocate` will take for the (sequence, new tokens) pairs of
         ``plan``, allocated in that order: new blocks, plus the copies of shared blocks about to
@@ -236,7 +236,7 @@ class BlockManager:
             needed += count if count < pool.ref_counts[block] else count - 1
         return needed
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+    def allocate(self, seq: SequenceState, num_new_tokens: int) -> None:
         """Gives ``seq`` the blocks its next ``num_new_tokens`` tokens are written to; a shared
         block about to be written is copied first (recorded in ``pending_copies``)."""
         first = seq.num_computed // self.block_size
@@ -250,7 +250,9 @@ class BlockManager:
         for _ in range(total - len(seq.block_ids)):
             seq.block_ids.append(self.device.allocate())
 
-    def fork(self, parent: Sequence, child: Sequence, num_blocks: int | None = None) -> None:
+    def fork(
+        self, parent: SequenceState, child: SequenceState, num_blocks: int | None = None
+    ) -> None:
         """``child`` shares the first ``num_blocks`` blocks of ``parent`` (default: all, with
         their computed tokens); the tokens they hold must be the same in both."""
         if num_blocks is None:
@@ -264,7 +266,7 @@ class BlockManager:
         child.num_computed = computed
         child.num_registered_blocks = min(parent.num_registered_blocks, len(shared))
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: SequenceState) -> None:
         """Drops ``seq``'s references to its device blocks (tail first, so that a prefix stays
         cached longest) and resets it to nothing computed."""
         for block in reversed(seq.block_ids):
@@ -275,23 +277,23 @@ class BlockManager:
 
     # ------------------------------------------------------------------ swapping
     @staticmethod
-    def _distinct_blocks(seqs: Iterable[Sequence]) -> set[int]:
+    def _distinct_blocks(seqs: Iterable[SequenceState]) -> set[int]:
         return {block for seq in seqs for block in seq.block_ids}
 
-    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+    def can_swap_out(self, seqs: list[SequenceState]) -> bool:
         return len(self._distinct_blocks(seqs)) <= self.cpu.num_free
 
-    def swap_in_cost(self, seqs: list[Sequence]) -> int:
+    def swap_in_cost(self, seqs: list[SequenceState]) -> int:
         """Device blocks that swapping ``seqs`` back in takes."""
         return len(self._distinct_blocks(seqs))
 
-    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+    def swap_out(self, seqs: list[SequenceState]) -> list[tuple[int, int]]:
         """Moves the blocks of ``seqs`` (one request) to the CPU pool; returns the
         (device block, CPU block) copies to make. Blocks shared with other requests stay on the
         device for them."""
         return self._move(seqs, self.device, self.cpu)
 
-    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+    def swap_in(self, seqs: list[SequenceState]) -> list[tuple[int, int]]:
         """Moves the blocks of ``seqs`` back to the device pool; returns the (CPU block,
         device block) copies to make."""
         moves = self._move(seqs, self.cpu, self.device)
@@ -300,7 +302,7 @@ class BlockManager:
         return moves
 
     @staticmethod
-    def _move(seqs: list[Sequence], src: BlockPool, dst: BlockPool) -> list[tuple[int, int]]:
+    def _move(seqs: list[SequenceState], src: BlockPool, dst: BlockPool) -> list[tuple[int, int]]:
         mapping: dict[int, int] = {}
         for seq in seqs:
             moved = []

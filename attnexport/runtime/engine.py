@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from attnexport.custom_ops.metadata import ScheduledSequence
 from attnexport.errors import UserError, UserTypeError
+from attnexport.paged_inputs import ScheduledSequence
 from attnexport.runtime.block_manager import BlockManager
 from attnexport.runtime.config import (
     DEFAULT_MAX_MODEL_LEN,
@@ -44,7 +44,7 @@ from attnexport.runtime.outputs import RequestOutput, snapshot
 from attnexport.runtime.sampling import SamplingParams, make_generator, sample
 from attnexport.runtime.scheduler import ScheduledBatch, Scheduler
 from attnexport.runtime.sequence import EncoderInput, Request, Status
-from attnexport.runtime.sequence import Sequence as Seq
+from attnexport.runtime.sequence import SequenceState as Seq
 from attnexport.runtime.text import Tokenizer
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from attnexport.runtime.block_manager import BlockManager
 from attnexport.runtime.config import SchedulerConfig
-from attnexport.runtime.sequence import Request, Sequence, Status
+from attnexport.runtime.sequence import Request, SequenceState, Status
 
 
 @dataclass(slots=True)
@@ -32,7 +32,7 @@ class ScheduledBatch:
     """One step's work: the sequences in batch order with their token counts, and the block moves
     to apply before the model runs, in this order: swap-outs, swap-ins, copy-on-write copies."""
 
-    seqs: list[Sequence] = field(default_factory=list)
+    seqs: list[SequenceState] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     """(device block, CPU block) pairs."""
@@ -48,7 +48,7 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+    def add(self, seq: SequenceState, num_new_tokens: int) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
 
@@ -90,12 +90,12 @@ class Scheduler:
         self.block_manager.free_cross(request)
         request.status = Status.FINISHED
 
-    def free_finished_seq(self, seq: Sequence) -> None:
+    def free_finished_seq(self, seq: SequenceState) -> None:
         """Frees a sequence that finished while its request goes on."""
         self._release(seq, swapped=False)
         self._num_running_seqs -= 1
 
-    def _release(self, seq: Sequence, swapped: bool) -> None:
+    def _release(self, seq: SequenceState, swapped: bool) -> None:
         if swapped:
             for block in seq.block_ids:
                 self.block_manager.cpu.decref(block)
@@ -152,7 +152,7 @@ class Scheduler:
         batch.copies = bm.take_pending_copies()
         return batch
 
-    def _waits_for_leader(self, request: Request, seq: Sequence) -> bool:
+    def _waits_for_leader(self, request: Request, seq: SequenceState) -> bool:
         """After a recomputation, a forked sample waits until the first unfinished sample (the
         leader) has recomputed the shared prompt blocks, then shares them."""
         shared = request.shared_prefix_len
@@ -167,7 +167,7 @@ class Scheduler:
         self.block_manager.fork(leader, seq, shared // self.block_manager.block_size)
         return False
 
-    def _plan(self, request: Request, budget: int) -> tuple[list[tuple[Sequence, int]], int]:
+    def _plan(self, request: Request, budget: int) -> tuple[list[tuple[SequenceState, int]], int]:
         """(sequence, tokens) pairs for ``request`` within ``budget``, and their token total."""
         plan, cost = [], 0
         for seq in request.seqs:  # not unfinished_seqs(): no list built for every request

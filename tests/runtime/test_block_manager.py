@@ -7,17 +7,17 @@ import pytest
 
 from attnexport.runtime.block_manager import BlockManager, BlockPool
 from attnexport.runtime.sampling import SamplingParams
-from attnexport.runtime.sequence import Request, Sequence
+from attnexport.runtime.sequence import Request, SequenceState
 
 
-def _seq(tokens, seq_id=0, request=None) -> Sequence:
+def _seq(tokens, seq_id=0, request=None) -> SequenceState:
     request = request or Request(f"r{seq_id}", list(tokens), SamplingParams(), seq_id)
-    seq = Sequence(seq_id, request, list(tokens), 0, None)
+    seq = SequenceState(seq_id, request, list(tokens), 0, None)
     request.seqs.append(seq)
     return seq
 
 
-def _grow(bm: BlockManager, seq: Sequence, count: int) -> None:
+def _grow(bm: BlockManager, seq: SequenceState, count: int) -> None:
     bm.allocate(seq, count)
     seq.num_computed += count
     bm.register_full_blocks(seq)
