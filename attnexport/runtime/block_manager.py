@@ -102,9 +102,13 @@ class BlockPool:
 
 
 class BlockManager:
-    """Block tables of every sequence over a device pool and a CPU swap pool.
+    """Block tables of every sequence over a device pool, a CPU swap pool and (encoder-decoder
+    models) a cross-attention pool.
 
-    Block moves decided while scheduling a step accumulate in ``pending_copies`` (copy-on-write,
+    The scheduler asks whether work fits (:meth:`can_grow`, :meth:`can_swap_in`,
+    :meth:`can_admit`) and hands blocks out and back (:meth:`allocate`, :meth:`admit`,
+    :meth:`free`, :meth:`free_swapped`, ...); the pools stay the block manager's own. Block
+    moves decided while scheduling a step accumulate in ``pending_copies`` (copy-on-write,
     within the device pool); swaps are returned by :meth:`swap_out`/:meth:`swap_in`. The engine
     hands them to the executor before running the step.
     """
@@ -122,6 +126,32 @@ class BlockManager:
         self.cpu = BlockPool(num_cpu_blocks)
         self.cross = BlockPool(num_blocks if cross else 0)
         self.pending_copies: list[tuple[int, int]] = []
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the device pool."""
+        return self.device.num_blocks
+
+    # ------------------------------------------------------------------ what fits
+    def can_grow(self, plan: Iterable[tuple[SequenceState, int]]) -> bool:
+        """The running (sequence, new tokens) pairs of ``plan`` get their blocks now."""
+        return self.blocks_needed(plan) <= self.device.num_free
+
+    def can_swap_in(
+        self, seqs: list[SequenceState], plan: Iterable[tuple[SequenceState, int]]
+    ) -> bool:
+        """The swapped-out ``seqs`` (one request) come back and ``plan`` gets its blocks."""
+        need = self.swap_in_cost(seqs) + self._blocks_needed(plan, self.cpu)
+        return need <= self.device.num_free
+
+    def can_admit(
+        self, request: Request, plan: list[tuple[SequenceState, int]], hits: list[list[int]]
+    ) -> bool:
+        """:meth:`admit` of ``request`` with ``plan`` and its cached ``hits`` fits now."""
+        return (
+            self.admission_cost(plan, hits) <= self.device.num_free
+            and self.cross_blocks_needed(request) <= self.cross.num_free
+        )
 
     # ------------------------------------------------------------------ prefix cache
     def _key(self, seq: SequenceState, index: int) -> BlockKey:
@@ -168,14 +198,18 @@ class BlockManager:
             need += blocks_for_tokens(len(seq_hits) * bs + count, bs) - len(seq_hits)
         return need + len(unheld)
 
-    def admit(self, plan: list[tuple[SequenceState, int]], hits: list[list[int]]) -> None:
-        """Gives the sequences of ``plan`` (one request's, holding no blocks) their cached
-        ``hits`` and the blocks for their new tokens.
+    def admit(
+        self, request: Request, plan: list[tuple[SequenceState, int]], hits: list[list[int]]
+    ) -> None:
+        """Gives ``request`` its cross blocks (an encoder-decoder's) and the sequences of
+        ``plan`` (the request's, holding no blocks) their cached ``hits`` and the blocks for
+        their new tokens.
 
         Every sequence takes its hits before any sequence allocates: an allocation evicts the
         least recently freed cached block, which could otherwise be a hit another sample of the
         request is about to take (that sample would then read the allocating sample's keys and
         values)."""
+        self.allocate_cross(request)
         for (seq, _), seq_hits in zip(plan, hits, strict=True):
             self.take_prefix(seq, seq_hits)
         for seq, count in plan:
@@ -215,14 +249,15 @@ class BlockManager:
         encoder.encoded = False
 
     # ------------------------------------------------------------------ growth
-    def blocks_needed(
-        self, plan: Iterable[tuple[SequenceState, int]], pool: BlockPool | None = None
-    ) -> int:
+    def blocks_needed(self, plan: Iterable[tuple[SequenceState, int]]) -> int:
         """Device blocks that :meth:`allocate` will take for the (sequence, new tokens) pairs of
         ``plan``, allocated in that order: new blocks, plus the copies of shared blocks about to
-        be written (the last holder of a block writes it in place). ``pool`` holds the
-        sequences' blocks now (the CPU pool for swapped sequences)."""
-        pool = pool or self.device
+        be written (the last holder of a block writes it in place)."""
+        return self._blocks_needed(plan, self.device)
+
+    def _blocks_needed(self, plan: Iterable[tuple[SequenceState, int]], pool: BlockPool) -> int:
+        """:meth:`blocks_needed` of sequences whose blocks are in ``pool`` now (the CPU pool
+        for swapped sequences)."""
         needed = 0
         writers: dict[int, int] = {}
         for seq, count in plan:
@@ -265,6 +300,12 @@ class BlockManager:
         child.block_hashes = parent.block_hashes[: len(shared)]
         child.num_computed = computed
         child.num_registered_blocks = min(parent.num_registered_blocks, len(shared))
+
+    def free_swapped(self, seq: SequenceState) -> None:
+        """Drops ``seq``'s references to its blocks in the CPU pool (it is swapped out)."""
+        for block in seq.block_ids:
+            self.cpu.decref(block)
+        seq.block_ids = []
 
     def free(self, seq: SequenceState) -> None:
         """Drops ``seq``'s references to its device blocks (tail first, so that a prefix stays

@@ -97,9 +97,7 @@ class Scheduler:
 
     def _release(self, seq: SequenceState, swapped: bool) -> None:
         if swapped:
-            for block in seq.block_ids:
-                self.block_manager.cpu.decref(block)
-            seq.block_ids = []
+            self.block_manager.free_swapped(seq)
         else:
             self.block_manager.free(seq)
 
@@ -123,7 +121,7 @@ class Scheduler:
             if not plan:
                 index += 1
                 continue
-            while bm.blocks_needed(plan) > bm.device.num_free:
+            while not bm.can_grow(plan):
                 victim = self.running[-1]
                 if victim is request and len(self.running) == 1:
                     self._fail_too_large(request, batch)
@@ -191,8 +189,7 @@ class Scheduler:
                 break
             plan, cost = self._plan(request, budget)
             seqs = request.unfinished_seqs()
-            need = bm.swap_in_cost(seqs) + bm.blocks_needed(plan, pool=bm.cpu)
-            if not plan or need > bm.device.num_free:
+            if not plan or not bm.can_swap_in(seqs, plan):
                 break
             self.swapped.pop(0)
             batch.swap_in += bm.swap_in(seqs)
@@ -223,13 +220,10 @@ class Scheduler:
                 cost += count
             # Samples left out by the token budget run in later steps, as running ones do.
             hits = hits[: len(plan)]
-            if not plan or bm.admission_cost(plan, hits) > bm.device.num_free:
-                break
-            if bm.cross_blocks_needed(request) > bm.cross.num_free:
+            if not plan or not bm.can_admit(request, plan, hits):
                 break
             self.waiting.pop(0)
-            bm.allocate_cross(request)
-            bm.admit(plan, hits)
+            bm.admit(request, plan, hits)
             for seq, count in plan:
                 batch.add(seq, count)
             if request.num_preemptions == 0:
@@ -265,7 +259,7 @@ class Scheduler:
             _insert_by_age(self.waiting, request)
 
     def _fail_too_large(self, request: Request, batch: ScheduledBatch) -> None:
-        pool = self.block_manager.device.num_blocks
+        pool = self.block_manager.num_blocks
         request.error = (
             f"request {request.request_id}: its {len(request.unfinished_seqs())} sequence(s) need "
             f"more KV-cache blocks than the pool holds ({pool} blocks); use a larger "
