@@ -123,11 +123,11 @@ class ModelMetadata:
 
 def read_metadata(model) -> ModelMetadata:
     """The attnexport metadata of an ONNX model (``onnx.ModelProto``, a path, or an
-    ``onnxruntime.InferenceSession``)."""
-    import onnx
-
+    ``onnxruntime.InferenceSession``; onnx is imported for the first two only)."""
     if hasattr(model, "get_modelmeta"):
         return ModelMetadata.from_props(model.get_modelmeta().custom_metadata_map)
+    import onnx
+
     if not isinstance(model, onnx.ModelProto):
         model = onnx.load(str(model), load_external_data=False)
     return ModelMetadata.from_props({p.key: p.value for p in model.metadata_props})
