@@ -176,3 +176,20 @@ def cross_attention_lists(
 def is_encoder_decoder_batch(sequences: Sequence[ScheduledSequence]) -> bool:
     """Some sequence has an encoder: the batch takes the encoder/cross-attention inputs."""
     return any(s.encoder_len or s.encode_now for s in sequences)
+
+
+def index_arrays(sequences: Sequence[ScheduledSequence], block_size: int) -> dict[str, np.ndarray]:
+    """The attention inputs of the sequences, in the given order, as arrays:
+    :func:`attention_lists`, and :func:`cross_attention_lists` for an encoder-decoder batch.
+
+    Raises ValueError if a sequence's blocks do not cover its tokens.
+    """
+    values = attention_lists(
+        [s.num_cached_tokens for s in sequences],
+        [s.num_new_tokens for s in sequences],
+        [s.block_ids for s in sequences],
+        block_size,
+    )
+    if is_encoder_decoder_batch(sequences):
+        values.update(cross_attention_lists(sequences, block_size))
+    return {name: to_array(name, value, INDEX_DTYPES[name]) for name, value in values.items()}

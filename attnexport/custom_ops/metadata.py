@@ -15,16 +15,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from attnexport.paged_inputs import (  # noqa: F401  (re-exported: their historical home)
-    BLOCK_TABLES,
-    INDEX_DTYPES,
-    ScheduledSequence,
-    attention_lists,
-    cross_attention_lists,
-    is_encoder_decoder_batch,
-    list_shape,
-    to_array,
-)
+from attnexport.paged_inputs import ScheduledSequence, index_arrays
 
 
 @dataclass
@@ -139,13 +130,4 @@ def build_attention_metadata(
 
     Raises ValueError if a sequence's blocks do not cover its tokens.
     """
-    values = attention_lists(
-        [s.num_cached_tokens for s in sequences],
-        [s.num_new_tokens for s in sequences],
-        [s.block_ids for s in sequences],
-        block_size,
-    )
-    if is_encoder_decoder_batch(sequences):
-        values.update(cross_attention_lists(sequences, block_size))
-    arrays = {name: to_array(name, value, INDEX_DTYPES[name]) for name, value in values.items()}
-    return metadata_from_arrays(arrays, device)
+    return metadata_from_arrays(index_arrays(sequences, block_size), device)

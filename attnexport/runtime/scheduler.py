@@ -101,6 +101,10 @@ class Scheduler:
         else:
             self.block_manager.free(seq)
 
+    def _has_seq_slots(self, request: Request) -> bool:
+        """Starting ``request`` keeps the running sequences within ``max_num_seqs``."""
+        return self._num_running_seqs + self._seq_slots(request) <= self.config.max_num_seqs
+
     @staticmethod
     def _seq_slots(request: Request) -> int:
         """Sequence slots the request holds: n until its prompt forks, then its live samples."""
@@ -185,7 +189,7 @@ class Scheduler:
         bm = self.block_manager
         while self.swapped and budget > 0:
             request = self.swapped[0]
-            if self._num_running_seqs + self._seq_slots(request) > self.config.max_num_seqs:
+            if not self._has_seq_slots(request):
                 break
             plan, cost = self._plan(request, budget)
             seqs = request.unfinished_seqs()
@@ -204,7 +208,7 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            if self._num_running_seqs + self._seq_slots(request) > self.config.max_num_seqs:
+            if not self._has_seq_slots(request):
                 break
             seqs = [s for s in request.unfinished_seqs() if not self._waits_for_leader(request, s)]
             hits = [bm.match_prefix(seq) for seq in seqs]
