@@ -18,6 +18,7 @@ import os
 import sys
 import weakref
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -83,7 +84,8 @@ class OrtExecutor(Executor):
         model: path of the ``.onnx`` file written by ``attnexport.lowering.to_onnx`` (its
             ``metadata_props`` name the cache inputs/outputs and give the cache geometry).
         device: ``cpu`` (CPU execution provider) or ``cuda`` (CUDA execution provider; needs
-            onnxruntime-gpu and a CUDA build of torch, which holds the cache memory).
+            onnxruntime-gpu and a CUDA build of torch, which holds the cache memory), as a name
+            or a ``torch.device``.
         num_threads: intra-op threads (default: :func:`default_num_threads`).
         spin: let idle worker threads spin (see :func:`default_session_options`).
         session_options: an ``onnxruntime.SessionOptions`` replacing
@@ -101,7 +103,7 @@ class OrtExecutor(Executor):
         self,
         model: str | os.PathLike,
         *,
-        device: str = "cpu",
+        device: Any = "cpu",
         num_threads: int | None = None,
         spin: bool = True,
         session_options=None,
