@@ -43,8 +43,10 @@ return hidden states ``[T, hidden]``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DECODER_INPUT_NAMES = (
     "input_ids",
@@ -72,19 +74,45 @@ ENCODER_INPUT_NAMES = ("input_ids", "positions", "cu_seqlens", "token_type_ids")
 """The inputs of an encoder-only forward (no cache)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CacheSpec:
-    """The geometry of a model's paged KV caches."""
+    """The geometry of a model's paged KV caches (this module imports no torch: the serving
+    core reads cache specs without it)."""
 
     num_layers: int
     """Layers with a (self-attention) cache; there are 2 * num_layers cache tensors."""
     num_kv_heads: int
     head_size: int
-    dtype: torch.dtype
+    dtype: Any
+    """The element type: a ``torch.dtype`` (torch models and executors) or a NumPy dtype
+    (the onnxruntime executor's host caches); anything with ``itemsize``."""
     block_size: int = 16
     num_cross_layers: int = 0
     """Encoder-decoder models: layers with a cross-attention cache (2 tensors each), after the
     self-attention caches in ``kv_caches``."""
+
+    @property
+    def dtype_name(self) -> str:
+        """``dtype`` as torch and NumPy both name it: ``float32``, ``float16``, ..."""
+        return str(self.dtype).removeprefix("torch.")
+
+    def _key(self) -> tuple:
+        return (
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_size,
+            self.dtype_name,
+            self.block_size,
+            self.num_cross_layers,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        """Specs are equal when their geometry is: a torch and a NumPy dtype of one name
+        match (the torch and the onnxruntime executor of one model have equal specs)."""
+        return isinstance(other, CacheSpec) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     @property
     def num_cache_tensors(self) -> int:
@@ -100,12 +128,14 @@ class CacheSpec:
     @property
     def bytes_per_block(self) -> int:
         """Bytes one block takes across every cache tensor of the model."""
-        element = torch.empty((), dtype=self.dtype).element_size()
-        per_tensor = self.block_size * self.num_kv_heads * self.head_size * element
+        per_tensor = self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
         return per_tensor * self.num_cache_tensors
 
     def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> list[torch.Tensor]:
-        """Zeroed caches ``[k_0, v_0, k_1, v_1, ...]`` for ``num_blocks`` blocks."""
+        """Zeroed torch caches ``[k_0, v_0, k_1, v_1, ...]`` for ``num_blocks`` blocks (of
+        ``dtype``, a ``torch.dtype``)."""
+        import torch  # the torch side only: reading a spec needs no torch
+
         return [
             torch.zeros(self.cache_shape(num_blocks), dtype=self.dtype, device=device)
             for _ in range(self.num_cache_tensors)

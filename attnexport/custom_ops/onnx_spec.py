@@ -18,10 +18,7 @@ import onnx_ir as ir
 from onnx.defs import OpSchema
 
 from attnexport.custom_ops.onnx_builder import Builder
-
-DOMAIN = "attnexport"
-"""The ONNX domain of the attnexport nodes."""
-DOMAIN_VERSION = 1
+from attnexport.model_contract import DOMAIN, DOMAIN_VERSION
 
 FLOAT_TYPES = ("tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)")
 

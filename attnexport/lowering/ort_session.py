@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 import torch
 
-from attnexport.lowering.model_contract import GraphContract, read_contract
+from attnexport.model_contract import GraphContract, read_contract
 
 _ONNX_TYPES = {
     torch.float32: onnx.TensorProto.FLOAT,

@@ -16,8 +16,9 @@ from collections.abc import Callable, Mapping
 import onnx
 import onnx_ir as ir
 
-from attnexport.custom_ops.onnx_spec import DOMAIN, DOMAIN_VERSION, OnnxOp
+from attnexport.custom_ops.onnx_spec import OnnxOp
 from attnexport.custom_ops.slices import OP_SLICES
+from attnexport.model_contract import DOMAIN, DOMAIN_VERSION
 
 __all__ = ["DOMAIN", "DOMAIN_VERSION", "all_bodies", "onnx_ops", "register_schemas"]
 

@@ -23,13 +23,13 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 
 from attnexport.runtime.config import blocks_for_tokens
-from attnexport.runtime.sequence import Request, Sequence
+from attnexport.runtime.sequence import Request, SequenceState
 
 BlockKey = tuple[int, tuple[int, ...]]
 """(hash of the previous block's key, the block's token ids): what a cached block holds."""
 
 
-def _first_predecessor(seq: Sequence) -> int:
+def _first_predecessor(seq: SequenceState) -> int:
     """What a sequence's first block follows: nothing (0), or the encoder input it attends."""
     encoder = seq.request.encoder
     if encoder is None:
@@ -102,9 +102,13 @@ class BlockPool:
 
 
 class BlockManager:
-    """Block tables of every sequence over a device pool and a CPU swap pool.
+    """Block tables of every sequence over a device pool, a CPU swap pool and (encoder-decoder
+    models) a cross-attention pool.
 
-    Block moves decided while scheduling a step accumulate in ``pending_copies`` (copy-on-write,
+    The scheduler asks whether work fits (:meth:`can_grow`, :meth:`can_swap_in`,
+    :meth:`can_admit`) and hands blocks out and back (:meth:`allocate`, :meth:`admit`,
+    :meth:`free`, :meth:`free_swapped`, ...); the pools stay the block manager's own. Block
+    moves decided while scheduling a step accumulate in ``pending_copies`` (copy-on-write,
     within the device pool); swaps are returned by :meth:`swap_out`/:meth:`swap_in`. The engine
     hands them to the executor before running the step.
     """
@@ -123,8 +127,34 @@ class BlockManager:
         self.cross = BlockPool(num_blocks if cross else 0)
         self.pending_copies: list[tuple[int, int]] = []
 
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the device pool."""
+        return self.device.num_blocks
+
+    # ------------------------------------------------------------------ what fits
+    def can_grow(self, plan: Iterable[tuple[SequenceState, int]]) -> bool:
+        """The running (sequence, new tokens) pairs of ``plan`` get their blocks now."""
+        return self.blocks_needed(plan) <= self.device.num_free
+
+    def can_swap_in(
+        self, seqs: list[SequenceState], plan: Iterable[tuple[SequenceState, int]]
+    ) -> bool:
+        """The swapped-out ``seqs`` (one request) come back and ``plan`` gets its blocks."""
+        need = self.swap_in_cost(seqs) + self._blocks_needed(plan, self.cpu)
+        return need <= self.device.num_free
+
+    def can_admit(
+        self, request: Request, plan: list[tuple[SequenceState, int]], hits: list[list[int]]
+    ) -> bool:
+        """:meth:`admit` of ``request`` with ``plan`` and its cached ``hits`` fits now."""
+        return (
+            self.admission_cost(plan, hits) <= self.device.num_free
+            and self.cross_blocks_needed(request) <= self.cross.num_free
+        )
+
     # ------------------------------------------------------------------ prefix cache
-    def _key(self, seq: Sequence, index: int) -> BlockKey:
+    def _key(self, seq: SequenceState, index: int) -> BlockKey:
         """The cache key of full block ``index`` of ``seq`` (keys are computed once, in order)."""
         keys = seq.block_hashes
         bs = self.block_size
@@ -134,7 +164,7 @@ class BlockManager:
             keys.append((previous, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
         return keys[index]
 
-    def match_prefix(self, seq: Sequence) -> list[int]:
+    def match_prefix(self, seq: SequenceState) -> list[int]:
         """Cached device blocks holding the leading full blocks of ``seq``'s tokens (at least one
         token is left to compute, so the step still produces logits). Nothing is reserved."""
         if not self.device.enable_caching or seq.block_ids:
@@ -147,7 +177,7 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def take_prefix(self, seq: Sequence, hits: list[int]) -> None:
+    def take_prefix(self, seq: SequenceState, hits: list[int]) -> None:
         """Makes the cached blocks ``hits`` (from :meth:`match_prefix`) the first blocks of
         ``seq`` and marks their tokens computed."""
         for block in hits:
@@ -156,7 +186,7 @@ class BlockManager:
         seq.num_computed = len(hits) * self.block_size
         seq.num_registered_blocks = len(hits)
 
-    def admission_cost(self, plan: list[tuple[Sequence, int]], hits: list[list[int]]) -> int:
+    def admission_cost(self, plan: list[tuple[SequenceState, int]], hits: list[list[int]]) -> int:
         """Device blocks that :meth:`admit` takes from the free count: the new blocks of each
         (sequence, new tokens) pair of ``plan`` after its cached ``hits``, plus every distinct
         hit block nobody holds (taking it makes it unevictable; samples may hit the same one)."""
@@ -168,20 +198,24 @@ class BlockManager:
             need += blocks_for_tokens(len(seq_hits) * bs + count, bs) - len(seq_hits)
         return need + len(unheld)
 
-    def admit(self, plan: list[tuple[Sequence, int]], hits: list[list[int]]) -> None:
-        """Gives the sequences of ``plan`` (one request's, holding no blocks) their cached
-        ``hits`` and the blocks for their new tokens.
+    def admit(
+        self, request: Request, plan: list[tuple[SequenceState, int]], hits: list[list[int]]
+    ) -> None:
+        """Gives ``request`` its cross blocks (an encoder-decoder's) and the sequences of
+        ``plan`` (the request's, holding no blocks) their cached ``hits`` and the blocks for
+        their new tokens.
 
         Every sequence takes its hits before any sequence allocates: an allocation evicts the
         least recently freed cached block, which could otherwise be a hit another sample of the
         request is about to take (that sample would then read the allocating sample's keys and
         values)."""
+        self.allocate_cross(request)
         for (seq, _), seq_hits in zip(plan, hits, strict=True):
             self.take_prefix(seq, seq_hits)
         for seq, count in plan:
             self.allocate(seq, count)
 
-    def register_full_blocks(self, seq: Sequence) -> None:
+    def register_full_blocks(self, seq: SequenceState) -> None:
         """Adds the blocks of ``seq`` that are now full and computed to the prefix cache."""
         if not self.device.enable_caching:
             return
@@ -215,14 +249,15 @@ class BlockManager:
         encoder.encoded = False
 
     # ------------------------------------------------------------------ growth
-    def blocks_needed(
-        self, plan: Iterable[tuple[Sequence, int]], pool: BlockPool | None = None
-    ) -> int:
+    def blocks_needed(self, plan: Iterable[tuple[SequenceState, int]]) -> int:
         """Device blocks that :meth:`allocate` will take for the (sequence, new tokens) pairs of
         ``plan``, allocated in that order: new blocks, plus the copies of shared blocks about to
-        be written (the last holder of a block writes it in place). ``pool`` holds the
-        sequences' blocks now (the CPU pool for swapped sequences)."""
-        pool = pool or self.device
+        be written (the last holder of a block writes it in place)."""
+        return self._blocks_needed(plan, self.device)
+
+    def _blocks_needed(self, plan: Iterable[tuple[SequenceState, int]], pool: BlockPool) -> int:
+        """:meth:`blocks_needed` of sequences whose blocks are in ``pool`` now (the CPU pool
+        for swapped sequences)."""
         needed = 0
         writers: dict[int, int] = {}
         for seq, count in plan:
@@ -236,7 +271,7 @@ class BlockManager:
             needed += count if count < pool.ref_counts[block] else count - 1
         return needed
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+    def allocate(self, seq: SequenceState, num_new_tokens: int) -> None:
         """Gives ``seq`` the blocks its next ``num_new_tokens`` tokens are written to; a shared
         block about to be written is copied first (recorded in ``pending_copies``)."""
         first = seq.num_computed // self.block_size
@@ -250,7 +285,9 @@ class BlockManager:
         for _ in range(total - len(seq.block_ids)):
             seq.block_ids.append(self.device.allocate())
 
-    def fork(self, parent: Sequence, child: Sequence, num_blocks: int | None = None) -> None:
+    def fork(
+        self, parent: SequenceState, child: SequenceState, num_blocks: int | None = None
+    ) -> None:
         """``child`` shares the first ``num_blocks`` blocks of ``parent`` (default: all, with
         their computed tokens); the tokens they hold must be the same in both."""
         if num_blocks is None:
@@ -264,7 +301,13 @@ class BlockManager:
         child.num_computed = computed
         child.num_registered_blocks = min(parent.num_registered_blocks, len(shared))
 
-    def free(self, seq: Sequence) -> None:
+    def free_swapped(self, seq: SequenceState) -> None:
+        """Drops ``seq``'s references to its blocks in the CPU pool (it is swapped out)."""
+        for block in seq.block_ids:
+            self.cpu.decref(block)
+        seq.block_ids = []
+
+    def free(self, seq: SequenceState) -> None:
         """Drops ``seq``'s references to its device blocks (tail first, so that a prefix stays
         cached longest) and resets it to nothing computed."""
         for block in reversed(seq.block_ids):
@@ -275,23 +318,23 @@ class BlockManager:
 
     # ------------------------------------------------------------------ swapping
     @staticmethod
-    def _distinct_blocks(seqs: Iterable[Sequence]) -> set[int]:
+    def _distinct_blocks(seqs: Iterable[SequenceState]) -> set[int]:
         return {block for seq in seqs for block in seq.block_ids}
 
-    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+    def can_swap_out(self, seqs: list[SequenceState]) -> bool:
         return len(self._distinct_blocks(seqs)) <= self.cpu.num_free
 
-    def swap_in_cost(self, seqs: list[Sequence]) -> int:
+    def swap_in_cost(self, seqs: list[SequenceState]) -> int:
         """Device blocks that swapping ``seqs`` back in takes."""
         return len(self._distinct_blocks(seqs))
 
-    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+    def swap_out(self, seqs: list[SequenceState]) -> list[tuple[int, int]]:
         """Moves the blocks of ``seqs`` (one request) to the CPU pool; returns the
         (device block, CPU block) copies to make. Blocks shared with other requests stay on the
         device for them."""
         return self._move(seqs, self.device, self.cpu)
 
-    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+    def swap_in(self, seqs: list[SequenceState]) -> list[tuple[int, int]]:
         """Moves the blocks of ``seqs`` back to the device pool; returns the (CPU block,
         device block) copies to make."""
         moves = self._move(seqs, self.cpu, self.device)
@@ -300,7 +343,7 @@ class BlockManager:
         return moves
 
     @staticmethod
-    def _move(seqs: list[Sequence], src: BlockPool, dst: BlockPool) -> list[tuple[int, int]]:
+    def _move(seqs: list[SequenceState], src: BlockPool, dst: BlockPool) -> list[tuple[int, int]]:
         mapping: dict[int, int] = {}
         for seq in seqs:
             moved = []

@@ -21,15 +21,12 @@ engine stays usable.
 from __future__ import annotations
 
 import itertools
-import operator
+import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from attnexport.custom_ops.metadata import ScheduledSequence
-from attnexport.errors import UserError, UserTypeError
+from attnexport.errors import UserError
 from attnexport.runtime.block_manager import BlockManager
 from attnexport.runtime.config import (
     DEFAULT_MAX_MODEL_LEN,
@@ -39,12 +36,15 @@ from attnexport.runtime.config import (
     resolve_num_blocks,
 )
 from attnexport.runtime.executors.base import Executor
-from attnexport.runtime.model_input import ModelInput, StepSequence, pack_decoder_step, pack_step
+from attnexport.runtime.loading import encoder_decoder_config, load_executor
+from attnexport.runtime.model_input import ModelInput
+from attnexport.runtime.output_processor import OutputProcessor
 from attnexport.runtime.outputs import RequestOutput, snapshot
-from attnexport.runtime.sampling import SamplingParams, make_generator, sample
+from attnexport.runtime.request_checks import RequestLimits
+from attnexport.runtime.sampling import SamplingParams
 from attnexport.runtime.scheduler import ScheduledBatch, Scheduler
 from attnexport.runtime.sequence import EncoderInput, Request, Status
-from attnexport.runtime.sequence import Sequence as Seq
+from attnexport.runtime.step_packing import pack_decoder_batch, pack_encoder_decoder_batch
 from attnexport.runtime.text import Tokenizer
 
 
@@ -129,13 +129,19 @@ class Engine:
             cross=self.encoder_decoder is not None,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.limits = RequestLimits(
+            executor.vocab_size,
+            self.max_model_len,
+            self.scheduler_config,
+            encoder_decoder=self.encoder_decoder is not None,
+        )
+        self.outputs = OutputProcessor(self.scheduler, self.block_manager, self.max_model_len)
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
         # request id -> the inbox of the stream() that delivers it: requests changed by a step
         # (whichever call ran it), in order, each once; the stream yields their outputs.
         self._inboxes: dict[str, dict[Request, None]] = {}
         self._arrivals = itertools.count()
-        self._seq_ids = itertools.count()
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
@@ -148,8 +154,6 @@ class Engine:
         after their size and SHA-256 are checked; a ``.pt2`` that would unpickle anything is
         refused (:class:`attnexport.artifact.UnsafeArtifactError`) unless ``trust_pickle``.
         """
-        from attnexport.runtime.loading import engine_from_path
-
         return engine_from_path(path, **options)
 
     # ------------------------------------------------------------------ requests
@@ -159,64 +163,11 @@ class Engine:
 
     def check_request(self, prompt: Sequence[int] | str, params: SamplingParams) -> list[int]:
         """Validates one request; returns the prompt as a list of ints (a text prompt encoded
-        with the engine's tokenizer).
-
-        Raises:
-            TypeError: a prompt that is not a sequence of ints, or params that are not
-                SamplingParams.
-            ValueError: an empty prompt, a prompt longer than ``max_model_len``, a token id
-                (prompt or forced) outside ``[0, vocab_size)``, or bad sampling parameters.
-        """
-        if not isinstance(params, SamplingParams):
-            raise UserTypeError(f"params: expected SamplingParams, got {type(params).__name__}")
-        params.check()
-        if isinstance(prompt, str) and self.tokenizer is not None:
-            prompt = self.tokenizer.encode(prompt)
-        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Iterable):
-            raise UserTypeError(
-                f"prompt: expected a list of token ids, got {type(prompt).__name__} (text "
-                "prompts need an engine with a tokenizer)"
-            )
-        tokens = []
-        for token in prompt:
-            if isinstance(token, bool) or not hasattr(token, "__index__"):
-                raise UserTypeError(f"prompt: expected int token ids, got {token!r}")
-            tokens.append(operator.index(token))
-        if not tokens:
-            raise UserError("prompt: expected at least one token, got an empty prompt")
-        if len(tokens) > self.max_model_len:
-            raise UserError(
-                f"prompt: {len(tokens)} tokens is longer than the model's maximum length "
-                f"(max_model_len={self.max_model_len})"
-            )
-        vocab = self.executor.vocab_size
-        bad = next((t for t in tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise UserError(
-                f"prompt: token id {bad} is outside the vocabulary; expected ids in [0, {vocab})"
-            )
-        for name in ("forced_bos_token_id", "forced_eos_token_id"):
-            forced = getattr(params, name)
-            if forced is not None and forced >= vocab:
-                raise UserError(
-                    f"{name}: token id {forced} is outside the vocabulary; expected [0, {vocab})"
-                )
-        if params.n > self.scheduler_config.max_num_seqs:
-            raise UserError(
-                f"n: {params.n} samples exceed max_num_seqs={self.scheduler_config.max_num_seqs}"
-            )
-        budget = self.scheduler_config.max_num_batched_tokens
-        if self.is_encoder_decoder and len(tokens) + 1 > budget:
-            raise UserError(
-                f"prompt: {len(tokens)} encoder tokens and the decoder's first token exceed "
-                f"max_num_batched_tokens={budget} (the encoder input is not chunked)"
-            )
-        if not self.scheduler_config.enable_chunked_prefill and len(tokens) > budget:
-            raise UserError(
-                f"prompt: {len(tokens)} tokens exceed max_num_batched_tokens={budget} and "
-                "chunked prefill is disabled"
-            )
-        return tokens
+        with the engine's tokenizer). Raises like :meth:`RequestLimits.check
+        <attnexport.runtime.request_checks.RequestLimits.check>`: TypeError for a prompt that
+        is not a sequence of ints or params that are not SamplingParams, ValueError for an
+        empty or too long prompt, a token id outside the vocabulary or bad parameters."""
+        return self.limits.check(prompt, params, self.tokenizer)
 
     def add_request(
         self,
@@ -231,8 +182,7 @@ class Engine:
         if self.encoder_decoder is not None:
             request.encoder = EncoderInput(list(tokens))
             request.prompt = [self.encoder_decoder.decoder_start_token_id]
-        seq = Seq(next(self._seq_ids), request, list(request.prompt), 0, make_generator(params, 0))
-        request.seqs.append(seq)
+        self.outputs.new_sequence(request, list(request.prompt), 0)
         self.scheduler.add(request)
         return request.request_id
 
@@ -321,7 +271,8 @@ class Engine:
                 self._account(batch)
                 self._mark_computed(batch, start)
                 if model_input.sampling_seqs:
-                    self._take_tokens(batch.seqs, model_input.sampling_seqs, logits, changed)
+                    rows = model_input.sampling_seqs
+                    self.outputs.take_tokens(batch.seqs, rows, logits, changed)
         except BaseException as error:
             self._fail_step(batch, moved, error, changed)
             self._notify(changed)
@@ -373,87 +324,14 @@ class Engine:
             if caching:
                 self.block_manager.register_full_blocks(seq)
 
-    def _take_tokens(
-        self, batch_seqs: list[Seq], rows: list[int], logits: np.ndarray, changed: list[Request]
-    ) -> None:
-        """Samples the next token of sequence ``batch_seqs[rows[i]]`` from row i of ``logits``
-        ``[N, vocab]`` (a prompt that forks samples all of its n first tokens from the same row),
-        appends it and finishes the requests that are done; adds their requests to
-        ``changed``."""
-        # One loop, not three comprehensions: this runs every step, on cold caches.
-        seqs, params, generators = [], [], []
-        for i in rows:
-            seq = batch_seqs[i]
-            seqs.append(seq)
-            params.append(seq.request.params)
-            generators.append(seq.generator)
-        tokens = sample(logits, params, generators)
-        now = time.perf_counter()
-        ended = []
-        for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
-            request = seq.request
-            token = self._forced(seq, token)
-            if len(request.seqs) < request.params.n:
-                self._fork(seq, logits[row], token)
-            else:
-                self._append(seq, token)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            changed.append(request)
-            if seq.finished:
-                ended.append(request)
-        # Only a request whose sequence just ended can be finished (in the order of ``seqs``).
-        if ended:
-            for request in dict.fromkeys(ended):
-                if request.finished:
-                    request.finish_time = now
-                    self.scheduler.finish(request)
-
     def _model_input(self, batch: ScheduledBatch) -> ModelInput:
-        """Packs the batch; a sequence samples when its last token is computed."""
-        if self.encoder_decoder is not None:
-            return self._encoder_decoder_input(batch)
-        starts, block_ids, token_ids, samples = [], [], [], []
-        for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            starts.append(seq.num_computed)
-            block_ids.append(seq.block_ids)
-            token_ids.append(seq.token_ids)
-            samples.append(int(seq.num_computed + count == len(seq.token_ids)))
+        """Packs the batch (counting the encoder tokens it runs)."""
         block_size = self.executor.cache_spec.block_size
-        return pack_decoder_step(
-            starts, batch.num_new_tokens, block_ids, token_ids, samples, block_size
-        )
-
-    def _encoder_decoder_input(self, batch: ScheduledBatch) -> ModelInput:
-        """:meth:`_model_input` of an encoder-decoder: the first sequence of a request whose
-        encoder has not run yet runs it."""
-        entries = []
-        encoding: set[int] = set()
-        for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            encoder = seq.request.encoder
-            encode_now = encoder is not None and not encoder.encoded
-            encode_now = encode_now and id(encoder) not in encoding
-            if encode_now:
-                encoding.add(id(encoder))
-                self.stats.num_encoder_tokens_computed += encoder.num_tokens
-            scheduled = ScheduledSequence(
-                seq.num_computed,
-                count,
-                seq.block_ids,
-                encoder_len=encoder.num_tokens if encoder else 0,
-                encoder_block_ids=encoder.block_ids if encoder else (),
-                encode_now=encode_now,
-            )
-            samples = seq.num_computed + count == len(seq.token_ids)
-            entries.append(
-                StepSequence(
-                    scheduled,
-                    seq.token_ids,
-                    int(samples),
-                    encoder.token_ids if encode_now else (),
-                )
-            )
-        return pack_step(entries, self.executor.cache_spec.block_size)
+        if self.encoder_decoder is None:
+            return pack_decoder_batch(batch, block_size)
+        model_input, num_encoder_tokens = pack_encoder_decoder_batch(batch, block_size)
+        self.stats.num_encoder_tokens_computed += num_encoder_tokens
+        return model_input
 
     def _apply_block_moves(self, batch: ScheduledBatch) -> None:
         # Order matters: a block swapped out may be reused by a swap-in or a copy in this step,
@@ -484,54 +362,6 @@ class Engine:
         stats.num_swapped_out_blocks += len(batch.swap_out)
         stats.num_swapped_in_blocks += len(batch.swap_in)
         stats.num_copied_blocks += len(batch.copies)
-
-    def _forced(self, seq: Seq, token: int) -> int:
-        """``token``, or the token the request's params force as ``seq``'s next one."""
-        params = seq.request.params
-        if params.forced_bos_token_id is None and params.forced_eos_token_id is None:
-            return token
-        generated = seq.num_output_tokens
-        is_last = (
-            generated + 1 >= seq.request.params.max_tokens
-            or len(seq.token_ids) + 1 >= self.max_model_len
-        )
-        forced = seq.request.params.forced_token(generated, is_last)
-        return token if forced is None else forced
-
-    def _append(self, seq: Seq, token: int) -> None:
-        seq.token_ids.append(token)
-        params = seq.request.params
-        if token in params.stop_token_ids:
-            seq.finish_reason = "stop"
-        elif seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            seq.finish_reason = "length"
-        if seq.finished:
-            self.scheduler.free_finished_seq(seq)
-
-    def _fork(self, parent: Seq, row, first_token: int) -> None:
-        """The prompt of ``parent``'s request is computed: creates its other samples, each
-        sharing the prompt's blocks and drawing its first token from the same logits row."""
-        request = parent.request
-        children = []
-        for index in range(1, request.params.n):
-            child = Seq(
-                next(self._seq_ids),
-                request,
-                list(parent.token_ids),
-                index,
-                make_generator(request.params, index),
-            )
-            self.block_manager.fork(parent, child)
-            request.seqs.append(child)
-            children.append(child)
-        self._append(parent, first_token)
-        tokens = sample(
-            np.broadcast_to(row, (len(children), row.shape[-1])),
-            [request.params] * len(children),
-            [c.generator for c in children],
-        )
-        for child, token in zip(children, tokens, strict=True):
-            self._append(child, self._forced(child, token))
 
     # ------------------------------------------------------------------ batch APIs
     def _submit(
@@ -640,3 +470,23 @@ class Engine:
 
     def reset_stats(self) -> None:
         self.stats = EngineStats()
+
+
+def engine_from_path(
+    path: str | os.PathLike,
+    *,
+    cache_config: CacheConfig | None = None,
+    scheduler_config: SchedulerConfig | None = None,
+    encoder_decoder: EncoderDecoderConfig | None = None,
+    tokenizer: Tokenizer | None = None,
+    **executor_options,
+) -> Engine:
+    """An :class:`Engine` over :func:`~attnexport.runtime.loading.load_executor` ``(path,
+    **executor_options)``; an encoder-decoder takes ``encoder_decoder``, else
+    :func:`~attnexport.runtime.loading.encoder_decoder_config` of ``path``. ``tokenizer``
+    (e.g. ``Tokenizer.from_directory(path)``) makes the engine take text prompts and return
+    text."""
+    executor = load_executor(path, **executor_options)
+    if encoder_decoder is None and executor.cache_spec.num_cross_layers:
+        encoder_decoder = encoder_decoder_config(path)
+    return Engine(executor, cache_config, scheduler_config, encoder_decoder, tokenizer)

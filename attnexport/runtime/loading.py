@@ -1,31 +1,29 @@
-"""Building an engine from what ``attnexport export`` writes: an export directory (``model.onnx``
-and/or ``model.pt2``, optional ``manifest.json``), or one ``.onnx`` / ``.pt2`` file."""
+"""The executor for what ``attnexport export`` writes: an export directory (``model.onnx``
+and/or ``model.pt2``, optional ``manifest.json``), or one ``.onnx`` / ``.pt2`` file
+(:func:`attnexport.runtime.engine.engine_from_path` builds an engine over it).
+
+:mod:`attnexport.artifact` (paths, manifests, ``.pt2`` safety) is imported when a path is
+loaded: it imports torch, which the serving core must not need to be imported."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from attnexport.artifact import EXECUTORS, ArtifactError, read_manifest, resolve_artifact
-from attnexport.custom_ops.dispatch import AUTO
 from attnexport.errors import UserError
-from attnexport.runtime.config import CacheConfig, EncoderDecoderConfig, SchedulerConfig
-from attnexport.runtime.engine import Engine
+from attnexport.runtime.config import EncoderDecoderConfig
 from attnexport.runtime.executors.base import Executor
-from attnexport.runtime.text import Tokenizer
 
-__all__ = [
-    "EXECUTORS",
-    "encoder_decoder_config",
-    "engine_from_path",
-    "load_executor",
-    "resolve_artifact",
-]
+AUTO = "auto"
+"""The default executor and backend choice (``attnexport.artifact.EXECUTORS``' and
+``attnexport.custom_ops.dispatch.AUTO``' name)."""
 
 
 def _manifest(path: Path) -> dict:
     """The manifest of an export directory or of the directory holding a model file (validated
     when ``attnexport export`` wrote it; {} when there is none)."""
+    from attnexport.artifact import read_manifest
+
     return read_manifest(path, plain_ok=True) or {}
 
 
@@ -60,7 +58,8 @@ def load_executor(
     max_model_len: int | None = None,
     trust_pickle: bool = False,
 ) -> Executor:
-    """The executor for an export directory or a model file (see :func:`resolve_artifact`).
+    """The executor for an export directory or a model file (see
+    :func:`attnexport.artifact.resolve_artifact`).
 
     Args:
         backend: attention backend of the torch executor (``auto``, ``sdpa``, ``ipex``, ...).
@@ -71,10 +70,12 @@ def load_executor(
             (see :func:`attnexport.artifact.load_pt2`); only for files you trust.
 
     Raises:
-        ArtifactError: see :func:`resolve_artifact`; a model file that onnxruntime or
-            torch.export cannot parse.
+        ArtifactError: see :func:`attnexport.artifact.resolve_artifact`; a model file that
+            onnxruntime or torch.export cannot parse.
         UnsafeArtifactError: a ``.pt2`` that would run code, without ``trust_pickle``.
     """
+    from attnexport.artifact import ArtifactError, resolve_artifact
+
     kind, file = resolve_artifact(path, executor)
     if max_model_len is None and Path(path).is_dir():
         max_model_len = _manifest_max_len(Path(path))
@@ -105,22 +106,3 @@ def load_executor(
         max_model_len=max_model_len,
         trust_pickle=trust_pickle,
     )
-
-
-def engine_from_path(
-    path: str | os.PathLike,
-    *,
-    cache_config: CacheConfig | None = None,
-    scheduler_config: SchedulerConfig | None = None,
-    encoder_decoder: EncoderDecoderConfig | None = None,
-    tokenizer: Tokenizer | None = None,
-    **executor_options,
-) -> Engine:
-    """An :class:`Engine` over :func:`load_executor` ``(path, **executor_options)``; an
-    encoder-decoder takes ``encoder_decoder``, else :func:`encoder_decoder_config` of ``path``.
-    ``tokenizer`` (e.g. ``Tokenizer.from_directory(path)``) makes the engine take text prompts
-    and return text."""
-    executor = load_executor(path, **executor_options)
-    if encoder_decoder is None and executor.cache_spec.num_cross_layers:
-        encoder_decoder = encoder_decoder_config(path)
-    return Engine(executor, cache_config, scheduler_config, encoder_decoder, tokenizer)

@@ -1,9 +1,10 @@
-"""The model inputs of one step: one packing of per-sequence work into the forward's tensors,
+"""The model inputs of one step: one packing of per-sequence work into the forward's inputs,
 shared by the engine (from the scheduler's batch) and the step driver (parity checks).
 
 The inputs are built on the host as lists of ints: an onnxruntime executor copies them into the
-buffers it binds, and the arrays and torch tensors a torch forward takes are made from them only
-when asked for."""
+buffers it binds, and the NumPy arrays are made from them only when asked for. This module
+imports no torch: the torch tensors of a step are :class:`attnexport.runtime.torch_inputs.
+StepTensors`, made by the torch side."""
 
 from __future__ import annotations
 
@@ -11,20 +12,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from attnexport.custom_ops.metadata import (
+from attnexport.model_interface import DECODER_INPUT_NAMES, ENCODER_DECODER_INPUT_NAMES
+from attnexport.paged_inputs import (
     INDEX_DTYPES,
-    AttentionMetadata,
     ScheduledSequence,
     attention_lists,
     cross_attention_lists,
     is_encoder_decoder_batch,
     list_shape,
-    metadata_from_arrays,
     to_array,
 )
-from attnexport.model_interface import DECODER_INPUT_NAMES, ENCODER_DECODER_INPUT_NAMES
 
 
 @dataclass(frozen=True)
@@ -42,7 +40,7 @@ class StepSequence:
     """The encoder tokens, when ``scheduled.encode_now`` (at positions ``0 .. len - 1``)."""
 
 
-_TOKEN_DTYPES = {
+TOKEN_DTYPES = {
     "input_ids": np.int64,
     "positions": np.int64,
     "logits_indices": np.int64,
@@ -51,31 +49,27 @@ _TOKEN_DTYPES = {
 }
 """The dtype of each input that is not attention metadata."""
 
-INPUT_DTYPES = {**INDEX_DTYPES, **_TOKEN_DTYPES}
+INPUT_DTYPES = {**INDEX_DTYPES, **TOKEN_DTYPES}
 """The dtype of each forward input (before the caches)."""
 
 
 class ModelInput:
-    """Everything a paged forward takes except the caches (see ``model_interface``).
+    """Everything a paged forward takes except the caches (see ``model_interface``), on the
+    host: lists of ints (:attr:`values`), and the NumPy arrays of them made on first use.
 
-    The inputs are built on the host as lists of ints (:attr:`values`); the NumPy arrays and
-    torch tensors of them are made on first use.
+    ``input_ids`` (T,) are the new tokens of every scheduled sequence, packed in batch order;
+    ``positions`` (T,) the absolute position of each; ``logits_indices`` (N,) the rows whose
+    logits are returned: by default the last new token of each sequence that samples this step
+    (a sequence in the middle of a chunked prefill does not). When none is wanted, one dummy
+    row is asked for so that no executor sees an empty output.
 
     Args:
         values: the inputs by forward input name (:attr:`input_names`): lists of ints, rows of
             one width for a block table.
         sampling_seqs: for each logits row, the batch index of its sequence.
-        metadata, tensors: set by :meth:`to` (the tensors on another device); by default they
-            are made from the arrays on first use, sharing their memory.
     """
 
-    def __init__(
-        self,
-        values: dict[str, list],
-        sampling_seqs: list[int],
-        metadata: AttentionMetadata | None = None,
-        tensors: dict[str, torch.Tensor] | None = None,
-    ) -> None:
+    def __init__(self, values: dict[str, list], sampling_seqs: list[int]) -> None:
         self.values = values
         """The inputs by name, as lists (never changed after packing)."""
         self.sampling_seqs = sampling_seqs
@@ -84,8 +78,6 @@ class ModelInput:
         self.shapes = {name: list_shape(name, value) for name, value in values.items()}
         """The array shape of each input: what an executor binds."""
         self._arrays: dict[str, np.ndarray] | None = None
-        self._metadata = metadata
-        self._tensors = tensors if tensors is not None else {}
 
     @property
     def arrays(self) -> dict[str, np.ndarray]:
@@ -97,46 +89,6 @@ class ModelInput:
                 for name, value in self.values.items()
             }
         return self._arrays
-
-    def _tensor(self, name: str) -> torch.Tensor | None:
-        tensor = self._tensors.get(name)
-        if tensor is None and name in self.values:
-            tensor = self._tensors[name] = torch.from_numpy(self.arrays[name])
-        return tensor
-
-    @property
-    def input_ids(self) -> torch.Tensor:
-        """(T,) int64, the new tokens of every scheduled sequence, packed in batch order."""
-        return self._tensor("input_ids")
-
-    @property
-    def positions(self) -> torch.Tensor:
-        """(T,) int64, absolute position of each token in its sequence."""
-        return self._tensor("positions")
-
-    @property
-    def logits_indices(self) -> torch.Tensor:
-        """(N,) int64, the rows whose logits are returned: by default the last new token of
-        each sequence that samples this step (a sequence in the middle of a chunked prefill
-        does not). When none is wanted, one dummy row is asked for so that no executor sees an
-        empty output."""
-        return self._tensor("logits_indices")
-
-    @property
-    def encoder_input_ids(self) -> torch.Tensor | None:
-        """Encoder-decoder models: (T_enc,) int64 encoder tokens of the sequences encoded now."""
-        return self._tensor("encoder_input_ids")
-
-    @property
-    def encoder_positions(self) -> torch.Tensor | None:
-        """(T_enc,) int64, position of each in its encoder input."""
-        return self._tensor("encoder_positions")
-
-    @property
-    def metadata(self) -> AttentionMetadata:
-        if self._metadata is None:
-            self._metadata = metadata_from_arrays(self.arrays)
-        return self._metadata
 
     @property
     def is_encoder_decoder(self) -> bool:
@@ -182,44 +134,10 @@ class ModelInput:
 
     @property
     def input_names(self) -> tuple[str, ...]:
-        """Names of :meth:`index_args`, in order."""
+        """The names of the inputs, in the forward's order."""
         if self.is_encoder_decoder:
             return ENCODER_DECODER_INPUT_NAMES
         return DECODER_INPUT_NAMES
-
-    def forward_args(self, kv_caches: list[torch.Tensor]) -> tuple:
-        """The positional arguments of the forward: :meth:`index_args`, then the caches."""
-        return (*self.index_args(), kv_caches)
-
-    def index_args(self) -> tuple[torch.Tensor, ...]:
-        """The forward's arguments before the caches (named by :attr:`input_names`)."""
-        md = self.metadata
-        args = (
-            self.input_ids,
-            self.positions,
-            md.slot_mapping,
-            md.block_tables,
-            md.seq_lens,
-            md.query_start_loc,
-            self.logits_indices,
-        )
-        if md.is_encoder_decoder:
-            args += (
-                self.encoder_input_ids,
-                self.encoder_positions,
-                md.encoder_start_loc,
-                md.cross_slot_mapping,
-                md.cross_block_tables,
-                md.encoder_seq_lens,
-            )
-        return args
-
-    def to(self, device: torch.device | str) -> ModelInput:
-        """A copy whose tensors are on ``device`` (its host values are this one's)."""
-        tensors = {
-            name: self._tensor(name).to(device) for name in _TOKEN_DTYPES if name in self.values
-        }
-        return ModelInput(self.values, self.sampling_seqs, self.metadata.to(device), tensors)
 
 
 def pack_decoder_step(

@@ -1,9 +1,11 @@
 """Sampling parameters and the sampler.
 
-Every sequence that samples at random owns a ``torch.Generator`` seeded from its request's
+Every sequence that samples at random owns a NumPy ``Generator`` seeded from its request's
 ``seed`` and its sample index, and draws exactly one number per generated token. A seeded
 request therefore produces the same tokens whatever else is in the batch, however it was
 scheduled (chunked, preempted, recomputed), and on every executor that computes the same logits.
+
+The sampler works on NumPy logits and imports no torch (the serving core runs without it).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from attnexport.errors import UserError, UserTypeError
 
@@ -93,25 +94,26 @@ def _check_int(name: str, value, minimum: int | None) -> None:
         raise UserError(f"{name}: expected an int >= {minimum}, got {value}")
 
 
-def make_generator(params: SamplingParams, sample_index: int) -> torch.Generator | None:
+def make_generator(params: SamplingParams, sample_index: int) -> np.random.Generator | None:
     """The random stream of sample ``sample_index`` of a request; None for greedy requests."""
     if params.greedy:
         return None
     seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
-    # Distinct (seed, index) pairs get unrelated streams: sample 1 of seed s is not seed s + 1.
-    return torch.Generator().manual_seed(hash((seed, sample_index)) & (2**63 - 1))
+    # A SeedSequence of the pair: distinct (seed, index) pairs get unrelated streams (sample 1
+    # of seed s is not sample 0 of seed s + 1).
+    return np.random.default_rng((seed, sample_index))
 
 
 def sample(
-    logits: torch.Tensor | np.ndarray,
+    logits: np.ndarray,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
+    generators: Sequence[np.random.Generator | None],
 ) -> list[int]:
     """One token per row of ``logits``.
 
     Args:
-        logits: ``[N, vocab]`` floats on the CPU (a tensor, or a NumPy array as the engine
-            passes them).
+        logits: ``[N, vocab]`` floats on the host: a NumPy array, as executors return them (a
+            CPU torch tensor is taken too, converted without this module importing torch).
         params: N sampling parameters (row i uses ``params[i]``).
         generators: N generators; None for greedy rows.
 
@@ -120,38 +122,39 @@ def sample(
     """
     if not params:
         return []
-    tokens = _argmax(logits)  # the greedy rows' tokens; the others are drawn below
+    logits = host_logits(logits)
+    tokens = logits.argmax(axis=-1).tolist()  # the greedy rows' (first maximum or NaN)
     for i, p in enumerate(params):
         if not p.greedy:
-            row = logits[i]
-            row = torch.tensor(row) if isinstance(row, np.ndarray) else row
-            tokens[i] = _sample_row(row, p, generators[i])
+            tokens[i] = _sample_row(logits[i], p, generators[i])
     return tokens
 
 
-def _argmax(logits: torch.Tensor | np.ndarray) -> list[int]:
-    """The first maximum (or NaN) of each row of ``[N, vocab]`` logits."""
-    # NumPy's argmax runs on the calling thread. torch's would wake its OpenMP pool, whose
-    # threads then spin on the cores an onnxruntime session is about to use (docs/benchmarks.md,
-    # "Measured design choices").
-    if isinstance(logits, torch.Tensor):
-        if logits.dtype not in (torch.float32, torch.float64):
-            logits = logits.float()  # NumPy has no bfloat16; the float32 values keep the order
-        logits = logits.detach().numpy()
-    return logits.argmax(axis=-1).tolist()
+def host_logits(logits) -> np.ndarray:
+    """``logits`` as a float32/float64 NumPy array (a torch tensor is converted, a bfloat16 or
+    float16 one to float32 first: the float32 values keep the order)."""
+    if isinstance(logits, np.ndarray):
+        return logits
+    logits = logits.detach().cpu()
+    if str(logits.dtype) not in ("torch.float32", "torch.float64"):
+        logits = logits.float()  # NumPy has no bfloat16
+    return logits.numpy()
 
 
-def _sample_row(logits: torch.Tensor, params: SamplingParams, generator) -> int:
+def _sample_row(logits: np.ndarray, params: SamplingParams, generator: np.random.Generator) -> int:
     """Inverse-CDF sampling over the tokens sorted by probability (one uniform per token)."""
-    values, ids = torch.sort(logits.to(torch.float64) / params.temperature, descending=True)
-    if 0 < params.top_k < values.numel():
+    scaled = logits.astype(np.float64) / params.temperature
+    ids = np.argsort(-scaled, kind="stable")  # descending; ties keep the lower id first
+    values = scaled[ids]
+    if 0 < params.top_k < values.size:
         values, ids = values[: params.top_k], ids[: params.top_k]
-    probs = torch.softmax(values, dim=0)
+    probs = np.exp(values - values[0])
+    probs /= probs.sum()
     if params.top_p < 1.0:
         # Keep the shortest prefix whose mass reaches top_p (the first token always stays).
-        keep = int(((probs.cumsum(0) - probs) < params.top_p).sum())
+        keep = int(((np.cumsum(probs) - probs) < params.top_p).sum())
         probs = probs[:keep]
-    cdf = probs.cumsum(0)
-    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
-    index = min(int(torch.searchsorted(cdf, u, right=True)), cdf.numel() - 1)
+    cdf = np.cumsum(probs)
+    u = generator.random() * cdf[-1]
+    index = min(int(np.searchsorted(cdf, u, side="right")), cdf.size - 1)
     return int(ids[index])

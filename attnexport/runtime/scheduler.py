@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from attnexport.runtime.block_manager import BlockManager
 from attnexport.runtime.config import SchedulerConfig
-from attnexport.runtime.sequence import Request, Sequence, Status
+from attnexport.runtime.sequence import Request, SequenceState, Status
 
 
 @dataclass(slots=True)
@@ -32,7 +32,7 @@ class ScheduledBatch:
     """One step's work: the sequences in batch order with their token counts, and the block moves
     to apply before the model runs, in this order: swap-outs, swap-ins, copy-on-write copies."""
 
-    seqs: list[Sequence] = field(default_factory=list)
+    seqs: list[SequenceState] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     """(device block, CPU block) pairs."""
@@ -48,7 +48,7 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+    def add(self, seq: SequenceState, num_new_tokens: int) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
 
@@ -90,18 +90,20 @@ class Scheduler:
         self.block_manager.free_cross(request)
         request.status = Status.FINISHED
 
-    def free_finished_seq(self, seq: Sequence) -> None:
+    def free_finished_seq(self, seq: SequenceState) -> None:
         """Frees a sequence that finished while its request goes on."""
         self._release(seq, swapped=False)
         self._num_running_seqs -= 1
 
-    def _release(self, seq: Sequence, swapped: bool) -> None:
+    def _release(self, seq: SequenceState, swapped: bool) -> None:
         if swapped:
-            for block in seq.block_ids:
-                self.block_manager.cpu.decref(block)
-            seq.block_ids = []
+            self.block_manager.free_swapped(seq)
         else:
             self.block_manager.free(seq)
+
+    def _has_seq_slots(self, request: Request) -> bool:
+        """Starting ``request`` keeps the running sequences within ``max_num_seqs``."""
+        return self._num_running_seqs + self._seq_slots(request) <= self.config.max_num_seqs
 
     @staticmethod
     def _seq_slots(request: Request) -> int:
@@ -123,7 +125,7 @@ class Scheduler:
             if not plan:
                 index += 1
                 continue
-            while bm.blocks_needed(plan) > bm.device.num_free:
+            while not bm.can_grow(plan):
                 victim = self.running[-1]
                 if victim is request and len(self.running) == 1:
                     self._fail_too_large(request, batch)
@@ -152,7 +154,7 @@ class Scheduler:
         batch.copies = bm.take_pending_copies()
         return batch
 
-    def _waits_for_leader(self, request: Request, seq: Sequence) -> bool:
+    def _waits_for_leader(self, request: Request, seq: SequenceState) -> bool:
         """After a recomputation, a forked sample waits until the first unfinished sample (the
         leader) has recomputed the shared prompt blocks, then shares them."""
         shared = request.shared_prefix_len
@@ -167,7 +169,7 @@ class Scheduler:
         self.block_manager.fork(leader, seq, shared // self.block_manager.block_size)
         return False
 
-    def _plan(self, request: Request, budget: int) -> tuple[list[tuple[Sequence, int]], int]:
+    def _plan(self, request: Request, budget: int) -> tuple[list[tuple[SequenceState, int]], int]:
         """(sequence, tokens) pairs for ``request`` within ``budget``, and their token total."""
         plan, cost = [], 0
         for seq in request.seqs:  # not unfinished_seqs(): no list built for every request
@@ -187,12 +189,11 @@ class Scheduler:
         bm = self.block_manager
         while self.swapped and budget > 0:
             request = self.swapped[0]
-            if self._num_running_seqs + self._seq_slots(request) > self.config.max_num_seqs:
+            if not self._has_seq_slots(request):
                 break
             plan, cost = self._plan(request, budget)
             seqs = request.unfinished_seqs()
-            need = bm.swap_in_cost(seqs) + bm.blocks_needed(plan, pool=bm.cpu)
-            if not plan or need > bm.device.num_free:
+            if not plan or not bm.can_swap_in(seqs, plan):
                 break
             self.swapped.pop(0)
             batch.swap_in += bm.swap_in(seqs)
@@ -207,7 +208,7 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            if self._num_running_seqs + self._seq_slots(request) > self.config.max_num_seqs:
+            if not self._has_seq_slots(request):
                 break
             seqs = [s for s in request.unfinished_seqs() if not self._waits_for_leader(request, s)]
             hits = [bm.match_prefix(seq) for seq in seqs]
@@ -223,13 +224,10 @@ class Scheduler:
                 cost += count
             # Samples left out by the token budget run in later steps, as running ones do.
             hits = hits[: len(plan)]
-            if not plan or bm.admission_cost(plan, hits) > bm.device.num_free:
-                break
-            if bm.cross_blocks_needed(request) > bm.cross.num_free:
+            if not plan or not bm.can_admit(request, plan, hits):
                 break
             self.waiting.pop(0)
-            bm.allocate_cross(request)
-            bm.admit(plan, hits)
+            bm.admit(request, plan, hits)
             for seq, count in plan:
                 batch.add(seq, count)
             if request.num_preemptions == 0:
@@ -265,7 +263,7 @@ class Scheduler:
             _insert_by_age(self.waiting, request)
 
     def _fail_too_large(self, request: Request, batch: ScheduledBatch) -> None:
-        pool = self.block_manager.device.num_blocks
+        pool = self.block_manager.num_blocks
         request.error = (
             f"request {request.request_id}: its {len(request.unfinished_seqs())} sequence(s) need "
             f"more KV-cache blocks than the pool holds ({pool} blocks); use a larger "

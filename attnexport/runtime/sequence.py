@@ -15,7 +15,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from attnexport.runtime.sampling import SamplingParams
 
@@ -47,7 +47,7 @@ class EncoderInput:
 
 
 @dataclass(eq=False)
-class Sequence:
+class SequenceState:
     """One sample of a request: its tokens, how many are in the cache, and its blocks."""
 
     seq_id: int
@@ -55,7 +55,7 @@ class Sequence:
     token_ids: list[int]
     """Prompt followed by the generated tokens."""
     sample_index: int
-    generator: torch.Generator | None
+    generator: np.random.Generator | None
     num_computed: int = 0
     """Leading tokens whose keys/values are in the cache."""
     block_ids: list[int] = field(default_factory=list)
@@ -98,7 +98,7 @@ class Request:
     params: SamplingParams
     arrival_index: int
     """Admission order: older requests have smaller indices (FCFS, preempt the youngest)."""
-    seqs: list[Sequence] = field(default_factory=list)
+    seqs: list[SequenceState] = field(default_factory=list)
     status: Status = Status.WAITING
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
@@ -124,7 +124,7 @@ class Request:
     def prompt_len(self) -> int:
         return len(self.prompt)
 
-    def unfinished_seqs(self) -> list[Sequence]:
+    def unfinished_seqs(self) -> list[SequenceState]:
         return [s for s in self.seqs if not s.finished]
 
     @property

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnexport.custom_ops import ScheduledSequence
 from attnexport.model_interface import CacheSpec
+from attnexport.paged_inputs import ScheduledSequence
 from attnexport.runtime.model_input import StepSequence, pack_step
+from attnexport.runtime.torch_inputs import StepTensors
 
 Runner = Callable[[tuple, list], tuple[torch.Tensor, list]]
 
@@ -90,7 +91,7 @@ class PagedDriver:
                 StepSequence(scheduled, seq.tokens, count if all_logits else 1, seq.encoder_ids)
             )
         model_input = pack_step(entries, self.spec.block_size)
-        logits, self.kv_caches = self.runner(model_input.index_args(), self.kv_caches)
+        logits, self.kv_caches = self.runner(StepTensors(model_input).index_args(), self.kv_caches)
         for seq_id, count in new_tokens.items():
             self.sequences[seq_id].num_cached += count
             self.sequences[seq_id].encoded = True

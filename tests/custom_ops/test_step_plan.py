@@ -150,6 +150,7 @@ def test_the_torch_executor_opens_one_plan_per_step(monkeypatch):
     from attnexport.runtime import TorchExecutor
     from attnexport.runtime.executors import torch_executor
     from attnexport.runtime.model_input import pack_decoder_step
+    from attnexport.runtime.torch_inputs import StepTensors
 
     model = load_model("llama")
     executor = TorchExecutor(model, backend="sdpa", block_size=4)
@@ -170,7 +171,7 @@ def test_the_torch_executor_opens_one_plan_per_step(monkeypatch):
     # Without a plan every layer validates in full, with the same result.
     executor.initialize_cache(8, 0)
     with use_backend("sdpa"), torch.no_grad():
-        direct = model(*step.index_args(), executor.kv_caches)
+        direct = model(*StepTensors(step).index_args(), executor.kv_caches)
     assert torch.equal(direct.float(), logits)
 
 

@@ -101,24 +101,30 @@ BUDGET_SPLITS_SAMPLES = (
 @example(SWAPPED_WAITING_FORK)
 @example(BUDGET_SPLITS_SAMPLES)
 def test_random_workloads_are_exact_and_leak_no_block(workload):
+    for output, (prompt, params) in _run_leaking_nothing(workload):
+        if output.error is not None:
+            assert output.finish_reason == "error" and "more KV-cache blocks" in output.error
+            continue
+        expected = reference_tokens(prompt, params.max_tokens, MODEL.vocab_size, 32)
+        assert [c.token_ids for c in output.outputs] == [expected] * params.n
+
+
+def _run_leaking_nothing(workload) -> list:
+    """Generates the workload's requests; returns (output, request) pairs after checking that
+    only a request whose samples cannot all be resident failed (the engine may still finish
+    such a request by running its samples in turn after a preemption) and that every block of
+    both pools is free again."""
     requests, config = workload
     engine = _engine(config)
     outputs = engine.generate([p for p, _ in requests], [params for _, params in requests])
     for output, (prompt, params) in zip(outputs, requests, strict=True):
         if output.error is not None:
-            # Only a request whose samples cannot all be resident may fail, and only for that
-            # reason (the engine may still finish such a request by running its samples in
-            # turn after a preemption).
             assert _peak_blocks(prompt, params, config["block_size"]) > config["num_blocks"]
-            assert output.finish_reason == "error" and "more KV-cache blocks" in output.error
-            continue
-        assert output.error is None, output.error
-        expected = reference_tokens(prompt, params.max_tokens, MODEL.vocab_size, 32)
-        assert [c.token_ids for c in output.outputs] == [expected] * params.n
     bm = engine.block_manager
     assert bm.device.num_free == engine.num_blocks and not any(bm.device.ref_counts)
     assert bm.cpu.num_free == engine.num_cpu_blocks and not any(bm.cpu.ref_counts)
     assert not engine.has_unfinished_requests()
+    return list(zip(outputs, requests, strict=True))
 
 
 def _config(block_size, num_blocks, mode, budget=40, cpu_blocks=4, prefix=True):
@@ -190,16 +196,10 @@ SWAP_FALLBACK_SHARES_EVICTED_HIT = _sampled(
 @example(RECOMPUTED_SAMPLES_SHARE_EVICTED_HIT)
 @example(SWAP_FALLBACK_SHARES_EVICTED_HIT)
 def test_forked_samples_under_memory_pressure_equal_their_solo_run(workload):
-    requests, config = workload
-    engine = _engine(config)
-    outputs = engine.generate([p for p, _ in requests], [params for _, params in requests])
-    for output, (prompt, params) in zip(outputs, requests, strict=True):
+    config = workload[1]
+    for output, (prompt, params) in _run_leaking_nothing(workload):
         if output.error is not None:
-            assert _peak_blocks(prompt, params, config["block_size"]) > config["num_blocks"]
             continue
         solo = _engine(config, num_blocks=256).generate([prompt], params)[0]
         assert solo.metrics.num_preemptions == 0
         assert [c.token_ids for c in output.outputs] == [c.token_ids for c in solo.outputs]
-    bm = engine.block_manager
-    assert bm.device.num_free == engine.num_blocks and not any(bm.device.ref_counts)
-    assert bm.cpu.num_free == engine.num_cpu_blocks and not any(bm.cpu.ref_counts)

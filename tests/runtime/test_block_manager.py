@@ -7,17 +7,17 @@ import pytest
 
 from attnexport.runtime.block_manager import BlockManager, BlockPool
 from attnexport.runtime.sampling import SamplingParams
-from attnexport.runtime.sequence import Request, Sequence
+from attnexport.runtime.sequence import Request, SequenceState
 
 
-def _seq(tokens, seq_id=0, request=None) -> Sequence:
+def _seq(tokens, seq_id=0, request=None) -> SequenceState:
     request = request or Request(f"r{seq_id}", list(tokens), SamplingParams(), seq_id)
-    seq = Sequence(seq_id, request, list(tokens), 0, None)
+    seq = SequenceState(seq_id, request, list(tokens), 0, None)
     request.seqs.append(seq)
     return seq
 
 
-def _grow(bm: BlockManager, seq: Sequence, count: int) -> None:
+def _grow(bm: BlockManager, seq: SequenceState, count: int) -> None:
     bm.allocate(seq, count)
     seq.num_computed += count
     bm.register_full_blocks(seq)
@@ -159,7 +159,7 @@ def test_admitting_samples_never_evicts_a_hit_another_sample_is_about_to_take():
     hits = [bm.match_prefix(first), bm.match_prefix(second)]
     assert hits == [[held[0]], [held[1]]]
     assert bm.admission_cost(plan, hits) == 4 == bm.device.num_free
-    bm.admit(plan, hits)
+    bm.admit(request, plan, hits)
     assert first.block_ids[0] == held[0] and second.block_ids[0] == held[1]
     assert len({b for seq in (first, second) for b in seq.block_ids}) == 4
 
@@ -174,5 +174,5 @@ def test_samples_hitting_the_same_unheld_block_count_it_once():
     hits = [bm.match_prefix(first), bm.match_prefix(second)]
     assert hits[0] == hits[1] and len(hits[0]) == 1
     assert bm.admission_cost(plan, hits) == 3  # the shared hit once, one new block each
-    bm.admit(plan, hits)
+    bm.admit(request, plan, hits)
     assert bm.device.ref_counts[hits[0][0]] == 2 and bm.device.num_free == 1

@@ -18,8 +18,8 @@ from attnexport.runtime import (
     SchedulerConfig,
     TorchExecutor,
 )
-from attnexport.runtime.sequence import EncoderInput, Request
-from attnexport.runtime.sequence import Sequence as Seq
+from attnexport.runtime.sequence import EncoderInput, Request, SequenceState
+from attnexport.runtime.torch_inputs import StepTensors
 from tests.models.hf_reference import tiny_bart
 
 BLOCK_SIZE = 4
@@ -61,11 +61,11 @@ def _assert_all_blocks_free(engine: Engine) -> None:
 
 
 def _recorded(engine: Engine) -> list:
-    """Wraps the executor so that every step's model input is kept."""
+    """Wraps the executor so that every step's model input is kept (as its tensors)."""
     inputs, execute = [], engine.executor.execute
 
     def record(model_input):
-        inputs.append(model_input)
+        inputs.append(StepTensors(model_input))
         return execute(model_input)
 
     engine.executor.execute = record
@@ -162,7 +162,7 @@ def test_prefix_cache_keys_depend_on_the_encoder_input(model):
     keys = []
     for prompt in (PROMPTS[0], PROMPTS[2], PROMPTS[0]):
         request = Request("r", [START], GREEDY, 0, encoder=EncoderInput(list(prompt)))
-        seq = Seq(0, request, [START, 4, 4, 4, 4, 4], 0, None)
+        seq = SequenceState(0, request, [START, 4, 4, 4, 4, 4], 0, None)
         keys.append(bm._key(seq, 0))
     assert keys[0] != keys[1] and keys[0] == keys[2]
 

@@ -49,7 +49,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
     # Different seeds (and different sample indices) give different streams.
     other = make_generator(SamplingParams(temperature=0.8, seed=8), 0)
     second = make_generator(params, 1)
-    assert torch.rand(4, generator=other).tolist() != torch.rand(4, generator=second).tolist()
+    assert other.random(4).tolist() != second.random(4).tolist()
 
 
 def test_top_k_and_top_p_restrict_the_candidates():

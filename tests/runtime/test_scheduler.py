@@ -8,7 +8,7 @@ from attnexport.runtime.block_manager import BlockManager
 from attnexport.runtime.config import CacheConfig, SchedulerConfig
 from attnexport.runtime.sampling import SamplingParams
 from attnexport.runtime.scheduler import Scheduler
-from attnexport.runtime.sequence import Request, Sequence, Status
+from attnexport.runtime.sequence import Request, SequenceState, Status
 
 
 def _scheduler(num_blocks=64, block_size=4, **config) -> Scheduler:
@@ -18,7 +18,7 @@ def _scheduler(num_blocks=64, block_size=4, **config) -> Scheduler:
 
 def _add(scheduler: Scheduler, prompt_len: int, index: int) -> Request:
     request = Request(f"r{index}", list(range(prompt_len)), SamplingParams(), index)
-    request.seqs.append(Sequence(index, request, list(range(prompt_len)), 0, None))
+    request.seqs.append(SequenceState(index, request, list(range(prompt_len)), 0, None))
     scheduler.add(request)
     return request
 
@@ -86,7 +86,7 @@ def test_a_request_larger_than_the_pool_fails_alone():
     request = _add(scheduler, 12, 0)
     request.params = SamplingParams(n=2)  # two samples of 12+ tokens cannot share 3 blocks
     _step(scheduler)  # prefill: 3 blocks
-    request.seqs.append(Sequence(1, request, list(request.seqs[0].token_ids), 1, None))
+    request.seqs.append(SequenceState(1, request, list(request.seqs[0].token_ids), 1, None))
     scheduler.block_manager.fork(request.seqs[0], request.seqs[1])
     request.seqs[1].token_ids[-1] = 2
     batch = scheduler.schedule()

@@ -6,39 +6,59 @@ A plain ``InferenceSession.run`` copies every cache input and allocates every ca
 an ``OrtValue`` that is bound *both* as the cache input ``X`` and as its output ``X_out`` of one
 persistent ``IOBinding``; the cache write (``ScatterND``) then finds its output already holding
 its input and writes only the new tokens. Per step only the small index inputs are re-bound.
-The cache memory is a torch tensor as well, so block swaps and copy-on-write copies use the
-shared torch code (:mod:`attnexport.backends.block_copy`).
+
+On the CPU the caches are NumPy arrays the executor owns (block swaps and copy-on-write copies
+are NumPy copies) and this module needs no torch. On CUDA the cache memory is torch's (a CUDA
+build of torch holds it, and :mod:`attnexport.backends.block_copy` moves its blocks).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import weakref
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import torch
 
-from attnexport.custom_ops.metadata import to_array
 from attnexport.errors import UserError
+from attnexport.model_contract import read_contract
 from attnexport.model_interface import (
     DECODER_INPUT_NAMES,
     ENCODER_DECODER_INPUT_NAMES,
     CacheSpec,
 )
-from attnexport.runtime.executors.base import Executor
+from attnexport.paged_inputs import to_array
+from attnexport.runtime.executors.base import Device, Executor
+from attnexport.runtime.executors.cache_pool import CachePool, NumpyCachePool
 from attnexport.runtime.model_input import ModelInput
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 KERNELS = ("auto", "native", "bodies")
 _NUMPY_INDEX_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
+# Cache dtypes the caches can hold (bfloat16 ONNX is refused at export: no CPU kernels).
+_CACHE_DTYPES = ("float32", "float16", "float64")
 # Metadata keys (``metadata_props``) that may give the model's maximum length.
 _MAX_LEN_KEYS = ("max_model_len", "max_position_embeddings")
 
 
-def session_options(num_threads: int | None = None, spin: bool = True):
+def default_num_threads() -> int:
+    """The intra-op thread count of a session: torch's when torch is loaded (the process's
+    setting, e.g. ``torch.set_num_threads``), else ``OMP_NUM_THREADS``, else the cores this
+    process may run on."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.get_num_threads()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        return int(threads)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def default_session_options(num_threads: int | None = None, spin: bool = True):
     """onnxruntime session options for step-by-step decoding: ``num_threads`` intra-op threads
-    (default: torch's thread count), one inter-op thread, all graph optimizations.
+    (default: :func:`default_num_threads`), one inter-op thread, all graph optimizations.
 
     Idle worker threads spin (``spin=True``), as in onnxruntime's and onnxruntime-genai's
     defaults: on cores the process has to itself that saves a wake-up per parallel section
@@ -49,7 +69,7 @@ def session_options(num_threads: int | None = None, spin: bool = True):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    options.intra_op_num_threads = num_threads or torch.get_num_threads()
+    options.intra_op_num_threads = num_threads or default_num_threads()
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -64,10 +84,12 @@ class OrtExecutor(Executor):
         model: path of the ``.onnx`` file written by ``attnexport.lowering.to_onnx`` (its
             ``metadata_props`` name the cache inputs/outputs and give the cache geometry).
         device: ``cpu`` (CPU execution provider) or ``cuda`` (CUDA execution provider; needs
-            onnxruntime-gpu and a CUDA build of torch, which holds the cache memory).
-        num_threads: intra-op threads (default: ``torch.get_num_threads()``).
-        spin: let idle worker threads spin (see :func:`session_options`).
-        session_options: an ``onnxruntime.SessionOptions`` replacing :func:`session_options`.
+            onnxruntime-gpu and a CUDA build of torch, which holds the cache memory), as a name
+            or a ``torch.device``.
+        num_threads: intra-op threads (default: :func:`default_num_threads`).
+        spin: let idle worker threads spin (see :func:`default_session_options`).
+        session_options: an ``onnxruntime.SessionOptions`` replacing
+            :func:`default_session_options`.
         max_model_len: the model's maximum length when its metadata does not give one.
         kernels: how the attnexport nodes run: ``native``, the C++ CPU kernels of
             :mod:`attnexport.runtime.ort_kernels` (an error if that library is not built or
@@ -81,7 +103,7 @@ class OrtExecutor(Executor):
         self,
         model: str | os.PathLike,
         *,
-        device: torch.device | str = "cpu",
+        device: Any = "cpu",
         num_threads: int | None = None,
         spin: bool = True,
         session_options=None,
@@ -90,10 +112,9 @@ class OrtExecutor(Executor):
     ) -> None:
         import onnxruntime as ort
 
-        from attnexport.lowering.ort_session import PagedOrtSession
         from attnexport.runtime import ort_kernels
 
-        device = torch.device(device)
+        device = Device.parse(device)
         if device.type not in PROVIDERS:
             raise UserError(f"device: expected 'cpu' or 'cuda', got {str(device)!r}")
         if kernels not in KERNELS:
@@ -109,17 +130,16 @@ class OrtExecutor(Executor):
         path = Path(model)
         if not path.is_file():
             raise UserError(f"model: no such .onnx file: {path}")
-        options = session_options or globals()["session_options"](num_threads, spin)
+        options = session_options or default_session_options(num_threads, spin)
         native = kernels == "native" or (
             kernels == "auto" and device.type == "cpu" and ort_kernels.unavailable_reason() is None
         )
         if native:
             ort_kernels.register(options)
         self.kernels = "native" if native else "bodies"
-        # The lowering's session reads the attnexport metadata; the binding below is ours: it
-        # persists across steps instead of being rebuilt for every run.
-        paged = PagedOrtSession(path, providers=[provider], session_options=options)
-        self.session, self.contract, self.path = paged.session, paged.contract, path
+        # The binding below persists across steps instead of being rebuilt for every run.
+        self.session = ort.InferenceSession(str(path), sess_options=options, providers=[provider])
+        self.contract, self.path = read_contract(self.session), path
         meta = self.contract
         if meta.block_size is None or not meta.cache_inputs:
             raise UserError(f"model: {path} has no paged KV caches in its attnexport metadata")
@@ -146,11 +166,16 @@ class OrtExecutor(Executor):
             )
         if logits.type != "tensor(float)":
             raise UserError(f"model: expected float32 logits, got {logits.type}")
+        if meta.dtype not in _CACHE_DTYPES:
+            raise UserError(
+                f"model: cache dtype {meta.dtype!r} is not one onnxruntime runs here "
+                f"(expected one of {sorted(_CACHE_DTYPES)})"
+            )
         spec = CacheSpec(
             num_layers=meta.num_layers,
             num_kv_heads=meta.num_kv_heads,
             head_size=meta.head_size,
-            dtype=getattr(torch, meta.dtype),
+            dtype=np.dtype(meta.dtype),
             block_size=meta.block_size,
             num_cross_layers=meta.num_cross_layers,
         )
@@ -159,12 +184,18 @@ class OrtExecutor(Executor):
         self._binding = None
         self._cache_values: list = []
         self._input_buffers: dict[str, np.ndarray] = {}
-        self._logits: np.ndarray | None = None
-        self._logits_refs = 0
+        self._logits = _LogitsBuffers(self.vocab_size)
+
+    def _make_cache_pool(self, num_blocks: int, num_cpu_blocks: int) -> CachePool:
+        if self.device.type == "cpu":
+            return NumpyCachePool(self.cache_spec, num_blocks, num_cpu_blocks)
+        from attnexport.runtime.executors.torch_cache_pool import TorchCachePool
+
+        return TorchCachePool(self.cache_spec, num_blocks, num_cpu_blocks, str(self.device))
 
     def _bind_caches(self) -> None:
-        """Wraps every cache tensor once in an OrtValue (zero copy) and binds that same
-        OrtValue as the cache input and as its ``_out`` output, for every later step."""
+        """Wraps every cache once in an OrtValue (zero copy) and binds that same OrtValue as
+        the cache input and as its ``_out`` output, for every later step."""
         from onnxruntime import OrtValue
 
         binding = self.session.io_binding()
@@ -173,19 +204,26 @@ class OrtExecutor(Executor):
         binding.bind_output(self._logits_name, "cpu")
         values = []
         for name, cache in zip(self.contract.cache_inputs, self.kv_caches, strict=True):
-            value = OrtValue.from_dlpack(cache)
+            if isinstance(cache, np.ndarray):
+                value = OrtValue.ortvalue_from_numpy(cache)
+            else:
+                value = OrtValue.from_dlpack(cache)
             binding.bind_ortvalue_input(name, value)
             binding.bind_ortvalue_output(self.contract.cache_outputs[name], value)
             values.append(value)
         self._binding, self._cache_values = binding, values
-        self._input_buffers, self._logits = {}, None
+        self._input_buffers, self._logits = {}, _LogitsBuffers(self.vocab_size)
 
     @property
     def cache_ortvalues(self) -> list:
         """The OrtValues bound as both cache input and output (they share ``kv_caches``)."""
         return list(self._cache_values)
 
-    def execute(self, model_input: ModelInput) -> torch.Tensor:
+    def execute(self, model_input: ModelInput):
+        """:meth:`execute_numpy` as a torch tensor sharing its memory, as every executor's
+        ``execute`` returns (the torch-facing API: the engine calls :meth:`execute_numpy`)."""
+        import torch
+
         return torch.from_numpy(self.execute_numpy(model_input))
 
     def execute_numpy(self, model_input: ModelInput) -> np.ndarray:
@@ -195,7 +233,11 @@ class OrtExecutor(Executor):
             raise RuntimeError("OrtExecutor.execute: initialize_cache must run first")
         model_input.check_rows(self.vocab_size, self.max_model_len)
         self._bind_inputs(model_input)
-        logits = self._logits_buffer(model_input.num_logits)
+        logits = self._logits.next(model_input.num_logits)
+        if self._logits.rebind:
+            self._binding.bind_output(
+                self._logits_name, "cpu", 0, logits.dtype, logits.shape, logits.ctypes.data
+            )
         self.session.run_with_iobinding(self._binding)
         return logits
 
@@ -218,29 +260,39 @@ class OrtExecutor(Executor):
                 buffer = buffers[name] = to_array(name, values, self._index_types[name])
                 self._binding.bind_ortvalue_input(name, OrtValue.ortvalue_from_numpy(buffer))
 
-    def _logits_buffer(self, num_rows: int) -> np.ndarray:
-        """The ``[num_rows, vocab]`` float32 host buffer the next run writes its logits into
-        (bound by address, whatever the execution provider).
-
-        The previous step's buffer is written again only when nothing but this executor refers
-        to it (a tensor made from it, a slice or a view of it would); otherwise a fresh one is
-        bound, so the logits a step returned are never overwritten while someone holds them."""
-        logits = self._logits
-        if (
-            logits is None
-            or logits.shape[0] != num_rows
-            or sys.getrefcount(self._logits) > self._logits_refs
-        ):
-            logits = self._logits = np.empty((num_rows, self.vocab_size), np.float32)
-            self._binding.bind_output(
-                self._logits_name, "cpu", 0, logits.dtype, logits.shape, logits.ctypes.data
-            )
-            # The count with no reference but the executor's (this method's included), taken as
-            # it is checked: what the interpreter counts for the call then cancels out.
-            self._logits_refs = sys.getrefcount(self._logits)
-        return logits
-
     def describe(self) -> str:
         provider = PROVIDERS[self.device.type]
         threads = self.session.get_session_options().intra_op_num_threads
         return f"onnxruntime {provider} ({threads} threads, {self.kernels} kernels): {self.path}"
+
+
+class _LogitsBuffers:
+    """The host memory the session writes a step's ``[rows, vocab]`` float32 logits into.
+
+    The executor owns the memory (a ``bytearray``); each step's logits are the one array made
+    over it, and every view or tensor made from that array refers to it (NumPy points views at
+    the array over foreign memory, torch keeps the array it shares). The memory is written
+    again only once that array is gone (a weak reference tells); while someone holds it, the
+    next step gets new memory, so the logits a step returned are never overwritten."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.rebind = True
+        """The last :meth:`next` gave new memory or a new shape: the output must be bound."""
+        self._memory = bytearray()
+        self._returned: weakref.ref[np.ndarray] | None = None
+        self._shape: tuple[int, int] | None = None
+
+    def next(self, num_rows: int) -> np.ndarray:
+        """The array the next run writes its logits into."""
+        shape = (num_rows, self.vocab_size)
+        nbytes = num_rows * self.vocab_size * 4
+        held = self._returned is not None and self._returned() is not None
+        if held or len(self._memory) < nbytes:
+            self._memory = bytearray(nbytes)
+            self._shape = None
+        logits = np.ndarray(shape, np.float32, buffer=self._memory)
+        self.rebind = shape != self._shape
+        self._shape = shape
+        self._returned = weakref.ref(logits)
+        return logits

@@ -17,7 +17,9 @@ from attnexport.model_interface import (
     CacheSpec,
 )
 from attnexport.runtime.executors.base import Executor
+from attnexport.runtime.executors.torch_cache_pool import TorchCachePool
 from attnexport.runtime.model_input import ModelInput
+from attnexport.runtime.torch_inputs import StepTensors
 
 
 def check_backend(backend: str, device: torch.device) -> str:
@@ -109,11 +111,12 @@ class TorchExecutor(Executor):
         self.module = module
         self.decoder_start_token_id = found.get("decoder_start_token_id")
 
+    def _make_cache_pool(self, num_blocks: int, num_cpu_blocks: int) -> TorchCachePool:
+        return TorchCachePool(self.cache_spec, num_blocks, num_cpu_blocks, self.device)
+
     def execute(self, model_input: ModelInput) -> torch.Tensor:
         model_input.check_rows(self.vocab_size, self.max_model_len)
-        if self.device.type != "cpu":
-            model_input = model_input.to(self.device)
-        args = model_input.index_args()
+        args = StepTensors(model_input, self.device).index_args()
         # The step's plan: every layer reuses what the first one checked and planned about
         # these (fresh, never rewritten) metadata tensors.
         with use_backend(self.backend), torch.no_grad(), step_plan(args):

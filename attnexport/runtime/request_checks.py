@@ -1,0 +1,96 @@
+"""Checking one request against an engine's limits before it is queued."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from attnexport.errors import UserError, UserTypeError
+from attnexport.runtime.config import SchedulerConfig
+from attnexport.runtime.sampling import SamplingParams
+from attnexport.runtime.text import Tokenizer
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What an engine can take: its model's vocabulary and length, its scheduler's limits."""
+
+    vocab_size: int
+    max_model_len: int
+    scheduler_config: SchedulerConfig
+    encoder_decoder: bool
+    """The prompt is an encoder input (run whole, not chunked)."""
+
+    def check(
+        self, prompt: Sequence[int] | str, params: SamplingParams, tokenizer: Tokenizer | None
+    ) -> list[int]:
+        """Validates one request; returns the prompt as a list of ints (a text prompt encoded
+        with ``tokenizer``).
+
+        Raises:
+            TypeError: a prompt that is not a sequence of ints, or params that are not
+                SamplingParams.
+            ValueError: an empty prompt, a prompt longer than ``max_model_len``, a token id
+                (prompt or forced) outside ``[0, vocab_size)``, or bad sampling parameters.
+        """
+        if not isinstance(params, SamplingParams):
+            raise UserTypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+        params.check()
+        tokens = _token_ids(prompt, tokenizer)
+        if not tokens:
+            raise UserError("prompt: expected at least one token, got an empty prompt")
+        if len(tokens) > self.max_model_len:
+            raise UserError(
+                f"prompt: {len(tokens)} tokens is longer than the model's maximum length "
+                f"(max_model_len={self.max_model_len})"
+            )
+        vocab = self.vocab_size
+        bad = next((t for t in tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise UserError(
+                f"prompt: token id {bad} is outside the vocabulary; expected ids in [0, {vocab})"
+            )
+        for name in ("forced_bos_token_id", "forced_eos_token_id"):
+            forced = getattr(params, name)
+            if forced is not None and forced >= vocab:
+                raise UserError(
+                    f"{name}: token id {forced} is outside the vocabulary; expected [0, {vocab})"
+                )
+        self._check_scheduling(len(tokens), params)
+        return tokens
+
+    def _check_scheduling(self, num_tokens: int, params: SamplingParams) -> None:
+        """The scheduler can run a prompt of ``num_tokens`` with ``params.n`` samples."""
+        config = self.scheduler_config
+        if params.n > config.max_num_seqs:
+            raise UserError(f"n: {params.n} samples exceed max_num_seqs={config.max_num_seqs}")
+        budget = config.max_num_batched_tokens
+        if self.encoder_decoder and num_tokens + 1 > budget:
+            raise UserError(
+                f"prompt: {num_tokens} encoder tokens and the decoder's first token exceed "
+                f"max_num_batched_tokens={budget} (the encoder input is not chunked)"
+            )
+        if not config.enable_chunked_prefill and num_tokens > budget:
+            raise UserError(
+                f"prompt: {num_tokens} tokens exceed max_num_batched_tokens={budget} and "
+                "chunked prefill is disabled"
+            )
+
+
+def _token_ids(prompt: Sequence[int] | str, tokenizer: Tokenizer | None) -> list[int]:
+    """``prompt`` as a list of ints (text encoded with ``tokenizer``); raises TypeError for
+    anything else."""
+    if isinstance(prompt, str) and tokenizer is not None:
+        prompt = tokenizer.encode(prompt)
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Iterable):
+        raise UserTypeError(
+            f"prompt: expected a list of token ids, got {type(prompt).__name__} (text "
+            "prompts need an engine with a tokenizer)"
+        )
+    tokens = []
+    for token in prompt:
+        if isinstance(token, bool) or not hasattr(token, "__index__"):
+            raise UserTypeError(f"prompt: expected int token ids, got {token!r}")
+        tokens.append(operator.index(token))
+    return tokens
