@@ -17,10 +17,10 @@ export OMP_NUM_THREADS ?= 2
 
 .PHONY: test test-main test-ipex test-gpu demo lint format clean venv venv-ipex ort-kernels
 
-# The native onnxruntime CPU kernels (attnexport/runtime/ort_kernels); the test targets require
+# The native onnxruntime CPU kernels (attnexport/ort_kernels); the test targets require
 # them (ATTNEXPORT_REQUIRE_ORT_KERNELS=1: their tests fail instead of skipping when unbuilt).
-ORT_KERNELS := attnexport/runtime/ort_kernels/libattnexport_ort.so
-ORT_KERNEL_SOURCES := $(wildcard attnexport/runtime/ort_kernels/*.cc attnexport/runtime/ort_kernels/*.h)
+ORT_KERNELS := attnexport/ort_kernels/libattnexport_ort.so
+ORT_KERNEL_SOURCES := $(wildcard attnexport/ort_kernels/*.cc attnexport/ort_kernels/*.h)
 
 test: test-main test-ipex
 

@@ -1,5 +1,5 @@
 """One ``attnexport.PagedAttention`` node in onnxruntime (CPU): its standard-op body against the
-native kernel of :mod:`attnexport.runtime.ort_kernels`, float32.
+native kernel of :mod:`attnexport.ort_kernels`, float32.
 
 Each configuration is one layer's attention step over a paged cache: decode (one query per
 sequence) or prefill (``--prefill`` query tokens per sequence with no context). The two
@@ -17,8 +17,8 @@ import time
 
 import torch
 
+from attnexport import ort_kernels
 from attnexport.lowering.single_node import single_node_session
-from attnexport.runtime import ort_kernels
 
 BLOCK_SIZE = 16
 # (heads, kv heads, head size, batch, context, queries per sequence)

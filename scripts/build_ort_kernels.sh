@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds attnexport/runtime/ort_kernels/libattnexport_ort.so, the native onnxruntime CPU kernels
+# Builds attnexport/ort_kernels/libattnexport_ort.so, the native onnxruntime CPU kernels
 # of the attnexport domain (make runs this; needs g++ and network access the first time).
 #
 # The kernels use only onnxruntime's C API, which is ABI-stable and reached at run time through
@@ -11,7 +11,7 @@
 #   ARCH_FLAGS   compiler target flags (default -march=native: build on the machine that runs it)
 #   CXX          C++ compiler (default g++)
 #   EXTRA_FLAGS  appended to the compiler flags (a test builds with -O0 for other CPUs)
-#   OUTPUT       the library to write (default attnexport/runtime/ort_kernels/libattnexport_ort.so)
+#   OUTPUT       the library to write (default attnexport/ort_kernels/libattnexport_ort.so)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,7 +19,7 @@ DEB_URL=https://deb.debian.org/debian/pool/main/o/onnxruntime/libonnxruntime-dev
 DEB_SHA256=14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08
 HEADERS=build/ort-headers
 INCLUDE=$HEADERS/usr/include/onnxruntime
-SOURCES=attnexport/runtime/ort_kernels
+SOURCES=attnexport/ort_kernels
 OUTPUT=${OUTPUT:-$SOURCES/libattnexport_ort.so}
 
 if [ ! -f "$INCLUDE/onnxruntime_c_api.h" ]; then

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import settings
 
 import attnexport  # noqa: F401  (registers ops and backends)
+from attnexport import ort_kernels
 from attnexport.custom_ops import get_backend, registered_backends, use_backend
-from attnexport.runtime import ort_kernels
 
 # CI runs must not depend on luck: property tests replay the same examples every run there.
 settings.register_profile("ci", derandomize=True, database=None)

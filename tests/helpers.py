@@ -7,8 +7,8 @@ import contextlib
 import pytest
 import torch
 
+from attnexport import ort_kernels
 from attnexport.custom_ops import BackendUnsupportedError
-from attnexport.runtime import ort_kernels
 from attnexport.tolerances import tolerance
 
 # Tests of the native onnxruntime kernels skip, with the reason, where the library is not built

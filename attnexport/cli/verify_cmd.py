@@ -71,8 +71,8 @@ def _onnx_leg(path: Path, input_names: list[str], native: bool) -> Leg:
     """The ONNX model in onnxruntime: the attnexport nodes' bodies, or the native kernels."""
     import onnxruntime as ort
 
+    from attnexport import ort_kernels
     from attnexport.lowering import PagedOrtSession
-    from attnexport.runtime import ort_kernels
 
     options = ort.SessionOptions()
     if native:
@@ -117,7 +117,7 @@ def _legs(manifest: dict, directory: Path, model, trust_pickle: bool) -> dict[st
         program = load_pt2(path, trust_pickle=trust_pickle).module()
         legs["pt2"] = _eager_leg(program, "auto")
     if "onnx" in manifest["files"]:
-        from attnexport.runtime import ort_kernels
+        from attnexport import ort_kernels
 
         path = check_model_file(manifest, directory, "onnx")
         legs["onnx"] = _onnx_leg(path, manifest["input_names"], native=False)

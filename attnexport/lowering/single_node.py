@@ -26,9 +26,9 @@ def single_node_session(
     import onnx_ir as ir
     import onnxruntime as ort
 
+    from attnexport import ort_kernels
     from attnexport.lowering.model_contract import GraphContract
     from attnexport.lowering.registry import DOMAIN, all_bodies, onnx_ops, register_schemas
-    from attnexport.runtime import ort_kernels
 
     types = {
         torch.float32: ir.DataType.FLOAT,

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from attnexport import ort_kernels
 from attnexport.artifact import file_digest
 from attnexport.cli.main import main
-from attnexport.runtime import ort_kernels
 from tests.cli.helpers import run_cli
 
 

@@ -22,8 +22,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 
+from attnexport import ort_kernels
 from attnexport.custom_ops import reference, registered_backends
-from attnexport.runtime import ort_kernels
 from attnexport.tolerances import tolerance
 from tests.fuzz.cases import EAGER_ONLY, KINDS
 from tests.fuzz.harness import WorkerDied

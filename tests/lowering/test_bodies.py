@@ -1,6 +1,6 @@
 """The attnexport nodes in onnxruntime against the float64 reference over the standard case
 matrix (and edge cases of the cache write): run by their standard-op function bodies (stock
-onnxruntime) and by the native kernels of :mod:`attnexport.runtime.ort_kernels` (``kernels``)."""
+onnxruntime) and by the native kernels of :mod:`attnexport.ort_kernels` (``kernels``)."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from attnexport import ort_kernels
 from attnexport.custom_ops import registered_backends
 from attnexport.models import load_model
 from attnexport.runtime import (
@@ -18,7 +19,6 @@ from attnexport.runtime import (
     SamplingParams,
     SchedulerConfig,
     TorchExecutor,
-    ort_kernels,
 )
 from tests.helpers import ORT_KERNEL_MODES
 

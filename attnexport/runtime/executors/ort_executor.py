@@ -92,7 +92,7 @@ class OrtExecutor(Executor):
             :func:`default_session_options`.
         max_model_len: the model's maximum length when its metadata does not give one.
         kernels: how the attnexport nodes run: ``native``, the C++ CPU kernels of
-            :mod:`attnexport.runtime.ort_kernels` (an error if that library is not built or
+            :mod:`attnexport.ort_kernels` (an error if that library is not built or
             the device is cuda); ``bodies``, their standard-op function bodies; ``auto``
             (default), native on cpu when the library is built, else the bodies.
     """
@@ -112,7 +112,7 @@ class OrtExecutor(Executor):
     ) -> None:
         import onnxruntime as ort
 
-        from attnexport.runtime import ort_kernels
+        from attnexport import ort_kernels
 
         device = Device.parse(device)
         if device.type not in PROVIDERS:
