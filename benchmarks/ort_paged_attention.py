@@ -57,10 +57,11 @@ def measure(config, threads: int, turns: int = 7, runs: int = 50) -> dict[str, f
         session = single_node_session(
             "PagedAttention", inputs, {"output": inputs["query"]}, kernels, threads, **attributes
         )
-        bindings[kernels] = (session.session, session.bind(inputs))
+        bindings[kernels] = session.bind(inputs)
     best = dict.fromkeys(bindings, float("inf"))
     for _ in range(turns):
-        for kernels, (session, binding) in bindings.items():
+        for kernels, step in bindings.items():
+            session, binding = step.session, step.binding
             session.run_with_iobinding(binding)
             start = time.perf_counter()
             for _ in range(runs):

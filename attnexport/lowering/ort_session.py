@@ -24,12 +24,17 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 import torch
 
 from attnexport.model_contract import GraphContract, read_contract
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
 
 _ONNX_TYPES = {
     torch.float32: onnx.TensorProto.FLOAT,
@@ -109,6 +114,22 @@ def ortvalue_to_torch(value) -> torch.Tensor:
     return torch.frombuffer(raw, dtype=torch.bfloat16).reshape(shape).clone()
 
 
+@dataclass(frozen=True)
+class BoundStep:
+    """One step's ``IOBinding`` and the tensors bound into it zero-copy (converted index
+    copies included): the binding holds only their addresses, so the step owns them for as
+    long as it can run."""
+
+    session: ort.InferenceSession
+    binding: ort.IOBinding
+    tensors: dict[str, torch.Tensor]
+
+    def run(self) -> list[ort.OrtValue]:
+        """Runs the step (caches are written in place); its outputs in session order."""
+        self.session.run_with_iobinding(self.binding)
+        return self.binding.get_outputs()
+
+
 class PagedOrtSession:
     """An onnxruntime session of an attnexport model whose steps update the caches in place.
 
@@ -139,8 +160,8 @@ class PagedOrtSession:
     def input_names(self) -> list[str]:
         return list(self.input_types)
 
-    def bind(self, inputs: Mapping[str, object]):
-        """An ``IOBinding`` for one step: every input bound zero-copy, each written cache's
+    def bind(self, inputs: Mapping[str, object]) -> BoundStep:
+        """One step bound to an ``IOBinding``: every input bound zero-copy, each written cache's
         output bound to the cache's own buffer, other outputs allocated by onnxruntime.
 
         Args:
@@ -182,9 +203,7 @@ class PagedOrtSession:
                 )
             else:
                 binding.bind_output(output, "cpu")
-        # The bound tensors (including converted copies) must outlive the run.
-        binding._attnexport_inputs = flat
-        return binding
+        return BoundStep(self.session, binding, flat)
 
     def _conform(self, name: str, tensor: torch.Tensor, is_cache: bool) -> torch.Tensor:
         expected = self.input_types[name]
@@ -204,11 +223,10 @@ class PagedOrtSession:
     def run(self, inputs: Mapping[str, object]) -> dict[str, torch.Tensor]:
         """Runs one step; caches are updated in place. Returns the non-cache outputs
         ``{name: tensor}`` (on CPU)."""
-        binding = self.bind(inputs)
-        self.session.run_with_iobinding(binding)
+        outputs = self.bind(inputs).run()
         written = set(self.contract.cache_outputs.values())
         return {
             name: ortvalue_to_torch(value)
-            for name, value in zip(self.output_names, binding.get_outputs(), strict=True)
+            for name, value in zip(self.output_names, outputs, strict=True)
             if name not in written
         }

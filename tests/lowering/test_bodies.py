@@ -113,12 +113,11 @@ def test_reshape_and_cache_writes_in_place_and_skips_padding(case: AttentionCase
     session = _write_session(x, kernels)
     key_cache, value_cache = x["key_cache"], x["value_cache"]
     pointers = key_cache.data_ptr(), value_cache.data_ptr()
-    binding = session.bind(
+    step = session.bind(
         {n: x[n] for n in ("key", "value", "key_cache", "value_cache")}
         | {"slot_mapping": x["slot_mapping"]}
     )
-    session.session.run_with_iobinding(binding)
-    assert tuple(v.data_ptr() for v in binding.get_outputs()) == pointers
+    assert tuple(v.data_ptr() for v in step.run()) == pointers
     torch.testing.assert_close(key_cache, expected_key, atol=0, rtol=0)
     torch.testing.assert_close(value_cache, expected_value, atol=0, rtol=0)
 

@@ -57,11 +57,11 @@ def test_cache_write_touches_only_the_written_blocks(program, tmp_path, target):
     inputs = _step_inputs(HUGE_BLOCKS)
     caches = [torch.empty(HUGE_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE) for _ in range(2)]
     before = _resident_bytes()
-    binding = session.bind({**inputs, "key_cache": caches[0], "value_cache": caches[1]})
-    session.session.run_with_iobinding(binding)
+    step = session.bind({**inputs, "key_cache": caches[0], "value_cache": caches[1]})
+    values = step.run()
     grown = _resident_bytes() - before
 
-    outputs = dict(zip(session.output_names, binding.get_outputs(), strict=True))
+    outputs = dict(zip(session.output_names, values, strict=True))
     assert outputs["key_cache_out"].data_ptr() == caches[0].data_ptr()
     assert outputs["value_cache_out"].data_ptr() == caches[1].data_ptr()
     assert grown < 64 * 2**20, f"the step touched {grown / 2**20:.0f} MiB of 2 GiB of caches"
