@@ -8,6 +8,8 @@ Pipeline (each step answers a trap of docs/traps.md)::
     connect_caches_directly   drop torch's no-op copies between caches and their users
     expose_cache_writes       last write of cache input X -> graph output X_out
     optimize_ir               onnxscript's optimizer (after exposing, so nothing is dropped)
+    gemm_to_matmul            nn.Linear's Gemm -> MatMul on a constant [in, out] weight (what
+                              onnxruntime's weight quantizer rewrites)
     rename_dims, name_outputs readable dimension and output names
     apply_target              attach bodies / inline them / map to com.microsoft
     graph contract, IR 10     metadata_props; then save, full onnx.checker, in-place check
@@ -164,6 +166,7 @@ def to_onnx(
     import onnxscript.optimizer
 
     onnxscript.optimizer.optimize_ir(model)
+    onnx_passes.gemm_to_matmul(model)
     naming.rename_dims(
         model, naming.input_dim_names(program), program.graph_module.meta.get(DIM_NAMES_META, {})
     )
