@@ -82,3 +82,17 @@ def test_flag_errors_are_named(tmp_path, capsys, flags, needle):
     # The layer names come from the lowered graph: that error follows the progress lines.
     assert_one_line_error(err.strip().splitlines()[-1], "export", needle)
     assert not (tmp_path / "x" / "model.onnx").exists()
+
+
+def test_a_malformed_weights_entry_is_named(int4_export, tmp_path):
+    import shutil
+
+    from attnexport.artifact import ArtifactError
+
+    copy = tmp_path / "copy"
+    shutil.copytree(int4_export, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["weights"] = "int4"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="field 'weights'"):
+        read_manifest(copy)
