@@ -17,7 +17,6 @@ Pipeline (each step answers a trap of docs/traps.md)::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -34,25 +33,16 @@ from attnexport.lowering import naming, onnx_passes
 from attnexport.lowering.export import DIM_NAMES_META, export_program
 from attnexport.lowering.model_contract import GraphContract, cache_geometry
 from attnexport.lowering.passes import check_program, functionalize_cache_writes
+from attnexport.lowering.quiet import quieted
 from attnexport.lowering.targets import apply_target, check_target
 from attnexport.model_interface import CacheSpec
 
 IR_VERSION = 10
 """ONNX IR version of the files (onnx 1.23 writes newer ones than onnxruntime 1.31 reads)."""
 DEFAULT_OPSET = 18
-_EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GiB limit, with room for the graph
-
-
-@contextlib.contextmanager
-def _quiet_torch_onnx():
-    """Silences torch.onnx's registry warnings (torchvision ops it cannot find)."""
-    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+EXTERNAL_DATA_BYTES = 1_800_000_000
+"""Weights past this many bytes go to ``model.onnx.data`` (protobuf's 2 GiB limit, with room
+for the graph)."""
 
 
 def _sample_inputs(program: ExportedProgram) -> dict[str, torch.Tensor]:
@@ -79,7 +69,7 @@ def _save(model: ir.Model, path: Path) -> onnx.ModelProto:
         for value in model.graph.initializers.values()
         if value.const_value is not None
     )
-    external = weights > _EXTERNAL_DATA_BYTES
+    external = weights > EXTERNAL_DATA_BYTES
     if external:
         ir.save(model, path, external_data=f"{path.name}.data")
     else:
@@ -149,7 +139,8 @@ def to_onnx(
     functional, _ = functionalize_cache_writes(program)
     from attnexport.lowering.registry import translation_table
 
-    with _quiet_torch_onnx():
+    # torch.onnx's registry warns about every torchvision op it cannot find.
+    with quieted("torch.onnx._internal.exporter._registration", logging.ERROR):
         onnx_program = torch.onnx.export(
             functional,
             (),

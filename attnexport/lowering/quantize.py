@@ -23,13 +23,15 @@ from pathlib import Path
 
 import onnx
 
+from attnexport.lowering.onnx_export import EXTERNAL_DATA_BYTES
+from attnexport.lowering.quiet import quieted
+
 WEIGHT_FORMATS = {"float": None, "int4": 4, "int8": 8}
 """``export --weights``: the weight formats and their bits (``float``: not quantized)."""
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_ACCURACY_LEVEL = 4
 LM_HEAD = "lm_head"
 ACCURACY_LEVELS = range(5)  # MatMulNBits: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 compute
-_EXTERNAL_DATA_BYTES = 1_800_000_000  # as onnx_export: protobuf's 2 GiB limit
 
 
 class QuantizationError(ValueError):
@@ -119,13 +121,10 @@ def _quiet_quantizer():
     undone."""
     root = logging.getLogger()
     root_level, root_handlers = root.level, list(root.handlers)
-    logger = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
-    level = logger.level
-    logger.setLevel(logging.WARNING)
     try:
-        yield
+        with quieted("onnxruntime.quantization.matmul_nbits_quantizer", logging.WARNING):
+            yield
     finally:
-        logger.setLevel(level)
         root.setLevel(root_level)
         root.handlers[:] = root_handlers
 
@@ -191,7 +190,7 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
             f"{path}: onnxruntime's quantizer left {left or count} (expected "
             f"{len(layers) - len(keep)} MatMulNBits nodes)"
         )
-    external = sum(len(i.raw_data) for i in quantized.graph.initializer) > _EXTERNAL_DATA_BYTES
+    external = sum(len(i.raw_data) for i in quantized.graph.initializer) > EXTERNAL_DATA_BYTES
     data = path.with_name(f"{path.name}.data")
     if data.exists():
         data.unlink()
