@@ -12,13 +12,19 @@ model (random weights, seed 0) for
 * ``torch-ipex`` attnexport's TorchExecutor on the ipex backend (run with ``--ipex-python``),
 * ``hf``         Hugging Face transformers ``generate`` (eager, its own contiguous cache),
 * ``genai``      onnxruntime-genai on the model its builder makes from the same checkpoint
-                 (run with ``--genai-python``, an interpreter that has ``onnxruntime_genai``),
+                 (run with ``--genai-python``, an interpreter that has ``onnxruntime_genai``;
+                 ``genai-int4``: its builder's ``-p int4 -e cpu``, what its CPU users deploy),
 
 at batch 1/8/32 (prompt 128 tokens, 128 new tokens, greedy, ``--threads`` threads), plus the KV
 memory the paged cache allocates for a batch of mixed lengths against onnxruntime-genai's
 contiguous cache. Every leg runs in its own process; all legs of one invocation share the
 machine in turn, so ratios between them are comparable. ``--quick`` is a smoke test on a tiny
 model.
+
+``--quality`` adds what the quantized legs cost in accuracy: every ONNX leg (ours and
+onnxruntime-genai's) computes teacher-forced next-token logits of the same fixed prompts, compared
+with transformers' float32 model: top-1 agreement, mean KL(fp32 || leg) and the largest logit
+error.
 
     python benchmarks/generate.py --genai-python /path/to/venv/bin/python \\
         --ipex-python .venv-ipex/bin/python --write-docs
@@ -61,9 +67,16 @@ LEGS = (
     "torch-ipex",
     "hf",
     "genai",
+    "genai-int4",
 )
+GENAI_PRECISION = {"genai": "fp32", "genai-int4": "int4"}
 BLOCK_SIZE = 16
-MAX_POSITIONS = 2048
+# Room for the long-context row (prompt 2048 + new tokens); also the contiguous cache length
+# onnxruntime-genai allocates by default (its context_length), as the memory row says.
+MAX_POSITIONS = 4096
+# The quality pass: teacher-forced logits of every position of these prompts.
+QUALITY_PROMPTS, QUALITY_LENGTH, QUALITY_SEED = 4, 128, 7
+QUALITY_LEGS = ("ort", "ort-int4", "ort-int8", "genai", "genai-int4")
 # The mixed batch of the memory comparison: prompt lengths, each followed by 32 new tokens.
 MIXED_PROMPTS = (37, 512, 100, 1000, 250, 64, 700, 180)
 MIXED_NEW = 32
@@ -130,10 +143,12 @@ def quantize_onnx(float_path: Path, path: Path, fmt: str) -> float:
     return time.perf_counter() - start
 
 
-def build_genai(python: str, checkpoint: Path, out: Path, threads: int) -> None:
+def build_genai(python: str, checkpoint: Path, out: Path, threads: int, precision: str) -> None:
+    """onnxruntime-genai's builder on the checkpoint (``-p precision -e cpu``, its defaults
+    otherwise), with ``threads`` intra-op threads."""
     builder = [python, "-m", "onnxruntime_genai.models.builder"]
     subprocess.run(
-        [*builder, "-i", str(checkpoint), "-o", str(out), "-p", "fp32", "-e", "cpu"],
+        [*builder, "-i", str(checkpoint), "-o", str(out), "-p", precision, "-e", "cpu"],
         check=True,
         capture_output=True,
     )
@@ -255,11 +270,11 @@ def leg_hf(args) -> dict:
     }
 
 
-def leg_genai(args) -> dict:
+def leg_genai(args, name: str = "genai") -> dict:
     import numpy as np
     import onnxruntime_genai as og
 
-    model = og.Model(str(args.work / "genai"))
+    model = og.Model(str(args.work / name))
 
     def run(prompts, new):
         params = og.GeneratorParams(model)
@@ -327,9 +342,135 @@ def run_leg(args) -> dict:
         "torch-ipex": lambda a: leg_torch(a, "ipex"),
         "hf": leg_hf,
         "genai": leg_genai,
+        "genai-int4": lambda a: leg_genai(a, "genai-int4"),
         "memory": leg_memory,
+        "quality-hf": quality_hf,
+        "quality-ort": quality_ort,
+        "quality-ort-int4": lambda a: quality_ort(a, "int4"),
+        "quality-ort-int8": lambda a: quality_ort(a, "int8"),
+        "quality-genai": lambda a: quality_genai(a, "genai"),
+        "quality-genai-int4": lambda a: quality_genai(a, "genai-int4"),
     }
     return legs[args.leg](args)
+
+
+# ----------------------------------------------------------------------------- quality
+
+
+def _quality_prompts(vocab: int) -> list[list[int]]:
+    return _prompts(QUALITY_PROMPTS, QUALITY_LENGTH, vocab, QUALITY_SEED)
+
+
+def _save_logits(args, leg: str, logits) -> dict:
+    """Writes ``logits`` [prompts * length, vocab] float32 for the driver to compare."""
+    import numpy as np
+
+    path = args.work / "quality" / f"{leg}.npy"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(path, np.asarray(logits, dtype=np.float32))
+    return {"logits": str(path)}
+
+
+def quality_hf(args) -> dict:
+    """The reference: transformers' float32 model, one forward per prompt."""
+    import torch
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(args.work / "ckpt").eval()
+    with torch.inference_mode():
+        logits = [model(torch.tensor([p])).logits[0] for p in _quality_prompts(args.vocab)]
+    return _save_logits(args, "hf", torch.cat(logits).numpy())
+
+
+def quality_ort(args, weights: str = "") -> dict:
+    """Our ONNX model (native kernels): the logits of every prompt position from one prefill
+    over a paged cache (attnexport.runtime.step_driver, as ``attnexport verify`` drives it)."""
+    import onnxruntime as ort
+    import torch
+
+    from attnexport import ort_kernels
+    from attnexport.lowering import PagedOrtSession
+    from attnexport.models import load_model
+    from attnexport.runtime.step_driver import PagedDriver
+
+    sample = load_model(args.work / "ckpt").export_sample(block_size=BLOCK_SIZE)
+    spec = load_model(args.work / "ckpt").cache_spec(BLOCK_SIZE)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = args.threads
+    ort_kernels.register(options)
+    path = args.work / f"ours{'-' + weights if weights else ''}" / "model.onnx"
+    session = PagedOrtSession(path, session_options=options)
+
+    def runner(inputs, kv_caches):
+        feeds = dict(zip(sample.input_names, (*inputs, kv_caches), strict=True))
+        outputs = session.run(feeds)
+        return next(iter(outputs.values())), kv_caches
+
+    prompts = _quality_prompts(args.vocab)
+    blocks = len(prompts) * -(-QUALITY_LENGTH // BLOCK_SIZE) + 4
+    driver = PagedDriver(runner, spec, num_blocks=blocks)
+    for prompt in prompts:
+        driver.add(prompt)
+    logits = driver.prefill(all_logits=True)
+    return _save_logits(args, f"ours{weights}", torch.cat([logits[i] for i in sorted(logits)]))
+
+
+def quality_genai(args, name: str) -> dict:
+    """onnxruntime-genai's model: teacher-forced one token at a time (its generator returns
+    the logits of the last appended token)."""
+    import numpy as np
+    import onnxruntime_genai as og
+
+    model = og.Model(str(args.work / name))
+    rows = []
+    for prompt in _quality_prompts(args.vocab):
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=QUALITY_LENGTH + 1, do_sample=False, batch_size=1)
+        generator = og.Generator(model, params)
+        for token in prompt:
+            generator.append_tokens(np.asarray([[token]], dtype=np.int32))
+            rows.append(np.asarray(generator.get_logits(), dtype=np.float32).reshape(-1))
+    return _save_logits(args, name, np.stack(rows))
+
+
+def compare_logits(leg_path: str, reference_path: str) -> dict:
+    """Top-1 agreement, mean KL(reference || leg) in nats and max abs logit error of one
+    leg's quality logits against the reference's."""
+    import numpy as np
+
+    logits = np.load(leg_path).astype(np.float64)
+    reference = np.load(reference_path).astype(np.float64)
+    if logits.shape != reference.shape:
+        return {"error": f"logits {logits.shape} vs reference {reference.shape}"}
+
+    def log_softmax(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    log_p, log_q = log_softmax(reference), log_softmax(logits)
+    return {
+        "top1_agreement": float((logits.argmax(-1) == reference.argmax(-1)).mean()),
+        "kl": float((np.exp(log_p) * (log_p - log_q)).sum(-1).mean()),
+        "max_abs": float(np.abs(logits - reference).max()),
+    }
+
+
+def _quality_lines(quality: dict) -> list[str]:
+    lines = [
+        f"Quality against transformers' float32 model: teacher-forced next-token logits of "
+        f"{QUALITY_PROMPTS} prompts x {QUALITY_LENGTH} tokens (seed {QUALITY_SEED}).",
+        "",
+        "| executor | top-1 agreement | mean KL (nats) | max abs logit error |",
+        "|---|---|---|---|",
+    ]
+    for leg, q in quality.items():
+        if "kl" in q:
+            lines.append(
+                f"| {leg} | {q['top1_agreement']:.4f} | {q['kl']:.2e} | {q['max_abs']:.4f} |"
+            )
+        else:
+            lines.append(f"| {leg} | {(q.get('skipped') or q.get('error') or '')[:60]} | | |")
+    return lines
 
 
 # ----------------------------------------------------------------------------- driver
@@ -338,7 +479,7 @@ def run_leg(args) -> dict:
 def _python_for(leg: str, args) -> str | None:
     if leg == "torch-ipex":
         return args.ipex_python
-    if leg == "genai":
+    if leg.removeprefix("quality-") in GENAI_PRECISION:
         return args.genai_python
     return sys.executable
 
@@ -427,6 +568,9 @@ def main() -> int:
     parser.add_argument("--ipex-python", default=str(ROOT / ".venv-ipex" / "bin" / "python"))
     parser.add_argument("--genai-python", default=sys.executable)
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
+    parser.add_argument(
+        "--quality", action="store_true", help="also compare the ONNX legs' logits with fp32"
+    )
     parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
     # Internal: run one leg in this process and print its JSON result.
     parser.add_argument("--leg", help=argparse.SUPPRESS)
@@ -456,14 +600,17 @@ def main() -> int:
         if f"ort-{fmt}" in legs and not quantized.exists():
             seconds = quantize_onnx(args.work / "ours" / "model.onnx", quantized, fmt)
             print(f"quantize {fmt}: {seconds:.1f} s", file=sys.stderr)
-    if "genai" in legs and not (args.work / "genai" / "genai_config.json").exists():
+    for name, precision in GENAI_PRECISION.items():
+        out = args.work / name
+        if name not in legs or (out / "genai_config.json").exists():
+            continue
         try:
-            build_genai(args.genai_python, checkpoint, args.work / "genai", args.threads)
+            build_genai(args.genai_python, checkpoint, out, args.threads, precision)
         except subprocess.CalledProcessError as error:
             last = error.stderr.decode(errors="replace").strip().splitlines()[-1:]
-            print(f"genai: the builder failed: {''.join(last) or error}", file=sys.stderr)
+            print(f"{name}: the builder failed: {''.join(last) or error}", file=sys.stderr)
         except OSError as error:
-            print(f"genai: cannot run the builder ({error}); pass --genai-python", file=sys.stderr)
+            print(f"{name}: cannot run the builder ({error}); pass --genai-python", file=sys.stderr)
 
     results: dict[str, dict[int, dict]] = {leg: {} for leg in legs}
     # Legs alternate within each repeat, and the best repeat counts: on a shared machine this
@@ -481,6 +628,15 @@ def main() -> int:
                 if result.get("decode_tok_s", 0) >= best.get("decode_tok_s", -1):
                     results[leg][batch] = result
     memory = _spawn("memory", sys.executable, args, 1) if "ort" in legs else {}
+    quality = {}
+    if args.quality:
+        reference = _spawn("quality-hf", sys.executable, args, 1)
+        for leg in (leg for leg in QUALITY_LEGS if leg in legs):
+            result = _spawn(f"quality-{leg}", _python_for(f"quality-{leg}", args), args, 1)
+            if "logits" in result and "logits" in reference:
+                result = compare_logits(result["logits"], reference["logits"])
+            quality[leg] = result
+            print(f"quality {leg}: {result}", file=sys.stderr)
 
     import platform
 
@@ -499,10 +655,12 @@ def main() -> int:
         *_table(results, args.batches),
         "",
         *_memory_lines(memory),
+        *(["", *_quality_lines(quality)] if quality else []),
     ]
     print("\n".join(lines))
     if args.json:
-        args.json.write_text(json.dumps({"results": results, "memory": memory}, indent=1))
+        payload = {"results": results, "memory": memory, "quality": quality}
+        args.json.write_text(json.dumps(payload, indent=1))
     if args.write_docs:
         write_docs(lines)
     return 0
