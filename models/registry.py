@@ -22,6 +22,7 @@ _ZOO = {
     "llama": "attnexport.models.llama:LlamaForCausalLM",
     "mistral": "attnexport.models.mistral:MistralForCausalLM",
     "qwen2": "attnexport.models.qwen2:Qwen2ForCausalLM",
+    "qwen3": "attnexport.models.qwen3:Qwen3ForCausalLM",
     "bloom": "attnexport.models.bloom:BloomForCausalLM",
     "gpt2": "attnexport.models.gpt2:GPT2LMHeadModel",
     "bert": "attnexport.models.bert:BertModel",

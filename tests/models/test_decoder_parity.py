@@ -1,7 +1,10 @@
 """Decoder-only architectures vs transformers: logits of a ragged prefill and 8 decode steps
-(max abs error <= 1e-4, fp32) and 32 greedy tokens, through eager, the ExportedProgram and
-ONNX on onnxruntime. Each case is a checkpoint built by transformers and imported with
-``from_pretrained``; the configs exercise the options the importer honours."""
+(max abs error <= 1e-4, fp32) and 32 greedy tokens, through eager, the saved ``.pt2`` and ONNX
+on onnxruntime (bodies and native kernels), then greedy tokens of ragged batches through the
+engine on both runtime executors. Each case is a checkpoint built by transformers and imported
+with ``from_pretrained``; the configs exercise the options the importer honours, with sliding
+windows shorter than the longest prompt, so that prompts and generations cross them. Every
+case is exported once (``.pt2`` and ``.onnx``) for all its legs."""
 
 from __future__ import annotations
 
@@ -14,7 +17,17 @@ import transformers
 from attnexport.models import load_model
 from attnexport.runtime.step_driver import PagedDriver
 from attnexport.tolerances import model_tolerance
-from tests.models.executors import EXECUTORS, make_runner, teacher_forced_logits
+from attnexport.runtime import CacheConfig, Engine, SamplingParams, SchedulerConfig
+from tests.models.executors import (
+    ENGINE_EXECUTORS,
+    PAGED_EXECUTORS,
+    Exports,
+    engine_executor,
+    make_runner,
+    paged_runner,
+    teacher_forced_logits,
+    write_exports,
+)
 from tests.models.hf_reference import build_checkpoint, causal_lm_logits, greedy_generate
 
 BLOCK_SIZE = 4
@@ -78,6 +91,20 @@ CASES = {
             tie_word_embeddings=True,
         ),
     ),
+    "qwen3-qknorm-window-bias": (
+        "Qwen3ForCausalLM",
+        lambda: transformers.Qwen3Config(
+            **_COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            attention_bias=True,
+            use_sliding_window=True,
+            sliding_window=5,
+            max_window_layers=1,
+            rms_norm_eps=1e-5,
+        ),
+    ),
     "bloom-alibi6heads-postln": (
         "BloomForCausalLM",
         lambda: transformers.BloomConfig(
@@ -119,9 +146,20 @@ def loaded(request, tmp_path_factory) -> Loaded:
     return Loaded(request.param, hf_model, load_model(directory))
 
 
-@pytest.fixture(scope="module", params=EXECUTORS)
-def runner(request, loaded, tmp_path_factory):
-    return make_runner(loaded.model, request.param, BLOCK_SIZE, tmp_path_factory.mktemp("run"))
+@pytest.fixture(scope="module")
+def exports(loaded, tmp_path_factory) -> Exports:
+    return write_exports(loaded.model, BLOCK_SIZE, tmp_path_factory.mktemp(f"{loaded.name}-x"))
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(loaded) -> list[tuple[list[int], torch.Tensor]]:
+    """transformers' greedy tokens and logits of each prompt, generated alone."""
+    return [greedy_generate(loaded.hf_model, prompt, GREEDY_STEPS) for prompt in PROMPTS]
+
+
+@pytest.fixture(scope="module", params=PAGED_EXECUTORS)
+def runner(request, loaded, exports):
+    return paged_runner(loaded.model, request.param, exports)
 
 
 def _driver(loaded: Loaded, runner) -> PagedDriver:
@@ -140,16 +178,29 @@ def test_prefill_and_decode_logits_match_transformers(loaded, runner):
         torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)
 
 
-def test_greedy_tokens_match_transformers(loaded, runner):
+def test_greedy_tokens_match_transformers(loaded, runner, hf_greedy):
     driver = _driver(loaded, runner)
     for prompt in PROMPTS:
         driver.add(prompt)
     ours, our_logits = driver.greedy(GREEDY_STEPS)
-    for prompt, tokens, logits in zip(PROMPTS, ours, our_logits, strict=True):
-        expected, expected_logits = greedy_generate(loaded.hf_model, prompt, GREEDY_STEPS)
+    for tokens, logits, (expected, expected_logits) in zip(ours, our_logits, hf_greedy, strict=True):
         assert tokens == expected
         torch.testing.assert_close(logits, expected_logits, atol=ATOL, rtol=0)
     assert len({t for tokens in ours for t in tokens}) > 3, "degenerate greedy output"
+
+
+@pytest.mark.parametrize("executor", ENGINE_EXECUTORS)
+def test_engine_greedy_matches_transformers(loaded, exports, hf_greedy, executor):
+    """The prompts as one ragged batch through the engine (continuous batching, prefills
+    chunked at 16 tokens beside decodes) on a runtime executor: each sequence's greedy
+    tokens are those transformers generates for it alone."""
+    engine = Engine(
+        engine_executor(executor, exports),
+        CacheConfig(num_blocks=NUM_BLOCKS),
+        SchedulerConfig(max_model_len=128, max_num_batched_tokens=16),
+    )
+    outputs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=GREEDY_STEPS))
+    assert [o.token_ids for o in outputs] == [tokens for tokens, _ in hf_greedy]
 
 
 def test_chunked_prefill_mixed_with_decode_matches_transformers(loaded):
