@@ -195,11 +195,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaBackbone(nn.Module):
+    layer_class: type[nn.Module] = LlamaDecoderLayer
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            self.layer_class(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
@@ -209,13 +211,14 @@ class LlamaForCausalLM(DecoderModel):
     """Llama (and the shared network of Mistral and Qwen2) on the paged KV cache."""
 
     config_class = LlamaConfig
+    backbone_class: type[LlamaBackbone] = LlamaBackbone
     zoo_name = "llama"
     hf_model_types = ("llama",)
     hf_architectures = ("LlamaForCausalLM",)
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__(config)
-        self.model = LlamaBackbone(config)
+        self.model = self.backbone_class(config)
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
         self.head_size = config.head_dim

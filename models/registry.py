@@ -23,6 +23,8 @@ _ZOO = {
     "mistral": "attnexport.models.mistral:MistralForCausalLM",
     "qwen2": "attnexport.models.qwen2:Qwen2ForCausalLM",
     "qwen3": "attnexport.models.qwen3:Qwen3ForCausalLM",
+    "gemma2": "attnexport.models.gemma:Gemma2ForCausalLM",
+    "gemma3": "attnexport.models.gemma:Gemma3ForCausalLM",
     "bloom": "attnexport.models.bloom:BloomForCausalLM",
     "gpt2": "attnexport.models.gpt2:GPT2LMHeadModel",
     "bert": "attnexport.models.bert:BertModel",

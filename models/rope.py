@@ -42,6 +42,10 @@ class RopeConfig:
     attention_factor: float = 1.0
     """Scale of the cos/sin tables (``longrope``: from the context extension)."""
 
+    def __post_init__(self) -> None:
+        for name in ("short_factor", "long_factor"):  # lists from JSON compare as tuples
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
     @classmethod
     def from_hf(
         cls,

@@ -15,9 +15,9 @@ import torch
 import transformers
 
 from attnexport.models import load_model
+from attnexport.runtime import CacheConfig, Engine, SamplingParams, SchedulerConfig
 from attnexport.runtime.step_driver import PagedDriver
 from attnexport.tolerances import model_tolerance
-from attnexport.runtime import CacheConfig, Engine, SamplingParams, SchedulerConfig
 from tests.models.executors import (
     ENGINE_EXECUTORS,
     PAGED_EXECUTORS,
@@ -105,6 +105,41 @@ CASES = {
             rms_norm_eps=1e-5,
         ),
     ),
+    "gemma2-softcaps-window": (
+        "Gemma2ForCausalLM",
+        lambda: transformers.Gemma2Config(
+            **_COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=5,
+            # caps the wide initialisation reaches (scores ~ +-10, logits ~ +-15)
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=5.0,
+            # tied, the scaled input embedding dominates the last hidden state of these random
+            # weights and greedy decoding repeats the last prompt token
+            tie_word_embeddings=False,
+        ),
+    ),
+    "gemma3-qknorm-localrope-window": (
+        "Gemma3ForCausalLM",
+        lambda: transformers.Gemma3TextConfig(
+            **{**_COMMON, "num_hidden_layers": 3},
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+            final_logit_softcapping=6.0,
+            tie_word_embeddings=False,
+        ),
+    ),
     "bloom-alibi6heads-postln": (
         "BloomForCausalLM",
         lambda: transformers.BloomConfig(
@@ -183,7 +218,9 @@ def test_greedy_tokens_match_transformers(loaded, runner, hf_greedy):
     for prompt in PROMPTS:
         driver.add(prompt)
     ours, our_logits = driver.greedy(GREEDY_STEPS)
-    for tokens, logits, (expected, expected_logits) in zip(ours, our_logits, hf_greedy, strict=True):
+    for tokens, logits, (expected, expected_logits) in zip(
+        ours, our_logits, hf_greedy, strict=True
+    ):
         assert tokens == expected
         torch.testing.assert_close(logits, expected_logits, atol=ATOL, rtol=0)
     assert len({t for tokens in ours for t in tokens}) > 3, "degenerate greedy output"
