@@ -25,6 +25,7 @@ _ZOO = {
     "qwen3": "attnexport.models.qwen3:Qwen3ForCausalLM",
     "gemma2": "attnexport.models.gemma:Gemma2ForCausalLM",
     "gemma3": "attnexport.models.gemma:Gemma3ForCausalLM",
+    "phi3": "attnexport.models.phi3:Phi3ForCausalLM",
     "bloom": "attnexport.models.bloom:BloomForCausalLM",
     "gpt2": "attnexport.models.gpt2:GPT2LMHeadModel",
     "bert": "attnexport.models.bert:BertModel",

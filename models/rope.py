@@ -234,8 +234,15 @@ def token_seq_lens(
 ) -> torch.Tensor:
     """``[T]``: the ``seq_lens`` entry of each token's sequence in a packed step of ``T``
     tokens (``positions`` ``[T]``, ``seq_lens`` ``[S]``, ``query_start_loc`` ``[S + 1]``).
-    A [T, S] comparison rather than ``repeat_interleave``, whose data-dependent output length
-    an exported graph cannot size."""
-    tokens = torch.arange(positions.shape[0], device=positions.device)
-    index = (tokens[:, None] >= query_start_loc[None, 1:].long()).sum(dim=1)
-    return seq_lens.index_select(0, index)
+
+    Each sequence start below ``T`` adds one at its offset and a cumulative sum counts the
+    starts at or before each token: one more than its sequence's index. Not
+    ``repeat_interleave`` (an output length read from the data, which an exported graph
+    cannot size), and no slice of ``query_start_loc`` (torch.export then assumes more than
+    one sequence)."""
+    num_tokens = positions.shape[0]
+    starts = query_start_loc.long()
+    inside = starts < num_tokens
+    marks = torch.zeros(num_tokens, dtype=torch.int64, device=positions.device)
+    marks = marks.scatter_add(0, torch.where(inside, starts, 0), inside.long())
+    return seq_lens.index_select(0, marks.cumsum(0) - 1)

@@ -140,6 +140,42 @@ CASES = {
             tie_word_embeddings=False,
         ),
     ),
+    "phi3-longrope-short-partial-window": (
+        "Phi3ForCausalLM",
+        lambda: transformers.Phi3Config(
+            **_COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=5,
+            max_position_embeddings=4096,
+            original_max_position_embeddings=128,  # never reached: the short factors
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 500.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.5, 2.0, 4.0],
+                "long_factor": [2.0, 3.0, 8.0, 16.0],
+            },
+        ),
+    ),
+    "phi3-longrope-long-su": (
+        "Phi3ForCausalLM",
+        lambda: transformers.Phi3Config(
+            **_COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=256,
+            # every sequence is longer: the long factors from the prompt on
+            original_max_position_embeddings=1,
+            rope_scaling={
+                "type": "su",
+                "attention_factor": 1.2,
+                "original_max_position_embeddings": 1,
+                "short_factor": [1.0 + i / 4 for i in range(8)],
+                "long_factor": [1.0 + i for i in range(8)],
+            },
+        ),
+    ),
     "bloom-alibi6heads-postln": (
         "BloomForCausalLM",
         lambda: transformers.BloomConfig(
