@@ -63,6 +63,13 @@ class LlamaConfig(ModelConfig):
                 f"num_key_value_heads: {self.num_key_value_heads} must divide "
                 f"num_attention_heads {self.num_attention_heads}"
             )
+        rotary = self.rope.rotary_dim(self.head_dim)
+        for name in ("short_factor", "long_factor") if self.rope.type == "longrope" else ():
+            if len(getattr(self.rope, name)) != rotary // 2:
+                raise UnsupportedModelError(
+                    f"rope_parameters.{name}: {len(getattr(self.rope, name))} entries, expected "
+                    f"{rotary // 2} (half the rotary dim {rotary})"
+                )
         if self.sliding_windows and len(self.sliding_windows) != self.num_hidden_layers:
             raise ValueError(
                 f"sliding_windows: expected {self.num_hidden_layers} entries (one per layer), "

@@ -300,3 +300,23 @@ def test_chunked_prefill_mixed_with_decode_matches_transformers(loaded):
     for seq in (0, 1):
         reference = causal_lm_logits(loaded.hf_model, driver.sequences[seq].tokens)
         torch.testing.assert_close(torch.cat(collected[seq]), reference, atol=ATOL, rtol=0)
+
+
+def test_soft_capped_gemma2_matches_the_float64_reference(tmp_path):
+    """Gemma 2 run in float64 (eager) against transformers in float64 on a prompt longer than
+    the window: equal to the rounding of the float32 logits the forward returns, where
+    dropping the soft caps moves the logits by far more."""
+    make_config = CASES["gemma2-softcaps-window"][1]
+    hf_model = build_checkpoint("Gemma2ForCausalLM", make_config(), tmp_path / "capped").double()
+    uncapped = make_config()
+    uncapped.attn_logit_softcapping = uncapped.final_logit_softcapping = None
+    hf_uncapped = build_checkpoint("Gemma2ForCausalLM", uncapped, tmp_path / "uncapped").double()
+    model = load_model(tmp_path / "capped", dtype=torch.float64)
+    driver = PagedDriver(make_runner(model, "eager", BLOCK_SIZE, None), model.cache_spec(4), 16)
+    driver.add(PROMPTS[1])
+    ours = driver.prefill(all_logits=True)[0].double()
+    with torch.no_grad():
+        reference = hf_model(torch.tensor([PROMPTS[1]])).logits[0]
+        without_caps = hf_uncapped(torch.tensor([PROMPTS[1]])).logits[0]
+    assert (ours - reference).abs().max() < 2e-6
+    assert (without_caps - reference).abs().max() > 1.0
