@@ -5,6 +5,7 @@ executors (:func:`engine_executor`)."""
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,12 +26,19 @@ ENGINE_EXECUTORS = ("torch-pt2", "ort-bodies", "ort-native")
 ``.onnx`` with either kernel mode."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class Exports:
     """One model exported once for every leg that runs it."""
 
     pt2: Path
     onnx: Path
+
+    @functools.cached_property
+    def program(self) -> torch.export.ExportedProgram:
+        """The ``.pt2`` loaded back (once, by the first leg that needs it)."""
+        from attnexport.artifact import load_pt2
+
+        return load_pt2(self.pt2)
 
 
 def write_exports(module: torch.nn.Module, block_size: int, directory: Path) -> Exports:
@@ -66,9 +74,7 @@ def paged_runner(module: torch.nn.Module, executor: str, exports: Exports | None
     if executor == "eager":
         call = module
     elif executor == "pt2":
-        from attnexport.artifact import load_pt2
-
-        call = load_pt2(exports.pt2).module()
+        call = exports.program.module()
     elif executor in ("onnx", "onnx-native"):
         from attnexport import lowering
 
@@ -101,7 +107,7 @@ def engine_executor(executor: str, exports: Exports):
     from attnexport.runtime import OrtExecutor, TorchExecutor
 
     if executor == "torch-pt2":
-        return TorchExecutor(exports.pt2)
+        return TorchExecutor(exports.program)
     if executor == "ort-native":
         _skip_without_native_kernels()
     if executor in ("ort-bodies", "ort-native"):
