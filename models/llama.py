@@ -147,8 +147,8 @@ class LlamaAttention(nn.Module):
         )
         self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
         self.rotary_dim = config.rope.rotary_dim(dim)
-        # Per-head norms as standard ops (a few elementwise nodes on [T, H, D]; onnxruntime
-        # fuses them into one SimplifiedLayerNormalization).
+        # Per-head norms as standard ops: a few elementwise nodes on [T, H, D], small beside
+        # the projections (onnxruntime 1.32 leaves these 3-D ones unfused, measured on Qwen3).
         self.q_norm = RMSNorm(dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(dim, config.rms_norm_eps) if config.qk_norm else None
 
