@@ -64,8 +64,11 @@ class ModelConfig:
         for name, value in values.items():
             if name not in names:
                 raise ValueError(f"{cls.__name__}: unknown field {name!r}")
-            if dataclasses.is_dataclass(hints[name]) and isinstance(value, dict):
-                value = hints[name](**value)
+            hint = hints[name]
+            # ``X | None`` of a dataclass X: the dataclass
+            options = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+            if dataclasses.is_dataclass(options[0]) and isinstance(value, dict):
+                value = options[0](**value)
             elif isinstance(value, list):
                 value = tuple(value)
             kwargs[name] = value

@@ -31,23 +31,30 @@ class Qwen2Config(LlamaConfig):
     def from_hf(cls, hf: dict) -> Qwen2Config:
         """From a ``qwen2`` config.json (``Qwen2ForCausalLM``)."""
         check_model_type(hf, ("qwen2",), Qwen2ForCausalLM.hf_architectures)
-        layers = int(required(hf, "num_hidden_layers"))
-        windows = (-1,) * layers
-        window = hf_field(hf, "sliding_window")
-        if hf_field(hf, "use_sliding_window", False) and window is not None:
-            max_window_layers = int(hf_field(hf, "max_window_layers", 28))
-            layer_types = hf_field(hf, "layer_types") or [
-                "sliding_attention" if i >= max_window_layers else "full_attention"
-                for i in range(layers)
-            ]
-            if len(layer_types) != layers or any(t not in LAYER_TYPES for t in layer_types):
-                raise UnsupportedModelError(
-                    f"layer_types: expected {layers} entries from {LAYER_TYPES}, got {layer_types}"
-                )
-            windows = tuple(int(window) if t == "sliding_attention" else -1 for t in layer_types)
         return cls.common_from_hf(
-            hf, attention_bias=True, o_proj_bias=False, mlp_bias=False, sliding_windows=windows
+            hf,
+            attention_bias=True,
+            o_proj_bias=False,
+            mlp_bias=False,
+            sliding_windows=qwen_windows(hf),
         )
+
+
+def qwen_windows(hf: dict) -> tuple[int, ...]:
+    """Per-layer windows of a Qwen2/Qwen3 config.json, as transformers reads them."""
+    layers = int(required(hf, "num_hidden_layers"))
+    window = hf_field(hf, "sliding_window")
+    if not (hf_field(hf, "use_sliding_window", False) and window is not None):
+        return (-1,) * layers
+    max_window_layers = int(hf_field(hf, "max_window_layers", 28))
+    layer_types = hf_field(hf, "layer_types") or [
+        "sliding_attention" if i >= max_window_layers else "full_attention" for i in range(layers)
+    ]
+    if len(layer_types) != layers or any(t not in LAYER_TYPES for t in layer_types):
+        raise UnsupportedModelError(
+            f"layer_types: expected {layers} entries from {LAYER_TYPES}, got {layer_types}"
+        )
+    return tuple(int(window) if t == "sliding_attention" else -1 for t in layer_types)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -101,6 +101,11 @@ def export_artifact(
         else load_zoo_model(str(ref), dtype=options.dtype, seed=options.seed)
     )
     check_finite_weights(model, model_ref)
+    embedding = None
+    if model.kind == "encoder":  # how `embed` pools, read before the long steps
+        from attnexport.models.sentence import DEFAULT_EMBEDDING, read_embedding_config
+
+        embedding = read_embedding_config(source) if source else dict(DEFAULT_EMBEDDING)
     if earlier:
         remove_earlier_export(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -168,6 +173,7 @@ def export_artifact(
         "vocab_size": getattr(model.config, "vocab_size", None),
         "max_model_len": model.max_model_len,
         "generation": generation_defaults(source, model),
+        **({"embedding": embedding} if embedding is not None else {}),
         "tokenizer_files": [n for n in tokenizer_files if n != "generation_config.json"],
         "versions": library_versions(),
         "export_seconds": timings,

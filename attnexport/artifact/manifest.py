@@ -139,6 +139,22 @@ def validate_manifest(manifest, file: Path) -> None:
         raise _field_error(
             file, "weights", "{format, bits, block_size, ...} or absent (float)", weights
         )
+    embedding = manifest.get("embedding")
+    if embedding is not None and not (
+        isinstance(embedding, dict)
+        and embedding.get("pooling") in ("mean", "cls")
+        and isinstance(embedding.get("normalize"), bool)
+        and (
+            embedding.get("max_seq_length") is None
+            or (type(embedding["max_seq_length"]) is int and embedding["max_seq_length"] > 0)
+        )
+    ):
+        raise _field_error(
+            file,
+            "embedding",
+            "{pooling: mean | cls, normalize, max_seq_length} or absent",
+            embedding,
+        )
     generation = manifest.get("generation", {})
     if not isinstance(generation, dict):
         raise _field_error(file, "generation", "an object", generation)

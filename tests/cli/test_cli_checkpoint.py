@@ -76,3 +76,31 @@ def test_text_prompt_uses_the_exported_tokenizer(checkpoint, tmp_path, capsys):
     )
     output = json.loads(capsys.readouterr().out)["outputs"][0]
     assert output["token_ids"] == hf_greedy(model, PROMPT, 6)
+
+
+def test_gemma3_checkpoint_export_then_run_matches_transformers(tmp_path, capsys):
+    """The journey on a Gemma 3 text checkpoint (q/k norms, local and global RoPE, a 4-token
+    window on the local layers, final soft-capping): ``run --json`` gives transformers' greedy
+    tokens on prompts longer than the window."""
+    import transformers
+
+    from tests.models.hf_reference import build_checkpoint
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        final_logit_softcapping=4.0, tie_word_embeddings=False, initializer_range=0.2,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    model = build_checkpoint("Gemma3ForCausalLM", config, tmp_path / "ckpt")
+    out = tmp_path / "export"
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(out)]) == 0
+    capsys.readouterr()
+    prompts = [PROMPT, [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    argv = ["run", str(out), "--max-tokens", "12", "--json", "--stop-token-ids", ""]
+    for prompt in prompts:
+        argv += ["--prompt-ids", ",".join(map(str, prompt))]
+    assert main(argv) == 0
+    outputs = json.loads(capsys.readouterr().out)["outputs"]
+    assert [o["token_ids"] for o in outputs] == [hf_greedy(model, p, 12) for p in prompts]

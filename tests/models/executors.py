@@ -1,18 +1,118 @@
-"""The three ways the parity tests run a model: eager, the torch.export ExportedProgram, and the
-ONNX file from ``attnexport.lowering.to_onnx`` on onnxruntime."""
+"""The ways the parity tests run a model: eager, the torch.export ExportedProgram, and the
+ONNX file from ``attnexport.lowering.to_onnx`` on onnxruntime (the nodes' standard-op bodies,
+or the native kernels); paged decoders also through a saved ``.pt2`` and the runtime's two
+executors (:func:`engine_executor`)."""
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from attnexport.model_interface import DECODER_INPUT_NAMES
 from attnexport.runtime.step_driver import PagedDriver, Runner
 
 EXECUTORS = ("eager", "exported", "onnx")
+PAGED_EXECUTORS = ("eager", "pt2", "onnx", "onnx-native")
+"""The legs of the paged decoders' parity: ``pt2`` is the exported program saved and loaded
+back, ``onnx`` runs the bodies, ``onnx-native`` the native kernels."""
+ENGINE_EXECUTORS = ("torch-pt2", "ort-bodies", "ort-native")
+"""The runtime executors of the engine legs: TorchExecutor on the ``.pt2``, OrtExecutor on the
+``.onnx`` with either kernel mode."""
+
+
+@dataclass
+class Exports:
+    """One model exported once for every leg that runs it."""
+
+    pt2: Path
+    onnx: Path
+
+    @functools.cached_property
+    def program(self) -> torch.export.ExportedProgram:
+        """The ``.pt2`` loaded back (once, by the first leg that needs it)."""
+        from attnexport.artifact import load_pt2
+
+        return load_pt2(self.pt2)
+
+
+def write_exports(module: torch.nn.Module, block_size: int, directory: Path) -> Exports:
+    """``module``'s ``model.pt2`` (``torch.export.save``) and ``model.onnx`` (``to_onnx``, its
+    cache contract included) in ``directory``."""
+    from attnexport.lowering import to_onnx
+
+    sample = module.export_sample(block_size)
+    pt2, onnx_path = Path(directory) / "model.pt2", Path(directory) / "model.onnx"
+    torch.export.save(sample.export(module), pt2)
+    to_onnx(
+        module,
+        sample.args,
+        onnx_path,
+        dynamic_shapes=sample.dynamic_shapes,
+        output_names=["logits"],
+        cache_spec=module.cache_spec(block_size),
+    )
+    return Exports(pt2, onnx_path)
+
+
+def _skip_without_native_kernels() -> None:
+    from attnexport import ort_kernels
+
+    reason = ort_kernels.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"native kernels: {reason}")
+
+
+def paged_runner(module: torch.nn.Module, executor: str, exports: Exports | None) -> Runner:
+    """A :class:`PagedDriver` runner of the paged decoder ``module`` through ``executor`` (one
+    of :data:`PAGED_EXECUTORS`), on the files of ``exports`` (unused by ``eager``)."""
+    if executor == "eager":
+        call = module
+    elif executor == "pt2":
+        call = exports.program.module()
+    elif executor in ("onnx", "onnx-native"):
+        from attnexport import lowering
+
+        options = None
+        if executor == "onnx-native":
+            import onnxruntime as ort
+
+            from attnexport import ort_kernels
+
+            _skip_without_native_kernels()
+            options = ort.SessionOptions()
+            ort_kernels.register(options)
+        session = lowering.PagedOrtSession(exports.onnx, session_options=options)
+        names = (*DECODER_INPUT_NAMES, "kv_caches")
+
+        def call(*args):
+            return next(iter(session.run(dict(zip(names, args, strict=True))).values()))
+    else:
+        raise ValueError(f"executor: expected one of {PAGED_EXECUTORS}, got {executor!r}")
+
+    def run(args: tuple, kv_caches: list) -> tuple[torch.Tensor, list]:
+        with torch.no_grad():
+            return call(*args, kv_caches), kv_caches
+
+    return run
+
+
+def engine_executor(executor: str, exports: Exports):
+    """The runtime executor ``executor`` (one of :data:`ENGINE_EXECUTORS`) on ``exports``."""
+    from attnexport.runtime import OrtExecutor, TorchExecutor
+
+    if executor == "torch-pt2":
+        return TorchExecutor(exports.program)
+    if executor == "ort-native":
+        _skip_without_native_kernels()
+    if executor in ("ort-bodies", "ort-native"):
+        return OrtExecutor(exports.onnx, num_threads=1, kernels=executor.removeprefix("ort-"))
+    raise ValueError(f"executor: expected one of {ENGINE_EXECUTORS}, got {executor!r}")
 
 
 def compile_module(

@@ -123,3 +123,21 @@ def test_missing_and_unused_tensors_are_named(llama_dir):
     save_file(weights, path)
     with pytest.raises(CheckpointError, match=r"missing for model\.norm\.weight"):
         load_model(llama_dir)
+
+
+@pytest.mark.parametrize(
+    ("hf_class", "config_class"),
+    [("Gemma2ForCausalLM", "Gemma2Config"), ("Gemma3ForCausalLM", "Gemma3TextConfig")],
+)
+def test_tied_gemma_with_default_layer_types(tmp_path, hf_class, config_class):
+    """Gemma as released: tied embeddings (the output projection is the unscaled input
+    embedding) and the default layer types (Gemma 2: sliding, full, sliding; Gemma 3: one
+    global layer in six, so all three sliding), with a window shorter than the tokens."""
+    config = getattr(transformers, config_class)(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=3,
+        initializer_range=0.2,
+    )  # fmt: skip
+    hf_model = build_checkpoint(hf_class, config, tmp_path)
+    assert hf_model.config.tie_word_embeddings
+    _assert_loads_as(hf_model, tmp_path)

@@ -1,7 +1,10 @@
 """Decoder-only architectures vs transformers: logits of a ragged prefill and 8 decode steps
-(max abs error <= 1e-4, fp32) and 32 greedy tokens, through eager, the ExportedProgram and
-ONNX on onnxruntime. Each case is a checkpoint built by transformers and imported with
-``from_pretrained``; the configs exercise the options the importer honours."""
+(max abs error <= 1e-4, fp32) and 32 greedy tokens, through eager, the saved ``.pt2`` and ONNX
+on onnxruntime (bodies and native kernels), then greedy tokens of ragged batches through the
+engine on both runtime executors. Each case is a checkpoint built by transformers and imported
+with ``from_pretrained``; the configs exercise the options the importer honours, with sliding
+windows shorter than the longest prompt, so that prompts and generations cross them. Every
+case is exported once (``.pt2`` and ``.onnx``) for all its legs."""
 
 from __future__ import annotations
 
@@ -12,9 +15,19 @@ import torch
 import transformers
 
 from attnexport.models import load_model
+from attnexport.runtime import CacheConfig, Engine, SamplingParams, SchedulerConfig
 from attnexport.runtime.step_driver import PagedDriver
 from attnexport.tolerances import model_tolerance
-from tests.models.executors import EXECUTORS, make_runner, teacher_forced_logits
+from tests.models.executors import (
+    ENGINE_EXECUTORS,
+    PAGED_EXECUTORS,
+    Exports,
+    engine_executor,
+    make_runner,
+    paged_runner,
+    teacher_forced_logits,
+    write_exports,
+)
 from tests.models.hf_reference import build_checkpoint, causal_lm_logits, greedy_generate
 
 BLOCK_SIZE = 4
@@ -78,6 +91,91 @@ CASES = {
             tie_word_embeddings=True,
         ),
     ),
+    "qwen3-qknorm-window-bias": (
+        "Qwen3ForCausalLM",
+        lambda: transformers.Qwen3Config(
+            **_COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            attention_bias=True,
+            use_sliding_window=True,
+            sliding_window=5,
+            max_window_layers=1,
+            rms_norm_eps=1e-5,
+        ),
+    ),
+    "gemma2-softcaps-window": (
+        "Gemma2ForCausalLM",
+        lambda: transformers.Gemma2Config(
+            **_COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=5,
+            # caps the wide initialisation reaches (scores ~ +-10, logits ~ +-15)
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=5.0,
+            # tied, the scaled input embedding dominates the last hidden state of these random
+            # weights and greedy decoding repeats the last prompt token
+            tie_word_embeddings=False,
+        ),
+    ),
+    "gemma3-qknorm-localrope-window": (
+        "Gemma3ForCausalLM",
+        lambda: transformers.Gemma3TextConfig(
+            **{**_COMMON, "num_hidden_layers": 3},
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+            final_logit_softcapping=6.0,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "phi3-longrope-short-partial-window": (
+        "Phi3ForCausalLM",
+        lambda: transformers.Phi3Config(
+            **_COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=5,
+            max_position_embeddings=4096,
+            original_max_position_embeddings=128,  # never reached: the short factors
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 500.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.5, 2.0, 4.0],
+                "long_factor": [2.0, 3.0, 8.0, 16.0],
+            },
+        ),
+    ),
+    "phi3-longrope-long-su": (
+        "Phi3ForCausalLM",
+        lambda: transformers.Phi3Config(
+            **_COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=256,
+            # every sequence is longer: the long factors from the prompt on
+            original_max_position_embeddings=1,
+            rope_scaling={
+                "type": "su",
+                "attention_factor": 1.2,
+                "original_max_position_embeddings": 1,
+                "short_factor": [1.0 + i / 4 for i in range(8)],
+                "long_factor": [1.0 + i for i in range(8)],
+            },
+        ),
+    ),
     "bloom-alibi6heads-postln": (
         "BloomForCausalLM",
         lambda: transformers.BloomConfig(
@@ -119,9 +217,20 @@ def loaded(request, tmp_path_factory) -> Loaded:
     return Loaded(request.param, hf_model, load_model(directory))
 
 
-@pytest.fixture(scope="module", params=EXECUTORS)
-def runner(request, loaded, tmp_path_factory):
-    return make_runner(loaded.model, request.param, BLOCK_SIZE, tmp_path_factory.mktemp("run"))
+@pytest.fixture(scope="module")
+def exports(loaded, tmp_path_factory) -> Exports:
+    return write_exports(loaded.model, BLOCK_SIZE, tmp_path_factory.mktemp(f"{loaded.name}-x"))
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(loaded) -> list[tuple[list[int], torch.Tensor]]:
+    """transformers' greedy tokens and logits of each prompt, generated alone."""
+    return [greedy_generate(loaded.hf_model, prompt, GREEDY_STEPS) for prompt in PROMPTS]
+
+
+@pytest.fixture(scope="module", params=PAGED_EXECUTORS)
+def runner(request, loaded, exports):
+    return paged_runner(loaded.model, request.param, exports)
 
 
 def _driver(loaded: Loaded, runner) -> PagedDriver:
@@ -140,16 +249,37 @@ def test_prefill_and_decode_logits_match_transformers(loaded, runner):
         torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)
 
 
-def test_greedy_tokens_match_transformers(loaded, runner):
+def test_greedy_tokens_match_transformers(loaded, runner, hf_greedy):
     driver = _driver(loaded, runner)
     for prompt in PROMPTS:
         driver.add(prompt)
     ours, our_logits = driver.greedy(GREEDY_STEPS)
-    for prompt, tokens, logits in zip(PROMPTS, ours, our_logits, strict=True):
-        expected, expected_logits = greedy_generate(loaded.hf_model, prompt, GREEDY_STEPS)
+    for tokens, logits, (expected, expected_logits) in zip(
+        ours, our_logits, hf_greedy, strict=True
+    ):
         assert tokens == expected
         torch.testing.assert_close(logits, expected_logits, atol=ATOL, rtol=0)
     assert len({t for tokens in ours for t in tokens}) > 3, "degenerate greedy output"
+
+
+# The engine legs run the families whose windows, soft caps, q/k norms and LongRoPE came with
+# issue 22 (the engine on the older ones: tests/runtime/test_executors.py, tests/cli).
+ENGINE_CASES = [name for name in CASES if name.startswith(("qwen3", "gemma", "phi3"))]
+
+
+@pytest.mark.parametrize("loaded", ENGINE_CASES, indirect=True)
+@pytest.mark.parametrize("executor", ENGINE_EXECUTORS)
+def test_engine_greedy_matches_transformers(loaded, exports, hf_greedy, executor):
+    """The prompts as one ragged batch through the engine (continuous batching, prefills
+    chunked at 16 tokens beside decodes) on a runtime executor: each sequence's greedy
+    tokens are those transformers generates for it alone."""
+    engine = Engine(
+        engine_executor(executor, exports),
+        CacheConfig(num_blocks=NUM_BLOCKS),
+        SchedulerConfig(max_model_len=128, max_num_batched_tokens=16),
+    )
+    outputs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=GREEDY_STEPS))
+    assert [o.token_ids for o in outputs] == [tokens for tokens, _ in hf_greedy]
 
 
 def test_chunked_prefill_mixed_with_decode_matches_transformers(loaded):
@@ -176,3 +306,23 @@ def test_chunked_prefill_mixed_with_decode_matches_transformers(loaded):
     for seq in (0, 1):
         reference = causal_lm_logits(loaded.hf_model, driver.sequences[seq].tokens)
         torch.testing.assert_close(torch.cat(collected[seq]), reference, atol=ATOL, rtol=0)
+
+
+def test_soft_capped_gemma2_matches_the_float64_reference(tmp_path):
+    """Gemma 2 run in float64 (eager) against transformers in float64 on a prompt longer than
+    the window: equal to the rounding of the float32 logits the forward returns, where
+    dropping the soft caps moves the logits by far more."""
+    make_config = CASES["gemma2-softcaps-window"][1]
+    hf_model = build_checkpoint("Gemma2ForCausalLM", make_config(), tmp_path / "capped").double()
+    uncapped = make_config()
+    uncapped.attn_logit_softcapping = uncapped.final_logit_softcapping = None
+    hf_uncapped = build_checkpoint("Gemma2ForCausalLM", uncapped, tmp_path / "uncapped").double()
+    model = load_model(tmp_path / "capped", dtype=torch.float64)
+    driver = PagedDriver(make_runner(model, "eager", BLOCK_SIZE, None), model.cache_spec(4), 16)
+    driver.add(PROMPTS[1])
+    ours = driver.prefill(all_logits=True)[0].double()
+    with torch.no_grad():
+        reference = hf_model(torch.tensor([PROMPTS[1]])).logits[0]
+        without_caps = hf_uncapped(torch.tensor([PROMPTS[1]])).logits[0]
+    assert (ours - reference).abs().max() < 2e-6
+    assert (without_caps - reference).abs().max() > 1.0

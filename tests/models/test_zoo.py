@@ -3,6 +3,8 @@ export sample, describes its caches, and refuses what it does not implement by n
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -19,7 +21,10 @@ ZOO = zoo_names()
 
 
 def test_zoo_lists_every_architecture():
-    assert set(ZOO) == {"llama", "mistral", "qwen2", "bloom", "gpt2", "bert", "bart"}
+    assert set(ZOO) == {
+        *("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"),
+        *("bloom", "gpt2", "bert", "bart"),
+    }
 
 
 @pytest.mark.parametrize("name", ZOO)
@@ -105,6 +110,17 @@ _LLAMA = dict(
 )
 
 
+_GEMMA2 = {
+    **_LLAMA,
+    "model_type": "gemma2",
+    "architectures": ["Gemma2ForCausalLM"],
+    "num_key_value_heads": 1,
+}
+_GEMMA3 = {**_GEMMA2, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
+_PHI3 = {**_LLAMA, "model_type": "phi3", "architectures": ["Phi3ForCausalLM"]}
+_QWEN3 = {**_LLAMA, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+
+
 @pytest.mark.parametrize(
     ("config", "message"),
     [
@@ -123,6 +139,20 @@ _LLAMA = dict(
         (dict(model_type="bert", is_decoder=True), "is_decoder"),
         (dict(model_type="gpt2", add_cross_attention=True), "add_cross_attention"),
         (dict(model_type="bart", normalize_before=True), "normalize_before"),
+        ({**_QWEN3, "partial_rotary_factor": 0.5}, "partial_rotary"),
+        ({**_GEMMA2, "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({**_GEMMA2, "layer_types": ["chunked_attention"]}, "layer_types"),
+        ({**_GEMMA2, "rope_parameters": {"rope_type": "longrope"}}, "'longrope'"),
+        (
+            {**_GEMMA3, "rope_parameters": {"sliding_attention": {"rope_type": "yarn"}}},
+            "'yarn'",
+        ),
+        ({**_PHI3, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic'"),
+        ({**_PHI3, "rope_parameters": {"rope_type": "longrope"}}, "short_factor"),
+        (
+            {**_PHI3, "rope_scaling": {"type": "su", "short_factor": [1.0], "long_factor": [1.0]}},
+            r"short_factor: 1 entries, expected 4",
+        ),
     ],
 )
 def test_unsupported_configs_are_refused_by_name(config, message):
@@ -145,3 +175,25 @@ def test_legacy_and_current_rope_fields_agree():
     current["rope_parameters"]["rope_type"] = current["rope_parameters"].pop("type")
     assert RopeConfig.from_hf(legacy) == RopeConfig.from_hf(current)
     assert RopeConfig.from_hf({}) == RopeConfig(theta=10000.0)
+
+
+def test_phi3_legacy_su_scaling_reads_as_longrope():
+    factors = {"short_factor": [1.0, 2.0, 3.0, 4.0], "long_factor": [5.0, 6.0, 7.0, 8.0]}
+    legacy = {**_PHI3, "original_max_position_embeddings": 64, "max_position_embeddings": 1024}
+    legacy["rope_scaling"] = {"type": "su", **factors}
+    rope = class_for_hf_config(legacy).config_class.from_hf(legacy).rope
+    assert (rope.type, rope.original_max_position_embeddings, rope.factor) == ("longrope", 64, 16)
+    assert rope.short_factor == (1.0, 2.0, 3.0, 4.0) and rope.long_factor == (5.0, 6.0, 7.0, 8.0)
+    # transformers' default: sqrt(1 + ln(factor) / ln(original))
+    assert rope.attention_factor == pytest.approx((1 + math.log(16) / math.log(64)) ** 0.5)
+
+
+def test_gemma3_legacy_rope_fields_give_local_and_global_ropes():
+    legacy = {**_GEMMA3, "rope_theta": 5e5, "rope_local_base_freq": 20.0}
+    legacy["rope_scaling"] = {"rope_type": "linear", "factor": 8.0}
+    legacy["num_hidden_layers"], legacy["sliding_window_pattern"] = 4, 2
+    config = class_for_hf_config(legacy).config_class.from_hf(legacy)
+    assert config.rope == RopeConfig(theta=5e5, type="linear", factor=8.0)
+    assert config.local_rope == RopeConfig(theta=20.0)
+    assert config.sliding_windows == (4096, -1, 4096, -1)
+    assert [config.layer_rope(i).theta for i in range(4)] == [20.0, 5e5, 20.0, 5e5]
