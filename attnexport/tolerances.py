@@ -79,3 +79,25 @@ def quantized_tolerance(bits: int) -> dict[str, float]:
     eager model, per :func:`logit_quality` with ``margin = 2 * max_abs``: ``max_abs`` logit
     error, ``top1_disagreement_decisive`` and mean ``kl`` divergence (nats)."""
     return dict(_QUANTIZED_TOLERANCES[bits])
+
+
+# The error a KV cache dtype adds, measured on the cache-dtype op cases of
+# tests/attention_cases.py (cache_dtype_cases: N(0, 1) keys, values and queries, head size 32,
+# every batch shape and logits option): worst max abs difference of paged attention over the
+# converted/quantized cache from the float64 reference over the unconverted cache was
+#   float16 9.3e-4, bfloat16 9.5e-3, int8 (per-row scales) 1.8e-2.
+# The bounds leave ~3x room.
+_CACHE_QUANTIZATION_ATOL = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-5,
+    torch.float16: 3e-3,
+    torch.bfloat16: 3e-2,
+    torch.int8: 5e-2,
+}
+
+
+def cache_quantization_tolerance(cache_dtype: torch.dtype) -> dict[str, float]:
+    """``{"atol", "rtol"}`` for attention over a ``cache_dtype`` cache against attention over
+    the exact (unconverted) keys and values, for O(1) activations: the error the cache dtype
+    itself adds (``assert_close`` keywords)."""
+    return {"atol": _CACHE_QUANTIZATION_ATOL[cache_dtype], "rtol": 0.0}
