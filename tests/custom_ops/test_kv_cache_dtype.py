@@ -276,3 +276,28 @@ def test_export_of_int8_caches_writes_scales_in_place():
     torch.testing.assert_close(program.module()(*exported), _Int8Layer()(*eager), atol=0, rtol=0)
     for got, want in zip(exported[3], eager[3], strict=True):  # caches and scales in place
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.int8])
+@pytest.mark.parametrize("name", ["ipex", "xformers"])
+def test_backends_without_other_cache_dtypes_say_why(name, cache_dtype):
+    """IPEX 2.8 and xFormers run caches of the query's dtype only: their static capabilities
+    refuse other cache dtypes with the reason (available or not here), and auto picks sdpa."""
+    call = attnexport.custom_ops.AttentionCall(
+        op="paged_attention",
+        device_type="cpu" if name == "ipex" else "cuda",
+        dtype=torch.float32,
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=64,
+        block_size=64,
+        cache_dtype=cache_dtype,
+    )
+    backend = attnexport.custom_ops.get_backend(name)
+    wanted = f"KV cache with float32 activations: {backend.capabilities.cache_dtype_reason}"
+    reasons = backend.capabilities.reasons(call)
+    assert any(wanted in r and str(cache_dtype).removeprefix("torch.") in r for r in reasons)
+    assert backend.capabilities.reasons(call._replace(cache_dtype=torch.float32)) == []
+    if call.device_type == "cpu":
+        with attnexport.custom_ops.use_backend("auto"):
+            assert attnexport.custom_ops.select_backend(call).name == "sdpa"
