@@ -15,8 +15,12 @@ Keys (all values are strings; lists and maps are JSON):
 ``num_cross_layers``         layers with a cross-attention cache (only when > 0)
 ``num_kv_heads``             KV heads per cache tensor
 ``head_size``                head size
-``dtype``                    cache dtype as torch names it: ``float32``, ``bfloat16``, ...
-``cache_inputs``             JSON list of every cache graph input, in forward order
+``dtype``                    the model's (activations') dtype as torch names it: ``float32``,
+                             ``bfloat16``, ...; also the cache dtype unless
+``kv_cache_dtype``           the caches' dtype when it differs from ``dtype`` (``float16``,
+                             ``bfloat16``, ``int8``); absent: ``dtype``
+``cache_inputs``             JSON list of every cache graph input, in forward order (int8
+                             caches: per layer the two caches, then their two scale caches)
 ``cache_outputs``            JSON object ``{cache input: its output}`` for written caches,
                              always ``{"X": "X_out"}``
 ``outputs``                  JSON list of the non-cache graph outputs, in order
@@ -61,9 +65,17 @@ class GraphContract:
     num_kv_heads: int | None = None
     head_size: int | None = None
     dtype: str | None = None
+    kv_cache_dtype: str | None = None
+    """The caches' dtype when it differs from ``dtype`` (None: ``dtype``); int8 caches have
+    float32 scale caches among ``cache_inputs``."""
     attnexport_version: str = __version__
     extra: dict[str, str] = field(default_factory=dict)
     """Caller-supplied keys (e.g. ``architecture``)."""
+
+    @property
+    def cache_dtype(self) -> str | None:
+        """The dtype the caches have (``kv_cache_dtype``, else ``dtype``)."""
+        return self.kv_cache_dtype or self.dtype
 
     def to_props(self) -> dict[str, str]:
         props = {
@@ -77,6 +89,8 @@ class GraphContract:
         if self.block_size is not None:
             props["cache_layout"] = CACHE_LAYOUT
             props["dtype"] = str(self.dtype)
+            if self.kv_cache_dtype not in (None, self.dtype):
+                props["kv_cache_dtype"] = self.kv_cache_dtype
             for key in _GEOMETRY:
                 value = getattr(self, key)
                 if value is not None and not (key == "num_cross_layers" and value == 0):
@@ -99,6 +113,7 @@ class GraphContract:
             "target",
             "cache_layout",
             "dtype",
+            "kv_cache_dtype",
             "cache_inputs",
             "cache_outputs",
             "outputs",
@@ -119,6 +134,7 @@ class GraphContract:
             num_kv_heads=integer("num_kv_heads"),
             head_size=integer("head_size"),
             dtype=props.get("dtype"),
+            kv_cache_dtype=props.get("kv_cache_dtype"),
             attnexport_version=props["attnexport_version"],
             extra=extra,
         )
