@@ -192,3 +192,16 @@ def test_export_refuses_a_cache_dtype_it_cannot_make(tmp_path):
         )
     with pytest.raises(ArtifactError, match="--kv-cache-dtype: expected one of auto"):
         export_artifact("llama", tmp_path / "y", ExportOptions(kv_cache_dtype="int4"))
+
+
+def test_file_props_are_read_without_onnx_as_onnx_reads_them(exports):
+    """OrtExecutor reads the cache dtype before its session exists (the native kernels are
+    registered first) with a reader of its own: the serving core imports no onnx."""
+    import onnx
+
+    from attnexport.model_contract import read_file_props
+
+    for name in ("auto", "int8"):
+        path = exports / name / "model.onnx"
+        expected = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
+        assert read_file_props(path) == expected

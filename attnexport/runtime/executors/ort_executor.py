@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from attnexport.errors import UserError
-from attnexport.model_contract import read_contract
+from attnexport.model_contract import GraphContract, read_contract, read_file_props
 from attnexport.model_interface import (
     DECODER_INPUT_NAMES,
     ENCODER_DECODER_INPUT_NAMES,
@@ -85,9 +85,8 @@ def _native_runs_caches(path: Path, kernels: str) -> bool:
     inputs included). ``kernels='native'`` on other caches is a UserError."""
     from attnexport import ort_kernels
 
-    # Read from the file before the session exists (the kernels must be registered first):
-    # one more parse of the graph, paid only where the native kernels may run.
-    meta = read_contract(path)
+    # Read from the file before the session exists (the kernels must be registered first).
+    meta = GraphContract.from_props(read_file_props(path))
     cache_dtype = meta.cache_dtype
     if cache_dtype == meta.dtype or cache_dtype in ort_kernels.NATIVE_CACHE_DTYPES:
         return True
