@@ -15,8 +15,12 @@ Keys (all values are strings; lists and maps are JSON):
 ``num_cross_layers``         layers with a cross-attention cache (only when > 0)
 ``num_kv_heads``             KV heads per cache tensor
 ``head_size``                head size
-``dtype``                    cache dtype as torch names it: ``float32``, ``bfloat16``, ...
-``cache_inputs``             JSON list of every cache graph input, in forward order
+``dtype``                    the model's (activations') dtype as torch names it: ``float32``,
+                             ``bfloat16``, ...; also the cache dtype unless
+``kv_cache_dtype``           the caches' dtype when it differs from ``dtype`` (``float16``,
+                             ``bfloat16``, ``int8``); absent: ``dtype``
+``cache_inputs``             JSON list of every cache graph input, in forward order (int8
+                             caches: per layer the two caches, then their two scale caches)
 ``cache_outputs``            JSON object ``{cache input: its output}`` for written caches,
                              always ``{"X": "X_out"}``
 ``outputs``                  JSON list of the non-cache graph outputs, in order
@@ -31,6 +35,7 @@ it; it imports neither torch nor onnx (the serving core reads it without them).
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -61,9 +66,17 @@ class GraphContract:
     num_kv_heads: int | None = None
     head_size: int | None = None
     dtype: str | None = None
+    kv_cache_dtype: str | None = None
+    """The caches' dtype when it differs from ``dtype`` (None: ``dtype``); int8 caches have
+    float32 scale caches among ``cache_inputs``."""
     attnexport_version: str = __version__
     extra: dict[str, str] = field(default_factory=dict)
     """Caller-supplied keys (e.g. ``architecture``)."""
+
+    @property
+    def cache_dtype(self) -> str | None:
+        """The dtype the caches have (``kv_cache_dtype``, else ``dtype``)."""
+        return self.kv_cache_dtype or self.dtype
 
     def to_props(self) -> dict[str, str]:
         props = {
@@ -77,6 +90,8 @@ class GraphContract:
         if self.block_size is not None:
             props["cache_layout"] = CACHE_LAYOUT
             props["dtype"] = str(self.dtype)
+            if self.kv_cache_dtype not in (None, self.dtype):
+                props["kv_cache_dtype"] = self.kv_cache_dtype
             for key in _GEOMETRY:
                 value = getattr(self, key)
                 if value is not None and not (key == "num_cross_layers" and value == 0):
@@ -99,6 +114,7 @@ class GraphContract:
             "target",
             "cache_layout",
             "dtype",
+            "kv_cache_dtype",
             "cache_inputs",
             "cache_outputs",
             "outputs",
@@ -119,9 +135,59 @@ class GraphContract:
             num_kv_heads=integer("num_kv_heads"),
             head_size=integer("head_size"),
             dtype=props.get("dtype"),
+            kv_cache_dtype=props.get("kv_cache_dtype"),
             attnexport_version=props["attnexport_version"],
             extra=extra,
         )
+
+
+def read_file_props(path) -> dict[str, str]:
+    """The ``metadata_props`` of the ONNX file at ``path``, read without onnx (the serving core
+    runs without it) and without reading the graph: the top-level fields of the ``ModelProto``
+    are skipped by their protobuf tags and lengths, and only ``metadata_props`` (field 14:
+    ``StringStringEntryProto`` messages, key = 1, value = 2) are read. Written by hand: the
+    protobuf runtime needs the message's generated class (onnx's) to parse it, and would read
+    the whole graph first."""
+
+    def varint(read) -> int | None:
+        result = shift = 0
+        while True:
+            byte = read(1)
+            if not byte:
+                return None
+            result |= (byte[0] & 0x7F) << shift
+            if not byte[0] & 0x80:
+                return result
+            shift += 7
+
+    def entries(stream):
+        """(field number, bytes of a length-delimited field or None) of one message."""
+        read = stream.read
+
+        def skip(size: int) -> None:
+            stream.seek(size, io.SEEK_CUR)
+
+        while (tag := varint(read)) is not None:
+            kind = tag & 7
+            if kind == 0:
+                varint(read)
+                yield tag >> 3, None
+            elif kind == 2:
+                size = varint(read)
+                yield tag >> 3, (read(size) if tag >> 3 in (1, 2, 14) else skip(size))
+            elif kind in (1, 5):
+                skip(8 if kind == 1 else 4)
+                yield tag >> 3, None
+            else:
+                raise UserError(f"{path}: not an ONNX model (protobuf wire type {kind})")
+
+    props = {}
+    with open(path, "rb") as file:
+        for number, value in entries(file):
+            if number == 14 and value is not None:
+                fields = dict(entries(io.BytesIO(value)))
+                props[(fields.get(1) or b"").decode()] = (fields.get(2) or b"").decode()
+    return props
 
 
 def read_contract(model) -> GraphContract:

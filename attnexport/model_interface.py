@@ -16,6 +16,11 @@ that torch.export/ONNX keep them as graph inputs and outputs)::
                           #   each [num_blocks, block_size, num_kv_heads, head_size]
     ) -> logits           # [N, vocab_size] float32
 
+The caches may have a dtype of their own (``KV_CACHE_DTYPES``; float16, bfloat16 or int8
+under float32 activations). int8 caches come with float32 scale caches ``[num_blocks,
+block_size, num_kv_heads]`` and ``kv_caches`` then holds 4 tensors per layer,
+``[k_0, v_0, ks_0, vs_0, k_1, ...]`` (docs/ops.md, "KV cache dtypes").
+
 *Encoder-decoder* models (``attnexport.models.bart``) run the encoder and the decoder in one
 forward, so that one exported graph serves every step. After the decoder inputs come::
 
@@ -73,6 +78,13 @@ ENCODER_DECODER_INPUT_NAMES = (
 ENCODER_INPUT_NAMES = ("input_ids", "positions", "cu_seqlens", "token_type_ids")
 """The inputs of an encoder-only forward (no cache)."""
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+"""The KV cache dtypes an export may choose (``--kv-cache-dtype``); ``auto``: the model's."""
+SCALED_CACHE_DTYPE = "int8"
+"""The cache dtype with scale caches: per layer ``kv_caches`` holds the key and value caches
+then their float32 scale caches ``[num_blocks, block_size, num_kv_heads]``."""
+SCALE_DTYPE = "float32"
+
 
 @dataclass(frozen=True, eq=False)
 class CacheSpec:
@@ -84,8 +96,10 @@ class CacheSpec:
     num_kv_heads: int
     head_size: int
     dtype: Any
-    """The element type: a ``torch.dtype`` (torch models and executors) or a NumPy dtype
-    (the onnxruntime executor's host caches); anything with ``itemsize``."""
+    """The caches' element type: a ``torch.dtype`` (torch models and executors) or a NumPy
+    dtype (the onnxruntime executor's host caches); anything with ``itemsize``. It may differ
+    from the model's dtype (``--kv-cache-dtype``); ``int8`` caches come with float32 scale
+    caches (:attr:`scaled`)."""
     block_size: int = 16
     num_cross_layers: int = 0
     """Encoder-decoder models: layers with a cross-attention cache (2 tensors each), after the
@@ -115,8 +129,24 @@ class CacheSpec:
         return hash(self._key())
 
     @property
+    def scaled(self) -> bool:
+        """int8 caches: each layer's key and value caches have a float32 scale cache
+        ``[num_blocks, block_size, num_kv_heads]`` (the scale of each row) beside them."""
+        return self.dtype_name == SCALED_CACHE_DTYPE
+
+    @property
+    def tensors_per_layer(self) -> int:
+        """Cache tensors per layer: key, value (and, :attr:`scaled`, key scale, value scale)."""
+        return 4 if self.scaled else 2
+
+    @property
     def num_cache_tensors(self) -> int:
-        return 2 * (self.num_layers + self.num_cross_layers)
+        return self.tensors_per_layer * (self.num_layers + self.num_cross_layers)
+
+    @property
+    def num_self_tensors(self) -> int:
+        """The cache tensors of the self-attention layers (the first ones of ``kv_caches``)."""
+        return self.tensors_per_layer * self.num_layers
 
     def block_shape(self) -> tuple[int, int, int]:
         return (self.block_size, self.num_kv_heads, self.head_size)
@@ -125,18 +155,37 @@ class CacheSpec:
         """``[num_blocks, block_size, num_kv_heads, head_size]``."""
         return (num_blocks, *self.block_shape())
 
+    def tensor_shapes(self, num_blocks: int) -> list[tuple[tuple[int, ...], str]]:
+        """``(shape, dtype name)`` of each cache tensor in ``kv_caches`` order: per layer the
+        key and value caches, then (int8) their scale caches ``[num_blocks, block_size,
+        num_kv_heads]`` float32."""
+        cache = (self.cache_shape(num_blocks), self.dtype_name)
+        scale = ((num_blocks, self.block_size, self.num_kv_heads), SCALE_DTYPE)
+        layer = [cache, cache, scale, scale] if self.scaled else [cache, cache]
+        return layer * (self.num_layers + self.num_cross_layers)
+
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block takes across every cache tensor of the model."""
+        """Bytes one block takes across every cache tensor of the model (scales included)."""
         per_tensor = self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
-        return per_tensor * self.num_cache_tensors
+        total = per_tensor * 2 * (self.num_layers + self.num_cross_layers)
+        if self.scaled:
+            total += (
+                self.block_size
+                * self.num_kv_heads
+                * 4
+                * 2
+                * (self.num_layers + self.num_cross_layers)
+            )
+        return total
 
     def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> list[torch.Tensor]:
         """Zeroed torch caches ``[k_0, v_0, k_1, v_1, ...]`` for ``num_blocks`` blocks (of
-        ``dtype``, a ``torch.dtype``)."""
+        ``dtype``, a ``torch.dtype``); int8: ``[k_0, v_0, ks_0, vs_0, k_1, ...]`` with the
+        float32 scale caches."""
         import torch  # the torch side only: reading a spec needs no torch
 
         return [
-            torch.zeros(self.cache_shape(num_blocks), dtype=self.dtype, device=device)
-            for _ in range(self.num_cache_tensors)
+            torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+            for shape, dtype in self.tensor_shapes(num_blocks)
         ]

@@ -17,7 +17,10 @@ model (random weights, seed 0) for
 
 at batch 1/8/32 (prompt 128 tokens, 128 new tokens, greedy, ``--threads`` threads), plus the KV
 memory the paged cache allocates for a batch of mixed lengths against onnxruntime-genai's
-contiguous cache. Every leg runs in its own process; all legs of one invocation share the
+contiguous cache. ``--kv-cache-dtype float16|bfloat16|int8`` exports the ort legs' model with
+caches of that dtype (``attnexport export --kv-cache-dtype``; default ``auto``, the model's
+float32): run once per cache dtype, e.g. ``--prompt-len 2048 --legs ort``, to compare them.
+Every leg runs in its own process; all legs of one invocation share the
 machine in turn, so ratios between them are comparable. ``--quick`` is a smoke test on a tiny
 model.
 
@@ -109,13 +112,17 @@ def make_checkpoint(directory: Path, quick: bool) -> None:
     ).save_pretrained(directory)
 
 
-def export_onnx(checkpoint: Path, path: Path) -> float:
-    """Our ONNX export of the checkpoint; returns the seconds it took."""
+def export_onnx(checkpoint: Path, path: Path, kv_cache_dtype: str = "auto") -> float:
+    """Our ONNX export of the checkpoint (caches of ``kv_cache_dtype``); returns the seconds
+    it took."""
+    import torch
+
     from attnexport.lowering import to_onnx
     from attnexport.models import load_model
 
     model = load_model(checkpoint)
-    sample = model.export_sample(block_size=BLOCK_SIZE)
+    cache_dtype = None if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+    sample = model.export_sample(BLOCK_SIZE, cache_dtype)
     start = time.perf_counter()
     to_onnx(
         model,
@@ -123,7 +130,7 @@ def export_onnx(checkpoint: Path, path: Path) -> float:
         path,
         dynamic_shapes=sample.dynamic_shapes,
         output_names=["logits"],
-        cache_spec=model.cache_spec(BLOCK_SIZE),
+        cache_spec=model.cache_spec(BLOCK_SIZE, cache_dtype),
         metadata={"max_position_embeddings": str(MAX_POSITIONS)},
     )
     return time.perf_counter() - start
@@ -195,12 +202,22 @@ def _engine_leg(args, executor) -> dict:
     }
 
 
+def ours_dir(args, weights: str = "") -> Path:
+    """The directory of our export: ``ours``, with ``-<weights>`` and ``-kv<cache dtype>``."""
+    kv = "" if args.kv_cache_dtype == "auto" else f"-kv{args.kv_cache_dtype}"
+    return args.work / f"ours{'-' + weights if weights else ''}{kv}"
+
+
 def leg_ort(args, spin: bool = True, kernels: str = "native", weights: str = "") -> dict:
+    from attnexport import ort_kernels
     from attnexport.runtime import OrtExecutor
 
-    path = args.work / f"ours{'-' + weights if weights else ''}" / "model.onnx"
+    kv = args.kv_cache_dtype
+    if kernels == "native" and kv not in ("auto", "float32", *ort_kernels.NATIVE_CACHE_DTYPES):
+        kernels = "bodies"  # the native kernels do not take this cache dtype yet
+    path = ours_dir(args, weights) / "model.onnx"
     executor = OrtExecutor(path, num_threads=args.threads, spin=spin, kernels=kernels)
-    return _engine_leg(args, executor)
+    return _engine_leg(args, executor) | {"kernels": executor.kernels, "kv_cache_dtype": kv}
 
 
 def leg_torch(args, backend: str) -> dict:
@@ -301,7 +318,7 @@ def leg_memory(args) -> dict:
     """Peak KV blocks the paged engine holds for the mixed batch vs the tokens it stores."""
     from attnexport.runtime import CacheConfig, Engine, OrtExecutor, SamplingParams, SchedulerConfig
 
-    executor = OrtExecutor(args.work / "ours" / "model.onnx", num_threads=args.threads)
+    executor = OrtExecutor(ours_dir(args) / "model.onnx", num_threads=args.threads)
     prompts = [_prompts(1, n, args.vocab, i)[0] for i, n in enumerate(MIXED_PROMPTS)]
     engine = Engine(
         executor,
@@ -490,6 +507,7 @@ def _spawn(leg: str, python: str, args, batch: int) -> dict:
     command = [python, str(Path(__file__).resolve()), "--leg", leg, "--work", str(args.work)]
     command += ["--batch", str(batch), "--threads", str(args.threads), "--vocab", str(args.vocab)]
     command += ["--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
+    command += ["--kv-cache-dtype", args.kv_cache_dtype]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         lines = (done.stderr or done.stdout).strip().splitlines()
@@ -556,11 +574,19 @@ def write_docs(lines: list[str]) -> None:
 
 
 def main() -> int:
+    from attnexport.model_interface import KV_CACHE_DTYPES
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, batch 1 and 2")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="KV cache dtype of the ort legs' export (default auto: the model's float32)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=1, help="runs per leg; the best counts")
     parser.add_argument("--legs", nargs="+", default=list(LEGS), choices=LEGS)
@@ -591,14 +617,14 @@ def main() -> int:
     if not (checkpoint / "config.json").exists():
         print(f"checkpoint -> {checkpoint}", file=sys.stderr)
         make_checkpoint(checkpoint, args.quick)
-    if not (args.work / "ours" / "model.onnx").exists():
-        seconds = export_onnx(checkpoint, args.work / "ours" / "model.onnx")
+    if not (ours_dir(args) / "model.onnx").exists():
+        seconds = export_onnx(checkpoint, ours_dir(args) / "model.onnx", args.kv_cache_dtype)
         print(f"to_onnx: {seconds:.1f} s", file=sys.stderr)
     legs = list(args.legs)
     for fmt in ("int4", "int8"):
-        quantized = args.work / f"ours-{fmt}" / "model.onnx"
+        quantized = ours_dir(args, fmt) / "model.onnx"
         if f"ort-{fmt}" in legs and not quantized.exists():
-            seconds = quantize_onnx(args.work / "ours" / "model.onnx", quantized, fmt)
+            seconds = quantize_onnx(ours_dir(args) / "model.onnx", quantized, fmt)
             print(f"quantize {fmt}: {seconds:.1f} s", file=sys.stderr)
     for name, precision in GENAI_PRECISION.items():
         out = args.work / name
@@ -649,7 +675,8 @@ def main() -> int:
         "hidden/intermediate/layers/heads/kv-heads/vocab, fp32, random weights seed 0), "
         f"prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, {args.threads} threads;"
         f" {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-        f"onnxruntime {onnxruntime.__version__}. TTFT = prefill of the whole batch. Best of "
+        f"onnxruntime {onnxruntime.__version__}, ort legs' KV cache dtype "
+        f"{args.kv_cache_dtype}. TTFT = prefill of the whole batch. Best of "
         f"{args.repeat} alternating run(s) per leg.",
         "",
         *_table(results, args.batches),

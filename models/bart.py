@@ -334,18 +334,23 @@ class BartForConditionalGeneration(PagedModel):
         head = self.lm_head if self.lm_head is not None else decoder.embed_tokens
         return (F.linear(x, head.weight) + self.final_logits_bias).float()
 
-    def cache_spec(self, block_size: int = 16) -> CacheSpec:
-        """Self caches for every decoder layer, then as many cross caches."""
+    def cache_spec(
+        self, block_size: int = 16, kv_cache_dtype: torch.dtype | None = None
+    ) -> CacheSpec:
+        """Self caches for every decoder layer, then as many cross caches (of
+        ``kv_cache_dtype``; None: the model's dtype)."""
         return CacheSpec(
             num_layers=self.num_layers,
             num_kv_heads=self.num_heads,
             head_size=self.head_size,
-            dtype=self.dtype,
+            dtype=kv_cache_dtype or self.dtype,
             block_size=block_size,
             num_cross_layers=self.num_layers,
         )
 
-    def export_sample(self, block_size: int = 16) -> ExportSample:
+    def export_sample(
+        self, block_size: int = 16, kv_cache_dtype: torch.dtype | None = None
+    ) -> ExportSample:
         sample = sample_batch(block_size, SAMPLE_ENCODER_LENGTHS)
         metadata = sample.metadata
         device = next(self.parameters()).device
@@ -359,7 +364,8 @@ class BartForConditionalGeneration(PagedModel):
             metadata.cross_block_tables,
             metadata.encoder_seq_lens,
         )
-        caches = self.cache_spec(block_size).allocate(sample.num_blocks, device)
+        spec = self.cache_spec(block_size, kv_cache_dtype)
+        caches = spec.allocate(sample.num_blocks, device)
         dims = decoder_dims()
         encoder_tokens, seqs = {0: dims["num_encoder_tokens"]}, dims["num_seqs"]
         dynamic_shapes = (
@@ -370,7 +376,7 @@ class BartForConditionalGeneration(PagedModel):
             encoder_tokens,
             {0: seqs, 1: dims["max_cross_blocks_per_seq"]},
             {0: seqs},
-            [{0: dims["num_blocks"]}] * (4 * self.num_layers),
+            [{0: dims["num_blocks"]}] * spec.num_cache_tensors,
         )
         return ExportSample(
             (*(a.to(device) for a in args), caches),

@@ -23,7 +23,7 @@ from attnexport.errors import UserError
 from attnexport.model_interface import CacheSpec
 from attnexport.models import loader
 from attnexport.models.errors import CheckpointError
-from attnexport.models.layers import RMSNorm
+from attnexport.models.layers import LayerCache, RMSNorm, ScaledCache
 
 
 @dataclass(frozen=True)
@@ -201,12 +201,18 @@ class PagedModel(nn.Module):
 
     # ----------------------------------------------------------------------- interface
 
-    def cache_spec(self, block_size: int = 16) -> CacheSpec:
-        """The geometry of this model's paged KV caches."""
+    def cache_spec(
+        self, block_size: int = 16, kv_cache_dtype: torch.dtype | None = None
+    ) -> CacheSpec:
+        """The geometry of this model's paged KV caches (of ``kv_cache_dtype``; None: the
+        model's dtype)."""
         raise NotImplementedError
 
-    def export_sample(self, block_size: int = 16) -> ExportSample:
-        """A valid batch for ``torch.export`` with every dynamic dim >= 2."""
+    def export_sample(
+        self, block_size: int = 16, kv_cache_dtype: torch.dtype | None = None
+    ) -> ExportSample:
+        """A valid batch for ``torch.export`` with every dynamic dim >= 2 (caches of
+        ``kv_cache_dtype``; None: the model's dtype)."""
         raise NotImplementedError
 
     @property
@@ -215,8 +221,20 @@ class PagedModel(nn.Module):
         return next(self.parameters()).dtype
 
 
+def _scaled(kv_caches: list[torch.Tensor]) -> bool:
+    return bool(kv_caches) and kv_caches[0].dtype == torch.int8
+
+
 def check_kv_caches(kv_caches: list[torch.Tensor], expected: int) -> None:
-    """Raises ValueError unless ``kv_caches`` holds ``expected`` tensors."""
+    """Raises ValueError unless ``kv_caches`` holds ``expected`` tensors (twice as many for
+    int8 caches, which come with their scale caches)."""
+    if _scaled(kv_caches):
+        if len(kv_caches) != 2 * expected:
+            raise ValueError(
+                f"kv_caches: expected {2 * expected} tensors [k_0, v_0, ks_0, vs_0, k_1, ...] "
+                f"(int8 caches and their scale caches), got {len(kv_caches)}"
+            )
+        return
     if len(kv_caches) != expected:
         raise ValueError(
             f"kv_caches: expected {expected} tensors [k_0, v_0, k_1, v_1, ...], "
@@ -224,10 +242,15 @@ def check_kv_caches(kv_caches: list[torch.Tensor], expected: int) -> None:
         )
 
 
-def layer_caches(kv_caches: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def layer_caches(kv_caches: list[torch.Tensor]) -> list[tuple[LayerCache, LayerCache]]:
     """The ``(key cache, value cache)`` of each layer of the forward's ``kv_caches``, which
-    interleaves them: ``[k_0, v_0, k_1, v_1, ...]``."""
-    return list(zip(kv_caches[0::2], kv_caches[1::2], strict=True))
+    interleaves them: ``[k_0, v_0, k_1, v_1, ...]``; int8 caches come as
+    :class:`~attnexport.models.layers.ScaledCache` of ``[k_0, v_0, ks_0, vs_0, k_1, ...]``."""
+    if not _scaled(kv_caches):
+        return list(zip(kv_caches[0::2], kv_caches[1::2], strict=True))
+    keys = [ScaledCache(c, s) for c, s in zip(kv_caches[0::4], kv_caches[2::4], strict=True)]
+    values = [ScaledCache(c, s) for c, s in zip(kv_caches[1::4], kv_caches[3::4], strict=True)]
+    return list(zip(keys, values, strict=True))
 
 
 # ----------------------------------------------------------------------------- export samples

@@ -217,12 +217,12 @@ class BertModel(PagedModel):
             x = layer(x, cu_seqlens)
         return x
 
-    def cache_spec(self, block_size: int = 16) -> CacheSpec:
+    def cache_spec(self, block_size: int = 16, kv_cache_dtype=None) -> CacheSpec:
         """No cache: ``num_layers == 0`` (kept for a uniform interface)."""
         heads = self.config.num_attention_heads
         return CacheSpec(0, heads, self.config.hidden_size // heads, self.dtype, block_size)
 
-    def export_sample(self, block_size: int = 16) -> ExportSample:
+    def export_sample(self, block_size: int = 16, kv_cache_dtype=None) -> ExportSample:
         """Two sequences of 3 and 4 tokens (num_tokens 7, num_seqs 2); ``block_size`` unused."""
         from torch.export import Dim
 

@@ -60,8 +60,9 @@ class DecoderModel(PagedModel):
             slot_mapping: ``[T]`` int64 cache slots. block_tables: ``[S, max_blocks]`` int32.
             seq_lens: ``[S]`` int32 cached + new tokens. query_start_loc: ``[S + 1]`` int32.
             logits_indices: ``[N]`` int64 rows of the batch whose logits are returned.
-            kv_caches: ``2 * num_layers`` tensors ``[num_blocks, block_size, Hkv, D]`` in the
-                model dtype, written in place.
+            kv_caches: ``2 * num_layers`` tensors ``[num_blocks, block_size, Hkv, D]`` of the
+                cache dtype (the model's by default), written in place; int8 caches: 4 per
+                layer, with their scale caches (``attnexport.model_interface``).
 
         Returns:
             ``[N, vocab_size]`` float32 logits.
@@ -90,24 +91,29 @@ class DecoderModel(PagedModel):
         head = self.lm_head if self.lm_head is not None else self.input_embeddings()
         return F.linear(hidden, head.weight)
 
-    def cache_spec(self, block_size: int = 16) -> CacheSpec:
+    def cache_spec(
+        self, block_size: int = 16, kv_cache_dtype: torch.dtype | None = None
+    ) -> CacheSpec:
         return CacheSpec(
             num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads,
             head_size=self.head_size,
-            dtype=self.dtype,
+            dtype=kv_cache_dtype or self.dtype,
             block_size=block_size,
         )
 
-    def export_sample(self, block_size: int = 16) -> ExportSample:
+    def export_sample(
+        self, block_size: int = 16, kv_cache_dtype: torch.dtype | None = None
+    ) -> ExportSample:
         sample = sample_batch(block_size)
         device = next(self.parameters()).device
         args = decoder_sample_args(sample, self.vocab_size)
-        caches = self.cache_spec(block_size).allocate(sample.num_blocks, device)
+        spec = self.cache_spec(block_size, kv_cache_dtype)
+        caches = spec.allocate(sample.num_blocks, device)
         dims = decoder_dims()
         dynamic_shapes = (
             *decoder_dynamic_shapes(dims),
-            [{0: dims["num_blocks"]}] * (2 * self.num_layers),
+            [{0: dims["num_blocks"]}] * spec.num_cache_tensors,
         )
         return ExportSample(
             (*(a.to(device) for a in args), caches),

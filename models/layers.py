@@ -119,6 +119,23 @@ def alibi_slopes(num_heads: int) -> tuple[float, ...]:
     return tuple(_alibi_slopes(num_heads).tolist())
 
 
+class ScaledCache(NamedTuple):
+    """An int8 KV cache ``[num_blocks, block_size, Hkv, D]`` and its float32 scale cache
+    ``[num_blocks, block_size, Hkv]``: how a layer receives int8 caches (layer code passes
+    caches through untouched; :class:`PagedAttention` unpacks them)."""
+
+    cache: torch.Tensor
+    scale: torch.Tensor
+
+
+LayerCache = torch.Tensor | ScaledCache
+"""A layer's key (or value) cache: a tensor of a float cache dtype, or int8 with its scales."""
+
+
+def _split(cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return (cache.cache, cache.scale) if isinstance(cache, ScaledCache) else (cache, None)
+
+
 class PagedAttention(nn.Module):
     """Attention over the paged KV cache through ``attnexport::reshape_and_cache`` and
     ``attnexport::paged_attention``. Has no weights: projections belong to the architecture.
@@ -155,8 +172,8 @@ class PagedAttention(nn.Module):
         self,
         key: torch.Tensor,
         value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        key_cache: LayerCache,
+        value_cache: LayerCache,
         slot_mapping: torch.Tensor,
     ) -> None:
         """Writes key/value ``[T, Hkv * D]`` (or ``[T, Hkv, D]``) at ``slot_mapping`` [T]."""
@@ -164,16 +181,32 @@ class PagedAttention(nn.Module):
         value = (
             value.unflatten(-1, (self.num_kv_heads, self.head_size)) if value.dim() == 2 else value
         )
-        torch.ops.attnexport.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        (key_cache, key_scales), (value_cache, value_scales) = (
+            _split(key_cache),
+            _split(value_cache),
+        )
+        if key_scales is None:
+            torch.ops.attnexport.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+            return
+        torch.ops.attnexport.reshape_and_cache(
+            key, value, key_cache, value_cache, slot_mapping, key_scales, value_scales
+        )
 
     def attend(
         self,
         query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        key_cache: LayerCache,
+        value_cache: LayerCache,
         metadata: PagedMetadata,
     ) -> torch.Tensor:
         """query ``[T, H * D]`` or ``[T, H, D]`` -> ``[T, H * D]``, reading the cache only."""
+        (key_cache, key_scales), (value_cache, value_scales) = (
+            _split(key_cache),
+            _split(value_cache),
+        )
+        scales = {}
+        if key_scales is not None:
+            scales = {"key_scale_cache": key_scales, "value_scale_cache": value_scales}
         if query.dim() == 2:
             query = query.unflatten(-1, (self.num_heads, self.head_size))
         slopes = None
@@ -191,6 +224,7 @@ class PagedAttention(nn.Module):
             slopes,
             self.sliding_window,
             self.logits_soft_cap,
+            **scales,
         )
         return out.flatten(1)
 
@@ -199,8 +233,8 @@ class PagedAttention(nn.Module):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        key_cache: LayerCache,
+        value_cache: LayerCache,
         metadata: PagedMetadata,
     ) -> torch.Tensor:
         """Writes the new keys/values, then attends: self-attention of a decoder layer.

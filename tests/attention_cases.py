@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from attnexport.custom_ops.alibi import alibi_slopes
+from attnexport.custom_ops.kv_cache_dtype import is_scaled, quantize_rows
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class AttentionCase:
     """Extra padding tokens (slot -1) appended to the cache write."""
     spare_blocks: int = 3
     """Blocks in the cache beyond those the batch needs."""
+    cache_dtype: torch.dtype | None = None
+    """The KV caches' dtype; None: ``dtype``. int8 caches come with scale caches."""
 
     def with_(self, **changes) -> AttentionCase:
         return replace(self, **changes)
@@ -59,6 +62,8 @@ class AttentionCase:
             parts.append("slot32")
         if self.padded_tokens:
             parts.append(f"pad{self.padded_tokens}")
+        if self.cache_dtype is not None and self.cache_dtype != self.dtype:
+            parts.append("cache-" + str(self.cache_dtype).removeprefix("torch."))
         return "-".join(parts)
 
 
@@ -82,8 +87,10 @@ def make_paged_inputs(case: AttentionCase, device="cpu", seed: int = 0) -> dict:
     The caches hold random context (and garbage in unused slots); block tables use randomly
     permuted blocks padded with 0. Returns a dict with ``query``, ``key``, ``value`` (the new
     tokens, with ``case.padded_tokens`` padding rows at the end), ``key_cache``,
-    ``value_cache`` (context already written), ``slot_mapping``, ``block_tables``,
-    ``seq_lens``, ``query_start_loc`` and the attention keyword arguments ``kwargs``.
+    ``value_cache`` (context already written, in ``case.cache_dtype``), ``key_scale_cache``,
+    ``value_scale_cache`` (int8 caches; else None), ``slot_mapping``, ``block_tables``,
+    ``seq_lens``, ``query_start_loc`` and the attention keyword arguments ``kwargs`` (with the
+    scale caches when there are).
     """
     g = torch.Generator().manual_seed(seed)
     bs, kvh, d = case.block_size, case.num_kv_heads, case.head_size
@@ -101,8 +108,19 @@ def make_paged_inputs(case: AttentionCase, device="cpu", seed: int = 0) -> dict:
     total_new = sum(case.query_lens)
     key_cache = _random((num_blocks, bs, kvh, d), case.dtype, g, device)
     value_cache = _random((num_blocks, bs, kvh, d), case.dtype, g, device)
+    scales = {"key_scale_cache": None, "value_scale_cache": None}
+    cache_dtype = case.cache_dtype or case.dtype
+    if is_scaled(cache_dtype):
+        key_cache, scales["key_scale_cache"] = quantize_rows(key_cache)
+        value_cache, scales["value_scale_cache"] = quantize_rows(value_cache)
+    else:
+        key_cache, value_cache = key_cache.to(cache_dtype), value_cache.to(cache_dtype)
     pad = case.padded_tokens
+    kwargs = attention_kwargs(case, device)
+    if scales["key_scale_cache"] is not None:
+        kwargs.update(scales)
     return {
+        **scales,
         "query": _random((total_new, case.num_heads, d), case.dtype, g, device),
         "key": _random((total_new + pad, kvh, d), case.dtype, g, device),
         "value": _random((total_new + pad, kvh, d), case.dtype, g, device),
@@ -116,8 +134,16 @@ def make_paged_inputs(case: AttentionCase, device="cpu", seed: int = 0) -> dict:
             dtype=torch.int32,
             device=device,
         ),
-        "kwargs": attention_kwargs(case, device),
+        "kwargs": kwargs,
     }
+
+
+def cache_write_args(x: dict) -> tuple:
+    """The arguments of ``reshape_and_cache`` from a :func:`make_paged_inputs` dict (with the
+    scale caches when the caches are int8)."""
+    names = ("key", "value", "key_cache", "value_cache", "slot_mapping")
+    scales = (x["key_scale_cache"], x["value_scale_cache"])
+    return (*(x[n] for n in names), *(scales if scales[0] is not None else ()))
 
 
 def fill_unused_slots(x: dict, fill: float) -> dict:
@@ -216,4 +242,29 @@ def standard_cases() -> list[AttentionCase]:
     cases.append(
         AttentionCase("cross", (3, 1, 6), (5, 9, 0), causal=False, alibi=True, sliding_window=4)
     )
+    return cases
+
+
+KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)
+
+
+def cache_dtype_cases() -> list[AttentionCase]:
+    """Every cache dtype under float32 activations (and half-precision activations over an
+    int8 or float32 cache) over the batch shapes, with the logits options, GQA and padding."""
+    cases = []
+    for cache_dtype in KV_CACHE_DTYPES:
+        for batch in ("prefill", "decode", "chunked", "mixed", "empty_seq"):
+            cases.append(AttentionCase(batch, *BATCHES[batch], cache_dtype=cache_dtype))
+        mixed = AttentionCase("mixed", *BATCHES["mixed"], cache_dtype=cache_dtype)
+        cases.append(mixed.with_(alibi=True, sliding_window=6, logits_soft_cap=3.0))
+        cases.append(mixed.with_(num_heads=8, num_kv_heads=2, slot_dtype=torch.int32))
+        cases.append(mixed.with_(padded_tokens=3, block_size=8))
+        cases.append(
+            AttentionCase("cross", (3, 1, 6), (5, 9, 0), causal=False, cache_dtype=cache_dtype)
+        )
+    for dtype in (torch.float16, torch.bfloat16):
+        for cache_dtype in (torch.int8, torch.float32):
+            cases.append(
+                AttentionCase("mixed", *BATCHES["mixed"], dtype=dtype, cache_dtype=cache_dtype)
+            )
     return cases

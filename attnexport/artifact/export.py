@@ -45,6 +45,8 @@ class ExportOptions:
     formats: tuple[str, ...] = ("onnx",)
     target: str = "attnexport"
     dtype: torch.dtype = torch.float32
+    kv_cache_dtype: str = "auto"
+    """The KV caches' dtype name (``KV_CACHE_DTYPES``); ``auto``: ``dtype``."""
     block_size: int = 16
     seed: int = 0
     overwrite: bool = False
@@ -91,6 +93,7 @@ def export_artifact(
             f"--weights {options.weights.format} with --dtype {dtype_name(options.dtype)}: "
             "quantized exports are made from float32 models"
         )
+    kv_cache_dtype = _kv_cache_dtype(options)
     earlier = earlier_export(out, overwrite=options.overwrite)
     kind, ref = resolve_model_ref(model_ref)
     source = ref if kind == "checkpoint" else None
@@ -110,8 +113,10 @@ def export_artifact(
         remove_earlier_export(out)
     out.mkdir(parents=True, exist_ok=True)
 
-    sample = model.export_sample(options.block_size)
-    cache_spec = model.cache_spec(options.block_size) if model.kind != "encoder" else None
+    sample = model.export_sample(options.block_size, kv_cache_dtype)
+    cache_spec = (
+        model.cache_spec(options.block_size, kv_cache_dtype) if model.kind != "encoder" else None
+    )
     timings = {}
     step("torch.export")
     start = time.perf_counter()
@@ -163,6 +168,7 @@ def export_artifact(
             else {"kind": "zoo", "name": str(ref), "seed": options.seed}
         ),
         "dtype": dtype_name(options.dtype),
+        "kv_cache_dtype": dtype_name(kv_cache_dtype or options.dtype),
         "config": model.config.to_dict(),
         "cache": cache_entry(cache_spec),
         "target": options.target if "onnx" in options.formats else None,
@@ -180,6 +186,25 @@ def export_artifact(
     }
     write_manifest(out, manifest)
     return manifest
+
+
+def _kv_cache_dtype(options: ExportOptions) -> torch.dtype | None:
+    """The KV cache dtype of ``options`` (None: the model's), refused where it cannot run."""
+    from attnexport.model_interface import KV_CACHE_DTYPES
+
+    name = options.kv_cache_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ArtifactError(
+            f"--kv-cache-dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}"
+        )
+    if name == "auto" or name == dtype_name(options.dtype):
+        return None
+    if "onnx" in options.formats and options.target == "ort-cuda":
+        raise ArtifactError(
+            f"--kv-cache-dtype {name} with --target ort-cuda: com.microsoft.PagedAttention "
+            "takes caches of the query's dtype; use --target attnexport"
+        )
+    return getattr(torch, name)
 
 
 def check_finite_weights(model: torch.nn.Module, model_ref: str) -> None:

@@ -7,7 +7,7 @@ model files it lists; no torch.
       "format": "attnexport-artifact", "format_version": 2,
       "architecture": "llama", "kind": "decoder",
       "source": {"kind": "zoo", "name": "llama", "seed": 0} | {"kind": "checkpoint", "path": ...},
-      "dtype": "float32", "config": {...the zoo config...},
+      "dtype": "float32", "kv_cache_dtype": "float32", "config": {...the zoo config...},
       "cache": {"block_size": 16, "num_layers": 2, "num_cross_layers": 0, "num_kv_heads": 2,
                 "head_size": 16, "dtype": "float32",
                 "layout": "num_blocks,block_size,num_kv_heads,head_size"} | null,
@@ -22,6 +22,10 @@ model files it lists; no torch.
       "versions": {"attnexport": ..., "torch": ..., "onnx": ..., "onnxruntime": ..., ...},
       "export_seconds": {"torch.export": 0.5, "onnx": 3.1}
     }
+
+``kv_cache_dtype`` (optional; absent = ``dtype``, as in manifests written before it existed)
+is the KV caches' dtype (``export --kv-cache-dtype``): ``float32``, ``bfloat16``, ``float16``
+or ``int8`` (with float32 scale caches); ``cache.dtype`` repeats it.
 
 ``weights`` (optional; absent = float weights) records the weight-only quantization of the
 ONNX model (``export --weights int4|int8``, :mod:`attnexport.lowering.quantize`).
@@ -108,6 +112,11 @@ def validate_manifest(manifest, file: Path) -> None:
         raise _field_error(file, "kind", " or ".join(KINDS), manifest.get("kind"))
     if manifest.get("dtype") not in DTYPE_NAMES:
         raise _field_error(file, "dtype", " or ".join(DTYPE_NAMES), manifest.get("dtype"))
+    cache_dtypes = (*DTYPE_NAMES, "int8")
+    if manifest.get("kv_cache_dtype", manifest["dtype"]) not in cache_dtypes:
+        raise _field_error(
+            file, "kv_cache_dtype", " or ".join(cache_dtypes), manifest.get("kv_cache_dtype")
+        )
     files = manifest.get("files")
     if not isinstance(files, dict) or any(MODEL_FILES.get(k) != v for k, v in files.items()):
         raise _field_error(file, "files", f"a subset of {MODEL_FILES}", files)
@@ -231,6 +240,11 @@ def check_model_file(manifest: dict, directory: Path, fmt: str) -> Path:
 def dtype_name(dtype) -> str:
     """``torch.float32`` -> ``"float32"``: the manifest's spelling of a torch dtype."""
     return str(dtype).removeprefix("torch.")
+
+
+def kv_cache_dtype(manifest: dict) -> str:
+    """The KV caches' dtype name of a manifest (``dtype`` when it has no ``kv_cache_dtype``)."""
+    return manifest.get("kv_cache_dtype") or manifest["dtype"]
 
 
 def cache_entry(cache_spec) -> dict | None:

@@ -13,9 +13,10 @@ import torch
 
 
 def _check_cache(name: str, cache: torch.Tensor) -> None:
-    if cache.dim() != 4:
+    if cache.dim() not in (3, 4):  # 3-D: the scale cache of an int8 cache
         raise ValueError(
-            f"{name}: expected a 4-D cache [num_blocks, block_size, num_kv_heads, head_size], "
+            f"{name}: expected a 4-D cache [num_blocks, block_size, num_kv_heads, head_size] "
+            f"or a 3-D scale cache [num_blocks, block_size, num_kv_heads], "
             f"got shape {tuple(cache.shape)}"
         )
 

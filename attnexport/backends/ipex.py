@@ -159,6 +159,14 @@ class IpexBackend(AttentionBackend):
         ops=frozenset(OPS),
         devices=frozenset({"cpu"}),
         dtypes=frozenset(ipex_kernels.IPEX_DTYPES),
+        # Measured with IPEX 2.8 on CPU: reshape_and_cache, single_query_cached_kv_attention
+        # and flash_attn_varlen_func all fail with "expected scalar type Float but found
+        # BFloat16" (Half, Char) for float32 queries over bfloat16 (float16, int8) caches.
+        cache_dtype_reason=(
+            "IPEX 2.8's paged kernels take caches of the query's dtype only (its kernels fail "
+            "with 'expected scalar type Float but found BFloat16' for a bfloat16 cache under "
+            "float32 queries) and have no int8 cache with per-row scales"
+        ),
         notes=(
             "caches must be contiguous; intel_extension_for_pytorch is imported on first use",
             "prefill with ALiBi or sliding_window=1 runs one single-query row per token "

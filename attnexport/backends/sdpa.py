@@ -28,6 +28,7 @@ import torch
 from attnexport.custom_ops import attention
 from attnexport.custom_ops.attention import AttentionOptions
 from attnexport.custom_ops.dispatch import AttentionBackend, BackendCapabilities
+from attnexport.custom_ops.kv_cache_dtype import CACHE_DTYPES, dequantize_rows, quantize_rows
 from attnexport.custom_ops.paged_attention import PagedAttentionCall
 from attnexport.custom_ops.planning import memoised
 from attnexport.custom_ops.reshape_and_cache import CacheWriteCall
@@ -46,17 +47,27 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def write_cache(call: CacheWriteCall) -> None:
-    """Scatters the call's key/value [T, Hkv, D] into caches of any strides; negative slots are
-    skipped."""
-    key, value, key_cache, value_cache, slot_mapping = call
+    """Scatters the call's key/value [T, Hkv, D] into caches of any strides and cache dtype
+    (converted, or quantized with their scales for int8: :mod:`~attnexport.custom_ops.
+    kv_cache_dtype`); negative slots are skipped."""
+    key, value, key_cache, value_cache, slot_mapping = call[:5]
     slots = slot_mapping.to(torch.int64)
     if bool((slots < 0).any()):
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
     block_size = key_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
-    key_cache.index_put_((blocks, offsets), key)
-    value_cache.index_put_((blocks, offsets), value)
+    index = (slots // block_size, slots % block_size)
+    if call.key_scale_cache is None:
+        key_cache.index_put_(index, key.to(key_cache.dtype))
+        value_cache.index_put_(index, value.to(value_cache.dtype))
+        return
+    for rows, cache, scales in (
+        (key, key_cache, call.key_scale_cache),
+        (value, value_cache, call.value_scale_cache),
+    ):
+        q, scale = quantize_rows(rows)
+        cache.index_put_(index, q)
+        scales.index_put_(index, scale)
 
 
 class _Workspace(threading.local):
@@ -87,14 +98,21 @@ def gather_blocks(
     block_ids: torch.Tensor,
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
+    scale_cache: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gathers the blocks ``block_ids`` [B, n] of a cache [NB, BS, Hkv, D] as token-major
     [B, n*BS, Hkv, D] in ``dtype``: whole blocks, memcpy speed. With ``out`` (a workspace
-    buffer) no memory is allocated: a conversion goes through the thread's workspace."""
+    buffer) no memory is allocated: a conversion goes through the thread's workspace. An
+    int8 cache comes with its ``scale_cache`` [NB, BS, Hkv] and is dequantized (in float32,
+    ``float(q) * scale``)."""
     num_seqs, blocks_per_seq = block_ids.shape
     block_size, num_kv_heads, head_size = cache.shape[1:]
     shape = (num_seqs, blocks_per_seq * block_size, num_kv_heads, head_size)
     ids = block_ids.reshape(-1)
+    if scale_cache is not None:
+        rows = dequantize_rows(cache.index_select(0, ids), scale_cache.index_select(0, ids))
+        rows = rows.view(shape)
+        return rows.to(dtype) if out is None else out.copy_(rows)
     if out is None:
         return cache.index_select(0, ids).view(shape).to(dtype)
     blocks = out.view(num_seqs * blocks_per_seq, *cache.shape[1:])
@@ -318,7 +336,11 @@ class SdpaBackend(AttentionBackend):
         ops=frozenset({"reshape_and_cache", "paged_attention", "varlen_attention"}),
         devices=frozenset({"cpu", "cuda"}),
         dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64}),
-        notes=("reference-quality pure PyTorch; fp32 logits for half-precision inputs",),
+        cache_dtypes=frozenset(CACHE_DTYPES),
+        notes=(
+            "reference-quality pure PyTorch; fp32 logits for half-precision inputs",
+            "KV caches of any cache dtype (float32, float16, bfloat16, int8 with scales)",
+        ),
     )
 
     def reshape_and_cache(self, call: CacheWriteCall) -> None:
@@ -337,12 +359,14 @@ class SdpaBackend(AttentionBackend):
                 chunk.block_ids,
                 work_dtype,
                 _workspace.get("key", shape, work_dtype, query.device),
+                call.key_scale_cache,
             )
             value = gather_blocks(
                 value_cache,
                 chunk.block_ids,
                 work_dtype,
                 _workspace.get("value", shape, work_dtype, query.device),
+                call.value_scale_cache,
             )
             if chunk.stale is not None:  # keys need nothing: their logits are masked to -inf
                 value.view(-1, *shape[2:]).index_fill_(0, chunk.stale, 0.0)
@@ -365,8 +389,12 @@ class SdpaBackend(AttentionBackend):
             self._attend_sequence(
                 call,
                 query[prefill.start : prefill.stop],
-                gather_blocks(key_cache, prefill.block_ids, work_dtype),
-                gather_blocks(value_cache, prefill.block_ids, work_dtype),
+                gather_blocks(
+                    key_cache, prefill.block_ids, work_dtype, scale_cache=call.key_scale_cache
+                ),
+                gather_blocks(
+                    value_cache, prefill.block_ids, work_dtype, scale_cache=call.value_scale_cache
+                ),
                 prefill.seq_len,
                 out[prefill.start : prefill.stop],
             )

@@ -372,6 +372,10 @@ class XformersBackend(AttentionBackend):
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         max_head_size=256,
         soft_cap=False,
+        cache_dtype_reason=(
+            "xFormers' attention kernels take keys and values of the query's dtype (there is "
+            "no mixed-precision or int8 KV path to run)"
+        ),
         notes=(
             "CUDA sm80+; float32 only through cutlass (packed keys, no paged kernel)",
             "paged decode needs fa3 (Hopper), triton_splitk (block_size % 64 == 0) or fa2 "

@@ -39,6 +39,13 @@ def model_dtypes() -> tuple[str, ...]:
     return DTYPE_NAMES
 
 
+def kv_cache_dtypes() -> tuple[str, ...]:
+    """``export --kv-cache-dtype``: ``auto`` (the model's dtype) or a cache dtype."""
+    from attnexport.model_interface import KV_CACHE_DTYPES
+
+    return KV_CACHE_DTYPES
+
+
 def onnx_targets() -> Sequence[str]:
     """``export --target``: the lowering's ONNX targets (read on first use)."""
 

@@ -42,6 +42,14 @@ def add_parser(commands) -> None:
     )
     parser.add_argument("--dtype", choices=choices.model_dtypes(), default="float32")
     parser.add_argument(
+        "--kv-cache-dtype",
+        choices=choices.kv_cache_dtypes(),
+        default="auto",
+        help="dtype of the KV caches: auto (the model's, default), or float32, bfloat16, "
+        "float16 (half the bytes of float32), int8 (a quarter, with a float32 scale per token "
+        "and KV head: no calibration); activations keep --dtype",
+    )
+    parser.add_argument(
         "--block-size",
         type=int,
         default=16,
@@ -131,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         formats=("onnx", "pt2") if args.format == "both" else (args.format,),
         target=args.target,
         dtype=DTYPES[args.dtype],
+        kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
         seed=args.seed,
         overwrite=args.overwrite,
@@ -153,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
     files = ", ".join(manifest["files"].values())
     quant = manifest.get("weights")
     weights = f", {quant['format']} weights" if quant else ""
+    if manifest.get("kv_cache_dtype", manifest["dtype"]) != manifest["dtype"]:
+        weights += f", {manifest['kv_cache_dtype']} KV cache"
     seconds = sum(manifest["export_seconds"].values())
     Console().print(
         f"[green]exported[/] {manifest['architecture']} ({manifest['kind']}, "

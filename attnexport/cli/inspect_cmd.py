@@ -70,6 +70,11 @@ def inspect_onnx(path: Path) -> dict:
         "metadata": metadata,
         # The manifest's weight quantization (export --weights); None: float weights.
         "weights": (manifest or {}).get("weights"),
+        # The caches' dtype (export --kv-cache-dtype; the model's dtype when the metadata has
+        # no kv_cache_dtype); None: no paged caches.
+        "kv_cache_dtype": metadata.get("kv_cache_dtype", metadata.get("dtype"))
+        if "cache_layout" in metadata
+        else None,
     }
 
 
@@ -108,6 +113,12 @@ def run(args: argparse.Namespace) -> int:
             f"{weights['block_size']}, {'symmetric' if weights['symmetric'] else 'asymmetric'}, "
             f"accuracy level {weights['accuracy_level']}), {weights['quantized_layers']} layers "
             "quantized; float: " + (", ".join(weights["float_layers"]) or "none")
+        )
+    cache_dtype = summary["kv_cache_dtype"]
+    if cache_dtype is not None:
+        scales = ", with float32 scale caches" if cache_dtype == "int8" else ""
+        console.print(
+            f"KV cache dtype: {cache_dtype}{scales} (model {summary['metadata'].get('dtype')})"
         )
     console.print(
         f"cache ports: {len(summary['cache_ports'])} (each input bound in place to its _out)"

@@ -13,6 +13,12 @@ An artifact with quantized weights (manifest ``weights``, ``export --weights int
 compares its ONNX legs with the float eager model by logit max abs error, top-1 agreement and
 KL divergence against :func:`attnexport.tolerances.quantized_tolerance` (and has no
 transformers leg: its greedy tokens are not the float checkpoint's).
+
+An artifact with a KV cache dtype of its own (manifest ``kv_cache_dtype``) runs every leg on
+caches of that dtype (the reference too) with the bound of
+:func:`attnexport.tolerances.kv_cache_model_tolerance`; legs that cannot run it (IPEX, the
+native kernels until they take it) are left out with the reason, and there is no transformers
+leg (its float caches are not the artifact's).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from attnexport.artifact import (
     read_manifest,
     rebuild_eager_model,
 )
+from attnexport.artifact.manifest import kv_cache_dtype
 from attnexport.cli.errors import CliError
 from attnexport.cli.flags import add_trust_flag
 from attnexport.cli.progress import steps
@@ -103,11 +110,14 @@ def _eager_leg(model: torch.nn.Module, backend: str) -> Leg:
 
 def _legs(manifest: dict, directory: Path, model, trust_pickle: bool) -> dict[str, Leg]:
     """Every way to run this artifact here, the reference (``eager[sdpa]``) first. Only the
-    model files the manifest lists are loaded, each after checking its size and SHA-256."""
+    model files the manifest lists are loaded, each after checking its size and SHA-256.
+    Backends and native kernels that cannot run the artifact's KV cache dtype are left out
+    (:func:`skipped_legs` says why)."""
     import attnexport  # noqa: F401  (registers backends)
     from attnexport.custom_ops import registered_backends
 
     legs: dict[str, Leg] = {}
+    cache_dtype, other_caches = _cache_dtypes(manifest)
     if model is not None:
         legs["eager[sdpa]"] = _eager_leg(model, "sdpa")
         for backend in registered_backends():
@@ -115,6 +125,9 @@ def _legs(manifest: dict, directory: Path, model, trust_pickle: bool) -> dict[st
                 backend.name != "sdpa"
                 and backend.is_available()
                 and ("cpu" in backend.capabilities.devices)
+                and (
+                    not other_caches or DTYPES_ALL[cache_dtype] in backend.capabilities.cache_dtypes
+                )
             ):
                 legs[f"eager[{backend.name}]"] = _eager_leg(model, backend.name)
     if "pt2" in manifest["files"]:
@@ -126,9 +139,44 @@ def _legs(manifest: dict, directory: Path, model, trust_pickle: bool) -> dict[st
 
         path = check_model_file(manifest, directory, "onnx")
         legs["onnx"] = _onnx_leg(path, manifest["input_names"], native=False)
-        if ort_kernels.unavailable_reason() is None:
+        native_caches = not other_caches or cache_dtype in ort_kernels.NATIVE_CACHE_DTYPES
+        if ort_kernels.unavailable_reason() is None and native_caches:
             legs["onnx[native]"] = _onnx_leg(path, manifest["input_names"], native=True)
     return legs
+
+
+DTYPES_ALL = {**DTYPES, "int8": torch.int8}
+"""The manifest's model and KV cache dtype names -> torch dtypes."""
+
+
+def _cache_dtypes(manifest: dict) -> tuple[str, bool]:
+    """The artifact's KV cache dtype name and whether it differs from the model's."""
+    cache_dtype = kv_cache_dtype(manifest)
+    return cache_dtype, cache_dtype != manifest["dtype"]
+
+
+def skipped_legs(manifest: dict) -> list[str]:
+    """Plain sentences on the legs left out because they cannot run the KV cache dtype."""
+    from attnexport import ort_kernels
+    from attnexport.custom_ops import registered_backends
+
+    cache_dtype, other_caches = _cache_dtypes(manifest)
+    if not other_caches:
+        return []
+    notes = [
+        f"no eager[{b.name}] leg: {b.capabilities.cache_dtype_reason}"
+        for b in registered_backends()
+        if b.name != "sdpa"
+        and b.is_available()
+        and "cpu" in b.capabilities.devices
+        and DTYPES_ALL[cache_dtype] not in b.capabilities.cache_dtypes
+    ]
+    if "onnx" in manifest["files"] and cache_dtype not in ort_kernels.NATIVE_CACHE_DTYPES:
+        notes.append(
+            f"no onnx[native] leg: the native kernels do not take {cache_dtype} KV caches yet "
+            "(attnexport.ort_kernels.NATIVE_CACHE_DTYPES)"
+        )
+    return notes
 
 
 def _batch(manifest: dict, seed: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -171,8 +219,25 @@ def _run_paged(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
             driver.append(seq, token)
         logits = driver.step(dict.fromkeys(range(len(PROMPT_LENGTHS)), 1))
         results[f"decode {step + 1} logits"] = torch.cat([logits[i] for i in sorted(logits)])
-    results["kv caches"] = torch.cat([c.reshape(-1) for c in driver.kv_caches])
+    results["kv caches"] = _cache_values(driver.kv_caches, spec)
     return results
+
+
+def _cache_values(kv_caches: list[torch.Tensor], spec) -> torch.Tensor:
+    """Every cache value as one float tensor; int8 caches dequantized (``float(q) * scale``),
+    so that a row quantized one step apart counts by its value, not by 1."""
+    if not spec.scaled:
+        return torch.cat([c.reshape(-1) for c in kv_caches])
+    from attnexport.custom_ops.kv_cache_dtype import dequantize_rows
+
+    groups = [kv_caches[i : i + 4] for i in range(0, len(kv_caches), 4)]
+    return torch.cat(
+        [
+            dequantize_rows(c, s).reshape(-1)
+            for k, v, ks, vs in groups
+            for c, s in ((k, ks), (v, vs))
+        ]
+    )
 
 
 def _run_encoder(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
@@ -206,10 +271,16 @@ def notes(manifest: dict) -> list[str]:
             f"{manifest['weights']['format']} weights: no transformers leg (the ONNX legs are "
             "compared with the float eager model by logit error, top-1 agreement and KL)"
         ]
+    skipped = skipped_legs(manifest)
+    if kv_cache_dtype(manifest) != manifest["dtype"] and source["kind"] == "checkpoint":
+        skipped.append(
+            f"{kv_cache_dtype(manifest)} KV cache: no transformers leg (its float caches are "
+            "not the artifact's)"
+        )
     reason = verify_hf.unavailable_reason(manifest)
     if reason is None or source["kind"] == "zoo":
-        return []
-    return [f"no transformers leg: {reason}"]
+        return skipped
+    return [*skipped, f"no transformers leg: {reason}"]
 
 
 def _compare(name: str, outputs: dict, reference: dict, tolerance: float) -> list[Comparison]:
@@ -291,7 +362,7 @@ def verify_artifact(
 ) -> tuple[str, list[Comparison]]:
     """Runs every leg; returns the reference leg's name and each output's comparison with it
     (the reference is ``eager[sdpa]``, or ``pt2`` when the checkpoint is gone)."""
-    from attnexport.tolerances import model_tolerance
+    from attnexport.tolerances import kv_cache_model_tolerance, model_tolerance
 
     manifest = read_manifest(artifact)
     if manifest is None:
@@ -307,6 +378,9 @@ def verify_artifact(
         raise CliError(f"ARTIFACT: only {list(legs)} can run here; nothing to compare")
     run_leg = _run_encoder if manifest["kind"] == "encoder" else _run_paged
     tolerance = model_tolerance(DTYPES[manifest["dtype"]])
+    cache_dtype, other_caches = _cache_dtypes(manifest)
+    if other_caches:  # the legs share the cache dtype; rounding may move a cache value
+        tolerance = max(tolerance, kv_cache_model_tolerance(DTYPES_ALL[cache_dtype]))
     reference_name, *others = legs
     step(f"running {reference_name}")
     reference = run_leg(legs[reference_name], manifest, seed)
@@ -323,7 +397,7 @@ def verify_artifact(
 
     # A quantized artifact's greedy tokens are not the float checkpoint's: its quality is the
     # comparison above, against the float eager model.
-    if weights is None and verify_hf.unavailable_reason(manifest) is None:
+    if weights is None and not other_caches and verify_hf.unavailable_reason(manifest) is None:
         step("running transformers")
         comparisons += _transformers_leg(
             manifest, artifact, seed, reference, tolerance, trust_pickle

@@ -67,6 +67,7 @@ def describe(
     summary: checks.BatchSummary,
     block_size: int | None = None,
     cache_contiguous: bool = True,
+    cache_dtype: torch.dtype | None = None,
 ) -> AttentionCall:
     """What a validated attention call asks of a backend (selection reads it)."""
     query = call.query
@@ -85,4 +86,5 @@ def describe(
         decode_only=summary.decode_only,
         chunked_prefill=summary.has_context,
         cache_contiguous=cache_contiguous,
+        cache_dtype=cache_dtype,
     )

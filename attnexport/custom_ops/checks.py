@@ -139,3 +139,52 @@ class BatchSummary:
     """Every sequence has exactly one query token (or none)."""
     has_context: bool
     """Some sequence with more than one query token also has cached context (chunked prefill)."""
+
+
+def check_cache_dtype(
+    activation_name: str,
+    activation: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key_scale_cache: torch.Tensor | None,
+    value_scale_cache: torch.Tensor | None,
+) -> None:
+    """The caches [num_blocks, block_size, Hkv, D] share a cache dtype (float32, float16,
+    bfloat16 or int8, independent of the float ``activation``'s dtype; float64, the reference
+    precision, only with float64 activations and they only with it); int8 caches come with
+    float32 scale caches [num_blocks, block_size, Hkv] (the scale of each row, same block and
+    offset), float caches without them (docs/ops.md, "KV cache dtypes")."""
+    from attnexport.custom_ops.kv_cache_dtype import CACHE_DTYPES, SCALE_DTYPE, is_scaled
+
+    if torch.float64 in (activation.dtype, key_cache.dtype):
+        expect_like("dtype", activation_name, activation, key_cache=key_cache)
+    expect_dtype("key_cache", key_cache, CACHE_DTYPES)
+    expect_like("dtype", "key_cache", key_cache, value_cache=value_cache)
+    scales = {"key_scale_cache": key_scale_cache, "value_scale_cache": value_scale_cache}
+    if not is_scaled(key_cache.dtype):
+        for name, scale in scales.items():
+            if scale is not None:
+                raise ValueError(
+                    f"{name}: expected None with {key_cache.dtype} caches (scale caches go "
+                    f"with int8 caches only), got a tensor"
+                )
+        return
+    expected = tuple(key_cache.shape[:3])
+    for name, scale in scales.items():
+        if scale is None:
+            raise ValueError(
+                f"{name}: required with int8 caches (float32 [num_blocks, block_size, "
+                f"num_kv_heads], the scale of each cache row), got None"
+            )
+        expect_dtype(name, scale, (SCALE_DTYPE,))
+        expect_rank(name, scale, 3, "[num_blocks, block_size, num_kv_heads]")
+        expect(
+            scale.shape[0] == key_cache.shape[0]
+            and scale.shape[1] == key_cache.shape[1]
+            and scale.shape[2] == key_cache.shape[2],
+            lambda name=name, scale=scale: (
+                f"{name}: expected shape {expected} (num_blocks, block_size, num_kv_heads of "
+                f"key_cache), got {tuple(scale.shape)}"
+            ),
+        )
+        expect_same_device(("key_cache", name), (key_cache, scale))

@@ -66,6 +66,8 @@ class AttentionCall(NamedTuple):
     """Some sequence has several query tokens and cached context before them."""
     cache_contiguous: bool = True
     """The caches are contiguous in the [num_blocks, block_size, num_kv_heads, head_size] layout."""
+    cache_dtype: torch.dtype | None = None
+    """The KV caches' dtype (int8: with scale caches); None for varlen_attention (no cache)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,11 @@ class BackendCapabilities:
     soft_cap: bool = True
     non_causal: bool = True
     chunked_prefill: bool = True
+    cache_dtypes: frozenset[torch.dtype] = frozenset()
+    """KV cache dtypes the backend runs under activations of another dtype (a cache of the
+    activations' dtype always runs)."""
+    cache_dtype_reason: str = "its kernels take caches of the activations' dtype only"
+    """Why other cache dtypes cannot run (the end of the refusal)."""
     notes: tuple[str, ...] = field(default=())
     """Restrictions that depend on the call beyond these fields, for humans (CLI, docs)."""
 
@@ -105,6 +112,15 @@ class BackendCapabilities:
         if call.block_size is not None and call.block_size % self.block_size_multiple:
             reasons.append(
                 f"block_size={call.block_size} (must be a multiple of {self.block_size_multiple})"
+            )
+        cache_dtype = call.cache_dtype
+        if cache_dtype not in (None, call.dtype) and cache_dtype not in self.cache_dtypes:
+            name = str(cache_dtype).removeprefix("torch.")
+            article = "an" if name[0] in "aeiou" else "a"
+            reasons.append(
+                f"cannot run {article} {name} KV cache with "
+                f"{str(call.dtype).removeprefix('torch.')} activations: "
+                f"{self.cache_dtype_reason}"
             )
         if call.op != "reshape_and_cache":
             for wanted, supported, what in (
@@ -145,6 +161,10 @@ class BackendCapabilities:
             ("soft-cap", yes(self.soft_cap)),
             ("non-causal", yes(self.non_causal)),
             ("chunked prefill", yes(self.chunked_prefill)),
+            (
+                "other cache dtypes",
+                ", ".join(sorted(str(d).removeprefix("torch.") for d in self.cache_dtypes)) or "no",
+            ),
         ]
 
 
@@ -248,6 +268,8 @@ def use_backend(name: str) -> Iterator[None]:
 
 def _describe(call: AttentionCall) -> str:
     parts = [f"dtype={call.dtype}", f"device={call.device_type}", f"head_size={call.head_size}"]
+    if call.cache_dtype is not None and call.cache_dtype != call.dtype:
+        parts.append(f"cache_dtype={call.cache_dtype}")
     if call.op != "reshape_and_cache":
         parts.append(f"heads={call.num_heads}/{call.num_kv_heads}")
     if call.block_size is not None:

@@ -353,18 +353,24 @@ def attend(
     dims: Dims,
     output: str,
     shape_flags: list[ir.Value],
+    scales: tuple[ValueLike, ValueLike] | None = None,
 ) -> ir.Value:
-    """The per-layer part: query [T, H, D], keys/values [N * Hkv, D] (rows as in ``plan``) ->
-    ``output`` [T, H, D] in the query's dtype. Math in float32; the only copies of keys and
-    values are the two gathers. ``shape_flags`` (1-D bool, true = mismatch) refuse the run
-    (:func:`refuse_if`) before the queries are read: they guard the 2-element width that
-    every read of the queries and of the result goes through, not a big tensor."""
+    """The per-layer part: query [T, H, D], keys/values [N * Hkv, D] of any dtype (rows as in
+    ``plan``) -> ``output`` [T, H, D] in the query's dtype. Math in float32; the only copies
+    of keys and values are the two gathers. ``scales``: float32 [N * Hkv, 1] of int8 keys and
+    values (each row reads as ``float(q) * scale``). ``shape_flags`` (1-D bool, true =
+    mismatch) refuse the run (:func:`refuse_if`) before the queries are read: they guard the
+    2-element width that every read of the queries and of the result goes through, not a big
+    tensor."""
     group_width = b.Concat(b.ints([-1]), b.Mul(dims.group, dims.head_size), axis=0)
     group_width = refuse_if(b, group_width, shape_flags, "shapes")
     q = b.Gather(b.Reshape(query, group_width), plan.q_index, axis=0)  # [S, Hkv, Q, G * D]
     q = b.Reshape(b.Cast(q, to=FLOAT), plan.q_shape, allowzero=1)  # [S, Hkv, Q * G, D]
     k = b.Cast(b.Gather(keys, plan.kv_index, axis=0), to=FLOAT)  # [S, Hkv, L, D]
     v = b.Cast(b.Gather(values, plan.kv_index, axis=0), to=FLOAT)
+    if scales is not None:  # [S, Hkv, L, 1] scales of the gathered rows
+        k = b.Mul(k, b.Gather(scales[0], plan.kv_index, axis=0))
+        v = b.Mul(v, b.Gather(scales[1], plan.kv_index, axis=0))
     logits = b.MatMul(q, b.Transpose(k, perm=[0, 1, 3, 2]))  # [S, Hkv, Q * G, L]
     logits = soft_cap(b, b.Mul(logits, b.attribute("scale", "float")))
     logits = alibi(b, logits, slopes, plan, dims)

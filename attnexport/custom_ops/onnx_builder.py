@@ -18,6 +18,7 @@ import onnx_ir as ir
 FLOAT = ir.DataType.FLOAT
 INT64 = ir.DataType.INT64
 INT32 = ir.DataType.INT32
+INT8 = ir.DataType.INT8
 BOOL = ir.DataType.BOOL
 
 ValueLike = ir.Value | str

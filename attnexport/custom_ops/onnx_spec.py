@@ -21,6 +21,10 @@ from attnexport.custom_ops.onnx_builder import Builder
 from attnexport.model_contract import DOMAIN, DOMAIN_VERSION
 
 FLOAT_TYPES = ("tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)")
+CACHE_TYPES = (*FLOAT_TYPES, "tensor(int8)")
+"""The KV cache element types: any float type, or int8 with float32 scale caches."""
+CACHE_TYPE_CONSTRAINT = ("C", CACHE_TYPES, "KV cache dtype (int8: with float32 scale caches).")
+SCALE_TYPE_CONSTRAINT = ("F", ("tensor(float)",), "Scale cache type (float32).")
 
 TOKENS = "num_tokens"
 
@@ -43,14 +47,36 @@ class Port:
     empty: the port names no dimension."""
     cache: bool = False
     """A paged KV cache: must be a graph input, read (and, for a write, updated) in place."""
+    scale: bool = False
+    """A scale cache of int8 KV caches: present iff the caches are int8 (a model has one cache
+    dtype, so its nodes all have these inputs or none); a graph input read (and, for a write,
+    updated) in place like a cache. Looked up in the torch op by name, not position."""
 
 
 _CACHE_DIMS = ("num_blocks", "block_size", "num_kv_heads", "head_size")
 CACHES = tuple(
-    Port(name, "T", f"[{', '.join(_CACHE_DIMS)}]", dims=_CACHE_DIMS, cache=True)
+    Port(name, "C", f"[{', '.join(_CACHE_DIMS)}]", dims=_CACHE_DIMS, cache=True)
     for name in ("key_cache", "value_cache")
 )
 """The key and value cache ports of a paged node (the layout of docs/ops.md)."""
+
+
+def scale_caches(names: bool) -> tuple[Port, Port]:
+    """The optional key and value scale-cache ports of a paged node: float32
+    ``[num_blocks, block_size, num_kv_heads]``, present iff the caches are int8. ``names``:
+    the ports name their dims (where a port's index is its torch argument's too)."""
+    return tuple(
+        Port(
+            name,
+            "F",
+            f"[num_blocks, block_size, num_kv_heads] float32 scale of each {kind} cache row "
+            "(int8 caches only; row = float(q) * scale)",
+            optional=True,
+            dims=_CACHE_DIMS[:3] if names else (),
+            scale=True,
+        )
+        for name, kind in (("key_scale_cache", "key"), ("value_scale_cache", "value"))
+    )
 
 
 @dataclass(frozen=True)
@@ -90,11 +116,27 @@ class OnnxOp:
     in_place_op: str | None = None
     """A torch op that writes the caches in place and is rewritten to :attr:`torch_op`
     before the translation (torch.onnx cannot lower in-place custom ops)."""
+    scaled_body: Callable[[Builder], None] | None = None
+    """The body of a node with its scale-cache inputs (int8 caches); :attr:`body` is that of a
+    node without them (float caches). An ONNX function body cannot test for an omitted input,
+    so a model gets the variant its cache dtype needs (:meth:`function`)."""
 
     @property
     def cache_inputs(self) -> tuple[int, ...]:
         """Indices of the cache inputs; a writing node's outputs are their new values."""
         return tuple(i for i, port in enumerate(self.inputs) if port.cache)
+
+    @property
+    def scale_inputs(self) -> tuple[int, ...]:
+        """Indices of the optional scale-cache inputs (int8 caches)."""
+        return tuple(i for i, port in enumerate(self.inputs) if port.scale)
+
+    @property
+    def state_inputs(self) -> tuple[int, ...]:
+        """Indices of every input updated in place by a writing node, in input order: the
+        caches, then the scale caches (a writing node's outputs are their new values, the
+        scale caches' only when the node has them)."""
+        return (*self.cache_inputs, *self.scale_inputs)
 
     @property
     def writes_caches(self) -> bool:
@@ -126,17 +168,29 @@ class OnnxOp:
             attributes=[attribute(a) for a in self.attributes],
         )
 
-    def function(self, opset: int) -> ir.Function:
-        """The node's standard-op body for a model of standard opset ``opset``."""
-        b = Builder([p.name for p in self.inputs])
-        self.body(b)
+    def function(self, opset: int, scaled: bool = False) -> ir.Function:
+        """The node's standard-op body for a model of standard opset ``opset``; ``scaled``:
+        the variant for int8 caches (with the scale-cache inputs and outputs), else the one
+        for float caches (without them)."""
+        body = self.scaled_body if scaled and self.scaled_body is not None else self.body
+        keep = scaled and self.scaled_body is not None
+        b = Builder([p.name for p in self.inputs if keep or not p.scale])
+        body(b)
         return b.function(
             self.node,
             DOMAIN,
-            [p.name for p in self.outputs],
+            [p.name for p in self.outputs if keep or not p.scale],
             opset,
             {a.name: a.default for a in self.attributes},
             doc=self.summary,
+        )
+
+    def has_scales(self, inputs: list) -> bool:
+        """Whether a node of this op with ``inputs`` (``None`` or ``""`` for a missing one)
+        has its scale-cache inputs."""
+        return any(
+            port.scale and i < len(inputs) and inputs[i] not in (None, "")
+            for i, port in enumerate(self.inputs)
         )
 
     def input_dims(self) -> Mapping[int, tuple[str, ...]]:

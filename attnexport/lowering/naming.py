@@ -23,7 +23,7 @@ import torch
 from torch.export import ExportedProgram
 
 from attnexport.custom_ops.onnx_spec import TOKENS
-from attnexport.lowering.passes import node_argument
+from attnexport.lowering.passes import node_argument, torch_argument_index
 from attnexport.lowering.registry import torch_op_specs
 
 _SEQS = ("num_seqs",)
@@ -54,10 +54,13 @@ def input_dim_names(ep: ExportedProgram) -> dict[str, tuple[str, ...]]:
     dimension names of the op input an input feeds (the slices' ``Port.dims``), else of its
     name."""
     ops = torch.ops.attnexport
-    op_dims = {
-        getattr(ops, name).default: spec.input_dims()
-        for name, (spec, _) in torch_op_specs().items()
-    }
+    op_dims = {}
+    for name, (spec, _) in torch_op_specs().items():
+        overload = getattr(ops, name).default
+        op_dims[overload] = {
+            torch_argument_index(overload, spec.inputs[i].name, i): dims
+            for i, dims in spec.input_dims().items()
+        }
     names: dict[str, tuple[str, ...]] = {}
     for node in ep.graph.nodes:
         if node.op != "call_function" or node.target not in op_dims:

@@ -5,6 +5,7 @@ Pipeline (each step answers a trap of docs/traps.md)::
     export_program            torch.export + cache checks (caches are forward inputs)
     functionalize_cache_writes in-place reshape_and_cache -> functional twin + copy_
     torch.onnx.export         optimize=False, custom translations -> attnexport nodes
+    drop_absent_scale_outputs float-cache writes keep their two cache outputs only
     connect_caches_directly   drop torch's no-op copies between caches and their users
     expose_cache_writes       last write of cache input X -> graph output X_out
     optimize_ir               onnxscript's optimizer (after exposing, so nothing is dropped)
@@ -60,6 +61,20 @@ def _sample_inputs(program: ExportedProgram) -> dict[str, torch.Tensor]:
         for spec, leaf in zip(specs, leaves, strict=True)
         if isinstance(spec.arg, TensorArgument) and isinstance(leaf, torch.Tensor)
     }
+
+
+def _activation_dtype(program: ExportedProgram) -> torch.dtype | None:
+    """The dtype of the keys the program writes into its caches (the model's activations),
+    which the caches may not share (``--kv-cache-dtype``); None without a cache write."""
+    for node in program.graph.nodes:
+        if (
+            node.op == "call_function"
+            and node.target == torch.ops.attnexport.reshape_and_cache.default
+        ):
+            value = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
+            if isinstance(value, torch.Tensor):
+                return value.dtype
+    return None
 
 
 def _save(model: ir.Model, path: Path) -> onnx.ModelProto:
@@ -134,7 +149,11 @@ def to_onnx(
         )
     caches = check_program(program)
     samples = _sample_inputs(program)
-    geometry = cache_geometry({n: samples[n] for n in caches.inputs if n in samples}, cache_spec)
+    geometry = cache_geometry(
+        {n: samples[n] for n in caches.inputs if n in samples},
+        cache_spec,
+        _activation_dtype(program),
+    )
 
     functional, _ = functionalize_cache_writes(program)
     from attnexport.lowering.registry import translation_table
@@ -151,6 +170,7 @@ def to_onnx(
             custom_translation_table=translation_table(),
         )
     model = onnx_program.model
+    onnx_passes.drop_absent_scale_outputs(model)
     onnx_passes.connect_caches_directly(model)
     cache_outputs = onnx_passes.expose_cache_writes(model, caches.written)
 

@@ -47,6 +47,49 @@ def _strip_passthrough(value: ir.Value) -> ir.Value:
         value = source
 
 
+def drop_absent_scale_outputs(model: ir.Model) -> int:
+    """Rewrites each cache write without scale-cache inputs (float caches) that carries the
+    scale-cache outputs anyway (the translation gets as many outputs as the schema declares)
+    into one with the two cache outputs only, as its function body has; returns the count.
+
+    Raises:
+        ValueError: such an output has a user (it would be read, but nothing writes it).
+    """
+    count = 0
+    for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
+        spec = _spec(node)
+        if spec is None or spec.has_scales(list(node.inputs)):
+            continue
+        keep = [i for i, port in enumerate(spec.outputs) if not port.scale]
+        if len(node.outputs) <= len(keep):
+            continue
+        extra = [v for i, v in enumerate(node.outputs) if i not in keep]
+        if any(v.uses() or v.is_graph_output() for v in extra):
+            raise ValueError(
+                f"{node.op_type} node '{node.name}': its scale-cache outputs are read but it "
+                f"has no scale-cache inputs"
+            )
+        trimmed = ir.Node(
+            node.domain,
+            node.op_type,
+            node.inputs,
+            attributes=list(node.attributes.values()),
+            num_outputs=len(keep),
+            name=node.name,
+        )
+        for i, output in zip(keep, trimmed.outputs, strict=True):
+            output.name, output.type, output.shape = (
+                node.outputs[i].name,
+                node.outputs[i].type,
+                node.outputs[i].shape,
+            )
+        ir.convenience.replace_nodes_and_values(
+            node.graph, node, [node], [trimmed], [node.outputs[i] for i in keep], trimmed.outputs
+        )
+        count += 1
+    return count
+
+
 def connect_caches_directly(model: ir.Model) -> None:
     """Makes every cache read/write take its cache straight from the upstream value, skipping
     the no-op copies torch emits for ``aten.copy``, so that a write's data input is the graph
@@ -55,8 +98,8 @@ def connect_caches_directly(model: ir.Model) -> None:
         spec = _spec(node)
         if spec is None:
             continue
-        for index in spec.cache_inputs:
-            value = node.inputs[index]
+        for index in spec.state_inputs:
+            value = node.inputs[index] if index < len(node.inputs) else None
             if value is not None:
                 node.replace_input_with(index, _strip_passthrough(value))
 
@@ -81,7 +124,10 @@ def expose_cache_writes(model: ir.Model, written: Sequence[str]) -> dict[str, st
     for node in graph:  # topological order: later writes of a cache replace earlier ones
         if not is_write(node):
             continue
-        for index, new_value in zip(_spec(node).cache_inputs, node.outputs, strict=True):
+        # The caches it has (scale caches only with int8 caches), and their new values.
+        args = node.inputs
+        present = [i for i in _spec(node).state_inputs if i < len(args) and args[i] is not None]
+        for index, new_value in zip(present, node.outputs, strict=True):
             cache = _strip_passthrough(node.inputs[index])
             if cache.name in inputs and inputs[cache.name] is cache:
                 base = cache.name

@@ -23,28 +23,41 @@ from torch.export.graph_signature import InputKind
 from attnexport.lowering.registry import torch_op_specs
 
 
+def torch_argument_index(overload, port_name: str, port_index: int) -> int:
+    """The index of the torch op's argument that node input ``port_name`` (at node index
+    ``port_index``) is: the argument of that name, else the one at the same position."""
+    names = [argument.name for argument in overload._schema.arguments]
+    return names.index(port_name) if port_name in names else port_index
+
+
 def _cache_arguments() -> dict:
-    """``{op overload: (((argument index, argument name), ...) of its cache arguments,
-    whether it writes them in place)}``, from the slices' ONNX faces."""
+    """``{op overload: (((argument index, argument name), ...) of its cache arguments (scale
+    caches included), whether it writes them in place)}``, from the slices' ONNX faces."""
     ops = torch.ops.attnexport
-    return {
-        getattr(ops, name).default: (
-            tuple((i, spec.inputs[i].name) for i in spec.cache_inputs),
-            in_place,
-        )
-        for name, (spec, in_place) in torch_op_specs().items()
-        if spec.cache_inputs
-    }
+    arguments = {}
+    for name, (spec, in_place) in torch_op_specs().items():
+        if not spec.state_inputs:
+            continue
+        overload = getattr(ops, name).default
+        ports = [(spec.inputs[i].name, i) for i in spec.state_inputs]
+        indexed = tuple((torch_argument_index(overload, n, i), n) for n, i in ports)
+        arguments[overload] = (indexed, in_place)
+    return arguments
 
 
 def _functional_twins() -> dict:
-    """``{in-place op overload: (its functional twin's overload, its cache argument indices)}``."""
+    """``{in-place op overload: (its functional twin's overload, its cache argument indices)}``;
+    the twin returns the written caches in that order (the scale caches only when given)."""
     ops = torch.ops.attnexport
-    return {
-        getattr(ops, name).default: (getattr(ops, spec.torch_op).default, spec.cache_inputs)
-        for name, (spec, in_place) in torch_op_specs().items()
-        if in_place
-    }
+    twins = {}
+    for name, (spec, in_place) in torch_op_specs().items():
+        if in_place:
+            overload = getattr(ops, name).default
+            indices = tuple(
+                torch_argument_index(overload, spec.inputs[i].name, i) for i in spec.state_inputs
+            )
+            twins[overload] = (getattr(ops, spec.torch_op).default, indices)
+    return twins
 
 
 _CONSTANT_KINDS = {
@@ -155,6 +168,8 @@ def check_program(ep: ExportedProgram) -> CacheInputs:
         arguments, in_place = cache_arguments[node.target]
         for index, role in arguments:
             source = node_argument(node, index)
+            if source is None:  # an optional scale cache not given (float caches)
+                continue
             _check_cache_argument(ep, node, source, role, in_place)
             if source.op == "placeholder":
                 used.add(source.name)
@@ -204,7 +219,8 @@ def functionalize_cache_writes(ep: ExportedProgram) -> tuple[ExportedProgram, in
         with graph.inserting_before(node):
             written = graph.call_function(functional, tuple(arguments))
             written.meta.update(node.meta)
-            for index, cache in enumerate(arguments[i] for i in cache_indices):
+            caches = [arguments[i] for i in cache_indices if arguments[i] is not None]
+            for index, cache in enumerate(caches):
                 new_cache = graph.call_function(operator.getitem, (written, index))
                 if "val" in cache.meta:
                     new_cache.meta["val"] = cache.meta["val"]

@@ -36,6 +36,7 @@ def single_node_session(
         torch.bfloat16: ir.DataType.BFLOAT16,
         torch.int32: ir.DataType.INT32,
         torch.int64: ir.DataType.INT64,
+        torch.int8: ir.DataType.INT8,
     }
     register_schemas()
     geometry = onnx_ops()[op_type].geometry(lambda name, axis: inputs[name].shape[axis])
@@ -65,7 +66,8 @@ def single_node_session(
         opset_imports={"": opset, DOMAIN: 1},
         name=op_type,
     )
-    model = ir.Model(graph, ir_version=10, functions=all_bodies(opset))
+    scaled = any(onnx_ops()[op_type].inputs[i].scale for i in range(len(graph_inputs)))
+    model = ir.Model(graph, ir_version=10, functions=all_bodies(opset, scaled))
     written = {n.removesuffix("_out"): n for n in outputs if n.endswith("_out")}
     model.metadata_props.update(GraphContract("attnexport", tuple(written), written).to_props())
     proto = ir.serde.serialize_model(model)

@@ -33,14 +33,34 @@ def _used_ops(model: ir.Model) -> set[str]:
     }
 
 
+def _scaled(model: ir.Model) -> bool:
+    """Whether the graph's paged nodes have scale-cache inputs (int8 KV caches). One model has
+    one cache dtype: a graph whose nodes disagree is refused (an ONNX function has one body)."""
+    from attnexport.lowering.registry import onnx_ops
+
+    ops = onnx_ops()
+    found = {
+        ops[node.op_type].has_scales(list(node.inputs))
+        for node in ir.traversal.RecursiveGraphIterator(model.graph)
+        if node.domain == DOMAIN and any(p.scale for p in ops[node.op_type].inputs)
+    }
+    if len(found) > 1:
+        raise ValueError(
+            "kv caches: some paged nodes have scale caches (int8) and others not; a model "
+            "must use one KV cache dtype"
+        )
+    return found == {True}
+
+
 def attach_bodies(model: ir.Model) -> None:
-    """Adds the function bodies of the attnexport ops the graph uses."""
+    """Adds the function bodies of the attnexport ops the graph uses (the int8-cache variants
+    when its paged nodes have scale caches)."""
     used = _used_ops(model)
     if not used:
         model.opset_imports.pop(DOMAIN, None)
         return
     model.opset_imports[DOMAIN] = DOMAIN_VERSION
-    for function in all_bodies(model.opset_imports[""]):
+    for function in all_bodies(model.opset_imports[""], _scaled(model)):
         if function.name in used:
             model.functions[function.identifier()] = function
 

@@ -15,6 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 
 LIBRARY = Path(__file__).with_name("libattnexport_ort.so")
+NATIVE_CACHE_DTYPES: tuple[str, ...] = ()
+"""KV cache dtypes (torch names) the kernels run under activations of another dtype (the
+scale-cache inputs of int8 included). Caches of the activations' dtype always run; models with
+other cache dtypes run their bodies (``OrtExecutor(kernels="auto")``) until a built library
+takes them: then list them here, e.g. ``("float16", "bfloat16", "int8")``."""
 BUILD_HINT = "build it with `bash scripts/build_ort_kernels.sh` (needs g++; `make` runs it)"
 
 

@@ -229,7 +229,7 @@ def _run(op: str, make) -> list[torch.Tensor]:
     result = getattr(torch.ops.attnexport, op)(*args, **kwargs)
     if op == "reshape_and_cache":
         result = (args[2], args[3])  # the caches it wrote
-    return [t.clone() for t in (result if isinstance(result, tuple) else (result,))]
+    return [t.clone() for t in (result if isinstance(result, (tuple, list)) else (result,))]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -8,6 +8,7 @@ import torch
 
 from attnexport.custom_ops import attention, checks
 from attnexport.custom_ops.dispatch import select_backend
+from attnexport.custom_ops.kv_cache_dtype import from_cache
 from attnexport.custom_ops.library import register
 from attnexport.custom_ops.planning import memoised
 from attnexport.custom_ops.reference import attend
@@ -15,7 +16,8 @@ from attnexport.custom_ops.spec import OpSpec
 
 SCHEMA = (
     "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-    f"Tensor seq_lens, Tensor query_start_loc, {attention.OPTION_ARGS.format('True')}) -> Tensor"
+    f"Tensor seq_lens, Tensor query_start_loc, {attention.OPTION_ARGS.format('True')}, "
+    "Tensor? key_scale_cache=None, Tensor? value_scale_cache=None) -> Tensor"
 )
 
 
@@ -26,8 +28,8 @@ class PagedAttentionCall(NamedTuple):
     query: torch.Tensor
     """``[T, H, D]`` floating point."""
     key_cache: torch.Tensor
-    """``[num_blocks, block_size, Hkv, D]``, dtype of query; H must be a multiple of Hkv
-    (grouped-query attention)."""
+    """``[num_blocks, block_size, Hkv, D]``, the cache dtype (floating point or int8, may
+    differ from query's); H must be a multiple of Hkv (grouped-query attention)."""
     value_cache: torch.Tensor
     """As key_cache."""
     block_tables: torch.Tensor
@@ -47,6 +49,11 @@ class PagedAttentionCall(NamedTuple):
     """If >= 0, key k is visible only when ``p - k < sliding_window``."""
     logits_soft_cap: float = 0.0
     """If > 0, logits become ``cap * tanh(logits / cap)`` before ALiBi."""
+    key_scale_cache: torch.Tensor | None = None
+    """int8 caches only: float32 ``[num_blocks, block_size, Hkv]``, the scale of each key row
+    (it reads back as ``float(q) * scale``)."""
+    value_scale_cache: torch.Tensor | None = None
+    """As key_scale_cache, for value_cache."""
 
 
 def check(call: PagedAttentionCall) -> checks.BatchSummary | None:
@@ -58,7 +65,9 @@ def check(call: PagedAttentionCall) -> checks.BatchSummary | None:
     checks.expect_rank("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
     checks.expect_rank("seq_lens", seq_lens, 1, "[num_seqs]")
     checks.expect_rank("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
-    checks.expect_like("dtype", "query", query, key_cache=key_cache, value_cache=value_cache)
+    checks.check_cache_dtype(
+        "query", query, key_cache, value_cache, call.key_scale_cache, call.value_scale_cache
+    )
     for name, tensor in (
         ("block_tables", block_tables),
         ("seq_lens", seq_lens),
@@ -168,6 +177,7 @@ def paged_attention(*args) -> torch.Tensor:
         summary,
         block_size=key_cache.shape[1],
         cache_contiguous=key_cache.is_contiguous(),
+        cache_dtype=key_cache.dtype,
     )
     return select_backend(request).paged_attention(call)
 
@@ -180,11 +190,20 @@ def _fake(*args) -> torch.Tensor:
 def gather_sequence(
     cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
 ) -> torch.Tensor:
-    """The first ``seq_len`` tokens of one sequence from a paged cache, as [seq_len, Hkv, D]."""
+    """The first ``seq_len`` tokens of one sequence from a paged cache [NB, BS, ...], as
+    [seq_len, ...] (a cache [.., Hkv, D] or a scale cache [..., Hkv])."""
     block_size = cache.shape[1]
     positions = torch.arange(seq_len)
     blocks = block_table_row.cpu().long()[positions // block_size]
     return cache[blocks.to(cache.device), (positions % block_size).to(cache.device)]
+
+
+def _gather_rows(call: PagedAttentionCall, index: int, cache, scales, compute_dtype):
+    """Sequence ``index``'s keys or values widened to ``compute_dtype`` (int8: dequantized
+    in float32 first, as docs/ops.md states)."""
+    row, seq_len = call.block_tables[index], int(call.seq_lens[index])
+    scale = None if scales is None else gather_sequence(scales, row, seq_len)
+    return from_cache(gather_sequence(cache, row, seq_len), scale, compute_dtype)
 
 
 def reference(*args, compute_dtype: torch.dtype = torch.float64, **kwargs) -> torch.Tensor:
@@ -199,8 +218,8 @@ def reference(*args, compute_dtype: torch.dtype = torch.float64, **kwargs) -> to
         num_queries = end - start
         if num_queries == 0:
             continue
-        key = gather_sequence(call.key_cache, call.block_tables[i], seq_len)
-        value = gather_sequence(call.value_cache, call.block_tables[i], seq_len)
+        key = _gather_rows(call, i, call.key_cache, call.key_scale_cache, compute_dtype)
+        value = _gather_rows(call, i, call.value_cache, call.value_scale_cache, compute_dtype)
         # The queries are the last num_queries positions of the sequence.
         positions = torch.arange(seq_len - num_queries, seq_len, device=query.device)
         out[start:end] = attend(

@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from attnexport.custom_ops import onnx_attention as core
 from attnexport.custom_ops.onnx_builder import BOOL, INT64, Builder, arange, differs, refuse_if
-from attnexport.custom_ops.onnx_spec import CACHES, Attribute, Dim, OnnxOp, Port, traced_dims
+from attnexport.custom_ops.onnx_spec import (
+    CACHE_TYPE_CONSTRAINT,
+    CACHES,
+    SCALE_TYPE_CONSTRAINT,
+    Attribute,
+    Dim,
+    OnnxOp,
+    Port,
+    scale_caches,
+    traced_dims,
+)
 from attnexport.custom_ops.onnx_spec import attnexport_opset as attnexport
 
 
@@ -29,8 +39,11 @@ def translate(
     alibi_slopes=None,
     sliding_window: int = -1,
     logits_soft_cap: float = 0.0,
+    key_scale_cache=None,
+    value_scale_cache=None,
 ):
     """attnexport::paged_attention(...) -> Tensor"""
+    scales = () if key_scale_cache is None else (key_scale_cache, value_scale_cache)
     return attnexport().PagedAttention(
         query,
         key_cache,
@@ -39,6 +52,7 @@ def translate(
         seq_lens,
         query_start_loc,
         core.slopes_or_zeros(query, alibi_slopes),
+        *scales,
         **core.mask_values(scale, causal, sliding_window, logits_soft_cap),
         **_geometry(traced_dims(query=query, key_cache=key_cache)),
     )
@@ -77,7 +91,18 @@ def _checked_seq_lens(b: Builder, dims: core.Dims, table, query_lens):
 
 
 def body(b: Builder) -> None:
-    """``attnexport.PagedAttention`` in standard ops."""
+    """``attnexport.PagedAttention`` over float caches in standard ops (rows widened to
+    float32)."""
+    _body(b, scaled=False)
+
+
+def scaled_body(b: Builder) -> None:
+    """``attnexport.PagedAttention`` over int8 caches: each gathered row is dequantized as
+    ``float(q) * scale`` with its scale from the scale caches."""
+    _body(b, scaled=True)
+
+
+def _body(b: Builder, scaled: bool) -> None:
     dims = core.dims_of(b, paged=True)
     table = b.Cast("block_tables", to=INT64)
 
@@ -94,7 +119,13 @@ def body(b: Builder) -> None:
     # [num_blocks * block_size * Hkv, D]: row slot * Hkv + kv_head.
     keys = b.Flatten("key_cache", axis=3)
     values = b.Flatten("value_cache", axis=3)
-    core.attend(b, "query", keys, values, "alibi_slopes", plan, dims, "output", flags)
+    scales = None
+    if scaled:
+        for name in ("key_scale_cache", "value_scale_cache"):
+            flags.append(differs(b, b.Shape(name), b.Shape("key_cache", end=3)))
+        # [num_blocks * block_size * Hkv, 1]: the scale of each row above.
+        scales = tuple(b.Flatten(n, axis=3) for n in ("key_scale_cache", "value_scale_cache"))
+    core.attend(b, "query", keys, values, "alibi_slopes", plan, dims, "output", flags, scales)
 
 
 _SEQS = ("num_seqs",)
@@ -107,7 +138,10 @@ ONNX_OPS = (
             "prefill, mixed batches and non-causal cross-attention. The q_i queries of sequence "
             "i are its last positions: query j sits at p = seq_lens[i] - q_i + j. Key "
             "k < seq_lens[i] is visible iff (not causal or k <= p) and (sliding_window < 0 or "
-            "p - k < sliding_window). A query that sees no key outputs zeros."
+            "p - k < sliding_window). A query that sees no key outputs zeros. The caches may "
+            "have a dtype of their own (read widened to float32); int8 caches come with their "
+            "float32 scale caches [num_blocks, block_size, Hkv] (inputs 7, 8; a row reads as "
+            "float(q) * scale)."
         ),
         summary="Attention of packed ragged queries over a paged KV cache.",
         inputs=(
@@ -127,9 +161,14 @@ ONNX_OPS = (
                 dims=core.OFFSETS_DIMS,
             ),
             core.ALIBI,
+            *scale_caches(names=False),
         ),
         outputs=(Port("output", "T", "[num_tokens, num_heads, head_size]"),),
-        type_constraints=core.type_constraints("Query and cache"),
+        type_constraints=(
+            *core.type_constraints("Query and output"),
+            CACHE_TYPE_CONSTRAINT,
+            SCALE_TYPE_CONSTRAINT,
+        ),
         attributes=(
             *core.mask_attributes(causal=1),
             Attribute("block_size", "int", core.GEOMETRY_DOCS["block_size"]),
@@ -137,6 +176,7 @@ ONNX_OPS = (
         torch_op="paged_attention",
         translate=translate,
         body=body,
+        scaled_body=scaled_body,
         geometry=_geometry,
     ),
 )

@@ -80,7 +80,7 @@ class Executor(abc.ABC):
     @property
     def self_caches(self) -> list:
         """The self-attention caches ``[k_0, v_0, ...]`` (all of ``kv_caches`` for a decoder)."""
-        return self.kv_caches[: 2 * self.cache_spec.num_layers]
+        return self.kv_caches[: self.cache_spec.num_self_tensors]
 
     @property
     def num_blocks(self) -> int:

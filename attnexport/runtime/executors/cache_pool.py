@@ -30,8 +30,9 @@ class CachePool(abc.ABC):
 
     @property
     def self_caches(self) -> list:
-        """The self-attention caches ``[k_0, v_0, ...]`` (all of ``kv_caches`` for a decoder)."""
-        return self.kv_caches[: 2 * self.spec.num_layers]
+        """The self-attention caches ``[k_0, v_0, ...]`` (all of ``kv_caches`` for a decoder;
+        with their scale caches for int8 caches)."""
+        return self.kv_caches[: self.spec.num_self_tensors]
 
     @abc.abstractmethod
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -78,13 +79,25 @@ def _zeroed(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return array
 
 
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a cache dtype name; ``bfloat16`` is ml_dtypes' (NumPy has none)."""
+    if name == "bfloat16":
+        import ml_dtypes  # onnx's dependency, so present wherever onnxruntime models are made
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
 class NumpyCachePool(CachePool):
-    """Zeroed host caches as NumPy arrays of ``spec.dtype`` (a NumPy dtype)."""
+    """Zeroed host caches as NumPy arrays of ``spec.dtype`` (a NumPy dtype); int8 caches with
+    their float32 scale caches (``CacheSpec.tensor_shapes``)."""
 
     def __init__(self, spec: CacheSpec, num_blocks: int, num_cpu_blocks: int) -> None:
         def allocate(geometry: CacheSpec, blocks: int) -> list[np.ndarray]:
-            shape = geometry.cache_shape(blocks)
-            return [_zeroed(shape, geometry.dtype) for _ in range(geometry.num_cache_tensors)]
+            return [
+                _zeroed(shape, numpy_dtype(dtype))
+                for shape, dtype in geometry.tensor_shapes(blocks)
+            ]
 
         cpu_caches = allocate(self_only(spec), num_cpu_blocks)
         super().__init__(spec, allocate(spec, num_blocks), cpu_caches)

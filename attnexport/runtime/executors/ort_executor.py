@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from attnexport.errors import UserError
-from attnexport.model_contract import read_contract
+from attnexport.model_contract import GraphContract, read_contract, read_file_props
 from attnexport.model_interface import (
     DECODER_INPUT_NAMES,
     ENCODER_DECODER_INPUT_NAMES,
@@ -31,14 +31,16 @@ from attnexport.model_interface import (
 )
 from attnexport.paged_inputs import to_array
 from attnexport.runtime.executors.base import Device, Executor
-from attnexport.runtime.executors.cache_pool import CachePool, NumpyCachePool
+from attnexport.runtime.executors.cache_pool import CachePool, NumpyCachePool, numpy_dtype
 from attnexport.runtime.model_input import ModelInput
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 KERNELS = ("auto", "native", "bodies")
 _NUMPY_INDEX_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
-# Cache dtypes the caches can hold (bfloat16 ONNX is refused at export: no CPU kernels).
-_CACHE_DTYPES = ("float32", "float16", "float64")
+# Cache dtypes the caches can hold (a bfloat16 model is refused at export: no CPU kernels; a
+# bfloat16 cache under float32 activations runs); int8 caches come with float32 scale caches.
+_CACHE_DTYPES = ("float32", "float16", "float64", "bfloat16", "int8")
+_BFLOAT16 = 16  # onnx.TensorProto.BFLOAT16, without importing onnx
 # Metadata keys (``metadata_props``) that may give the model's maximum length.
 _MAX_LEN_KEYS = ("max_model_len", "max_position_embeddings")
 
@@ -75,6 +77,26 @@ def default_session_options(num_threads: int | None = None, spin: bool = True):
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     return options
+
+
+def _native_runs_caches(path: Path, kernels: str) -> bool:
+    """Whether the native kernels take the KV caches of the model at ``path``: caches of the
+    activations' dtype, or a cache dtype of ``ort_kernels.NATIVE_CACHE_DTYPES`` (their scale
+    inputs included). ``kernels='native'`` on other caches is a UserError."""
+    from attnexport import ort_kernels
+
+    # Read from the file before the session exists (the kernels must be registered first).
+    meta = GraphContract.from_props(read_file_props(path))
+    cache_dtype = meta.cache_dtype
+    if cache_dtype == meta.dtype or cache_dtype in ort_kernels.NATIVE_CACHE_DTYPES:
+        return True
+    if kernels == "native":
+        raise UserError(
+            f"kernels='native': the native kernels do not take {cache_dtype} KV caches under "
+            f"{meta.dtype} activations yet (attnexport.ort_kernels.NATIVE_CACHE_DTYPES = "
+            f"{ort_kernels.NATIVE_CACHE_DTYPES}); use kernels='bodies'"
+        )
+    return False
 
 
 class OrtExecutor(Executor):
@@ -134,6 +156,8 @@ class OrtExecutor(Executor):
         native = kernels == "native" or (
             kernels == "auto" and device.type == "cpu" and ort_kernels.unavailable_reason() is None
         )
+        if native and not _native_runs_caches(path, kernels):
+            native = False  # auto: the bodies run a cache dtype the kernels do not take
         if native:
             ort_kernels.register(options)
         self.kernels = "native" if native else "bodies"
@@ -141,6 +165,7 @@ class OrtExecutor(Executor):
         self.session = ort.InferenceSession(str(path), sess_options=options, providers=[provider])
         self.contract, self.path = read_contract(self.session), path
         meta = self.contract
+        cache_dtype = meta.cache_dtype
         if meta.block_size is None or not meta.cache_inputs:
             raise UserError(f"model: {path} has no paged KV caches in its attnexport metadata")
         inputs = {i.name: i for i in self.session.get_inputs()}
@@ -166,16 +191,16 @@ class OrtExecutor(Executor):
             )
         if logits.type != "tensor(float)":
             raise UserError(f"model: expected float32 logits, got {logits.type}")
-        if meta.dtype not in _CACHE_DTYPES:
+        if cache_dtype not in _CACHE_DTYPES:
             raise UserError(
-                f"model: cache dtype {meta.dtype!r} is not one onnxruntime runs here "
+                f"model: cache dtype {cache_dtype!r} is not one onnxruntime runs here "
                 f"(expected one of {sorted(_CACHE_DTYPES)})"
             )
         spec = CacheSpec(
             num_layers=meta.num_layers,
             num_kv_heads=meta.num_kv_heads,
             head_size=meta.head_size,
-            dtype=np.dtype(meta.dtype),
+            dtype=numpy_dtype(cache_dtype),
             block_size=meta.block_size,
             num_cross_layers=meta.num_cross_layers,
         )
@@ -204,7 +229,12 @@ class OrtExecutor(Executor):
         binding.bind_output(self._logits_name, "cpu")
         values = []
         for name, cache in zip(self.contract.cache_inputs, self.kv_caches, strict=True):
-            if isinstance(cache, np.ndarray):
+            if isinstance(cache, np.ndarray) and cache.dtype.name == "bfloat16":
+                # onnxruntime takes no ml_dtypes array: the same memory, typed bfloat16.
+                value = OrtValue.ortvalue_from_numpy_with_onnx_type(
+                    cache.view(np.uint16), _BFLOAT16
+                )
+            elif isinstance(cache, np.ndarray):
                 value = OrtValue.ortvalue_from_numpy(cache)
             else:
                 value = OrtValue.from_dlpack(cache)

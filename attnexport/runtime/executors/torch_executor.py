@@ -49,6 +49,9 @@ class TorchExecutor(Executor):
             there).
         block_size: tokens per cache block, for a module whose ``cache_spec(block_size)``
             accepts any (an exported program has its own).
+        kv_cache_dtype: the caches' dtype for a module whose ``cache_spec`` takes one
+            (float16, bfloat16, int8 with scale caches; None: the model's dtype); an exported
+            program has its own.
         cache_spec, vocab_size, max_model_len: the model's cache geometry, output width and
             length limit. Found on the model when not given: a ``cache_spec`` attribute or
             method and ``config.vocab_size`` / ``config.max_position_embeddings`` of a module,
@@ -66,6 +69,7 @@ class TorchExecutor(Executor):
         backend: str = AUTO,
         device: torch.device | str = "cpu",
         block_size: int | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
         cache_spec: CacheSpec | None = None,
         vocab_size: int | None = None,
         max_model_len: int | None = None,
@@ -82,7 +86,7 @@ class TorchExecutor(Executor):
             self.source = "exported program"
             module = model.module()
         elif isinstance(model, torch.nn.Module):
-            found = _module_facts(model, block_size)
+            found = _module_facts(model, block_size, kv_cache_dtype)
             self.source = type(model).__name__
             module = model
         else:
@@ -127,11 +131,16 @@ class TorchExecutor(Executor):
         return f"torch ({self.source}) on {self.device}, backend {self.backend}"
 
 
-def _module_facts(module: torch.nn.Module, block_size: int | None) -> dict:
+def _module_facts(
+    module: torch.nn.Module, block_size: int | None, kv_cache_dtype: torch.dtype | None = None
+) -> dict:
     facts = {}
     spec = getattr(module, "cache_spec", None)
     if callable(spec):
-        spec = spec() if block_size is None else spec(block_size=block_size)
+        kwargs = {} if block_size is None else {"block_size": block_size}
+        if kv_cache_dtype is not None:
+            kwargs["kv_cache_dtype"] = kv_cache_dtype
+        spec = spec(**kwargs)
     if isinstance(spec, CacheSpec):
         facts["cache_spec"] = spec
     config = getattr(module, "config", None)
@@ -152,20 +161,25 @@ def _program_facts(program: torch.export.ExportedProgram) -> dict:
     """Cache geometry and vocabulary read from an exported (encoder-)decoder's example shapes.
 
     An encoder-decoder is told by its input count: its ``kv_caches`` (self then cross caches,
-    as many of each) follow the ``ENCODER_DECODER_INPUT_NAMES``."""
+    as many of each) follow the ``ENCODER_DECODER_INPUT_NAMES``. int8 caches come 4 per layer
+    (key, value, then their 3-D float32 scale caches)."""
     user_inputs = program.graph_signature.user_inputs
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     values = [placeholders[name].meta.get("val") for name in user_inputs]
     facts = {}
     for names, cross in ((ENCODER_DECODER_INPUT_NAMES, True), (DECODER_INPUT_NAMES, False)):
         caches = values[len(names) :]
-        if not caches or not all(isinstance(c, torch.Tensor) and c.dim() == 4 for c in caches):
+        if not caches or not all(isinstance(c, torch.Tensor) for c in caches):
+            continue
+        per_layer = 4 if caches[0].dtype == torch.int8 else 2
+        ranks = [3 if i % per_layer >= 2 else 4 for i in range(len(caches))]
+        if [c.dim() for c in caches] != ranks:
             continue
         dims = [int(d) if isinstance(d, int) else None for d in caches[0].shape[1:]]
-        if None in dims or len(caches) % (4 if cross else 2):
+        if None in dims or len(caches) % (per_layer * (2 if cross else 1)):
             continue
         block_size, num_kv_heads, head_size = dims
-        layers = len(caches) // (4 if cross else 2)
+        layers = len(caches) // (per_layer * (2 if cross else 1))
         facts["cache_spec"] = CacheSpec(
             num_layers=layers,
             num_kv_heads=num_kv_heads,
