@@ -410,12 +410,15 @@ def quality_ort(args, weights: str = "") -> dict:
     from attnexport.models import load_model
     from attnexport.runtime.step_driver import PagedDriver
 
-    sample = load_model(args.work / "ckpt").export_sample(block_size=BLOCK_SIZE)
-    spec = load_model(args.work / "ckpt").cache_spec(BLOCK_SIZE)
+    model = load_model(args.work / "ckpt")
+    sample = model.export_sample(block_size=BLOCK_SIZE)
+    kv = args.kv_cache_dtype
+    spec = model.cache_spec(BLOCK_SIZE, None if kv == "auto" else getattr(torch, kv))
     options = ort.SessionOptions()
     options.intra_op_num_threads = args.threads
-    ort_kernels.register(options)
-    path = args.work / f"ours{'-' + weights if weights else ''}" / "model.onnx"
+    if kv in ("auto", "float32", *ort_kernels.NATIVE_CACHE_DTYPES):
+        ort_kernels.register(options)
+    path = ours_dir(args, weights) / "model.onnx"
     session = PagedOrtSession(path, session_options=options)
 
     def runner(inputs, kv_caches):
@@ -429,7 +432,8 @@ def quality_ort(args, weights: str = "") -> dict:
     for prompt in prompts:
         driver.add(prompt)
     logits = driver.prefill(all_logits=True)
-    return _save_logits(args, f"ours{weights}", torch.cat([logits[i] for i in sorted(logits)]))
+    logits = torch.cat([logits[i] for i in sorted(logits)])
+    return _save_logits(args, ours_dir(args, weights).name, logits)
 
 
 def quality_genai(args, name: str) -> dict:
@@ -583,9 +587,11 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument(
         "--kv-cache-dtype",
+        nargs="+",
         choices=KV_CACHE_DTYPES,
-        default="auto",
-        help="KV cache dtype of the ort legs' export (default auto: the model's float32)",
+        default=["auto"],
+        help="KV cache dtype(s) of the ort legs' export (default auto: the model's float32); "
+        "with several, every ort leg runs once per dtype, alternating in the same run",
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=1, help="runs per leg; the best counts")
@@ -605,6 +611,7 @@ def main() -> int:
         "--vocab", type=int, default=FULL_CONFIG["vocab_size"], help=argparse.SUPPRESS
     )
     args = parser.parse_args()
+    kv_cache_dtypes, args.kv_cache_dtype = args.kv_cache_dtype, args.kv_cache_dtype[0]
     if args.leg:
         print(json.dumps(run_leg(args)))
         return 0
@@ -617,15 +624,26 @@ def main() -> int:
     if not (checkpoint / "config.json").exists():
         print(f"checkpoint -> {checkpoint}", file=sys.stderr)
         make_checkpoint(checkpoint, args.quick)
-    if not (ours_dir(args) / "model.onnx").exists():
-        seconds = export_onnx(checkpoint, ours_dir(args) / "model.onnx", args.kv_cache_dtype)
-        print(f"to_onnx: {seconds:.1f} s", file=sys.stderr)
     legs = list(args.legs)
-    for fmt in ("int4", "int8"):
-        quantized = ours_dir(args, fmt) / "model.onnx"
-        if f"ort-{fmt}" in legs and not quantized.exists():
-            seconds = quantize_onnx(ours_dir(args) / "model.onnx", quantized, fmt)
-            print(f"quantize {fmt}: {seconds:.1f} s", file=sys.stderr)
+    for args.kv_cache_dtype in kv_cache_dtypes:
+        if not (ours_dir(args) / "model.onnx").exists():
+            seconds = export_onnx(checkpoint, ours_dir(args) / "model.onnx", args.kv_cache_dtype)
+            print(f"to_onnx (kv {args.kv_cache_dtype}): {seconds:.1f} s", file=sys.stderr)
+        for fmt in ("int4", "int8"):
+            quantized = ours_dir(args, fmt) / "model.onnx"
+            if f"ort-{fmt}" in legs and not quantized.exists():
+                seconds = quantize_onnx(ours_dir(args) / "model.onnx", quantized, fmt)
+                print(f"quantize {fmt}: {seconds:.1f} s", file=sys.stderr)
+    # (leg, KV cache dtype) pairs: the ort legs once per dtype, the others once.
+    runs = [
+        (leg, kv)
+        for leg in legs
+        for kv in (kv_cache_dtypes if leg.startswith("ort") else kv_cache_dtypes[:1])
+    ]
+
+    def name(leg: str, kv: str) -> str:
+        return leg if not leg.startswith("ort") or kv == "auto" else f"{leg} kv={kv}"
+
     for name, precision in GENAI_PRECISION.items():
         out = args.work / name
         if name not in legs or (out / "genai_config.json").exists():
@@ -638,31 +656,37 @@ def main() -> int:
         except OSError as error:
             print(f"{name}: cannot run the builder ({error}); pass --genai-python", file=sys.stderr)
 
-    results: dict[str, dict[int, dict]] = {leg: {} for leg in legs}
+    results: dict[str, dict[int, dict]] = {name(leg, kv): {} for leg, kv in runs}
     # Legs alternate within each repeat, and the best repeat counts: on a shared machine this
     # gives every leg the same chances of a quiet moment.
     for repeat in range(args.repeat):
         for batch in args.batches:
-            for leg in legs:
+            for leg, args.kv_cache_dtype in runs:
+                key = name(leg, args.kv_cache_dtype)
                 python = _python_for(leg, args)
                 if not python or not Path(python).exists():
-                    results[leg][batch] = {"skipped": f"no interpreter for {leg}: {python}"}
+                    results[key][batch] = {"skipped": f"no interpreter for {leg}: {python}"}
                     continue
                 result = _spawn(leg, python, args, batch)
-                print(f"repeat {repeat} batch {batch} {leg}: {result}", file=sys.stderr)
-                best = results[leg].get(batch, {})
+                print(f"repeat {repeat} batch {batch} {key}: {result}", file=sys.stderr)
+                best = results[key].get(batch, {})
                 if result.get("decode_tok_s", 0) >= best.get("decode_tok_s", -1):
-                    results[leg][batch] = result
+                    results[key][batch] = result
+    args.kv_cache_dtype = kv_cache_dtypes[0]
     memory = _spawn("memory", sys.executable, args, 1) if "ort" in legs else {}
     quality = {}
     if args.quality:
         reference = _spawn("quality-hf", sys.executable, args, 1)
-        for leg in (leg for leg in QUALITY_LEGS if leg in legs):
-            result = _spawn(f"quality-{leg}", _python_for(f"quality-{leg}", args), args, 1)
+        for leg, args.kv_cache_dtype in runs:
+            if leg not in QUALITY_LEGS:
+                continue
+            python = _python_for(f"quality-{leg}", args)
+            result = _spawn(f"quality-{leg}", python, args, 1)
             if "logits" in result and "logits" in reference:
                 result = compare_logits(result["logits"], reference["logits"])
-            quality[leg] = result
-            print(f"quality {leg}: {result}", file=sys.stderr)
+            quality[name(leg, args.kv_cache_dtype)] = result
+            print(f"quality {name(leg, args.kv_cache_dtype)}: {result}", file=sys.stderr)
+        args.kv_cache_dtype = kv_cache_dtypes[0]
 
     import platform
 
@@ -676,7 +700,7 @@ def main() -> int:
         f"prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, {args.threads} threads;"
         f" {platform.processor() or platform.machine()}, torch {torch.__version__}, "
         f"onnxruntime {onnxruntime.__version__}, ort legs' KV cache dtype "
-        f"{args.kv_cache_dtype}. TTFT = prefill of the whole batch. Best of "
+        f"{' / '.join(kv_cache_dtypes)}. TTFT = prefill of the whole batch. Best of "
         f"{args.repeat} alternating run(s) per leg.",
         "",
         *_table(results, args.batches),
