@@ -23,21 +23,16 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from attnexport.artifact import (
-    DTYPES,
-    artifact_dir,
-    check_model_file,
-    load_pt2,
-    manifest_cache_spec,
-    read_manifest,
-    rebuild_eager_model,
-)
+from attnexport.artifact import artifact_dir, check_model_file, read_manifest
 from attnexport.cli.errors import CliError
 from attnexport.cli.flags import add_trust_flag
 from attnexport.cli.progress import steps
+from attnexport.errors import require
+
+if TYPE_CHECKING:
+    import torch
 
 PROMPT_LENGTHS = (7, 3, 12)
 DECODE_STEPS = 3
@@ -68,7 +63,7 @@ class Comparison:
         return self.max_abs <= self.tolerance
 
 
-Leg = Callable[..., torch.Tensor]
+Leg = Callable[..., "torch.Tensor"]
 """Calls the forward with positional arguments; caches (inside them) are updated in place."""
 
 
@@ -92,6 +87,8 @@ def _onnx_leg(path: Path, input_names: list[str], native: bool) -> Leg:
 
 
 def _eager_leg(model: torch.nn.Module, backend: str) -> Leg:
+    import torch
+
     from attnexport.custom_ops import use_backend
 
     def call(*args):
@@ -118,6 +115,8 @@ def _legs(manifest: dict, directory: Path, model, trust_pickle: bool) -> dict[st
             ):
                 legs[f"eager[{backend.name}]"] = _eager_leg(model, backend.name)
     if "pt2" in manifest["files"]:
+        from attnexport.artifact import load_pt2
+
         path = check_model_file(manifest, directory, "pt2")
         program = load_pt2(path, trust_pickle=trust_pickle).module()
         legs["pt2"] = _eager_leg(program, "auto")
@@ -143,6 +142,9 @@ def _batch(manifest: dict, seed: int) -> tuple[list[list[int]], list[list[int]]]
 
 def _run_paged(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
     """Teacher-forced steps of a (encoder-)decoder; returns ``{output name: tensor}``."""
+    import torch
+
+    from attnexport.artifact import manifest_cache_spec
     from attnexport.runtime.step_driver import PagedDriver
 
     spec = manifest_cache_spec(manifest)
@@ -176,6 +178,8 @@ def _run_paged(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _run_encoder(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     vocab = manifest["vocab_size"]
     total = sum(PROMPT_LENGTHS)
@@ -213,6 +217,8 @@ def notes(manifest: dict) -> list[str]:
 
 
 def _compare(name: str, outputs: dict, reference: dict, tolerance: float) -> list[Comparison]:
+    import torch
+
     comparisons = []
     for output, expected in reference.items():
         if output not in outputs:
@@ -291,6 +297,8 @@ def verify_artifact(
 ) -> tuple[str, list[Comparison]]:
     """Runs every leg; returns the reference leg's name and each output's comparison with it
     (the reference is ``eager[sdpa]``, or ``pt2`` when the checkpoint is gone)."""
+    require("torch", "export", "attnexport verify (it rebuilds the eager model)")
+    from attnexport.artifact import DTYPES, rebuild_eager_model
     from attnexport.tolerances import model_tolerance
 
     manifest = read_manifest(artifact)
