@@ -5,6 +5,7 @@ of the layers above it."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +85,91 @@ def _loaded_by(statement: str, prefixes: tuple[str, ...]) -> list[str]:
 def test_the_ops_layer_loads_neither_the_runtime_nor_the_lowering() -> None:
     above = ("attnexport.runtime", "attnexport.lowering", "onnx")
     assert _loaded_by("import attnexport.custom_ops", above) == []
+
+
+# The deployment install (`pip install attnexport`, no [export] extra) has neither torch nor
+# onnxscript: this prelude makes importing them fail as it does there.
+WITHOUT_EXPORT_EXTRA = """
+import importlib.abc, sys
+
+class _NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "onnxscript"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, _NotInstalled())
+"""
+
+# Serves an artifact through the CLI and the Engine API; prints what each returned.
+SERVE = """
+import contextlib, io, json, sys
+from attnexport.cli import main
+from attnexport.runtime import Engine, SamplingParams
+
+artifact, elsewhere = sys.argv[1:3]
+
+def cli(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+engine = Engine.from_path(artifact)
+outputs = engine.generate([[1, 2, 3], [7, 8]], SamplingParams(max_tokens=8))
+print(json.dumps({
+    "run": cli("run", artifact, "--prompt-ids", "1,2,3", "--max-tokens", "8", "--json"),
+    "inspect": cli("inspect", artifact, "--json"),
+    "backends": cli("backends", "--json"),
+    "export": cli("export", "llama", "--out", elsewhere),
+    "verify": cli("verify", artifact),
+    "engine": {"tokens": [o.token_ids for o in outputs], "describe": engine.describe()},
+    "loaded": sorted(m for m in ("torch", "onnxscript") if m in sys.modules),
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def onnx_artifact(tmp_path_factory) -> Path:
+    from attnexport.artifact import ExportOptions, export_artifact
+
+    out = tmp_path_factory.mktemp("deploy") / "llama"
+    export_artifact("zoo:llama", out, ExportOptions(formats=("onnx",)))
+    return out
+
+
+def _serve(artifact: Path, tmp_path: Path, prelude: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", prelude + SERVE, str(artifact), str(tmp_path / "elsewhere")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_serving_an_onnx_artifact_needs_no_torch(onnx_artifact, tmp_path):
+    """`run`, `inspect`, `backends` and the Engine API on an ONNX artifact exported with torch,
+    in a process where torch and onnxscript cannot be imported: the same tokens as with them;
+    `export` and `verify` name the extra to install."""
+    deploy = _serve(onnx_artifact, tmp_path, WITHOUT_EXPORT_EXTRA)
+    full = _serve(onnx_artifact, tmp_path, "")
+    assert deploy["loaded"] == []
+    for command in ("run", "inspect", "backends"):
+        assert deploy[command]["code"] == 0, deploy[command]["stderr"]
+    assert json.loads(deploy["run"]["stdout"]) == json.loads(full["run"]["stdout"])
+    assert deploy["engine"]["tokens"] == full["engine"]["tokens"]
+    assert json.loads(deploy["inspect"]["stdout"]) == json.loads(full["inspect"]["stdout"])
+    backends = json.loads(deploy["backends"]["stdout"])
+    assert backends["backends"] == []
+    assert 'pip install "attnexport[export]"' in backends["torch_unavailable_reason"]
+    assert (
+        backends["onnxruntime_kernels"]
+        == json.loads(full["backends"]["stdout"])["onnxruntime_kernels"]
+    )
+    for command in ("export", "verify"):
+        assert deploy[command]["code"] == 2
+        assert "needs torch, which is not installed" in deploy[command]["stderr"]
+        assert 'pip install "attnexport[export]"' in deploy[command]["stderr"]

@@ -275,7 +275,7 @@ class OrtExecutor(Executor):
         threads = self.session.get_session_options().intra_op_num_threads
         kernels = f"{self.kernels} kernels"
         if self.kernel_isa:
-            kernels = f"native {self.kernel_isa} kernels"
+            kernels = f"native kernels ({self.kernel_isa})"
         if self.fallback_reason:
             kernels += f"; native kernels unavailable: {self.fallback_reason}"
         return f"onnxruntime {provider} ({threads} threads, {kernels}): {self.path}"
