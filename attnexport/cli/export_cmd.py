@@ -127,9 +127,17 @@ def _weights(args: argparse.Namespace):
         raise ArtifactError(str(error)) from None
 
 
+def export_artifact(model: str, out: Path, options, step) -> dict:
+    """:func:`attnexport.artifact.export_artifact`, imported when the command runs: it needs
+    torch, which a deployment install does not have (building the parser must not)."""
+    from attnexport.artifact import export_artifact as export
+
+    return export(model, out, options, step=step)
+
+
 def run(args: argparse.Namespace) -> int:
     require("torch", "export", "attnexport export")
-    from attnexport.artifact import DTYPES, ExportOptions, export_artifact
+    from attnexport.artifact import DTYPES, ExportOptions
 
     options = ExportOptions(
         formats=("onnx", "pt2") if args.format == "both" else (args.format,),
