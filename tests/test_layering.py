@@ -88,17 +88,24 @@ def test_the_ops_layer_loads_neither_the_runtime_nor_the_lowering() -> None:
 
 
 # The deployment install (`pip install attnexport`, no [export] extra) has neither torch nor
-# onnxscript: this prelude makes importing them fail as it does there.
+# onnxscript: this prelude hides them from every import finder, so that importing them fails
+# and importlib.util.find_spec finds nothing, as there.
 WITHOUT_EXPORT_EXTRA = """
-import importlib.abc, sys
+import sys
 
-class _NotInstalled(importlib.abc.MetaPathFinder):
+class _Hidden:  # a finder that finds neither torch nor onnxscript, as if not installed
+    def __init__(self, finder):
+        self.finder = finder
+
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in ("torch", "onnxscript"):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
+            return None
+        return self.finder.find_spec(name, path, target)
 
-sys.meta_path.insert(0, _NotInstalled())
+    def __getattr__(self, name):
+        return getattr(self.finder, name)
+
+sys.meta_path[:] = [_Hidden(finder) for finder in sys.meta_path]
 """
 
 # Serves an artifact through the CLI and the Engine API; prints what each returned.
@@ -106,8 +113,9 @@ SERVE = """
 import contextlib, io, json, sys
 from attnexport.cli import main
 from attnexport.runtime import Engine, SamplingParams
+from attnexport.runtime.text import Tokenizer
 
-artifact, elsewhere = sys.argv[1:3]
+artifact, elsewhere, tokenizer_dir = sys.argv[1:4]
 
 def cli(*argv):
     out, err = io.StringIO(), io.StringIO()
@@ -115,6 +123,11 @@ def cli(*argv):
         code = main(list(argv))
     return {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
 
+tokenizer = Tokenizer.from_directory(tokenizer_dir)
+text = {
+    "encode": tokenizer.encode("Hello world"),
+    "chat": tokenizer.apply_chat_template([{"role": "user", "content": "Hi there"}]),
+}
 engine = Engine.from_path(artifact)
 outputs = engine.generate([[1, 2, 3], [7, 8]], SamplingParams(max_tokens=8))
 print(json.dumps({
@@ -124,6 +137,7 @@ print(json.dumps({
     "export": cli("export", "llama", "--out", elsewhere),
     "verify": cli("verify", artifact),
     "engine": {"tokens": [o.token_ids for o in outputs], "describe": engine.describe()},
+    "text": text,
     "loaded": sorted(m for m in ("torch", "onnxscript") if m in sys.modules),
 }))
 """
@@ -138,24 +152,41 @@ def onnx_artifact(tmp_path_factory) -> Path:
     return out
 
 
-def _serve(artifact: Path, tmp_path: Path, prelude: str) -> dict:
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from tests.text_tokenizers import byte_level_bpe
+
+    return byte_level_bpe(tmp_path_factory.mktemp("tokenizer"))
+
+
+def _serve(artifact: Path, tokenizer: Path, tmp_path: Path, prelude: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, "-c", prelude + SERVE, str(artifact), str(tmp_path / "elsewhere")],
+        [
+            sys.executable,
+            "-c",
+            prelude + SERVE,
+            str(artifact),
+            str(tmp_path / "out"),
+            str(tokenizer),
+        ],
         capture_output=True,
         text=True,
         env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    # transformers' import-time advice that its models need torch is not shown
+    assert "PyTorch was not found" not in done.stderr
     return json.loads(done.stdout)
 
 
-def test_serving_an_onnx_artifact_needs_no_torch(onnx_artifact, tmp_path):
-    """`run`, `inspect`, `backends` and the Engine API on an ONNX artifact exported with torch,
-    in a process where torch and onnxscript cannot be imported: the same tokens as with them;
-    `export` and `verify` name the extra to install."""
-    deploy = _serve(onnx_artifact, tmp_path, WITHOUT_EXPORT_EXTRA)
-    full = _serve(onnx_artifact, tmp_path, "")
+def test_serving_an_onnx_artifact_needs_no_torch(onnx_artifact, tokenizer_dir, tmp_path):
+    """`run`, `inspect`, `backends`, the Engine API and the tokenizer (text, chat template) on
+    an ONNX artifact exported with torch, in a process where torch and onnxscript cannot be
+    imported: the same results as with them; `export` and `verify` name the extra to install."""
+    deploy = _serve(onnx_artifact, tokenizer_dir, tmp_path, WITHOUT_EXPORT_EXTRA)
+    full = _serve(onnx_artifact, tokenizer_dir, tmp_path, "")
+    assert deploy["text"] == full["text"]
     assert deploy["loaded"] == []
     for command in ("run", "inspect", "backends"):
         assert deploy[command]["code"] == 0, deploy[command]["stderr"]
