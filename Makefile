@@ -70,4 +70,4 @@ format: $(VENV)/.installed
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) $(VENV_IPEX) .pytest_cache .ruff_cache build/ort-headers $(ORT_KERNELS)
+	rm -rf $(VENV) $(VENV_IPEX) .pytest_cache .ruff_cache build/ort-headers attnexport/ort_kernels/*.so

@@ -1,7 +1,7 @@
 """The package build's one step beyond pyproject.toml: the native onnxruntime kernels.
 
 ``pip install .``, ``pip wheel .`` and ``python -m build`` compile
-``attnexport/ort_kernels/libattnexport_ort.so`` into the wheel with
+``attnexport/ort_kernels/libattnexport_ort*.so`` into the wheel with
 ``scripts/build_ort_kernels.sh`` (the one home of that build: the header's sources, the ISA
 variants, the flags), so the wheel is a platform wheel, ``py3-none-linux_x86_64``: the library
 is an onnxruntime plugin, not a CPython extension, so one wheel serves every Python version.
@@ -38,8 +38,8 @@ class BuildPyWithKernels(build_py):
             return
         target = Path(self.build_lib) / KERNELS
         target.mkdir(parents=True, exist_ok=True)
-        (target / LIBRARY).unlink(missing_ok=True)
-        (target / FAILURE).unlink(missing_ok=True)
+        for stale in [*target.glob("*.so"), target / FAILURE]:  # an earlier build's
+            stale.unlink(missing_ok=True)
         done = subprocess.run(
             ["bash", str(ROOT / "scripts" / "build_ort_kernels.sh")],
             env={**os.environ, "OUTPUT": str((target / LIBRARY).resolve())},

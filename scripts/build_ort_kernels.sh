@@ -18,19 +18,20 @@
 #      state of its own under build/ (the system's sources and package state are untouched),
 #      checks the archive's signature, and the .deb must match the pinned SHA-256.
 #
-# One library for every x86-64 CPU with AVX2: the kernel sources are compiled twice, for AVX2
-# (+FMA, F16C) and for AVX-512 (F, BW, VL, DQ), into the namespaces attnexport_avx2 and
-# attnexport_avx512 (the build defines the token `attnexport` as the variant's namespace, so the
-# sources need no macro of their own); isa_dispatch.cc, compiled for the x86-64 baseline, picks
-# one with cpuid when onnxruntime registers the library (ATTNEXPORT_ISA=avx2 forces AVX2).
-# register.cc is compiled with the AVX2 flags in both variants: its op tables are built by
-# static initializers, which run when the library loads, before the dispatch can choose.
+# One build for every x86-64 CPU with AVX2: the kernel sources are compiled twice, into
+# libattnexport_ort_avx2.so (AVX2, FMA, F16C) and libattnexport_ort_avx512.so (plus AVX-512 F, BW,
+# VL, DQ); libattnexport_ort.so, the library sessions register (isa_dispatch.cc, compiled for the
+# x86-64 baseline), loads the one this CPU runs, chosen with cpuid (ATTNEXPORT_ISA=avx2 forces
+# AVX2). Separate libraries, because one would merge the variants' copies of the same inline
+# and template functions into one copy compiled for either ISA, and would run both variants'
+# static initializers when it loads; see isa_dispatch.cc.
 #
 #   CXX          C++ compiler (default g++)
 #   EXTRA_FLAGS  appended to every compile (a test builds with -O0)
 #   ARCH_FLAGS   development only, appended to every compile, e.g. -mtune=native; never
 #                -march=native in a library that is shipped (it would need this machine's CPU)
-#   OUTPUT       the library to write (default attnexport/ort_kernels/libattnexport_ort.so)
+#   OUTPUT       the library to write (default attnexport/ort_kernels/libattnexport_ort.so);
+#                the variants are written beside it
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -106,24 +107,27 @@ AVX512=("${AVX2[@]}" -mavx512f -mavx512bw -mavx512vl -mavx512dq)
 OBJECTS=$(mktemp -d)
 trap 'rm -rf "$OBJECTS"' EXIT
 
-compile() {  # compile ISA SOURCE FLAGS...
-  local isa=$1 source=$2
+# link OUTPUT EXPORTS OBJECTS...: libstdc++ and libgcc linked in, so that the libraries need only
+# glibc (a wheel built here loads on other Linux distributions whatever their C++ runtime);
+# the version script exports the entry points and nothing else.
+link() {
+  local output=$1 exports=$2
   shift 2
-  "$CXX" "${FLAGS[@]}" "$@" ${ARCH_FLAGS:-} ${EXTRA_FLAGS:-} -Dattnexport="attnexport_$isa" \
-    -DRegisterCustomOps="attnexport_${isa}_RegisterCustomOps" \
-    -c "$source" -o "$OBJECTS/$isa-$(basename "$source" .cc).o"
+  echo "{ global: $exports; local: *; };" >"$OBJECTS/$(basename "$output").map"
+  "$CXX" -shared -static-libstdc++ -static-libgcc -Wl,--gc-sections \
+    -Wl,--version-script="$OBJECTS/$(basename "$output").map" "$@" -o "$output.tmp"
 }
 
 build_variant() {  # build_variant ISA FLAGS...
   local isa=$1 source
   shift
+  mkdir -p "$OBJECTS/$isa"
   for source in "$SOURCES"/*.cc; do
-    case $(basename "$source") in
-      isa_dispatch.cc) ;;
-      register.cc) compile "$isa" "$source" "${AVX2[@]}" ;;
-      *) compile "$isa" "$source" "$@" ;;
-    esac
+    [ "$(basename "$source")" = isa_dispatch.cc ] && continue
+    "$CXX" "${FLAGS[@]}" "$@" ${ARCH_FLAGS:-} ${EXTRA_FLAGS:-} -c "$source" \
+      -o "$OBJECTS/$isa/$(basename "$source" .cc).o"
   done
+  link "${OUTPUT%.so}_$isa.so" "RegisterCustomOps" "$OBJECTS/$isa"/*.o
 }
 
 build_variant avx2 "${AVX2[@]}" &
@@ -131,11 +135,9 @@ avx2_job=$!
 build_variant avx512 "${AVX512[@]}"
 wait "$avx2_job"
 "$CXX" "${FLAGS[@]}" ${EXTRA_FLAGS:-} -c "$SOURCES/isa_dispatch.cc" -o "$OBJECTS/isa_dispatch.o"
-# libstdc++ and libgcc linked in: the library then needs only glibc, so a wheel built here
-# loads on other Linux distributions whatever their C++ runtime. The version script exports the
-# two entry points of isa_dispatch.cc and nothing else (neither the variants' nor libstdc++'s).
-echo '{ global: RegisterCustomOps; AttnexportKernelIsa; local: *; };' >"$OBJECTS/exports.map"
-"$CXX" -shared -static-libstdc++ -static-libgcc -Wl,--gc-sections \
-  -Wl,--version-script="$OBJECTS/exports.map" "$OBJECTS"/*.o -o "$OUTPUT.tmp"
+link "$OUTPUT" "RegisterCustomOps; AttnexportKernelIsa" "$OBJECTS/isa_dispatch.o" -ldl
+for isa in avx2 avx512; do
+  mv "${OUTPUT%.so}_$isa.so.tmp" "${OUTPUT%.so}_$isa.so"
+done
 mv "$OUTPUT.tmp" "$OUTPUT"
-echo "built $OUTPUT"
+echo "built $OUTPUT (and its variants ${OUTPUT%.so}_avx2.so, ${OUTPUT%.so}_avx512.so)"

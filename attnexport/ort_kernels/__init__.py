@@ -9,11 +9,12 @@ first, and the rotation is one node instead of seven. Nodes the kernels do not c
 (``VarlenAttention``, nodes placed on another execution provider) keep their bodies.
 
 The package build (``pip install``, ``pip wheel``, ``python -m build``; ``make`` in a checkout)
-compiles the library next to this file with ``scripts/build_ort_kernels.sh``: one library for
-every x86-64 CPU with AVX2, whose AVX2 or AVX-512 variant is chosen with cpuid when a session
-registers it (``ATTNEXPORT_ISA=avx2`` forces the AVX2 one). When the build could not compile it
-(no compiler, no onnxruntime header), the package still installs and :func:`unavailable_reason`
-says why.
+compiles the library next to this file with ``scripts/build_ort_kernels.sh``, for every x86-64
+CPU with AVX2: ``libattnexport_ort.so`` loads the AVX2 or the AVX-512 build of the kernels
+(``libattnexport_ort_avx2.so``, ``libattnexport_ort_avx512.so``), chosen with cpuid when a
+session registers it (``ATTNEXPORT_ISA=avx2`` forces the AVX2 one). When the build could not
+compile them (no compiler, no onnxruntime header), the package still installs and
+:func:`unavailable_reason` says why.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from attnexport.errors import UserError
 
 LIBRARY = Path(__file__).with_name("libattnexport_ort.so")
+"""The library sessions register (it loads the variant this CPU runs, beside it)."""
 BUILD_FAILURE = Path(__file__).with_name("build-failure.txt")
 """Written by the package build instead of the library when it could not compile it: why."""
 ISA_VARIABLE = "ATTNEXPORT_ISA"

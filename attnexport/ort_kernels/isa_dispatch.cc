@@ -1,32 +1,30 @@
-// The library's exported entry points: picks the kernels compiled for this CPU.
+// libattnexport_ort.so, the library sessions register: picks the kernels compiled for this CPU.
 //
-// scripts/build_ort_kernels.sh compiles every other source file of this directory twice, into
-// the namespaces attnexport_avx2 (-mavx2 -mfma -mf16c) and attnexport_avx512 (plus AVX-512
-// F/BW/VL/DQ), each with its own RegisterCustomOps renamed attnexport_<isa>_RegisterCustomOps.
-// This file is compiled for the x86-64 baseline, so that it runs on any CPU, asks cpuid which
-// variant the CPU can execute, and hands the registration to that one. Nothing compiled for a
-// wider ISA runs before that choice: the variants' static initializers (register.cc's op
-// tables) are built with the AVX2 flags only.
+// scripts/build_ort_kernels.sh compiles the kernel sources twice, into
+// libattnexport_ort_avx2.so (-mavx2 -mfma -mf16c) and libattnexport_ort_avx512.so (plus AVX-512
+// F/BW/VL/DQ), each a complete kernel library with its own RegisterCustomOps. This file is
+// compiled for the x86-64 baseline, so that it runs on any CPU: it asks cpuid which variant the
+// CPU can execute, loads that one from its own directory and hands it the registration.
+// Separate libraries, not one: each variant instantiates the same inline and template functions
+// (the standard library's among them), which one library would merge into a single copy
+// compiled for either ISA, and a library's static initializers run when it loads; a variant
+// the CPU cannot execute is never loaded.
 //
 //   ATTNEXPORT_ISA=avx2|avx512   forces a variant (tests cover both paths on one machine); a
 //                                variant the CPU cannot execute is an error, not a crash.
 
+#include <dlfcn.h>
 #include <onnxruntime_c_api.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <string>
 
-extern "C" OrtStatus* attnexport_avx2_RegisterCustomOps(OrtSessionOptions*, const OrtApiBase*);
-extern "C" OrtStatus* attnexport_avx512_RegisterCustomOps(OrtSessionOptions*, const OrtApiBase*);
-
 namespace {
-
-using RegisterFn = OrtStatus* (*)(OrtSessionOptions*, const OrtApiBase*);
 
 struct Variant {
   const char* name;
-  RegisterFn register_ops;
   bool (*supported)();
 };
 
@@ -42,31 +40,52 @@ bool avx512_supported() {
 }
 
 // Widest first: the default is the first the CPU supports.
-const Variant kVariants[] = {
-    {"avx512", attnexport_avx512_RegisterCustomOps, avx512_supported},
-    {"avx2", attnexport_avx2_RegisterCustomOps, avx2_supported},
-};
+const Variant kVariants[] = {{"avx512", avx512_supported}, {"avx2", avx2_supported}};
 
-// The variant to run, or nullptr with *error set (an unknown or unsupported ATTNEXPORT_ISA, or a
-// CPU without AVX2).
+// The variant library's path: libattnexport_ort_<isa>.so beside this library.
+std::string variant_path(const Variant& variant) {
+  Dl_info info{};
+  std::string directory = ".";
+  if (dladdr(reinterpret_cast<void*>(&variant_path), &info) != 0 && info.dli_fname != nullptr) {
+    const std::string file = info.dli_fname;
+    const size_t slash = file.find_last_of('/');
+    if (slash != std::string::npos) directory = file.substr(0, slash);
+  }
+  return directory + "/libattnexport_ort_" + variant.name + ".so";
+}
+
+// The variant to run, or nullptr with *error set (an unknown or unsupported ATTNEXPORT_ISA, a
+// CPU without AVX2, a variant library that is missing).
 const Variant* choose(std::string* error) {
   __builtin_cpu_init();
+  const Variant* chosen = nullptr;
   const char* forced = std::getenv("ATTNEXPORT_ISA");
   if (forced != nullptr && *forced != '\0') {
-    for (const Variant& variant : kVariants) {
-      if (std::strcmp(forced, variant.name) != 0) continue;
-      if (variant.supported()) return &variant;
+    for (const Variant& variant : kVariants)
+      if (std::strcmp(forced, variant.name) == 0) chosen = &variant;
+    if (chosen == nullptr) {
+      *error = std::string("ATTNEXPORT_ISA=") + forced + ": expected avx2 or avx512 (or unset)";
+      return nullptr;
+    }
+    if (!chosen->supported()) {
       *error = std::string("ATTNEXPORT_ISA=") + forced + ": this CPU cannot run the " + forced +
                " kernels";
       return nullptr;
     }
-    *error = std::string("ATTNEXPORT_ISA=") + forced + ": expected avx2 or avx512 (or unset)";
+  } else {
+    for (const Variant& variant : kVariants)
+      if (chosen == nullptr && variant.supported()) chosen = &variant;
+    if (chosen == nullptr) {
+      *error = "the attnexport kernels need an x86-64 CPU with AVX2, FMA and F16C";
+      return nullptr;
+    }
+  }
+  const std::string path = variant_path(*chosen);
+  if (access(path.c_str(), R_OK) != 0) {
+    *error = path + " is missing (an incomplete build or install)";
     return nullptr;
   }
-  for (const Variant& variant : kVariants)
-    if (variant.supported()) return &variant;
-  *error = "the attnexport kernels need an x86-64 CPU with AVX2, FMA and F16C";
-  return nullptr;
+  return chosen;
 }
 
 }  // namespace
@@ -83,8 +102,16 @@ extern "C" __attribute__((visibility("default"))) const char* AttnexportKernelIs
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(
     OrtSessionOptions* options, const OrtApiBase* api_base) {
+  const OrtApi* api = api_base->GetApi(1);
   std::string error;
   const Variant* variant = choose(&error);
-  if (variant == nullptr) return api_base->GetApi(1)->CreateStatus(ORT_FAIL, error.c_str());
-  return variant->register_ops(options, api_base);
+  if (variant == nullptr) return api->CreateStatus(ORT_FAIL, error.c_str());
+  // Never closed: the kernels must outlive every session that registered them. Loading it
+  // again only counts a reference.
+  void* library = dlopen(variant_path(*variant).c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (library == nullptr) return api->CreateStatus(ORT_FAIL, dlerror());
+  using RegisterFn = OrtStatus* (*)(OrtSessionOptions*, const OrtApiBase*);
+  auto register_ops = reinterpret_cast<RegisterFn>(dlsym(library, "RegisterCustomOps"));
+  if (register_ops == nullptr) return api->CreateStatus(ORT_FAIL, dlerror());
+  return register_ops(options, api_base);
 }

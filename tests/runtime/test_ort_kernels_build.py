@@ -1,9 +1,11 @@
-"""The native kernel library builds for every x86-64 CPU, not only the one that runs the suite.
+"""The native kernel library builds whatever target flags the compiler is given besides the
+build's own (ARCH_FLAGS, for development builds), not only on the CPU that runs the suite.
 
-``make`` builds it with ``-march=native``; a machine without AVX-512 compiles the 16-float
-vectors differently (g++ warns there that returning them "changes the ABI", and the build's
-``-Werror`` made that an error). Each build here is ``-O0`` (the warnings do not depend on
-optimization; ~4 s instead of ~17 s) into a temporary file, with the build script's own flags.
+The library holds an AVX2 and an AVX-512 variant (scripts/build_ort_kernels.sh); compiled for
+AVX2, g++ warns that returning the 16-float vectors "changes the ABI", and the build's
+``-Werror`` once made that an error on machines without AVX-512. Each build here is ``-O0``
+(the warnings do not depend on optimization; seconds instead of ~20 s) into a temporary file,
+with the build script's own flags.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# The header the build script uses: the ORT_INCLUDE the user gave, else the one it unpacked.
+# The header the build script uses: the directory the user gave, else the one it unpacked.
 HEADERS = Path(
-    os.environ.get("ORT_INCLUDE")
+    os.environ.get("ORT_INCLUDE_DIR")
+    or os.environ.get("ORT_INCLUDE")
     or ROOT / "build" / "ort-headers" / "usr" / "include" / "onnxruntime"
 )
 

@@ -23,8 +23,8 @@ PROMPTS = [[5, 17, 3, 88, 41, 9, 60], [12, 2], list(range(20, 45))]
 pytestmark = requires_ort_kernels
 
 # Generates with the OrtExecutor and saves the logits of every step.
-GENERATE = """
-import json, sys
+GENERATE = r"""
+import json, re, sys
 import numpy as np
 from attnexport.runtime import CacheConfig, Engine, OrtExecutor, SamplingParams
 
@@ -42,8 +42,10 @@ executor.execute_numpy = recording
 engine = Engine(executor, CacheConfig(num_blocks=160))
 outputs = engine.generate(json.loads(sys.argv[4]), SamplingParams(max_tokens=6))
 np.save(out, np.concatenate(steps))
+with open("/proc/self/maps") as maps:
+    mapped = sorted(set(re.findall(r"libattnexport_ort\w*\.so", maps.read())))
 print(json.dumps({"isa": executor.kernel_isa, "describe": executor.describe(),
-                  "tokens": [o.token_ids for o in outputs]}))
+                  "tokens": [o.token_ids for o in outputs], "mapped": mapped}))
 """
 
 
@@ -95,6 +97,9 @@ def test_both_variants_run_and_agree_with_each_other_and_the_bodies(onnx_model, 
     avx2, avx2_logits = _generate(onnx_model, "native", tmp_path / "avx2.npy", "avx2")
     bodies, bodies_logits = _generate(onnx_model, "bodies", tmp_path / "bodies.npy", None)
     assert (avx512["isa"], avx2["isa"], bodies["isa"]) == ("avx512", "avx2", None)
+    # Only the chosen variant is loaded: AVX-512 code is never mapped where AVX2 runs.
+    assert avx512["mapped"] == ["libattnexport_ort.so", "libattnexport_ort_avx512.so"]
+    assert avx2["mapped"] == ["libattnexport_ort.so", "libattnexport_ort_avx2.so"]
     assert "native kernels (avx2)" in avx2["describe"]
     assert "native kernels (avx512)" in avx512["describe"]
     assert avx512["tokens"] == avx2["tokens"] == bodies["tokens"]
@@ -121,3 +126,25 @@ def test_a_bad_forced_isa_is_a_named_error_not_the_bodies(onnx_model, monkeypatc
     assert ort_kernels.kernel_isa().startswith(f"unsupported: ATTNEXPORT_ISA={value}: expected")
     # Running the bodies on purpose needs no kernels: the variable is not read.
     assert OrtExecutor(onnx_model, num_threads=1, kernels="bodies").kernels == "bodies"
+
+
+def test_the_variants_are_found_beside_the_library_and_a_missing_one_is_named(
+    tmp_path, monkeypatch
+):
+    """The registered library loads its variants from its own directory (wherever the package
+    is installed) and reports a missing one by its path instead of failing a session."""
+    import ctypes
+    import shutil
+
+    shutil.copy(ort_kernels.LIBRARY, tmp_path / ort_kernels.LIBRARY.name)
+    shutil.copy(ort_kernels.LIBRARY.with_name("libattnexport_ort_avx2.so"), tmp_path)
+    library = ctypes.CDLL(str(tmp_path / ort_kernels.LIBRARY.name))
+    library.AttnexportKernelIsa.restype = ctypes.c_char_p
+    monkeypatch.setenv(ort_kernels.ISA_VARIABLE, "avx2")
+    assert library.AttnexportKernelIsa().decode() == "avx2"
+    if _cpu_has_avx512():
+        monkeypatch.delenv(ort_kernels.ISA_VARIABLE)
+        assert library.AttnexportKernelIsa().decode() == (
+            f"unsupported: {tmp_path}/libattnexport_ort_avx512.so is missing (an incomplete "
+            "build or install)"
+        )
