@@ -87,18 +87,18 @@ def test_the_ops_layer_loads_neither_the_runtime_nor_the_lowering() -> None:
     assert _loaded_by("import attnexport.custom_ops", above) == []
 
 
-# The deployment install (`pip install attnexport`, no [export] extra) has neither torch nor
-# onnxscript: this prelude hides them from every import finder, so that importing them fails
-# and importlib.util.find_spec finds nothing, as there.
-WITHOUT_EXPORT_EXTRA = """
+# The deployment install (`pip install attnexport`, no extras): this prelude hides from every
+# import finder the top-level modules HIDDEN (set below it) names, so that importing them fails
+# and importlib.util.find_spec finds nothing, as where they are not installed.
+HIDING = """
 import sys
 
-class _Hidden:  # a finder that finds neither torch nor onnxscript, as if not installed
+class _Hidden:
     def __init__(self, finder):
         self.finder = finder
 
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "onnxscript"):
+        if name.split(".")[0] in HIDDEN:
             return None
         return self.finder.find_spec(name, path, target)
 
@@ -107,6 +107,47 @@ class _Hidden:  # a finder that finds neither torch nor onnxscript, as if not in
 
 sys.meta_path[:] = [_Hidden(finder) for finder in sys.meta_path]
 """
+
+
+def _base_install() -> set[str]:
+    """The distributions `pip install attnexport` installs: pyproject's dependencies and theirs
+    (as installed here), without extras."""
+    import importlib.metadata
+
+    import tomllib
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pending = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    found: set[str] = set()
+    while pending:
+        requirement = Requirement(pending.pop())
+        name = canonicalize_name(requirement.name)
+        if name in found or (requirement.marker and not requirement.marker.evaluate({"extra": ""})):
+            continue
+        found.add(name)
+        pending += importlib.metadata.requires(requirement.name) or []
+    return found
+
+
+def _deployment_prelude() -> str:
+    """The prelude hiding every module of this venv that `pip install attnexport` would not
+    install: torch and onnxscript (the [export] extra), the dev and hf extras' packages, and what
+    they brought (jinja2 came with torch: chat templates need it, transformers does not require
+    it, so the base install once lacked it)."""
+    import importlib.metadata
+
+    from packaging.utils import canonicalize_name
+
+    base = _base_install() | {"attnexport"}
+    hidden = sorted(
+        module
+        for module, owners in importlib.metadata.packages_distributions().items()
+        if not {canonicalize_name(owner) for owner in owners} & base
+    )
+    assert {"torch", "onnxscript"} <= set(hidden)
+    return f"HIDDEN = {set(hidden)!r}\n" + HIDING
+
 
 # Serves an artifact through the CLI and the Engine API; prints what each returned.
 SERVE = """
@@ -182,9 +223,10 @@ def _serve(artifact: Path, tokenizer: Path, tmp_path: Path, prelude: str) -> dic
 
 def test_serving_an_onnx_artifact_needs_no_torch(onnx_artifact, tokenizer_dir, tmp_path):
     """`run`, `inspect`, `backends`, the Engine API and the tokenizer (text, chat template) on
-    an ONNX artifact exported with torch, in a process where torch and onnxscript cannot be
-    imported: the same results as with them; `export` and `verify` name the extra to install."""
-    deploy = _serve(onnx_artifact, tokenizer_dir, tmp_path, WITHOUT_EXPORT_EXTRA)
+    an ONNX artifact exported with torch, in a process that can import only what `pip install
+    attnexport` installs (no torch, no onnxscript): the same results as with everything;
+    `export` and `verify` name the extra to install."""
+    deploy = _serve(onnx_artifact, tokenizer_dir, tmp_path, _deployment_prelude())
     full = _serve(onnx_artifact, tokenizer_dir, tmp_path, "")
     assert deploy["text"] == full["text"]
     assert deploy["loaded"] == []
