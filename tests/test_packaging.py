@@ -141,6 +141,8 @@ def test_the_wheel_holds_the_kernel_library_and_every_module_only(wheel, tmp_pat
 
 
 def test_without_the_header_the_wheel_builds_and_says_why_at_run_time(tmp_path):
+    """The wheel installs without the kernels; `backends`' status and a model's run (a warning
+    on stderr, once, and `describe()`) give the build's reason."""
     wheel = _build_wheel(tmp_path, tmp_path / "no-headers")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
@@ -162,7 +164,27 @@ def test_without_the_header_the_wheel_builds_and_says_why_at_run_time(tmp_path):
     status = json.loads(done.stdout)
     assert status["available"] is False and status["path"] is None
     assert "was not built with attnexport" in status["unavailable_reason"]
-    assert (
-        f"ORT_INCLUDE_DIR={tmp_path / 'no-headers'} holds no onnxruntime_c_api.h"
-        in (status["unavailable_reason"])
+    reason = status["unavailable_reason"]
+    assert f"ORT_INCLUDE_DIR={tmp_path / 'no-headers'} holds no onnxruntime_c_api.h" in reason
+
+    # A model then runs on the function bodies: said once per process, on stderr, with why.
+    from attnexport.artifact import ExportOptions, export_artifact
+
+    export_artifact("zoo:llama", tmp_path / "llama", ExportOptions(formats=("onnx",)))
+    code = (
+        "import sys; from attnexport.runtime import Engine; "
+        "engines = [Engine.from_path(sys.argv[1]) for _ in range(2)]; "
+        "print(engines[0].describe())"
     )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "llama")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        check=True,
+    )
+    warning = "attnexport: warning: the native onnxruntime kernels are unavailable"
+    assert done.stderr.count(warning) == 1, done.stderr
+    assert "holds no onnxruntime_c_api.h" in done.stderr and "598 instead of 143" in done.stderr
+    assert "bodies kernels; native kernels unavailable:" in done.stdout
