@@ -47,8 +47,8 @@ FALLBACK_COST = (
 
 
 @functools.cache
-def _library() -> ctypes.CDLL:
-    return ctypes.CDLL(str(LIBRARY))
+def _library(path: str) -> ctypes.CDLL:
+    return ctypes.CDLL(path)
 
 
 def kernel_isa() -> str | None:
@@ -58,7 +58,7 @@ def kernel_isa() -> str | None:
     if not LIBRARY.is_file():
         return None
     try:
-        read = _library().AttnexportKernelIsa
+        read = _library(str(LIBRARY)).AttnexportKernelIsa
     except OSError as error:  # not a loadable library (another architecture, damaged)
         return f"unsupported: {LIBRARY.name} does not load: {error}"
     except AttributeError:

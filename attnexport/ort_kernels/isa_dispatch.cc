@@ -4,7 +4,7 @@
 // libattnexport_ort_avx2.so (-mavx2 -mfma -mf16c) and libattnexport_ort_avx512.so (plus AVX-512
 // F/BW/VL/DQ), each a complete kernel library with its own RegisterCustomOps. This file is
 // compiled for the x86-64 baseline, so that it runs on any CPU: it asks cpuid which variant the
-// CPU can execute, loads that one from its own directory and hands it the registration.
+// CPU can execute, loads that one from beside itself and hands it the registration.
 // Separate libraries, not one: each variant instantiates the same inline and template functions
 // (the standard library's among them), which one library would merge into a single copy
 // compiled for either ISA, and a library's static initializers run when it loads; a variant
@@ -42,16 +42,20 @@ bool avx512_supported() {
 // Widest first: the default is the first the CPU supports.
 const Variant kVariants[] = {{"avx512", avx512_supported}, {"avx2", avx2_supported}};
 
-// The variant library's path: libattnexport_ort_<isa>.so beside this library.
+// The variant library's path: this library's path with "_<isa>" before ".so", as the build
+// names them (libattnexport_ort_avx2.so beside libattnexport_ort.so; base_avx2.so beside a
+// copy built as base.so).
 std::string variant_path(const Variant& variant) {
   Dl_info info{};
-  std::string directory = ".";
+  std::string stem = "libattnexport_ort";
   if (dladdr(reinterpret_cast<void*>(&variant_path), &info) != 0 && info.dli_fname != nullptr) {
-    const std::string file = info.dli_fname;
-    const size_t slash = file.find_last_of('/');
-    if (slash != std::string::npos) directory = file.substr(0, slash);
+    stem = info.dli_fname;
+    const std::string suffix = ".so";
+    if (stem.size() > suffix.size() &&
+        stem.compare(stem.size() - suffix.size(), suffix.size(), suffix) == 0)
+      stem.resize(stem.size() - suffix.size());
   }
-  return directory + "/libattnexport_ort_" + variant.name + ".so";
+  return stem + "_" + variant.name + ".so";
 }
 
 // The variant to run, or nullptr with *error set (an unknown or unsupported ATTNEXPORT_ISA, a
