@@ -10,6 +10,7 @@ with the build script's own flags.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import shutil
@@ -36,9 +37,13 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("arch", ["x86-64", "x86-64-v3"], ids=["baseline", "avx2"])
-def test_kernel_library_builds_without_avx512(tmp_path, arch):
-    output = tmp_path / "libattnexport_ort.so"
+@pytest.mark.parametrize(
+    "arch,name",
+    [("x86-64", "libattnexport_ort.so"), ("x86-64-v3", "base.so")],
+    ids=["baseline", "avx2"],
+)
+def test_kernel_library_builds_without_avx512(tmp_path, arch, name):
+    output = tmp_path / name
     env = dict(os.environ, ARCH_FLAGS=f"-march={arch}", EXTRA_FLAGS="-O0", OUTPUT=str(output))
     done = subprocess.run(
         ["bash", str(ROOT / "scripts" / "build_ort_kernels.sh")],
@@ -48,3 +53,10 @@ def test_kernel_library_builds_without_avx512(tmp_path, arch):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert output.is_file() and output.stat().st_size > 0
+    # The ISA variants are written beside it, under its name, and it finds them there.
+    stem = output.with_suffix("")
+    variants = [Path(f"{stem}_avx2.so"), Path(f"{stem}_avx512.so")]
+    assert all(variant.is_file() for variant in variants)
+    library = ctypes.CDLL(str(output))
+    library.AttnexportKernelIsa.restype = ctypes.c_char_p
+    assert library.AttnexportKernelIsa().decode() in ("avx2", "avx512")
