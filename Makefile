@@ -1,7 +1,9 @@
 # attnexport — the two commands: `make demo` and `make test`.
 #
-# .venv      newest torch (2.13.0 from this machine's local wheel, else the index) + attnexport[dev,hf]
-# .venv-ipex torch 2.8.* + intel-extension-for-pytorch 2.8.* (IPEX's last release) + attnexport[dev,hf]
+# .venv      newest torch (2.13.0 from this machine's local wheel, else the index)
+#            + attnexport[export,dev,hf]
+# .venv-ipex torch 2.8.* + intel-extension-for-pytorch 2.8.* (IPEX's last release)
+#            + attnexport[export,dev,hf]
 #            + xformers (the constraint resolves it to 0.0.32.post2, the last release for torch 2.8)
 
 PYTHON ?= python3
@@ -30,14 +32,14 @@ venv-ipex: $(VENV_IPEX)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q torch==2.13.0 || $(VENV)/bin/pip install -q torch
-	$(VENV)/bin/pip install -q -e ".[dev,hf]"
+	$(VENV)/bin/pip install -q -e ".[export,dev,hf]"
 	touch $@
 
 $(VENV_IPEX)/.installed: pyproject.toml
 	test -x $(VENV_IPEX)/bin/python || $(PYTHON) -m venv $(VENV_IPEX)
 	$(VENV_IPEX)/bin/pip install -q $(IPEX_PINS)
 	echo $(IPEX_PINS) | tr ' ' '\n' > $(VENV_IPEX)/constraints.txt
-	$(VENV_IPEX)/bin/pip install -q -c $(VENV_IPEX)/constraints.txt -e ".[dev,hf,xformers]"
+	$(VENV_IPEX)/bin/pip install -q -c $(VENV_IPEX)/constraints.txt -e ".[export,dev,hf,xformers]"
 	touch $@
 
 ort-kernels: $(ORT_KERNELS)
@@ -68,4 +70,4 @@ format: $(VENV)/.installed
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) $(VENV_IPEX) .pytest_cache .ruff_cache build/ort-headers $(ORT_KERNELS)
+	rm -rf $(VENV) $(VENV_IPEX) .pytest_cache .ruff_cache build/ort-headers attnexport/ort_kernels/*.so

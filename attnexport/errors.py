@@ -42,5 +42,15 @@ def require(module: str, extra: str, purpose: str):
         raise missing from None
 
 
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported, found without importing it (torch takes seconds)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a blocked or half-imported module
+        return False
+
+
 class UserTypeError(UserError, TypeError):
     """An argument of the wrong type (also a ``TypeError``)."""

@@ -6,8 +6,10 @@ float32, bfloat16 and float16 keys and values, one node in onnxruntime with the 
 time per call and the cache bytes read per second (every visible key and value row once), next
 to the read bandwidth of ``torch.sum`` over a 1 GiB float32 array on the same threads, measured
 in the same run. ``--library`` names further builds of the kernel library (e.g. a baseline
-copy): each configuration then runs every library in turn, round by round, and the best round
-of each counts, so their ratio is taken under the same machine load.
+copy, ``OUTPUT=base.so bash scripts/build_ort_kernels.sh``, which writes its ISA variants
+``base_avx2.so`` and ``base_avx512.so`` beside it): each configuration then runs every library
+in turn, round by round, and the best round of each counts, so their ratio is taken under the
+same machine load.
 
     python benchmarks/ort_paged_attention_bandwidth.py [--threads 2] [--library base.so ...]
 """

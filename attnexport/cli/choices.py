@@ -7,6 +7,10 @@ import functools
 from collections.abc import Callable, Sequence
 
 from attnexport.artifact import DTYPE_NAMES, EXECUTORS, FORMATS
+from attnexport.errors import installed
+
+TORCH_EXTRA = "export"
+"""The extra that installs torch (and the rest of what exporting needs)."""
 
 
 class RegistryChoices(Sequence):
@@ -77,18 +81,33 @@ def zoo_models() -> tuple[str, ...]:
     return tuple(zoo_names())
 
 
+def zoo_model_list() -> str:
+    """The zoo's model names for a help line; without torch (a deployment install: the zoo's
+    models are torch modules) the extra that installs it."""
+    if not installed("torch"):
+        return f'the zoo needs torch: pip install "attnexport[{TORCH_EXTRA}]"'
+    return ", ".join(zoo_models())
+
+
 def executors() -> tuple[str, ...]:
     """``run --executor``: ``auto`` and the executors an artifact's files run on."""
     return EXECUTORS
 
 
-def attention_backends() -> tuple[str, ...]:
+def attention_backends() -> Sequence[str]:
     """``run --backend``: ``auto`` and every registered kernel backend (available here or
-    not: an unavailable one is refused with its reason when the command runs)."""
-    import attnexport  # noqa: F401  (registers the built-in backends)
-    from attnexport.custom_ops.dispatch import AUTO, registered_backends
+    not: an unavailable one is refused with its reason when the command runs); read on first
+    use. The backends are torch's: without torch (a deployment install) only ``auto``."""
 
-    return (AUTO, *(backend.name for backend in registered_backends()))
+    def read() -> Sequence[str]:
+        if not installed("torch"):
+            return ("auto",)
+        import attnexport  # noqa: F401  (registers the built-in backends)
+        from attnexport.custom_ops.dispatch import AUTO, registered_backends
+
+        return (AUTO, *(backend.name for backend in registered_backends()))
+
+    return RegistryChoices(read)
 
 
 def devices() -> tuple[str, ...]:

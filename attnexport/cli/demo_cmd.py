@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from attnexport.cli import choices
+from attnexport.errors import require
 
 DEMO_MODEL = "llama"
 DEMO_PROMPTS = ([1, 17, 42, 7, 99], [5, 3], [200, 201, 202, 203, 204, 205, 206, 207])
@@ -27,7 +28,7 @@ def add_parser(commands) -> None:
     parser.add_argument(
         "--model",
         default=DEMO_MODEL,
-        help=f"zoo model: {', '.join(choices.zoo_models())} (default {DEMO_MODEL})",
+        help=f"zoo model: {choices.zoo_model_list()} (default {DEMO_MODEL})",
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an earlier export in --out DIR"
@@ -36,6 +37,7 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    require("torch", "export", "attnexport demo (it exports a model and runs it in torch)")
     if args.out is None:
         with tempfile.TemporaryDirectory(prefix="attnexport-demo-") as tmp:
             return _demo(Path(tmp), args.model, keep=False)

@@ -7,9 +7,10 @@ import argparse
 import json
 from pathlib import Path
 
-from attnexport.artifact import DTYPES, ArtifactError, ExportOptions, export_artifact
+from attnexport.artifact import ArtifactError
 from attnexport.cli import choices
 from attnexport.cli.progress import steps
+from attnexport.errors import require
 
 
 def add_parser(commands) -> None:
@@ -24,7 +25,7 @@ def add_parser(commands) -> None:
     parser.add_argument(
         "model",
         metavar="MODEL",
-        help=f"zoo name ({', '.join(choices.zoo_models())}; or zoo:NAME) or checkpoint "
+        help=f"zoo name ({choices.zoo_model_list()}; or zoo:NAME) or checkpoint "
         "directory (a path: ./llama)",
     )
     parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="output directory")
@@ -134,7 +135,18 @@ def _weights(args: argparse.Namespace):
         raise ArtifactError(str(error)) from None
 
 
+def export_artifact(model: str, out: Path, options, step) -> dict:
+    """:func:`attnexport.artifact.export_artifact`, imported when the command runs: it needs
+    torch, which a deployment install does not have (building the parser must not)."""
+    from attnexport.artifact import export_artifact as export
+
+    return export(model, out, options, step=step)
+
+
 def run(args: argparse.Namespace) -> int:
+    require("torch", "export", "attnexport export")
+    from attnexport.artifact import DTYPES, ExportOptions
+
     options = ExportOptions(
         formats=("onnx", "pt2") if args.format == "both" else (args.format,),
         target=args.target,

@@ -99,7 +99,8 @@ def add_parser(commands) -> None:
         "--backend",
         choices=choices.attention_backends(),
         default="auto",
-        help="attention backend of the torch executor",
+        metavar="BACKEND",
+        help="attention backend of the torch executor: %(choices)s (default: auto)",
     )
     parser.add_argument("--device", choices=choices.devices(), default="cpu")
     add_trust_flag(parser)

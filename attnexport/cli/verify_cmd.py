@@ -29,22 +29,17 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from attnexport.artifact import (
-    DTYPES,
-    artifact_dir,
-    check_model_file,
-    load_pt2,
-    manifest_cache_spec,
-    read_manifest,
-    rebuild_eager_model,
-)
+from attnexport.artifact import artifact_dir, check_model_file, read_manifest
 from attnexport.artifact.manifest import kv_cache_dtype
 from attnexport.cli.errors import CliError
 from attnexport.cli.flags import add_trust_flag
 from attnexport.cli.progress import steps
+from attnexport.errors import require
+
+if TYPE_CHECKING:
+    import torch
 
 PROMPT_LENGTHS = (7, 3, 12)
 DECODE_STEPS = 3
@@ -75,7 +70,7 @@ class Comparison:
         return self.max_abs <= self.tolerance
 
 
-Leg = Callable[..., torch.Tensor]
+Leg = Callable[..., "torch.Tensor"]
 """Calls the forward with positional arguments; caches (inside them) are updated in place."""
 
 
@@ -99,6 +94,8 @@ def _onnx_leg(path: Path, input_names: list[str], native: bool) -> Leg:
 
 
 def _eager_leg(model: torch.nn.Module, backend: str) -> Leg:
+    import torch
+
     from attnexport.custom_ops import use_backend
 
     def call(*args):
@@ -126,11 +123,14 @@ def _legs(manifest: dict, directory: Path, model, trust_pickle: bool) -> dict[st
                 and backend.is_available()
                 and ("cpu" in backend.capabilities.devices)
                 and (
-                    not other_caches or DTYPES_ALL[cache_dtype] in backend.capabilities.cache_dtypes
+                    not other_caches
+                    or _torch_dtype(cache_dtype) in backend.capabilities.cache_dtypes
                 )
             ):
                 legs[f"eager[{backend.name}]"] = _eager_leg(model, backend.name)
     if "pt2" in manifest["files"]:
+        from attnexport.artifact import load_pt2
+
         path = check_model_file(manifest, directory, "pt2")
         program = load_pt2(path, trust_pickle=trust_pickle).module()
         legs["pt2"] = _eager_leg(program, "auto")
@@ -145,7 +145,15 @@ def _legs(manifest: dict, directory: Path, model, trust_pickle: bool) -> dict[st
     return legs
 
 
-DTYPES_ALL = {**DTYPES, "int8": torch.int8}
+def _torch_dtype(name: str):
+    """The torch dtype of a cache dtype name (``int8`` included)."""
+    import torch
+
+    from attnexport.artifact import DTYPES
+
+    return {**DTYPES, "int8": torch.int8}[name]
+
+
 """The manifest's model and KV cache dtype names -> torch dtypes."""
 
 
@@ -169,7 +177,7 @@ def skipped_legs(manifest: dict) -> list[str]:
         if b.name != "sdpa"
         and b.is_available()
         and "cpu" in b.capabilities.devices
-        and DTYPES_ALL[cache_dtype] not in b.capabilities.cache_dtypes
+        and _torch_dtype(cache_dtype) not in b.capabilities.cache_dtypes
     ]
     if "onnx" in manifest["files"] and cache_dtype not in ort_kernels.NATIVE_CACHE_DTYPES:
         notes.append(
@@ -191,6 +199,9 @@ def _batch(manifest: dict, seed: int) -> tuple[list[list[int]], list[list[int]]]
 
 def _run_paged(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
     """Teacher-forced steps of a (encoder-)decoder; returns ``{output name: tensor}``."""
+    import torch
+
+    from attnexport.artifact import manifest_cache_spec
     from attnexport.runtime.step_driver import PagedDriver
 
     spec = manifest_cache_spec(manifest)
@@ -226,6 +237,8 @@ def _run_paged(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
 def _cache_values(kv_caches: list[torch.Tensor], spec) -> torch.Tensor:
     """Every cache value as one float tensor; int8 caches dequantized (``float(q) * scale``),
     so that a row quantized one step apart counts by its value, not by 1."""
+    import torch
+
     if not spec.scaled:
         return torch.cat([c.reshape(-1) for c in kv_caches])
     from attnexport.custom_ops.kv_cache_dtype import dequantize_rows
@@ -241,6 +254,8 @@ def _cache_values(kv_caches: list[torch.Tensor], spec) -> torch.Tensor:
 
 
 def _run_encoder(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     vocab = manifest["vocab_size"]
     total = sum(PROMPT_LENGTHS)
@@ -284,6 +299,8 @@ def notes(manifest: dict) -> list[str]:
 
 
 def _compare(name: str, outputs: dict, reference: dict, tolerance: float) -> list[Comparison]:
+    import torch
+
     comparisons = []
     for output, expected in reference.items():
         if output not in outputs:
@@ -362,6 +379,8 @@ def verify_artifact(
 ) -> tuple[str, list[Comparison]]:
     """Runs every leg; returns the reference leg's name and each output's comparison with it
     (the reference is ``eager[sdpa]``, or ``pt2`` when the checkpoint is gone)."""
+    require("torch", "export", "attnexport verify (it rebuilds the eager model)")
+    from attnexport.artifact import DTYPES, rebuild_eager_model
     from attnexport.tolerances import kv_cache_model_tolerance, model_tolerance
 
     manifest = read_manifest(artifact)
@@ -380,7 +399,7 @@ def verify_artifact(
     tolerance = model_tolerance(DTYPES[manifest["dtype"]])
     cache_dtype, other_caches = _cache_dtypes(manifest)
     if other_caches:  # the legs share the cache dtype; rounding may move a cache value
-        tolerance = max(tolerance, kv_cache_model_tolerance(DTYPES_ALL[cache_dtype]))
+        tolerance = max(tolerance, kv_cache_model_tolerance(_torch_dtype(cache_dtype)))
     reference_name, *others = legs
     step(f"running {reference_name}")
     reference = run_leg(legs[reference_name], manifest, seed)

@@ -156,6 +156,15 @@ class Engine:
         """
         return engine_from_path(path, **options)
 
+    def describe(self) -> str:
+        """One line: the executor (device, threads, which kernels run the attnexport nodes and,
+        when the native onnxruntime kernels are unavailable, why) and the KV-cache blocks."""
+        spec = self.executor.cache_spec
+        return (
+            f"{self.executor.describe()}; {self.num_blocks} KV-cache blocks of "
+            f"{spec.block_size} tokens"
+        )
+
     # ------------------------------------------------------------------ requests
     @property
     def is_encoder_decoder(self) -> bool:

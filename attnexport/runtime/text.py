@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -22,6 +23,12 @@ from pathlib import Path
 from attnexport.errors import UserError, require
 
 REPLACEMENT_CHARACTER = "\ufffd"
+
+
+def _no_torch_advice(record: logging.LogRecord) -> bool:
+    """Drops the warning transformers logs on import without torch (a deployment install):
+    "PyTorch was not found. Models won't be available": only its tokenizers are used here."""
+    return "PyTorch was not found" not in record.getMessage()
 
 
 class TokenizerError(UserError):
@@ -48,7 +55,12 @@ class Tokenizer:
         no tokenizer files, MissingDependencyError naming the extra when transformers is
         missing."""
         directory = Path(directory)
-        transformers = require("transformers", "hf", "text prompts (the artifact's tokenizer)")
+        transformers_logger = logging.getLogger("transformers")
+        transformers_logger.addFilter(_no_torch_advice)
+        try:
+            transformers = require("transformers", "hf", "text prompts (the artifact's tokenizer)")
+        finally:
+            transformers_logger.removeFilter(_no_torch_advice)
         try:
             hf = transformers.AutoTokenizer.from_pretrained(str(directory))
         except (OSError, ValueError) as error:

@@ -153,14 +153,24 @@ class OrtExecutor(Executor):
         if not path.is_file():
             raise UserError(f"model: no such .onnx file: {path}")
         options = session_options or default_session_options(num_threads, spin)
+        unavailable = None
+        if device.type == "cpu" and kernels != "bodies":
+            ort_kernels.check_forced_isa()
+            unavailable = ort_kernels.unavailable_reason()
         native = kernels == "native" or (
-            kernels == "auto" and device.type == "cpu" and ort_kernels.unavailable_reason() is None
+            kernels == "auto" and device.type == "cpu" and not unavailable
         )
         if native and not _native_runs_caches(path, kernels):
             native = False  # auto: the bodies run a cache dtype the kernels do not take
         if native:
             ort_kernels.register(options)
+        elif kernels == "auto" and unavailable:
+            ort_kernels.warn_fallback(unavailable)
         self.kernels = "native" if native else "bodies"
+        self.kernel_isa = ort_kernels.kernel_isa() if native else None
+        self.fallback_reason = unavailable if kernels == "auto" and not native else None
+        """Why ``auto`` chose the function bodies on cpu (the native kernels' unavailable
+        reason), else None."""
         # The binding below persists across steps instead of being rebuilt for every run.
         self.session = ort.InferenceSession(str(path), sess_options=options, providers=[provider])
         self.contract, self.path = read_contract(self.session), path
@@ -293,7 +303,12 @@ class OrtExecutor(Executor):
     def describe(self) -> str:
         provider = PROVIDERS[self.device.type]
         threads = self.session.get_session_options().intra_op_num_threads
-        return f"onnxruntime {provider} ({threads} threads, {self.kernels} kernels): {self.path}"
+        kernels = f"{self.kernels} kernels"
+        if self.kernel_isa:
+            kernels = f"native kernels ({self.kernel_isa})"
+        if self.fallback_reason:
+            kernels += f"; native kernels unavailable: {self.fallback_reason}"
+        return f"onnxruntime {provider} ({threads} threads, {kernels}): {self.path}"
 
 
 class _LogitsBuffers:
