@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -231,7 +232,7 @@ namespace {
 
 // Rows [first, end) of one block of a cache for one KV head, as float rows of NV * 16 lanes:
 // the cache itself for float32 rows whose head size is a multiple of 16, else a converted,
-// zero-padded copy.
+// zero-padded copy (converted once per block, then read by every query head of the group).
 template <typename T, int NV>
 struct BlockRows {
   const float* base;
@@ -248,29 +249,36 @@ struct BlockRows {
         return;
       }
     }
-    scratch.assign(g.block_size * NV * 16, 0.0f);
-    for (int64_t k = first; k < end; ++k)
-      for (int64_t d = 0; d < g.head_size; ++d)
-        scratch[k * NV * 16 + d] = to_float(rows[(k - first) * slot_stride + d]);
+    constexpr int64_t W = NV * 16;
+    scratch.resize(g.block_size * W);
+    const int64_t whole = g.head_size / 16 * 16;  // vector loads stay inside the row
+    for (int64_t k = first; k < end; ++k) {
+      const T* src = rows + (k - first) * slot_stride;
+      float* dst = scratch.data() + k * W;
+      int64_t d = 0;
+      for (; d < whole; d += 16) store16(dst + d, load16_float(src + d));
+      for (; d < g.head_size; ++d) dst[d] = to_float(src[d]);
+      for (; d < W; ++d) dst[d] = 0.0f;
+    }
     base = scratch.data();
-    stride = NV * 16;
+    stride = W;
   }
 
   const float* row(int64_t offset) const { return base + offset * stride; }
 };
 
-// Asks for the rows of one KV head in a whole block of a cache (Locality as __builtin_prefetch's:
-// 3 into every cache level, 2 into L2 and below). A decode step's rows come
-// from memory (the weights evicted them), one 256-byte row per 1 KB slot for a 4-head cache:
-// asking for the next block ahead keeps several blocks in flight instead of one.
-template <typename T, int Locality>
+// Asks for the rows of one KV head in a whole block of a cache (into every cache level). A
+// decode step's rows come from memory (the weights evicted them), one row per slot of
+// num_kv_heads rows, each slot on its own page for large heads, where the hardware prefetcher
+// does not follow: asking for the next block ahead keeps several blocks in flight.
+template <typename T>
 inline void prefetch_block(const T* cache, int64_t block, const Geometry& g) {
   const char* row = reinterpret_cast<const char*>(
       cache + (block * g.block_size * g.num_kv_heads + g.kv_head) * g.head_size);
   const int64_t slot_bytes = g.num_kv_heads * g.head_size * static_cast<int64_t>(sizeof(T));
   const int64_t row_bytes = g.head_size * static_cast<int64_t>(sizeof(T));
   for (int64_t k = 0; k < g.block_size; ++k, row += slot_bytes)
-    for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(row + offset, 0, Locality);
+    for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(row + offset, 0, 3);
 }
 
 }  // namespace
@@ -299,11 +307,10 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
       end_key = std::max(end_key, hi[j]);
     }
   }
-  const int64_t width = std::max<int64_t>(end_key - first_key, 0);
 
   // Query row r = j * group + g is head kv_head * group + g of token seq_start + first + j
   // (the G heads of a token are adjacent), scaled, zero padded to W.
-  thread_local std::vector<float> queries, scores, outputs, scratch;
+  thread_local std::vector<float> queries, outputs, maxes, sums, scores, key_scratch, value_scratch;
   queries.assign(rows * W, 0.0f);
   const T* query = static_cast<const T*>(batch.query);
   for (int64_t j = 0; j < item.num_queries; ++j) {
@@ -311,84 +318,98 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
     for (int64_t g = 0; g < group; ++g)
       for (int64_t d = 0; d < D; ++d) queries[(j * group + g) * W + d] = scale * to_float(src[g * D + d]);
   }
-  scores.resize(rows * width);
+  // One pass over the keys and values, block by block (an online softmax: each row keeps its
+  // running maximum and sum, and rescales its accumulated output when the maximum grows), so
+  // that every key and value row comes from memory once. Two passes (all scores, then all
+  // values) read the values after a long context had evicted their prefetch.
   outputs.assign(rows * W, 0.0f);
+  maxes.assign(rows, -std::numeric_limits<float>::infinity());
+  sums.assign(rows, 0.0f);
+  scores.resize(block_size + 16);
 
-  // Visits every block of the item's keys once, and in it every query row r = j * group + g
-  // with the keys [a, e) it sees there: visit(rows, r, a, e), rows.row(k - block_start).
   const int64_t first_block = first_key / block_size;
   const int64_t end_block = (end_key + block_size - 1) / block_size;
-  // While a block's keys are read, the next block's keys and this block's values are asked for.
-  auto for_each_visible = [&](const void* cache, const void* values_next, auto&& visit) {
-    for (int64_t b = first_block; b < end_block; ++b) {
-      if (b + 1 < end_block) prefetch_block<T, 3>(static_cast<const T*>(cache), table[b + 1], geometry);
-      if (values_next != nullptr) prefetch_block<T, 2>(static_cast<const T*>(values_next), table[b], geometry);
-      const int64_t start = b * block_size;
-      const int64_t k0 = std::max(start, first_key), k1 = std::min(start + block_size, end_key);
-      const BlockRows<T, NV> block(static_cast<const T*>(cache), table[b], k0 - start, k1 - start,
-                                   geometry, scratch);
-      for (int64_t j = 0; j < item.num_queries; ++j) {
-        const int64_t a = std::max(lo[j], k0), e = std::min(hi[j], k1);
-        if (a >= e) continue;
-        for (int64_t r = j * group; r < (j + 1) * group; ++r) visit(block, start, r, a, e);
-      }
+  const T* key_cache = static_cast<const T*>(batch.key_cache);
+  const T* value_cache = static_cast<const T*>(batch.value_cache);
+  auto prefetch = [&](int64_t b) {
+    if (b < end_block) {
+      prefetch_block(key_cache, table[b], geometry);
+      prefetch_block(value_cache, table[b], geometry);
     }
   };
-
-  for_each_visible(batch.key_cache, batch.value_cache,
-                   [&](const BlockRows<T, NV>& keys, int64_t start, int64_t r, int64_t a, int64_t e) {
-    f32x16 q[NV];
-    for (int v = 0; v < NV; ++v) q[v] = load16(queries.data() + r * W + v * 16);
-    float* out = scores.data() + r * width - first_key;
-    auto dot = [&](int64_t k) {
-      const float* key = keys.row(k - start);
-      f32x16 acc = q[0] * load16(key);
-      for (int v = 1; v < NV; ++v) acc += q[v] * load16(key + v * 16);
-      return acc;
-    };
-    int64_t k = a;
-    for (; k + 16 <= e; k += 16) {  // 16 keys' products, summed together
-      f32x16 products[16];
-      for (int i = 0; i < 16; ++i) products[i] = dot(k + i);
-      store16(out + k, horizontal_sums16(products));
-    }
-    for (; k < e; ++k) out[k] = horizontal_sum(dot(k));
-  });
-
-  for (int64_t j = 0; j < item.num_queries; ++j) {
-    if (lo[j] >= hi[j]) continue;  // no visible key: zeros
-    for (int64_t g = 0; g < group; ++g) {
-      float* row = scores.data() + (j * group + g) * width + (lo[j] - first_key);
-      const int64_t n = hi[j] - lo[j];
-      if (soft_cap > 0.0f)
-        for (int64_t i = 0; i < n; ++i) row[i] = soft_cap * std::tanh(row[i] / soft_cap);
-      if (!batch.slopes.empty()) {
-        const float slope = batch.slopes[item.kv_head * group + g];
-        for (int64_t i = 0; i < n; ++i)
-          row[i] += slope * static_cast<float>(lo[j] + i - position[j]);
+  for (int64_t b = first_block; b < end_block; ++b) {
+    prefetch(b + 1);  // (2, 4 and 8 blocks ahead measured no faster)
+    const int64_t start = b * block_size;
+    const int64_t k0 = std::max(start, first_key), k1 = std::min(start + block_size, end_key);
+    const BlockRows<T, NV> keys(key_cache, table[b], k0 - start, k1 - start, geometry, key_scratch);
+    const BlockRows<T, NV> values(value_cache, table[b], k0 - start, k1 - start, geometry,
+                                  value_scratch);
+    for (int64_t j = 0; j < item.num_queries; ++j) {
+      const int64_t a = std::max(lo[j], k0), e = std::min(hi[j], k1);
+      if (a >= e) continue;
+      for (int64_t r = j * group; r < (j + 1) * group; ++r) {
+        f32x16 q[NV];
+        for (int v = 0; v < NV; ++v) q[v] = load16(queries.data() + r * W + v * 16);
+        float* s = scores.data() - a;  // s[k] for k in [a, e)
+        auto dot = [&](int64_t k) {
+          const float* key = keys.row(k - start);
+          f32x16 acc = q[0] * load16(key);
+          for (int v = 1; v < NV; ++v) acc += q[v] * load16(key + v * 16);
+          return acc;
+        };
+        int64_t k = a;
+        for (; k + 16 <= e; k += 16) {  // 16 keys' products, summed together
+          f32x16 products[16];
+          for (int i = 0; i < 16; ++i) products[i] = dot(k + i);
+          store16(s + k, horizontal_sums16(products));
+        }
+        for (; k < e; ++k) s[k] = horizontal_sum(dot(k));
+        if (soft_cap > 0.0f)
+          for (k = a; k < e; ++k) s[k] = soft_cap * std::tanh(s[k] / soft_cap);
+        if (!batch.slopes.empty()) {
+          const float slope = batch.slopes[item.kv_head * group + r % group];
+          for (k = a; k < e; ++k) s[k] += slope * static_cast<float>(k - position[r / group]);
+        }
+        float block_max = s[a];
+        for (k = a + 1; k < e; ++k) block_max = std::max(block_max, s[k]);
+        const float previous = maxes[r], max = std::max(previous, block_max);
+        // exp(previous - max) in [0, 1]; the first block's rescale multiplies zeros.
+        const float rescale = previous == max ? 1.0f : exp_nonpositive<float, int32_t>(previous - max);
+        maxes[r] = max;
+        float sum = sums[r] * rescale;
+        k = a;
+        for (; k + 16 <= e; k += 16) {  // the weights of 16 keys at once
+          const f32x16 weights = exp_nonpositive<f32x16, i32x16>(load16(s + k) - max);
+          store16(s + k, weights);
+          sum += horizontal_sum(weights);
+        }
+        for (; k < e; ++k) {
+          s[k] = exp_nonpositive<float, int32_t>(s[k] - max);
+          sum += s[k];
+        }
+        f32x16 acc[NV];
+        for (int v = 0; v < NV; ++v) acc[v] = load16(outputs.data() + r * W + v * 16) * rescale;
+        for (k = a; k < e; ++k) {
+          const float weight = s[k];
+          const float* value = values.row(k - start);
+          const f32x16 w = splat16(weight);
+          for (int v = 0; v < NV; ++v) acc[v] += w * load16(value + v * 16);
+        }
+        sums[r] = sum;
+        for (int v = 0; v < NV; ++v) store16(outputs.data() + r * W + v * 16, acc[v]);
       }
-      softmax_inplace(row, n);
     }
   }
 
-  for_each_visible(batch.value_cache, nullptr,
-                   [&](const BlockRows<T, NV>& values, int64_t start, int64_t r, int64_t a, int64_t e) {
-    f32x16 acc[NV];
-    for (int v = 0; v < NV; ++v) acc[v] = load16(outputs.data() + r * W + v * 16);
-    const float* weights = scores.data() + r * width - first_key;
-    for (int64_t k = a; k < e; ++k) {
-      const float* value = values.row(k - start);
-      const f32x16 w = splat16(weights[k]);
-      for (int v = 0; v < NV; ++v) acc[v] += w * load16(value + v * 16);
-    }
-    for (int v = 0; v < NV; ++v) store16(outputs.data() + r * W + v * 16, acc[v]);
-  });
-
+  // A row that sees no key (sum 0) is zeros.
   T* out = static_cast<T*>(batch.out);
   for (int64_t j = 0; j < item.num_queries; ++j) {
     T* dst = out + ((seq_start + item.first_query + j) * num_heads + item.kv_head * group) * D;
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t d = 0; d < D; ++d) dst[g * D + d] = from_float<T>(outputs[(j * group + g) * W + d]);
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = j * group + g;
+      const float inverse = sums[r] > 0.0f ? 1.0f / sums[r] : 0.0f;
+      for (int64_t d = 0; d < D; ++d) dst[g * D + d] = from_float<T>(outputs[r * W + d] * inverse);
+    }
   }
 }
 

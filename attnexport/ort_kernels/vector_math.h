@@ -3,6 +3,11 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace attnexport {
 
@@ -142,14 +147,33 @@ inline BFloat16 from_float<BFloat16>(float x) {
 }
 
 // 16 elements of a storage type as float32 lanes, and back (rounded to nearest even).
+// The 16-bit loads widen whole vectors (vcvtph2ps for float16 where F16C or AVX-512 is there;
+// a 16-bit shift for bfloat16), where converting lane by lane cost the bfloat16 and float16
+// caches more time than their halved bytes saved (docs/benchmarks.md).
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef _Float16 f16x16 __attribute__((vector_size(32), aligned(2)));
+
 template <typename T>
 inline f32x16 load16_float(const T* p) {
   if constexpr (sizeof(T) == sizeof(float)) {
     return load16(reinterpret_cast<const float*>(p));
-  } else {
+  } else if constexpr (std::is_same_v<T, BFloat16>) {
+    const u32x16 wide = __builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16) << 16;
     f32x16 v;
-    for (int i = 0; i < 16; ++i) v[i] = to_float(p[i]);
+    std::memcpy(&v, &wide, sizeof v);
     return v;
+  } else {
+#if defined(__F16C__)  // (g++ 12's _mm512_cvtph_ps trips -Werror=maybe-uninitialized)
+    const __m128i* halves = reinterpret_cast<const __m128i*>(p);
+    const f32x8 low = reinterpret_cast<f32x8>(_mm256_cvtph_ps(_mm_loadu_si128(halves)));
+    const f32x8 high = reinterpret_cast<f32x8>(_mm256_cvtph_ps(_mm_loadu_si128(halves + 1)));
+    return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    // g++ 12 widens a _Float16 vector lane by lane even where vcvtph2ps exists, hence the
+    // intrinsics above; this is the portable path.
+    return __builtin_convertvector(*reinterpret_cast<const f16x16*>(p), f32x16);
+#endif
   }
 }
 
