@@ -26,17 +26,33 @@ constexpr int64_t kMaxHeadSize = 256;
 // multiply-adds) is worth splitting: in a model its keys and values come from memory, not the
 // caches (the weights stream through them every step); docs/benchmarks.md has the measurement.
 constexpr int64_t kParallelWork = 1 << 16;
+// A decode context is split into up to kSplitTarget / num_seqs parts of at least
+// kMinSplitBlocks blocks each, so that a small batch still keeps every thread busy.
+constexpr int64_t kSplitTarget = 8;
+constexpr int64_t kMinSplitBlocks = 16;
 constexpr ONNXTensorElementDataType kFloat32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr ONNXTensorElementDataType kFloat16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 constexpr ONNXTensorElementDataType kBFloat16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
 
 enum Input : size_t { kQuery, kKeyCache, kValueCache, kBlockTables, kSeqLens, kQueryStart, kSlopes };
 
+// Queries [first_query, first_query + num_queries) of sequence `seq` (indices within its
+// queries), heads of KV heads [kv_begin, kv_end), against the keys of blocks
+// [block_begin, block_end) of its table. partial < 0: the item writes its output rows; else it
+// is one split of a long decode context and leaves its running maximum, sum and unnormalised
+// output in Batch::partials slot `partial` for combine_splits.
 struct WorkItem {
   int64_t seq;
-  int64_t kv_head;
-  int64_t first_query;  // index within the sequence's queries
+  int64_t kv_begin, kv_end;
+  int64_t first_query;
   int64_t num_queries;
+  int64_t block_begin, block_end;
+  int64_t partial;
+};
+
+// A split of one decode sequence's context: its items' partial slots [first, first + count).
+struct Split {
+  int64_t seq, first, count;
 };
 
 // Where one KV head's rows lie in a cache [num_blocks, block_size, num_kv_heads, head_size].
@@ -56,6 +72,8 @@ struct Batch {
   int64_t max_blocks;
   void* out;
   int64_t multiply_adds;  // an upper bound for the whole batch
+  // Per partial slot: num_heads rows of [maximum, sum, W output lanes] (W = padded head size).
+  float* partials = nullptr;
 };
 
 namespace {
@@ -146,6 +164,8 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
     batch.slopes = std::move(slope_values);
 
   std::vector<WorkItem> items;
+  std::vector<Split> splits_;
+  int64_t partial_slots = 0;
   int64_t previous_end = batch.query_start[0];
   if (previous_end < 0 || previous_end > tokens)
     return invalid("PagedAttention: query_start_loc[0] = " + std::to_string(previous_end) +
@@ -176,9 +196,28 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
                        std::to_string(b) + "] = " + std::to_string(row[b]) +
                        " is not a block id in [0, " + std::to_string(num_blocks) + ")");
     batch.multiply_adds += 2 * (end - begin) * length * num_heads * head_size;
-    for (int64_t first = 0; first < end - begin; first += kQueryTile)
-      for (int64_t h = 0; h < num_kv_heads; ++h)
-        items.push_back({s, h, first, std::min(kQueryTile, end - begin - first)});
+    if (end - begin == 1) {
+      // A decode query: one item reads all KV heads of each block (a block's slots are
+      // contiguous, where one KV head's rows are strided by a slot), and a long context is
+      // split across the thread pool (a partial softmax per split, combined afterwards).
+      const int64_t blocks = (length + block_size - 1) / block_size;
+      const int64_t splits = std::clamp<int64_t>(
+          std::min(kSplitTarget / std::max<int64_t>(num_seqs, 1), blocks / kMinSplitBlocks), 1,
+          kSplitTarget);
+      if (splits == 1) {
+        items.push_back({s, 0, num_kv_heads, 0, 1, 0, blocks, -1});
+      } else {
+        splits_.push_back({s, partial_slots, splits});
+        for (int64_t i = 0; i < splits; ++i)
+          items.push_back({s, 0, num_kv_heads, 0, 1, blocks * i / splits,
+                           blocks * (i + 1) / splits, partial_slots++});
+      }
+    } else {
+      for (int64_t first = 0; first < end - begin; first += kQueryTile)
+        for (int64_t h = 0; h < num_kv_heads; ++h)
+          items.push_back({s, h, h + 1, first, std::min(kQueryTile, end - begin - first), 0,
+                           max_blocks, -1});
+    }
     previous_end = end;
   }
 
@@ -192,17 +231,52 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
   ATTNEXPORT_RETURN_IF_ERROR(make_output(context, 0, {tokens, num_heads, head_size}, &output));
   batch.out = output.data;
 
-  return with_float_type(type, [&](auto tag) {
-    return run_all<decltype(tag)>(context, batch, items);
+  const int64_t W = padded_width();
+  std::vector<float> partials(partial_slots * num_heads * (W + 2));
+  batch.partials = partials.data();
+  return with_float_type(type, [&](auto tag) -> OrtStatus* {
+    ATTNEXPORT_RETURN_IF_ERROR(run_all<decltype(tag)>(context, batch, items));
+    for (const Split& split : splits_) combine_splits<decltype(tag)>(batch, split);
+    return nullptr;
   });
+}
+
+// Rows are held as NV vectors of 16 floats, zero padded: the smallest compiled NV that fits.
+int64_t PagedAttention::padded_width() const {
+  const int64_t needed = (head_size + 15) / 16;
+  return 16 * (needed <= 8 ? needed : needed <= 12 ? 12 : 16);
+}
+
+// out = sum_i exp(m_i - M) o_i / sum_i exp(m_i - M) l_i over the splits' partial rows.
+template <typename T>
+void PagedAttention::combine_splits(const Batch& batch, const Split& split) const {
+  const int64_t W = padded_width(), D = head_size, stride = W + 2;
+  T* out = static_cast<T*>(batch.out) + batch.query_start[split.seq] * num_heads * D;
+  std::vector<float> total(W);
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float max = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < split.count; ++i) {
+      const float* part = batch.partials + ((split.first + i) * num_heads + h) * stride;
+      if (part[1] > 0.0f) max = std::max(max, part[0]);
+    }
+    std::fill(total.begin(), total.end(), 0.0f);
+    float sum = 0.0f;
+    for (int64_t i = 0; i < split.count; ++i) {
+      const float* part = batch.partials + ((split.first + i) * num_heads + h) * stride;
+      if (part[1] <= 0.0f) continue;  // the split saw no key of this row
+      const float weight = exp_nonpositive<float, int32_t>(part[0] - max);
+      sum += weight * part[1];
+      for (int64_t d = 0; d < W; ++d) total[d] += weight * part[2 + d];
+    }
+    const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] = from_float<T>(total[d] * inverse);
+  }
 }
 
 template <typename T>
 OrtStatus* PagedAttention::run_all(OrtKernelContext* context, const Batch& batch,
                                    const std::vector<WorkItem>& items) const {
-  // Rows are held as NV vectors of 16 floats, zero padded: the smallest compiled NV that fits.
-  const int64_t needed = (head_size + 15) / 16;
-  switch (needed <= 8 ? needed : needed <= 12 ? 12 : 16) {
+  switch (padded_width() / 16) {
 #define ATTNEXPORT_CASE(NV)                                                   \
   case NV: {                                                                 \
     auto run = [&](size_t i) { attend<T, NV>(batch, items[i]); };            \
@@ -271,12 +345,13 @@ struct BlockRows {
 // decode step's rows come from memory (the weights evicted them), one row per slot of
 // num_kv_heads rows, each slot on its own page for large heads, where the hardware prefetcher
 // does not follow: asking for the next block ahead keeps several blocks in flight.
+// Rows of KV heads [g.kv_head, g.kv_head + heads).
 template <typename T>
-inline void prefetch_block(const T* cache, int64_t block, const Geometry& g) {
+inline void prefetch_block(const T* cache, int64_t block, const Geometry& g, int64_t heads) {
   const char* row = reinterpret_cast<const char*>(
       cache + (block * g.block_size * g.num_kv_heads + g.kv_head) * g.head_size);
   const int64_t slot_bytes = g.num_kv_heads * g.head_size * static_cast<int64_t>(sizeof(T));
-  const int64_t row_bytes = g.head_size * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = heads * g.head_size * static_cast<int64_t>(sizeof(T));
   for (int64_t k = 0; k < g.block_size; ++k, row += slot_bytes)
     for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(row + offset, 0, 3);
 }
@@ -291,8 +366,9 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
   const int64_t seq_start = batch.query_start[item.seq];
   const int64_t num_queries = batch.query_start[item.seq + 1] - seq_start;
   const int32_t* table = batch.block_tables + item.seq * batch.max_blocks;
-  const int64_t rows = item.num_queries * group;
-  const Geometry geometry{block_size, num_kv_heads, head_size, item.kv_head};
+  const int64_t heads = item.kv_end - item.kv_begin;
+  const int64_t head_rows = item.num_queries * group;  // rows of one KV head
+  const int64_t rows = heads * head_rows;
 
   // Visible keys of each query j of the tile: [lo[j], hi[j]); position p = length - q + j.
   int64_t lo[kQueryTile], hi[kQueryTile], position[kQueryTile];
@@ -308,16 +384,18 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
     }
   }
 
-  // Query row r = j * group + g is head kv_head * group + g of token seq_start + first + j
-  // (the G heads of a token are adjacent), scaled, zero padded to W.
+  // Row r = (h - kv_begin) * head_rows + j * group + g is head h * group + g of token
+  // seq_start + first + j (the G heads of a token are adjacent), scaled, zero padded to W.
   thread_local std::vector<float> queries, outputs, maxes, sums, scores, key_scratch, value_scratch;
   queries.assign(rows * W, 0.0f);
   const T* query = static_cast<const T*>(batch.query);
-  for (int64_t j = 0; j < item.num_queries; ++j) {
-    const T* src = query + ((seq_start + item.first_query + j) * num_heads + item.kv_head * group) * D;
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t d = 0; d < D; ++d) queries[(j * group + g) * W + d] = scale * to_float(src[g * D + d]);
-  }
+  for (int64_t h = item.kv_begin; h < item.kv_end; ++h)
+    for (int64_t j = 0; j < item.num_queries; ++j) {
+      const T* src = query + ((seq_start + item.first_query + j) * num_heads + h * group) * D;
+      float* dst = queries.data() + ((h - item.kv_begin) * head_rows + j * group) * W;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < D; ++d) dst[g * W + d] = scale * to_float(src[g * D + d]);
+    }
   // One pass over the keys and values, block by block (an online softmax: each row keeps its
   // running maximum and sum, and rescales its accumulated output when the maximum grows), so
   // that every key and value row comes from memory once. Two passes (all scores, then all
@@ -327,90 +405,105 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
   sums.assign(rows, 0.0f);
   scores.resize(block_size + 16);
 
-  const int64_t first_block = first_key / block_size;
-  const int64_t end_block = (end_key + block_size - 1) / block_size;
+  const int64_t first_block = std::max(first_key / block_size, item.block_begin);
+  const int64_t end_block = std::min((end_key + block_size - 1) / block_size, item.block_end);
   const T* key_cache = static_cast<const T*>(batch.key_cache);
   const T* value_cache = static_cast<const T*>(batch.value_cache);
+  const Geometry first_head{block_size, num_kv_heads, head_size, item.kv_begin};
   auto prefetch = [&](int64_t b) {
     if (b < end_block) {
-      prefetch_block(key_cache, table[b], geometry);
-      prefetch_block(value_cache, table[b], geometry);
+      prefetch_block(key_cache, table[b], first_head, heads);
+      prefetch_block(value_cache, table[b], first_head, heads);
     }
   };
   for (int64_t b = first_block; b < end_block; ++b) {
-    prefetch(b + 1);  // (2, 4 and 8 blocks ahead measured no faster)
+    prefetch(b + 1);  // (2, 4 and 8 blocks ahead, prefetcht2 or none measured no different)
     const int64_t start = b * block_size;
     const int64_t k0 = std::max(start, first_key), k1 = std::min(start + block_size, end_key);
-    const BlockRows<T, NV> keys(key_cache, table[b], k0 - start, k1 - start, geometry, key_scratch);
-    const BlockRows<T, NV> values(value_cache, table[b], k0 - start, k1 - start, geometry,
-                                  value_scratch);
-    for (int64_t j = 0; j < item.num_queries; ++j) {
-      const int64_t a = std::max(lo[j], k0), e = std::min(hi[j], k1);
-      if (a >= e) continue;
-      for (int64_t r = j * group; r < (j + 1) * group; ++r) {
-        f32x16 q[NV];
-        for (int v = 0; v < NV; ++v) q[v] = load16(queries.data() + r * W + v * 16);
-        float* s = scores.data() - a;  // s[k] for k in [a, e)
-        auto dot = [&](int64_t k) {
-          const float* key = keys.row(k - start);
-          f32x16 acc = q[0] * load16(key);
-          for (int v = 1; v < NV; ++v) acc += q[v] * load16(key + v * 16);
-          return acc;
-        };
-        int64_t k = a;
-        for (; k + 16 <= e; k += 16) {  // 16 keys' products, summed together
-          f32x16 products[16];
-          for (int i = 0; i < 16; ++i) products[i] = dot(k + i);
-          store16(s + k, horizontal_sums16(products));
+    for (int64_t h = item.kv_begin; h < item.kv_end; ++h) {
+      const Geometry geometry{block_size, num_kv_heads, head_size, h};
+      const BlockRows<T, NV> keys(key_cache, table[b], k0 - start, k1 - start, geometry, key_scratch);
+      const BlockRows<T, NV> values(value_cache, table[b], k0 - start, k1 - start, geometry,
+                                    value_scratch);
+      for (int64_t j = 0; j < item.num_queries; ++j) {
+        const int64_t a = std::max(lo[j], k0), e = std::min(hi[j], k1);
+        if (a >= e) continue;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t r = (h - item.kv_begin) * head_rows + j * group + g;
+          f32x16 q[NV];
+          for (int v = 0; v < NV; ++v) q[v] = load16(queries.data() + r * W + v * 16);
+          float* s = scores.data() - a;  // s[k] for k in [a, e)
+          auto dot = [&](int64_t k) {
+            const float* key = keys.row(k - start);
+            f32x16 acc = q[0] * load16(key);
+            for (int v = 1; v < NV; ++v) acc += q[v] * load16(key + v * 16);
+            return acc;
+          };
+          int64_t k = a;
+          for (; k + 16 <= e; k += 16) {  // 16 keys' products, summed together
+            f32x16 products[16];
+            for (int i = 0; i < 16; ++i) products[i] = dot(k + i);
+            store16(s + k, horizontal_sums16(products));
+          }
+          for (; k < e; ++k) s[k] = horizontal_sum(dot(k));
+          if (soft_cap > 0.0f)
+            for (k = a; k < e; ++k) s[k] = soft_cap * std::tanh(s[k] / soft_cap);
+          if (!batch.slopes.empty()) {
+            const float slope = batch.slopes[h * group + g];
+            for (k = a; k < e; ++k) s[k] += slope * static_cast<float>(k - position[j]);
+          }
+          float block_max = s[a];
+          for (k = a + 1; k < e; ++k) block_max = std::max(block_max, s[k]);
+          const float previous = maxes[r], max = std::max(previous, block_max);
+          // exp(previous - max) in [0, 1]; the first block's rescale multiplies zeros.
+          const float rescale =
+              previous == max ? 1.0f : exp_nonpositive<float, int32_t>(previous - max);
+          maxes[r] = max;
+          float sum = sums[r] * rescale;
+          k = a;
+          for (; k + 16 <= e; k += 16) {  // the weights of 16 keys at once
+            const f32x16 weights = exp_nonpositive<f32x16, i32x16>(load16(s + k) - max);
+            store16(s + k, weights);
+            sum += horizontal_sum(weights);
+          }
+          for (; k < e; ++k) {
+            s[k] = exp_nonpositive<float, int32_t>(s[k] - max);
+            sum += s[k];
+          }
+          sums[r] = sum;
+          f32x16 acc[NV];
+          for (int v = 0; v < NV; ++v) acc[v] = load16(outputs.data() + r * W + v * 16) * rescale;
+          for (k = a; k < e; ++k) {
+            const float* value = values.row(k - start);
+            const f32x16 w = splat16(s[k]);
+            for (int v = 0; v < NV; ++v) acc[v] += w * load16(value + v * 16);
+          }
+          for (int v = 0; v < NV; ++v) store16(outputs.data() + r * W + v * 16, acc[v]);
         }
-        for (; k < e; ++k) s[k] = horizontal_sum(dot(k));
-        if (soft_cap > 0.0f)
-          for (k = a; k < e; ++k) s[k] = soft_cap * std::tanh(s[k] / soft_cap);
-        if (!batch.slopes.empty()) {
-          const float slope = batch.slopes[item.kv_head * group + r % group];
-          for (k = a; k < e; ++k) s[k] += slope * static_cast<float>(k - position[r / group]);
-        }
-        float block_max = s[a];
-        for (k = a + 1; k < e; ++k) block_max = std::max(block_max, s[k]);
-        const float previous = maxes[r], max = std::max(previous, block_max);
-        // exp(previous - max) in [0, 1]; the first block's rescale multiplies zeros.
-        const float rescale = previous == max ? 1.0f : exp_nonpositive<float, int32_t>(previous - max);
-        maxes[r] = max;
-        float sum = sums[r] * rescale;
-        k = a;
-        for (; k + 16 <= e; k += 16) {  // the weights of 16 keys at once
-          const f32x16 weights = exp_nonpositive<f32x16, i32x16>(load16(s + k) - max);
-          store16(s + k, weights);
-          sum += horizontal_sum(weights);
-        }
-        for (; k < e; ++k) {
-          s[k] = exp_nonpositive<float, int32_t>(s[k] - max);
-          sum += s[k];
-        }
-        f32x16 acc[NV];
-        for (int v = 0; v < NV; ++v) acc[v] = load16(outputs.data() + r * W + v * 16) * rescale;
-        for (k = a; k < e; ++k) {
-          const float weight = s[k];
-          const float* value = values.row(k - start);
-          const f32x16 w = splat16(weight);
-          for (int v = 0; v < NV; ++v) acc[v] += w * load16(value + v * 16);
-        }
-        sums[r] = sum;
-        for (int v = 0; v < NV; ++v) store16(outputs.data() + r * W + v * 16, acc[v]);
       }
     }
   }
 
+  if (item.partial >= 0) {  // a decode split (one query: row r is head kv_begin * group + r)
+    float* part = batch.partials + (item.partial * num_heads + item.kv_begin * group) * (W + 2);
+    for (int64_t r = 0; r < rows; ++r, part += W + 2) {
+      part[0] = maxes[r];
+      part[1] = sums[r];
+      std::copy(outputs.data() + r * W, outputs.data() + (r + 1) * W, part + 2);
+    }
+    return;
+  }
   // A row that sees no key (sum 0) is zeros.
   T* out = static_cast<T*>(batch.out);
-  for (int64_t j = 0; j < item.num_queries; ++j) {
-    T* dst = out + ((seq_start + item.first_query + j) * num_heads + item.kv_head * group) * D;
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t r = j * group + g;
-      const float inverse = sums[r] > 0.0f ? 1.0f / sums[r] : 0.0f;
-      for (int64_t d = 0; d < D; ++d) dst[g * D + d] = from_float<T>(outputs[r * W + d] * inverse);
+  for (int64_t h = item.kv_begin; h < item.kv_end; ++h)
+    for (int64_t j = 0; j < item.num_queries; ++j) {
+      T* dst = out + ((seq_start + item.first_query + j) * num_heads + h * group) * D;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = (h - item.kv_begin) * head_rows + j * group + g;
+        const float inverse = sums[r] > 0.0f ? 1.0f / sums[r] : 0.0f;
+        for (int64_t d = 0; d < D; ++d) dst[g * D + d] = from_float<T>(outputs[r * W + d] * inverse);
+      }
     }
-  }
 }
 
 }  // namespace attnexport

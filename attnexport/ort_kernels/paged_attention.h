@@ -9,6 +9,7 @@ namespace attnexport {
 
 struct Batch;
 struct WorkItem;
+struct Split;
 
 // The node's attributes; compute() reads the seven inputs and writes output [T, H, D] in the
 // query's type (float32, float16 or bfloat16; math in float32).
@@ -21,6 +22,9 @@ struct PagedAttention {
   OrtStatus* compute(OrtKernelContext* context) const;
 
  private:
+  int64_t padded_width() const;
+  template <typename T>
+  void combine_splits(const Batch& batch, const Split& split) const;
   template <typename T>
   OrtStatus* run_all(OrtKernelContext* context, const Batch& batch,
                      const std::vector<WorkItem>& items) const;

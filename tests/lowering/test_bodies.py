@@ -271,6 +271,28 @@ def test_native_paged_attention_pads_other_head_sizes(head_size):
     _check_paged_attention(case, "native")
 
 
+LONG_DECODE = AttentionCase("long-decode", (1, 1, 5, 1), (1000, 600, 20, 0), head_size=64)
+
+
+@requires_ort_kernels
+@pytest.mark.parametrize(
+    "case",
+    [
+        LONG_DECODE,
+        LONG_DECODE.with_(dtype=torch.bfloat16, alibi=True),
+        LONG_DECODE.with_(dtype=torch.float16, logits_soft_cap=5.0),
+        # a window of 300 keys: most of a long context's splits see no key at all
+        LONG_DECODE.with_(sliding_window=300, head_size=40),
+        LONG_DECODE.with_(num_heads=8, num_kv_heads=1, causal=False, block_size=8),
+    ],
+    ids=lambda c: c.id,
+)
+def test_native_paged_attention_splits_long_decode_contexts(case: AttentionCase):
+    """Decode queries over hundreds of blocks: the native kernel splits each context across
+    threads (a partial softmax per split, combined afterwards), all KV heads per item."""
+    _check_paged_attention(case, "native")
+
+
 ROTARY_CASES = [
     ((1, 16, 64), torch.float32),
     ((9, 5, 80), torch.float32),
