@@ -29,7 +29,7 @@ constexpr int64_t kParallelWork = 1 << 16;
 // A decode context is split into up to kSplitTarget / num_seqs parts of at least
 // kMinSplitBlocks blocks each, so that a small batch still keeps every thread busy.
 constexpr int64_t kSplitTarget = 8;
-constexpr int64_t kMinSplitBlocks = 16;
+constexpr int64_t kMinSplitBlocks = 4;  // (16 left a 192-token batch-1 decode on one thread)
 constexpr ONNXTensorElementDataType kFloat32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr ONNXTensorElementDataType kFloat16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 constexpr ONNXTensorElementDataType kBFloat16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
