@@ -5,7 +5,9 @@ model (random weights, seed 0) for
                  (its defaults: native kernels, spinning worker threads as in onnxruntime and
                  onnxruntime-genai; ``ort-nospin``: threads that do not spin, for shared
                  cores; ``ort-bodies``: the attnexport nodes' standard-op bodies instead of the
-                 native kernels),
+                 native kernels; ``ort-int4`` / ``ort-int8``: the same export with int4 / int8
+                 weights, ``attnexport export --weights int4|int8`` defaults: MatMulNBits,
+                 block size 32, symmetric, accuracy level 4, lm_head quantized),
 * ``torch-sdpa`` attnexport's TorchExecutor (eager, sdpa backend),
 * ``torch-ipex`` attnexport's TorchExecutor on the ipex backend (run with ``--ipex-python``),
 * ``hf``         Hugging Face transformers ``generate`` (eager, its own contiguous cache),
@@ -49,7 +51,17 @@ QUICK_CONFIG = {
     "num_key_value_heads": 2,
     "vocab_size": 512,
 }
-LEGS = ("ort", "ort-nospin", "ort-bodies", "torch-sdpa", "torch-ipex", "hf", "genai")
+LEGS = (
+    "ort",
+    "ort-int4",
+    "ort-int8",
+    "ort-nospin",
+    "ort-bodies",
+    "torch-sdpa",
+    "torch-ipex",
+    "hf",
+    "genai",
+)
 BLOCK_SIZE = 16
 MAX_POSITIONS = 2048
 # The mixed batch of the memory comparison: prompt lengths, each followed by 32 new tokens.
@@ -104,6 +116,20 @@ def export_onnx(checkpoint: Path, path: Path) -> float:
     return time.perf_counter() - start
 
 
+def quantize_onnx(float_path: Path, path: Path, fmt: str) -> float:
+    """Our export with ``fmt`` (int4/int8) weights, made from the float one; returns the
+    seconds the quantization took."""
+    import shutil
+
+    from attnexport.lowering import WeightQuantization, quantize_weights
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(float_path, path)
+    start = time.perf_counter()
+    quantize_weights(path, WeightQuantization(fmt))
+    return time.perf_counter() - start
+
+
 def build_genai(python: str, checkpoint: Path, out: Path, threads: int) -> None:
     builder = [python, "-m", "onnxruntime_genai.models.builder"]
     subprocess.run(
@@ -154,10 +180,10 @@ def _engine_leg(args, executor) -> dict:
     }
 
 
-def leg_ort(args, spin: bool = True, kernels: str = "native") -> dict:
+def leg_ort(args, spin: bool = True, kernels: str = "native", weights: str = "") -> dict:
     from attnexport.runtime import OrtExecutor
 
-    path = args.work / "ours" / "model.onnx"
+    path = args.work / f"ours{'-' + weights if weights else ''}" / "model.onnx"
     executor = OrtExecutor(path, num_threads=args.threads, spin=spin, kernels=kernels)
     return _engine_leg(args, executor)
 
@@ -295,6 +321,8 @@ def run_leg(args) -> dict:
         "ort": leg_ort,
         "ort-nospin": lambda a: leg_ort(a, spin=False),
         "ort-bodies": lambda a: leg_ort(a, kernels="bodies"),
+        "ort-int4": lambda a: leg_ort(a, weights="int4"),
+        "ort-int8": lambda a: leg_ort(a, weights="int8"),
         "torch-sdpa": lambda a: leg_torch(a, "sdpa"),
         "torch-ipex": lambda a: leg_torch(a, "ipex"),
         "hf": leg_hf,
@@ -423,6 +451,11 @@ def main() -> int:
         seconds = export_onnx(checkpoint, args.work / "ours" / "model.onnx")
         print(f"to_onnx: {seconds:.1f} s", file=sys.stderr)
     legs = list(args.legs)
+    for fmt in ("int4", "int8"):
+        quantized = args.work / f"ours-{fmt}" / "model.onnx"
+        if f"ort-{fmt}" in legs and not quantized.exists():
+            seconds = quantize_onnx(args.work / "ours" / "model.onnx", quantized, fmt)
+            print(f"quantize {fmt}: {seconds:.1f} s", file=sys.stderr)
     if "genai" in legs and not (args.work / "genai" / "genai_config.json").exists():
         try:
             build_genai(args.genai_python, checkpoint, args.work / "genai", args.threads)

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from attnexport.artifact.manifest import (
     write_manifest,
 )
 from attnexport.artifact.pt2 import save_pt2
+
+if TYPE_CHECKING:
+    from attnexport.lowering.quantize import WeightQuantization
 
 # dtypes whose ONNX model onnxruntime's CPU provider cannot run (the attnexport and standard
 # targets run there), with the reason; float16 runs (`verify` passes).
@@ -44,6 +48,8 @@ class ExportOptions:
     block_size: int = 16
     seed: int = 0
     overwrite: bool = False
+    weights: WeightQuantization | None = None
+    """Weight-only quantization of the ONNX model (None: float weights)."""
 
 
 def export_artifact(
@@ -74,6 +80,16 @@ def export_artifact(
             "export with --dtype float32 (or float16) for onnxruntime, --format pt2 to run "
             f"{dtype_name(options.dtype)} with torch, or --target ort-cuda for onnxruntime's "
             "CUDA provider"
+        )
+    if options.weights is not None and options.formats != ("onnx",):
+        raise ArtifactError(
+            f"--weights {options.weights.format}: quantization applies to the ONNX model only; "
+            "export it with --format onnx"
+        )
+    if options.weights is not None and options.dtype != torch.float32:
+        raise ArtifactError(
+            f"--weights {options.weights.format} with --dtype {dtype_name(options.dtype)}: "
+            "quantized exports are made from float32 models"
         )
     earlier = earlier_export(out, overwrite=options.overwrite)
     kind, ref = resolve_model_ref(model_ref)
@@ -114,6 +130,16 @@ def export_artifact(
         )
         timings["onnx"] = round(time.perf_counter() - start, 3)
         files["onnx"] = ONNX_FILE
+    weights = None
+    if options.weights is not None:
+        step(f"quantizing the weights ({options.weights.format})")
+        start = time.perf_counter()
+        try:
+            weights = lowering.quantize_weights(out / ONNX_FILE, options.weights)
+        except lowering.QuantizationError as error:
+            (out / ONNX_FILE).unlink(missing_ok=True)  # no float model left behind as if done
+            raise ArtifactError(str(error)) from None
+        timings["quantize"] = round(time.perf_counter() - start, 3)
 
     tokenizer_files = []
     if source is not None:
@@ -136,6 +162,7 @@ def export_artifact(
         "cache": cache_entry(cache_spec),
         "target": options.target if "onnx" in options.formats else None,
         "files": files,
+        **({"weights": weights} if weights is not None else {}),
         "file_digests": model_file_digests(out, files),
         "input_names": list(sample.input_names),
         "vocab_size": getattr(model.config, "vocab_size", None),

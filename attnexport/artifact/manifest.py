@@ -12,6 +12,8 @@ model files it lists; no torch.
                 "head_size": 16, "dtype": "float32",
                 "layout": "num_blocks,block_size,num_kv_heads,head_size"} | null,
       "target": "attnexport", "files": {"onnx": "model.onnx", "pt2": "model.pt2"},
+      "weights": {"format": "int4", "bits": 4, "block_size": 32, "symmetric": true,
+                  "accuracy_level": 4, "quantized_layers": 49, "float_layers": []},
       "file_digests": {"model.onnx": {"bytes": 123456, "sha256": "9f2c..."}, ...},
       "input_names": [...], "vocab_size": 256, "max_model_len": 2048,
       "generation": {"eos_token_ids": [2], "decoder_start_token_id": null,
@@ -20,6 +22,9 @@ model files it lists; no torch.
       "versions": {"attnexport": ..., "torch": ..., "onnx": ..., "onnxruntime": ..., ...},
       "export_seconds": {"torch.export": 0.5, "onnx": 3.1}
     }
+
+``weights`` (optional; absent = float weights) records the weight-only quantization of the
+ONNX model (``export --weights int4|int8``, :mod:`attnexport.lowering.quantize`).
 
 Since format version 2 ``file_digests`` records the size and SHA-256 of every model file it
 lists (``model.onnx``, its external data ``model.onnx.data`` when there is one, ``model.pt2``);
@@ -123,6 +128,17 @@ def validate_manifest(manifest, file: Path) -> None:
     source = manifest.get("source")
     if not isinstance(source, dict) or source.get("kind") not in SOURCE_KINDS:
         raise _field_error(file, "source", "{'kind': 'zoo' | 'checkpoint', ...}", source)
+    weights = manifest.get("weights")
+    if weights is not None and not (
+        isinstance(weights, dict)
+        and isinstance(weights.get("format"), str)
+        and type(weights.get("bits")) is int
+        and type(weights.get("block_size")) is int
+        and isinstance(weights.get("float_layers", []), list)
+    ):
+        raise _field_error(
+            file, "weights", "{format, bits, block_size, ...} or absent (float)", weights
+        )
     generation = manifest.get("generation", {})
     if not isinstance(generation, dict):
         raise _field_error(file, "generation", "an object", generation)

@@ -50,6 +50,18 @@ def onnx_targets() -> Sequence[str]:
     return RegistryChoices(read)
 
 
+def weight_formats() -> Sequence[str]:
+    """``export --weights``: float and the lowering's quantized weight formats (read on first
+    use)."""
+
+    def read() -> Sequence[str]:
+        from attnexport.lowering import WEIGHT_FORMATS
+
+        return tuple(WEIGHT_FORMATS)
+
+    return RegistryChoices(read)
+
+
 def zoo_models() -> tuple[str, ...]:
     """The zoo's model names (``export MODEL``, ``demo --model``; not a closed choice: ``export``
     also takes checkpoint directories and ``zoo:NAME``)."""

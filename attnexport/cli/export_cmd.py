@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from attnexport.artifact import DTYPES, ExportOptions, export_artifact
+from attnexport.artifact import DTYPES, ArtifactError, ExportOptions, export_artifact
 from attnexport.cli import choices
 from attnexport.cli.progress import steps
 
@@ -49,6 +49,47 @@ def add_parser(commands) -> None:
         help="tokens per KV-cache block (default 16)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weights seed of zoo models")
+    quant = parser.add_argument_group(
+        "weight quantization (ONNX; onnxruntime's MatMulNBits quantizer, round-to-nearest)"
+    )
+    quant.add_argument(
+        "--weights",
+        choices=choices.weight_formats(),
+        default="float",
+        metavar="FORMAT",
+        help="weight format of the projections (MatMul), one of %(choices)s (default float)",
+    )
+    quant.add_argument(
+        "--weights-block-size",
+        type=int,
+        metavar="N",
+        help="weights per scale, a power of 2 >= 16 (default 32)",
+    )
+    quant.add_argument(
+        "--weights-asymmetric",
+        action="store_true",
+        help="a zero point per block (default: symmetric, no zero points)",
+    )
+    quant.add_argument(
+        "--weights-accuracy-level",
+        type=int,
+        metavar="L",
+        help="MatMulNBits accuracy_level: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 compute "
+        "(default 4, as onnxruntime-genai's builder for the CPU)",
+    )
+    quant.add_argument(
+        "--weights-keep-float",
+        action="append",
+        default=[],
+        metavar="LAYER_PATTERN",
+        help="layers that stay float (fnmatch on names such as model.layers.0.mlp.down_proj "
+        "or lm_head; repeatable)",
+    )
+    quant.add_argument(
+        "--quantize-lm-head",
+        action=argparse.BooleanOptionalAction,
+        help="quantize the logits projection too (default: yes, as onnxruntime-genai's builder)",
+    )
     parser.add_argument(
         "--overwrite",
         action="store_true",
@@ -56,6 +97,33 @@ def add_parser(commands) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the manifest as JSON")
     parser.set_defaults(run=run)
+
+
+def _weights(args: argparse.Namespace):
+    """The WeightQuantization the flags ask for (None for float weights)."""
+    given = {
+        "block_size": args.weights_block_size,
+        "accuracy_level": args.weights_accuracy_level,
+        "quantize_lm_head": args.quantize_lm_head,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    if args.weights == "float":
+        if given or args.weights_asymmetric or args.weights_keep_float:
+            raise ArtifactError(
+                "--weights-* / --no-quantize-lm-head: only with --weights int4 or int8"
+            )
+        return None
+    from attnexport.lowering import QuantizationError, WeightQuantization
+
+    try:
+        return WeightQuantization(
+            args.weights,
+            symmetric=not args.weights_asymmetric,
+            keep_float=tuple(args.weights_keep_float),
+            **given,
+        )
+    except QuantizationError as error:
+        raise ArtifactError(str(error)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         seed=args.seed,
         overwrite=args.overwrite,
+        weights=_weights(args),
     )
     with steps(quiet=args.json) as step:
         manifest = export_artifact(args.model, args.out, options, step=step)
@@ -82,10 +151,12 @@ def run(args: argparse.Namespace) -> int:
         else f"zoo model {source['name']}"
     )
     files = ", ".join(manifest["files"].values())
+    quant = manifest.get("weights")
+    weights = f", {quant['format']} weights" if quant else ""
     seconds = sum(manifest["export_seconds"].values())
     Console().print(
         f"[green]exported[/] {manifest['architecture']} ({manifest['kind']}, "
-        f"{manifest['dtype']}) from {escape(origin)} to {escape(str(args.out))}: {files}, "
+        f"{manifest['dtype']}{weights}) from {escape(origin)} to {escape(str(args.out))}: {files}, "
         "manifest.json"
         + (
             f", {len(manifest['tokenizer_files'])} tokenizer files"

@@ -36,6 +36,7 @@ def inspect_onnx(path: Path) -> dict:
     import onnx
     from google.protobuf.message import DecodeError
 
+    manifest = None
     if path.is_dir():
         manifest = read_manifest(path)
         path = check_model_file(manifest, path, "onnx") if manifest else path / ONNX_FILE
@@ -67,6 +68,8 @@ def inspect_onnx(path: Path) -> dict:
         "functions": sorted(f"{f.domain}::{f.name}" for f in model.functions),
         "parameters": sum(_numel(t) for t in model.graph.initializer),
         "metadata": metadata,
+        # The manifest's weight quantization (export --weights); None: float weights.
+        "weights": (manifest or {}).get("weights"),
     }
 
 
@@ -98,6 +101,14 @@ def run(args: argparse.Namespace) -> int:
         for row in rows:
             table.add_row(row["name"], row["dtype"], str(row["shape"]))
         console.print(table)
+    weights = summary["weights"]
+    if weights:
+        console.print(
+            f"weights: {weights['format']} (MatMulNBits, {weights['bits']} bits, block size "
+            f"{weights['block_size']}, {'symmetric' if weights['symmetric'] else 'asymmetric'}, "
+            f"accuracy level {weights['accuracy_level']}), {weights['quantized_layers']} layers "
+            "quantized; float: " + (", ".join(weights["float_layers"]) or "none")
+        )
     console.print(
         f"cache ports: {len(summary['cache_ports'])} (each input bound in place to its _out)"
     )

@@ -8,6 +8,11 @@ that is still there and transformers is installed, a ``transformers`` leg runs t
 transformers on the same batch (logits) and compares its greedy tokens with the engine's on the
 artifact (:mod:`attnexport.cli.verify_hf`). Exit code 1 when an error exceeds the tolerance of
 :func:`attnexport.tolerances.model_tolerance` or a greedy token differs.
+
+An artifact with quantized weights (manifest ``weights``, ``export --weights int4|int8``)
+compares its ONNX legs with the float eager model by logit max abs error, top-1 agreement and
+KL divergence against :func:`attnexport.tolerances.quantized_tolerance` (and has no
+transformers leg: its greedy tokens are not the float checkpoint's).
 """
 
 from __future__ import annotations
@@ -196,6 +201,11 @@ def notes(manifest: dict) -> list[str]:
             "rebuilt and there is no transformers leg, so the exported files are only "
             "compared with each other"
         ]
+    if manifest.get("weights") is not None and source["kind"] == "checkpoint":
+        return [
+            f"{manifest['weights']['format']} weights: no transformers leg (the ONNX legs are "
+            "compared with the float eager model by logit error, top-1 agreement and KL)"
+        ]
     reason = verify_hf.unavailable_reason(manifest)
     if reason is None or source["kind"] == "zoo":
         return []
@@ -213,6 +223,40 @@ def _compare(name: str, outputs: dict, reference: dict, tolerance: float) -> lis
         max_abs = float(diff.max()) if diff.numel() else 0.0
         scale = expected.abs().max().clamp_min(1e-12)
         comparisons.append(Comparison(name, output, max_abs, max_abs / float(scale), tolerance))
+    return comparisons
+
+
+def _compare_quantized(name: str, outputs: dict, reference: dict, bits: int) -> list[Comparison]:
+    """A leg on quantized weights against the float reference: per logits output, the max abs
+    error, the top-1 agreement (gating the flips of decisive tokens) and the mean KL divergence,
+    each against
+    :func:`attnexport.tolerances.quantized_tolerance` (the caches are compared by max abs)."""
+    from attnexport.tolerances import logit_quality, quantized_tolerance
+
+    bounds = quantized_tolerance(bits)
+    comparisons = []
+    for output, expected in reference.items():
+        if output not in outputs:
+            continue
+        actual = outputs[output]
+        if not output.endswith("logits"):
+            comparisons += _compare(name, {output: actual}, {output: expected}, bounds["max_abs"])
+            continue
+        quality = logit_quality(actual, expected, margin=2 * bounds["max_abs"])
+        scale = float(expected.abs().max().clamp_min(1e-12))
+        comparisons += [
+            Comparison(
+                name, output, quality["max_abs"], quality["max_abs"] / scale, bounds["max_abs"]
+            ),
+            Comparison(
+                name,
+                f"{output} top-1 agreement {quality['top1_agreement']:.2f}; decisive flips",
+                quality["top1_disagreement_decisive"],
+                quality["top1_disagreement_decisive"],
+                bounds["top1_disagreement_decisive"],
+            ),
+            Comparison(name, f"{output} KL", quality["kl"], quality["kl"], bounds["kl"]),
+        ]
     return comparisons
 
 
@@ -267,13 +311,19 @@ def verify_artifact(
     step(f"running {reference_name}")
     reference = run_leg(legs[reference_name], manifest, seed)
     comparisons = []
+    weights = manifest.get("weights")
     for name in others:
         step(f"running {name}")
         outputs = run_leg(legs[name], manifest, seed)
-        comparisons += _compare(name, outputs, reference, tolerance)
+        if weights is not None and name.startswith("onnx"):
+            comparisons += _compare_quantized(name, outputs, reference, weights["bits"])
+        else:
+            comparisons += _compare(name, outputs, reference, tolerance)
     from attnexport.cli import verify_hf
 
-    if verify_hf.unavailable_reason(manifest) is None:
+    # A quantized artifact's greedy tokens are not the float checkpoint's: its quality is the
+    # comparison above, against the float eager model.
+    if weights is None and verify_hf.unavailable_reason(manifest) is None:
         step("running transformers")
         comparisons += _transformers_leg(
             manifest, artifact, seed, reference, tolerance, trust_pickle
@@ -313,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
             escape(c.output),
             f"{c.max_abs:.2e}",
             f"{c.max_rel:.2e}",
-            f"{c.tolerance:.0e}",
+            f"{c.tolerance:.0e}" if c.tolerance else "0",
             "[green]ok[/]" if c.ok else "[red]FAIL[/]",
         )
     console = Console()

@@ -5,6 +5,8 @@
   bodies (or other targets, see :mod:`.targets`), caches exposed as ``<input>_out`` outputs,
   readable dimension names and the graph contract of :mod:`.model_contract` (its
   ``metadata_props``: which inputs are caches, their geometry, the target).
+* :func:`quantize_weights` — int4/int8 weight-only quantization of such a file (MatMulNBits,
+  onnxruntime's quantizer; :mod:`.quantize`).
 * :class:`PagedOrtSession` — runs such a file in onnxruntime with the caches updated in place.
 
 ``docs/lowering.md`` is the user guide. ``onnx``/``onnxscript``/``onnxruntime`` load lazily.
@@ -20,6 +22,12 @@ if TYPE_CHECKING:
     from attnexport.lowering.model_contract import GraphContract, read_contract
     from attnexport.lowering.onnx_export import to_onnx
     from attnexport.lowering.ort_session import PagedOrtSession
+    from attnexport.lowering.quantize import (
+        WEIGHT_FORMATS,
+        QuantizationError,
+        WeightQuantization,
+        quantize_weights,
+    )
     from attnexport.lowering.targets import TARGETS
 
 _LAZY = {
@@ -28,13 +36,21 @@ _LAZY = {
     "read_contract": "attnexport.lowering.model_contract",
     "PagedOrtSession": "attnexport.lowering.ort_session",
     "TARGETS": "attnexport.lowering.targets",
+    "WEIGHT_FORMATS": "attnexport.lowering.quantize",
+    "QuantizationError": "attnexport.lowering.quantize",
+    "WeightQuantization": "attnexport.lowering.quantize",
+    "quantize_weights": "attnexport.lowering.quantize",
 }
 
 __all__ = [
     "TARGETS",
+    "WEIGHT_FORMATS",
     "GraphContract",
     "PagedOrtSession",
+    "QuantizationError",
+    "WeightQuantization",
     "export_program",
+    "quantize_weights",
     "read_contract",
     "to_onnx",
 ]

@@ -8,6 +8,8 @@ Pipeline (each step answers a trap of docs/traps.md)::
     connect_caches_directly   drop torch's no-op copies between caches and their users
     expose_cache_writes       last write of cache input X -> graph output X_out
     optimize_ir               onnxscript's optimizer (after exposing, so nothing is dropped)
+    gemm_to_matmul            nn.Linear's Gemm -> MatMul on a constant [in, out] weight (what
+                              onnxruntime's weight quantizer rewrites)
     rename_dims, name_outputs readable dimension and output names
     apply_target              attach bodies / inline them / map to com.microsoft
     graph contract, IR 10     metadata_props; then save, full onnx.checker, in-place check
@@ -15,7 +17,6 @@ Pipeline (each step answers a trap of docs/traps.md)::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -32,25 +33,16 @@ from attnexport.lowering import naming, onnx_passes
 from attnexport.lowering.export import DIM_NAMES_META, export_program
 from attnexport.lowering.model_contract import GraphContract, cache_geometry
 from attnexport.lowering.passes import check_program, functionalize_cache_writes
+from attnexport.lowering.quiet import quieted
 from attnexport.lowering.targets import apply_target, check_target
 from attnexport.model_interface import CacheSpec
 
 IR_VERSION = 10
 """ONNX IR version of the files (onnx 1.23 writes newer ones than onnxruntime 1.31 reads)."""
 DEFAULT_OPSET = 18
-_EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GiB limit, with room for the graph
-
-
-@contextlib.contextmanager
-def _quiet_torch_onnx():
-    """Silences torch.onnx's registry warnings (torchvision ops it cannot find)."""
-    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+EXTERNAL_DATA_BYTES = 1_800_000_000
+"""Weights past this many bytes go to ``model.onnx.data`` (protobuf's 2 GiB limit, with room
+for the graph)."""
 
 
 def _sample_inputs(program: ExportedProgram) -> dict[str, torch.Tensor]:
@@ -77,7 +69,7 @@ def _save(model: ir.Model, path: Path) -> onnx.ModelProto:
         for value in model.graph.initializers.values()
         if value.const_value is not None
     )
-    external = weights > _EXTERNAL_DATA_BYTES
+    external = weights > EXTERNAL_DATA_BYTES
     if external:
         ir.save(model, path, external_data=f"{path.name}.data")
     else:
@@ -147,7 +139,8 @@ def to_onnx(
     functional, _ = functionalize_cache_writes(program)
     from attnexport.lowering.registry import translation_table
 
-    with _quiet_torch_onnx():
+    # torch.onnx's registry warns about every torchvision op it cannot find.
+    with quieted("torch.onnx._internal.exporter._registration", logging.ERROR):
         onnx_program = torch.onnx.export(
             functional,
             (),
@@ -164,6 +157,7 @@ def to_onnx(
     import onnxscript.optimizer
 
     onnxscript.optimizer.optimize_ir(model)
+    onnx_passes.gemm_to_matmul(model)
     naming.rename_dims(
         model, naming.input_dim_names(program), program.graph_module.meta.get(DIM_NAMES_META, {})
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 
@@ -164,3 +165,71 @@ def check_cache_io(model: onnx.ModelProto, cache_inputs: Sequence[str], cache_ou
                 f"cache output '{out}' comes from {producer}, which does not take '{name}' "
                 f"directly: the update could not happen in place"
             )
+
+
+def _attr(node: ir.Node, name: str, default):
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+def gemm_to_matmul(model: ir.Model) -> int:
+    """Rewrites ``Gemm(x, W, b?, transB)`` with a constant 2-D ``W`` (torch.onnx's lowering of
+    ``nn.Linear``) into ``MatMul(x, W')`` (+ ``Add(b)``), ``W'`` the constant weight in
+    ``[in, out]`` layout (``W`` transposed once, here, when ``transB=1``).
+
+    This is the form onnxruntime's weight quantizer (``MatMulNBitsQuantizer``) rewrites into
+    ``MatMulNBits``; it does not touch ``Gemm``. Only ``alpha = beta = 1``, ``transA = 0``
+    nodes are rewritten (what ``nn.Linear`` gives); any other Gemm is left as it is. A weight
+    that other nodes also read (a tied ``lm_head`` / embedding) gets a transposed copy of its
+    own and the original stays for them.
+
+    Returns:
+        The number of Gemm nodes rewritten.
+    """
+    graph = model.graph
+    rewritten = 0
+    for node in list(graph):
+        if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx"):
+            continue
+        weight = node.inputs[1]
+        if (
+            _attr(node, "alpha", 1.0) != 1.0
+            or _attr(node, "beta", 1.0) != 1.0
+            or _attr(node, "transA", 0) != 0
+            or weight is None
+            or not weight.is_initializer()
+            or weight.const_value is None
+            or len(weight.const_value.shape) != 2
+        ):
+            continue
+        if _attr(node, "transB", 0):
+            array = np.ascontiguousarray(weight.const_value.numpy().T)
+            matrix = ir.Value(
+                name=f"{weight.name}.T",
+                shape=ir.Shape(array.shape),
+                type=weight.type,
+                const_value=ir.tensor(array, name=f"{weight.name}.T"),
+            )
+            graph.register_initializer(matrix)
+        else:
+            matrix = weight
+        matmul = ir.Node("", "MatMul", [node.inputs[0], matrix], name=node.name)
+        nodes = [matmul]
+        result = matmul.outputs[0]
+        bias = node.inputs[2] if len(node.inputs) > 2 else None
+        if bias is not None:
+            add = ir.Node("", "Add", [result, bias], name=f"{node.name}_bias")
+            nodes.append(add)
+            result = add.outputs[0]
+        output = node.outputs[0]
+        name = output.name
+        result.type, result.shape = output.type, output.shape
+        matmul.outputs[0].type = output.type
+        graph.insert_before(node, nodes)
+        ir.convenience.replace_all_uses_with(output, result, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+        result.name = name
+        if not weight.uses() and weight.is_initializer() and not weight.is_graph_input():
+            graph.initializers.pop(weight.name)
+        rewritten += 1
+    return rewritten

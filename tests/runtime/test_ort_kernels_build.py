@@ -17,7 +17,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-HEADERS = ROOT / "build" / "ort-headers" / "usr" / "include" / "onnxruntime"
+# The header the build script uses: the ORT_INCLUDE the user gave, else the one it unpacked.
+HEADERS = Path(
+    os.environ.get("ORT_INCLUDE")
+    or ROOT / "build" / "ort-headers" / "usr" / "include" / "onnxruntime"
+)
 
 pytestmark = [
     pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 target flags"),

@@ -1,0 +1,98 @@
+"""``attnexport export --weights int4|int8``: the manifest's ``weights`` object, ``inspect``
+showing it, ``verify`` comparing with the float eager model by logit error, top-1 agreement
+and KL divergence, ``run`` generating, and the flag errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from attnexport.artifact import read_manifest
+from tests.cli.helpers import assert_one_line_error, run_cli, run_json
+
+
+@pytest.fixture(scope="module")
+def int4_export(tmp_path_factory):
+    from attnexport.cli.main import main
+
+    out = tmp_path_factory.mktemp("llama_int4")
+    argv = ["export", "llama", "--out", str(out), "--weights", "int4"]
+    assert main([*argv, "--weights-keep-float", "model.layers.0.mlp.*"]) == 0
+    return out
+
+
+def test_manifest_records_the_quantization(int4_export):
+    weights = read_manifest(int4_export)["weights"]
+    assert weights == {
+        "format": "int4",
+        "bits": 4,
+        "block_size": 32,
+        "symmetric": True,
+        "accuracy_level": 4,
+        "quantized_layers": 7,
+        "float_layers": ["model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"],
+    }
+
+
+def test_a_float_export_has_no_weights_entry(llama_export):
+    assert "weights" not in read_manifest(llama_export)
+
+
+def test_inspect_shows_the_quantization(int4_export, capsys):
+    code, out, _ = run_cli(capsys, "inspect", int4_export, "--json")
+    assert code == 0
+    summary = json.loads(out)
+    assert summary["weights"]["format"] == "int4"
+    assert summary["nodes"]["com.microsoft::MatMulNBits"] == 7
+    code, out, _ = run_cli(capsys, "inspect", int4_export)
+    assert code == 0 and "weights: int4" in out
+
+
+def test_verify_compares_with_the_float_model_by_quality(int4_export, capsys):
+    code, out, err = run_cli(capsys, "verify", int4_export, "--json")
+    assert code == 0, out + err
+    result = json.loads(out)
+    onnx_rows = [c for c in result["comparisons"] if c["leg"].startswith("onnx")]
+    outputs = {c["output"] for c in onnx_rows}
+    assert "decode 1 logits KL" in outputs
+    assert any("top-1 agreement" in o for o in outputs)
+    logits = [c for c in onnx_rows if c["output"] == "decode 1 logits"]
+    # A quantized model is not within the float tolerance, and is compared with its own.
+    assert logits and all(1e-4 < c["max_abs"] <= c["tolerance"] for c in logits)
+
+
+def test_run_generates_with_quantized_weights(int4_export, capsys):
+    outputs = run_json(capsys, int4_export, "--prompt-ids", "5,17,99,3", "--max-tokens", "4")
+    assert len(outputs[0]["token_ids"]) == 4
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--weights-block-size", "64"], "only with --weights int4 or int8"),
+        (["--weights", "int4", "--weights-block-size", "20"], "--weights-block-size"),
+        (["--weights", "int8", "--format", "both"], "--format onnx"),
+        (["--weights", "int4", "--weights-keep-float", "nothing.*"], "matches no layer"),
+    ],
+)
+def test_flag_errors_are_named(tmp_path, capsys, flags, needle):
+    code, _, err = run_cli(capsys, "export", "llama", "--out", tmp_path / "x", *flags)
+    assert code != 0
+    # The layer names come from the lowered graph: that error follows the progress lines.
+    assert_one_line_error(err.strip().splitlines()[-1], "export", needle)
+    assert not (tmp_path / "x" / "model.onnx").exists()
+
+
+def test_a_malformed_weights_entry_is_named(int4_export, tmp_path):
+    import shutil
+
+    from attnexport.artifact import ArtifactError
+
+    copy = tmp_path / "copy"
+    shutil.copytree(int4_export, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["weights"] = "int4"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="field 'weights'"):
+        read_manifest(copy)
