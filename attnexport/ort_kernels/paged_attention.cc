@@ -1,10 +1,12 @@
 // attnexport.PagedAttention for onnxruntime's CPU execution provider: float32, float16 and
-// bfloat16 queries and caches, math in float32.
+// bfloat16 queries over float32, float16, bfloat16 or int8 caches (int8 with a float32 scale
+// per slot and KV head: key_scale_cache, value_scale_cache), math in float32.
 //
 // The standard-op body gathers every visible key and value row into a padded batch before two
 // matmuls; that copy is most of its time. This kernel reads the rows where they lie in the
-// paged cache: one work item per (sequence, KV head, tile of queries), the G query heads of the
-// KV head's group sharing every key and value row they load. Semantics: docs/ops.md.
+// paged cache: one work item per (sequence, KV head, tile of queries or split of a decode
+// context), the G query heads of the KV head's group sharing every key and value row they
+// load. Semantics: docs/ops.md.
 
 #include "paged_attention.h"
 
@@ -26,21 +28,37 @@ constexpr int64_t kMaxHeadSize = 256;
 // multiply-adds) is worth splitting: in a model its keys and values come from memory, not the
 // caches (the weights stream through them every step); docs/benchmarks.md has the measurement.
 constexpr int64_t kParallelWork = 1 << 16;
-// A decode context is split into up to kSplitTarget / num_seqs parts of at least
-// kMinSplitBlocks blocks each, so that a small batch still keeps every thread busy.
+// A decode context is split into up to kSplitTarget / (num_seqs * num_kv_heads) parts of at
+// least kMinSplitBlocks blocks each, so that a small batch still keeps every thread busy.
 constexpr int64_t kSplitTarget = 8;
-constexpr int64_t kMinSplitBlocks = 4;  // (16 left a 192-token batch-1 decode on one thread)
+constexpr int64_t kMinSplitBlocks = 16;
+// Keys per step of the online softmax (whole blocks, at least one): the rescale of the
+// running output, the maximum and the exponentials are paid per chunk, not per 16-key block
+// (per block they cost the 12/4/64 float32 decode 0.6-0.75x of the two-pass kernel), while a
+// chunk's key and value rows of one head still sit in L2 between its scores and its values.
+constexpr int64_t kChunkKeys = 128;
 constexpr ONNXTensorElementDataType kFloat32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr ONNXTensorElementDataType kFloat16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 constexpr ONNXTensorElementDataType kBFloat16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
+constexpr ONNXTensorElementDataType kInt8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
 
-enum Input : size_t { kQuery, kKeyCache, kValueCache, kBlockTables, kSeqLens, kQueryStart, kSlopes };
+enum Input : size_t {
+  kQuery,
+  kKeyCache,
+  kValueCache,
+  kBlockTables,
+  kSeqLens,
+  kQueryStart,
+  kSlopes,
+  kKeyScales,
+  kValueScales,
+};
 
 // Queries [first_query, first_query + num_queries) of sequence `seq` (indices within its
 // queries), heads of KV heads [kv_begin, kv_end), against the keys of blocks
 // [block_begin, block_end) of its table. partial < 0: the item writes its output rows; else it
 // is one split of a long decode context and leaves its running maximum, sum and unnormalised
-// output in Batch::partials slot `partial` for combine_splits.
+// output in Batch::partials slot `partial` (the rows of its heads) for combine_splits.
 struct WorkItem {
   int64_t seq;
   int64_t kv_begin, kv_end;
@@ -55,16 +73,15 @@ struct Split {
   int64_t seq, first, count;
 };
 
-// Where one KV head's rows lie in a cache [num_blocks, block_size, num_kv_heads, head_size].
-struct Geometry {
-  int64_t block_size, num_kv_heads, head_size, kv_head;
-};
-
-// Pointers into the inputs; query, caches and output hold the node's float type.
+// Pointers into the inputs. The caches hold the cache type the kernel is instantiated for;
+// query and output hold `query_type` (float32, float16 or bfloat16).
 struct Batch {
   const void* query;
+  ONNXTensorElementDataType query_type;
   const void* key_cache;
   const void* value_cache;
+  const float* key_scales;    // int8 caches: [num_blocks, block_size, num_kv_heads]; else null
+  const float* value_scales;
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const int32_t* query_start;
@@ -83,6 +100,38 @@ OrtStatus* expect_shape(const Tensor& t, const char* name, const std::vector<int
   if (t.dims == dims) return nullptr;
   return invalid(std::string("PagedAttention: ") + name + ": expected " + layout + " = " +
                  format_dims(dims) + ", got " + t.shape());
+}
+
+bool is_float_type(ONNXTensorElementDataType type) {
+  return type == kFloat32 || type == kFloat16 || type == kBFloat16;
+}
+
+// Element i of a float32/float16/bfloat16 tensor (queries, slopes: read once per item).
+float load_element(const void* data, ONNXTensorElementDataType type, int64_t i) {
+  if (type == kFloat16) return to_float(static_cast<const Half*>(data)[i]);
+  if (type == kBFloat16) return to_float(static_cast<const BFloat16*>(data)[i]);
+  return static_cast<const float*>(data)[i];
+}
+
+void store_element(void* data, ONNXTensorElementDataType type, int64_t i, float x) {
+  if (type == kFloat16) static_cast<Half*>(data)[i] = from_float<Half>(x);
+  else if (type == kBFloat16) static_cast<BFloat16*>(data)[i] = from_float<BFloat16>(x);
+  else static_cast<float*>(data)[i] = x;
+}
+
+// Returns fn(C{}) for the cache element type C of `type` (checked by compute()).
+template <typename Fn>
+OrtStatus* with_cache_type(ONNXTensorElementDataType type, Fn fn) {
+  switch (type) {
+    case kFloat16:
+      return fn(Half{});
+    case kBFloat16:
+      return fn(BFloat16{});
+    case kInt8:
+      return fn(int8_t{});
+    default:
+      return fn(float{});
+  }
 }
 
 }  // namespace
@@ -111,7 +160,9 @@ OrtStatus* PagedAttention::init(const OrtKernelInfo* info) {
 }
 
 OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
-  Tensor query, key_cache, value_cache, tables, seq_lens, query_start, slopes;
+  Tensor query, key_cache, value_cache, tables, seq_lens, query_start, slopes, key_scales,
+      value_scales;
+  bool has_key_scales = false, has_value_scales = false;
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, kQuery, &query));
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, kKeyCache, &key_cache));
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, kValueCache, &value_cache));
@@ -119,6 +170,9 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, kSeqLens, &seq_lens));
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, kQueryStart, &query_start));
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, kSlopes, &slopes));
+  ATTNEXPORT_RETURN_IF_ERROR(read_optional_input(context, kKeyScales, &key_scales, &has_key_scales));
+  ATTNEXPORT_RETURN_IF_ERROR(
+      read_optional_input(context, kValueScales, &value_scales, &has_value_scales));
 
   // Every check runs before any memory is read through an index.
   const int64_t tokens = query.dims.empty() ? 0 : query.dims[0];
@@ -138,21 +192,49 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
   ATTNEXPORT_RETURN_IF_ERROR(expect_shape(slopes, "alibi_slopes", {num_heads}, "[num_heads]"));
 
   const ONNXTensorElementDataType type = query.type;
-  if (type != kFloat32 && type != kFloat16 && type != kBFloat16)
-    return invalid("PagedAttention: query: expected float32, float16 or bfloat16");
-  if (key_cache.type != type || value_cache.type != type)
-    return invalid("PagedAttention: key_cache and value_cache must have the query's dtype");
-  std::vector<float> slope_values(num_heads);
-  for (int64_t h = 0; h < num_heads; ++h) {
-    if (slopes.type == kFloat32) slope_values[h] = static_cast<const float*>(slopes.data)[h];
-    else if (slopes.type == kFloat16) slope_values[h] = to_float(static_cast<const Half*>(slopes.data)[h]);
-    else if (slopes.type == kBFloat16) slope_values[h] = to_float(static_cast<const BFloat16*>(slopes.data)[h]);
-    else return invalid("PagedAttention: alibi_slopes: expected float32, float16 or bfloat16");
+  if (!is_float_type(type))
+    return invalid(std::string("PagedAttention: query: expected float32, float16 or bfloat16, got ") +
+                   type_name(type));
+  const ONNXTensorElementDataType cache_type = key_cache.type;
+  if (!is_float_type(cache_type) && cache_type != kInt8)
+    return invalid(std::string("PagedAttention: key_cache: expected float32, float16, bfloat16 "
+                               "or int8, got ") +
+                   type_name(cache_type));
+  if (value_cache.type != cache_type)
+    return invalid(std::string("PagedAttention: value_cache: expected the key_cache's dtype ") +
+                   type_name(cache_type) + ", got " + type_name(value_cache.type));
+  if (cache_type == kInt8) {
+    if (!has_key_scales || !has_value_scales)
+      return invalid(std::string("PagedAttention: int8 caches need ") +
+                     (!has_key_scales ? "key_scale_cache (input 7)" : "value_scale_cache (input 8)") +
+                     ", the float32 scale of each slot and KV head");
+    const std::vector<int64_t> scale_dims{num_blocks, block_size, num_kv_heads};
+    const char* scale_layout = "[num_blocks, block_size, num_kv_heads]";
+    ATTNEXPORT_RETURN_IF_ERROR(expect_shape(key_scales, "key_scale_cache", scale_dims, scale_layout));
+    ATTNEXPORT_RETURN_IF_ERROR(
+        expect_shape(value_scales, "value_scale_cache", scale_dims, scale_layout));
+    if (key_scales.type != kFloat32 || value_scales.type != kFloat32)
+      return invalid(std::string("PagedAttention: ") +
+                     (key_scales.type != kFloat32 ? "key_scale_cache" : "value_scale_cache") +
+                     ": expected float32, got " +
+                     type_name(key_scales.type != kFloat32 ? key_scales.type : value_scales.type));
+  } else if (has_key_scales || has_value_scales) {
+    return invalid(std::string("PagedAttention: ") +
+                   (has_key_scales ? "key_scale_cache (input 7)" : "value_scale_cache (input 8)") +
+                   " is given with " + type_name(cache_type) +
+                   " caches; scale caches go with int8 caches only");
   }
+  std::vector<float> slope_values(num_heads);
+  if (!is_float_type(slopes.type))
+    return invalid("PagedAttention: alibi_slopes: expected float32, float16 or bfloat16");
+  for (int64_t h = 0; h < num_heads; ++h) slope_values[h] = load_element(slopes.data, slopes.type, h);
 
   Batch batch{query.data,
+              type,
               key_cache.data,
               value_cache.data,
+              cache_type == kInt8 ? static_cast<const float*>(key_scales.data) : nullptr,
+              cache_type == kInt8 ? static_cast<const float*>(value_scales.data) : nullptr,
               static_cast<const int32_t*>(tables.data),
               static_cast<const int32_t*>(seq_lens.data),
               static_cast<const int32_t*>(query_start.data),
@@ -197,20 +279,22 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
                        " is not a block id in [0, " + std::to_string(num_blocks) + ")");
     batch.multiply_adds += 2 * (end - begin) * length * num_heads * head_size;
     if (end - begin == 1) {
-      // A decode query: one item reads all KV heads of each block (a block's slots are
-      // contiguous, where one KV head's rows are strided by a slot), and a long context is
-      // split across the thread pool (a partial softmax per split, combined afterwards).
+      // A decode query: one item per KV head, and a long context of a small batch split across
+      // the thread pool (a partial softmax per split, combined afterwards).
       const int64_t blocks = (length + block_size - 1) / block_size;
       const int64_t splits = std::clamp<int64_t>(
-          std::min(kSplitTarget / std::max<int64_t>(num_seqs, 1), blocks / kMinSplitBlocks), 1,
-          kSplitTarget);
+          std::min(kSplitTarget / std::max<int64_t>(num_seqs * num_kv_heads, 1),
+                   blocks / kMinSplitBlocks),
+          1, kSplitTarget);
       if (splits == 1) {
-        items.push_back({s, 0, num_kv_heads, 0, 1, 0, blocks, -1});
+        for (int64_t h = 0; h < num_kv_heads; ++h)
+          items.push_back({s, h, h + 1, 0, 1, 0, blocks, -1});
       } else {
         splits_.push_back({s, partial_slots, splits});
-        for (int64_t i = 0; i < splits; ++i)
-          items.push_back({s, 0, num_kv_heads, 0, 1, blocks * i / splits,
-                           blocks * (i + 1) / splits, partial_slots++});
+        for (int64_t i = 0; i < splits; ++i, ++partial_slots)
+          for (int64_t h = 0; h < num_kv_heads; ++h)
+            items.push_back({s, h, h + 1, 0, 1, blocks * i / splits, blocks * (i + 1) / splits,
+                             partial_slots});
       }
     } else {
       for (int64_t first = 0; first < end - begin; first += kQueryTile)
@@ -234,9 +318,9 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
   const int64_t W = padded_width();
   std::vector<float> partials(partial_slots * num_heads * (W + 2));
   batch.partials = partials.data();
-  return with_float_type(type, [&](auto tag) -> OrtStatus* {
+  return with_cache_type(cache_type, [&](auto tag) -> OrtStatus* {
     ATTNEXPORT_RETURN_IF_ERROR(run_all<decltype(tag)>(context, batch, items));
-    for (const Split& split : splits_) combine_splits<decltype(tag)>(batch, split);
+    for (const Split& split : splits_) combine_splits(batch, split);
     return nullptr;
   });
 }
@@ -248,10 +332,9 @@ int64_t PagedAttention::padded_width() const {
 }
 
 // out = sum_i exp(m_i - M) o_i / sum_i exp(m_i - M) l_i over the splits' partial rows.
-template <typename T>
 void PagedAttention::combine_splits(const Batch& batch, const Split& split) const {
   const int64_t W = padded_width(), D = head_size, stride = W + 2;
-  T* out = static_cast<T*>(batch.out) + batch.query_start[split.seq] * num_heads * D;
+  const int64_t first_row = batch.query_start[split.seq] * num_heads * D;
   std::vector<float> total(W);
   for (int64_t h = 0; h < num_heads; ++h) {
     float max = -std::numeric_limits<float>::infinity();
@@ -269,17 +352,18 @@ void PagedAttention::combine_splits(const Batch& batch, const Split& split) cons
       for (int64_t d = 0; d < W; ++d) total[d] += weight * part[2 + d];
     }
     const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
-    for (int64_t d = 0; d < D; ++d) out[h * D + d] = from_float<T>(total[d] * inverse);
+    for (int64_t d = 0; d < D; ++d)
+      store_element(batch.out, batch.query_type, first_row + h * D + d, total[d] * inverse);
   }
 }
 
-template <typename T>
+template <typename C>
 OrtStatus* PagedAttention::run_all(OrtKernelContext* context, const Batch& batch,
                                    const std::vector<WorkItem>& items) const {
   switch (padded_width() / 16) {
 #define ATTNEXPORT_CASE(NV)                                                   \
   case NV: {                                                                 \
-    auto run = [&](size_t i) { attend<T, NV>(batch, items[i]); };            \
+    auto run = [&](size_t i) { attend<C, NV>(batch, items[i]); };            \
     if (batch.multiply_adds < kParallelWork) {                               \
       for (size_t i = 0; i < items.size(); ++i) run(i);                      \
       return nullptr;                                                        \
@@ -304,63 +388,47 @@ OrtStatus* PagedAttention::run_all(OrtKernelContext* context, const Batch& batch
 
 namespace {
 
-// Rows [first, end) of one block of a cache for one KV head, as float rows of NV * 16 lanes:
-// the cache itself for float32 rows whose head size is a multiple of 16, else a converted,
-// zero-padded copy (converted once per block, then read by every query head of the group).
-template <typename T, int NV>
-struct BlockRows {
-  const float* base;
-  int64_t stride;
-
-  BlockRows(const T* cache, int64_t block, int64_t first, int64_t end, const Geometry& g,
-            std::vector<float>& scratch) {
-    const T* rows = cache + ((block * g.block_size + first) * g.num_kv_heads + g.kv_head) * g.head_size;
-    const int64_t slot_stride = g.num_kv_heads * g.head_size;
-    if constexpr (std::is_same_v<T, float>) {
-      if (g.head_size == NV * 16) {
-        base = reinterpret_cast<const float*>(rows) - first * slot_stride;
-        stride = slot_stride;
-        return;
-      }
-    }
-    constexpr int64_t W = NV * 16;
-    scratch.resize(g.block_size * W);
-    const int64_t whole = g.head_size / 16 * 16;  // vector loads stay inside the row
-    for (int64_t k = first; k < end; ++k) {
-      const T* src = rows + (k - first) * slot_stride;
-      float* dst = scratch.data() + k * W;
-      int64_t d = 0;
-      for (; d < whole; d += 16) store16(dst + d, load16_float(src + d));
-      for (; d < g.head_size; ++d) dst[d] = to_float(src[d]);
-      for (; d < W; ++d) dst[d] = 0.0f;
-    }
-    base = scratch.data();
-    stride = W;
+// One cache row (D elements of C) as W float lanes, zero padded; an int8 row is dequantized
+// (float(q) * scale, the op contract's order, docs/ops.md).
+template <typename C>
+inline void widen_row(const C* src, float* dst, int64_t D, int64_t W, float scale) {
+  const int64_t whole = D / 16 * 16;  // vector loads stay inside the row
+  int64_t d = 0;
+  if constexpr (std::is_same_v<C, int8_t>) {
+    const f32x16 scales = splat16(scale);
+    for (; d < whole; d += 16) store16(dst + d, load16_float(src + d) * scales);
+    for (; d < D; ++d) dst[d] = to_float(src[d]) * scale;
+  } else {
+    for (; d < whole; d += 16) store16(dst + d, load16_float(src + d));
+    for (; d < D; ++d) dst[d] = to_float(src[d]);
   }
+  for (; d < W; ++d) dst[d] = 0.0f;
+}
 
-  const float* row(int64_t offset) const { return base + offset * stride; }
-};
-
-// Asks for the rows of one KV head in a whole block of a cache (into every cache level). A
-// decode step's rows come from memory (the weights evicted them), one row per slot of
+// Asks for the rows of KV head `head` of slots [k0, k1) of a sequence (into every cache
+// level). A decode step's rows come from memory (the weights evicted them), one row per slot of
 // num_kv_heads rows, each slot on its own page for large heads, where the hardware prefetcher
-// does not follow: asking for the next block ahead keeps several blocks in flight.
-// Rows of KV heads [g.kv_head, g.kv_head + heads).
-template <typename T>
-inline void prefetch_block(const T* cache, int64_t block, const Geometry& g, int64_t heads) {
-  const char* row = reinterpret_cast<const char*>(
-      cache + (block * g.block_size * g.num_kv_heads + g.kv_head) * g.head_size);
-  const int64_t slot_bytes = g.num_kv_heads * g.head_size * static_cast<int64_t>(sizeof(T));
-  const int64_t row_bytes = heads * g.head_size * static_cast<int64_t>(sizeof(T));
-  for (int64_t k = 0; k < g.block_size; ++k, row += slot_bytes)
+// does not follow: asking for the next chunk ahead keeps its rows in flight.
+template <typename C>
+inline void prefetch_rows(const C* cache, const int32_t* table, int64_t k0, int64_t k1,
+                          int64_t block_size, int64_t num_kv_heads, int64_t head, int64_t D) {
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C));
+  for (int64_t k = k0; k < k1; ++k) {
+    const char* row = reinterpret_cast<const char*>(
+        cache + ((table[k / block_size] * block_size + k % block_size) * num_kv_heads + head) * D);
     for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(row + offset, 0, 3);
+  }
 }
 
 }  // namespace
 
-template <typename T, int NV>
+template <typename C, int NV>
 void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
   constexpr int64_t W = NV * 16;  // padded row width
+  // float32 rows whose head size fills whole vectors are read in place; others are widened
+  // (and int8 ones dequantized) into scratch rows once per chunk and KV head, then read by
+  // every query of the item and head of the group.
+  const bool in_place = std::is_same_v<C, float> && head_size == W;
   const int64_t group = num_heads / num_kv_heads, D = head_size;
   const int64_t length = batch.seq_lens[item.seq];
   const int64_t seq_start = batch.query_start[item.seq];
@@ -383,48 +451,78 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
       end_key = std::max(end_key, hi[j]);
     }
   }
+  first_key = std::max(first_key, item.block_begin * block_size);
+  end_key = std::min(end_key, item.block_end * block_size);
 
   // Row r = (h - kv_begin) * head_rows + j * group + g is head h * group + g of token
   // seq_start + first + j (the G heads of a token are adjacent), scaled, zero padded to W.
   thread_local std::vector<float> queries, outputs, maxes, sums, scores, key_scratch, value_scratch;
+  thread_local std::vector<const float*> key_rows, value_rows;
   queries.assign(rows * W, 0.0f);
-  const T* query = static_cast<const T*>(batch.query);
   for (int64_t h = item.kv_begin; h < item.kv_end; ++h)
     for (int64_t j = 0; j < item.num_queries; ++j) {
-      const T* src = query + ((seq_start + item.first_query + j) * num_heads + h * group) * D;
+      const int64_t src = ((seq_start + item.first_query + j) * num_heads + h * group) * D;
       float* dst = queries.data() + ((h - item.kv_begin) * head_rows + j * group) * W;
       for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < D; ++d) dst[g * W + d] = scale * to_float(src[g * D + d]);
+        for (int64_t d = 0; d < D; ++d)
+          dst[g * W + d] = scale * load_element(batch.query, batch.query_type, src + g * D + d);
     }
-  // One pass over the keys and values, block by block (an online softmax: each row keeps its
-  // running maximum and sum, and rescales its accumulated output when the maximum grows), so
-  // that every key and value row comes from memory once. Two passes (all scores, then all
-  // values) read the values after a long context had evicted their prefetch.
+  // One pass over the keys and values, a chunk of whole blocks at a time (an online softmax:
+  // each row keeps its running maximum and sum, and rescales its accumulated output when the
+  // maximum grows), so that every key and value row comes from memory once. Two passes (all
+  // scores, then all values) read the values after a long context had evicted their prefetch.
   outputs.assign(rows * W, 0.0f);
   maxes.assign(rows, -std::numeric_limits<float>::infinity());
   sums.assign(rows, 0.0f);
-  scores.resize(block_size + 16);
+  const int64_t chunk = std::max<int64_t>(1, kChunkKeys / block_size) * block_size;
+  scores.resize(chunk + 16);
+  key_rows.resize(chunk);
+  value_rows.resize(chunk);
+  if (!in_place) {
+    key_scratch.resize(chunk * W);
+    value_scratch.resize(chunk * W);
+  }
 
-  const int64_t first_block = std::max(first_key / block_size, item.block_begin);
-  const int64_t end_block = std::min((end_key + block_size - 1) / block_size, item.block_end);
-  const T* key_cache = static_cast<const T*>(batch.key_cache);
-  const T* value_cache = static_cast<const T*>(batch.value_cache);
-  const Geometry first_head{block_size, num_kv_heads, head_size, item.kv_begin};
-  auto prefetch = [&](int64_t b) {
-    if (b < end_block) {
-      prefetch_block(key_cache, table[b], first_head, heads);
-      prefetch_block(value_cache, table[b], first_head, heads);
-    }
+  const C* key_cache = static_cast<const C*>(batch.key_cache);
+  const C* value_cache = static_cast<const C*>(batch.value_cache);
+  const int64_t slot_stride = num_kv_heads * D;
+  // Chunks start at block boundaries: [c0, c1) with c0 a multiple of block_size.
+  const int64_t first_chunk = first_key / block_size * block_size;
+  auto prefetch = [&](int64_t c0, int64_t h) {  // the rows of chunk c0, head h
+    if (c0 >= end_key) return;
+    const int64_t k0 = std::max(c0, first_key), k1 = std::min(c0 + chunk, end_key);
+    prefetch_rows(key_cache, table, k0, k1, block_size, num_kv_heads, h, D);
+    prefetch_rows(value_cache, table, k0, k1, block_size, num_kv_heads, h, D);
   };
-  for (int64_t b = first_block; b < end_block; ++b) {
-    prefetch(b + 1);  // (2, 4 and 8 blocks ahead, prefetcht2 or none measured no different)
-    const int64_t start = b * block_size;
-    const int64_t k0 = std::max(start, first_key), k1 = std::min(start + block_size, end_key);
+  for (int64_t c0 = first_chunk; c0 < end_key; c0 += chunk) {
+    const int64_t k0 = std::max(c0, first_key), k1 = std::min(c0 + chunk, end_key);
     for (int64_t h = item.kv_begin; h < item.kv_end; ++h) {
-      const Geometry geometry{block_size, num_kv_heads, head_size, h};
-      const BlockRows<T, NV> keys(key_cache, table[b], k0 - start, k1 - start, geometry, key_scratch);
-      const BlockRows<T, NV> values(value_cache, table[b], k0 - start, k1 - start, geometry,
-                                    value_scratch);
+      if (h + 1 < item.kv_end) prefetch(c0, h + 1);
+      else prefetch(c0 + chunk, item.kv_begin);
+      // The chunk's rows of head h: key_rows[k - k0] for k in [k0, k1).
+      for (int64_t k = k0; k < k1;) {
+        const int64_t block = table[k / block_size], offset = k % block_size;
+        const int64_t end = std::min(k1, k - offset + block_size);
+        for (int64_t slot = block * block_size + offset; k < end; ++k, ++slot) {
+          const int64_t i = k - k0, at = slot * slot_stride + h * D;
+          if (in_place) {
+            key_rows[i] = reinterpret_cast<const float*>(key_cache + at);
+            value_rows[i] = reinterpret_cast<const float*>(value_cache + at);
+          } else {
+            float key_scale = 1.0f, value_scale = 1.0f;
+            if constexpr (std::is_same_v<C, int8_t>) {
+              key_scale = batch.key_scales[slot * num_kv_heads + h];
+              value_scale = batch.value_scales[slot * num_kv_heads + h];
+            }
+            widen_row(key_cache + at, key_scratch.data() + i * W, D, W, key_scale);
+            widen_row(value_cache + at, value_scratch.data() + i * W, D, W, value_scale);
+            key_rows[i] = key_scratch.data() + i * W;
+            value_rows[i] = value_scratch.data() + i * W;
+          }
+        }
+      }
+      const float* const* keys = key_rows.data() - k0;  // keys[k] for k in [k0, k1)
+      const float* const* values = value_rows.data() - k0;
       for (int64_t j = 0; j < item.num_queries; ++j) {
         const int64_t a = std::max(lo[j], k0), e = std::min(hi[j], k1);
         if (a >= e) continue;
@@ -434,7 +532,7 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
           for (int v = 0; v < NV; ++v) q[v] = load16(queries.data() + r * W + v * 16);
           float* s = scores.data() - a;  // s[k] for k in [a, e)
           auto dot = [&](int64_t k) {
-            const float* key = keys.row(k - start);
+            const float* key = keys[k];
             f32x16 acc = q[0] * load16(key);
             for (int v = 1; v < NV; ++v) acc += q[v] * load16(key + v * 16);
             return acc;
@@ -452,20 +550,27 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
             const float slope = batch.slopes[h * group + g];
             for (k = a; k < e; ++k) s[k] += slope * static_cast<float>(k - position[j]);
           }
-          float block_max = s[a];
-          for (k = a + 1; k < e; ++k) block_max = std::max(block_max, s[k]);
+          f32x16 block_maxes = splat16(-std::numeric_limits<float>::infinity());
+          for (k = a; k + 16 <= e; k += 16) {
+            const f32x16 x = load16(s + k);
+            block_maxes = x > block_maxes ? x : block_maxes;
+          }
+          float block_max = -std::numeric_limits<float>::infinity();
+          for (int i = 0; i < 16; ++i) block_max = std::max(block_max, block_maxes[i]);
+          for (; k < e; ++k) block_max = std::max(block_max, s[k]);
           const float previous = maxes[r], max = std::max(previous, block_max);
-          // exp(previous - max) in [0, 1]; the first block's rescale multiplies zeros.
+          // exp(previous - max) in [0, 1]; the first chunk's rescale multiplies zeros.
           const float rescale =
               previous == max ? 1.0f : exp_nonpositive<float, int32_t>(previous - max);
           maxes[r] = max;
-          float sum = sums[r] * rescale;
+          f32x16 weight_sums{};
           k = a;
           for (; k + 16 <= e; k += 16) {  // the weights of 16 keys at once
             const f32x16 weights = exp_nonpositive<f32x16, i32x16>(load16(s + k) - max);
             store16(s + k, weights);
-            sum += horizontal_sum(weights);
+            weight_sums += weights;
           }
+          float sum = sums[r] * rescale + horizontal_sum(weight_sums);
           for (; k < e; ++k) {
             s[k] = exp_nonpositive<float, int32_t>(s[k] - max);
             sum += s[k];
@@ -474,7 +579,7 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
           f32x16 acc[NV];
           for (int v = 0; v < NV; ++v) acc[v] = load16(outputs.data() + r * W + v * 16) * rescale;
           for (k = a; k < e; ++k) {
-            const float* value = values.row(k - start);
+            const float* value = values[k];
             const f32x16 w = splat16(s[k]);
             for (int v = 0; v < NV; ++v) acc[v] += w * load16(value + v * 16);
           }
@@ -494,14 +599,14 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
     return;
   }
   // A row that sees no key (sum 0) is zeros.
-  T* out = static_cast<T*>(batch.out);
   for (int64_t h = item.kv_begin; h < item.kv_end; ++h)
     for (int64_t j = 0; j < item.num_queries; ++j) {
-      T* dst = out + ((seq_start + item.first_query + j) * num_heads + h * group) * D;
+      const int64_t dst = ((seq_start + item.first_query + j) * num_heads + h * group) * D;
       for (int64_t g = 0; g < group; ++g) {
         const int64_t r = (h - item.kv_begin) * head_rows + j * group + g;
         const float inverse = sums[r] > 0.0f ? 1.0f / sums[r] : 0.0f;
-        for (int64_t d = 0; d < D; ++d) dst[g * D + d] = from_float<T>(outputs[r * W + d] * inverse);
+        for (int64_t d = 0; d < D; ++d)
+          store_element(batch.out, batch.query_type, dst + g * D + d, outputs[r * W + d] * inverse);
       }
     }
 }

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -14,6 +14,7 @@ namespace attnexport {
 // 16 float32 lanes (one AVX-512 register, two AVX2 ones: the compiler splits it as needed).
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef float f32x16_unaligned __attribute__((vector_size(64), aligned(4)));
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
@@ -154,10 +155,31 @@ typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef _Float16 f16x16 __attribute__((vector_size(32), aligned(2)));
 
+typedef int8_t i8x16 __attribute__((vector_size(16), aligned(1)));
+
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+
 template <typename T>
 inline f32x16 load16_float(const T* p) {
   if constexpr (sizeof(T) == sizeof(float)) {
     return load16(reinterpret_cast<const float*>(p));
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    // g++ 12 converts an int8 vector lane by lane (movsbl, vpinsrd), hence vpmovsxbd by
+    // intrinsics (the maskz form: the plain one trips -Werror=maybe-uninitialized, as above).
+#if defined(__AVX512F__)
+    const i32x16 wide = reinterpret_cast<i32x16>(
+        _mm512_maskz_cvtepi8_epi32(0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+    const i32x8 low = reinterpret_cast<i32x8>(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    const i32x8 high = reinterpret_cast<i32x8>(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+    const i32x16 wide =
+        __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    const i32x16 wide = __builtin_convertvector(*reinterpret_cast<const i8x16*>(p), i32x16);
+#endif
+    return __builtin_convertvector(wide, f32x16);
   } else if constexpr (std::is_same_v<T, BFloat16>) {
     const u32x16 wide = __builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16) << 16;
     f32x16 v;
