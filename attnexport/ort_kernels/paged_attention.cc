@@ -389,10 +389,11 @@ OrtStatus* PagedAttention::run_all(OrtKernelContext* context, const Batch& batch
 namespace {
 
 // One cache row (D elements of C) as W float lanes, zero padded; an int8 row is dequantized
-// (float(q) * scale, the op contract's order, docs/ops.md).
+// (float(q) * scale, the op contract's order, docs/ops.md). For head sizes that are not a
+// whole number of 16-lane vectors (vector loads would run past the row).
 template <typename C>
 inline void widen_row(const C* src, float* dst, int64_t D, int64_t W, float scale) {
-  const int64_t whole = D / 16 * 16;  // vector loads stay inside the row
+  const int64_t whole = D / 16 * 16;
   int64_t d = 0;
   if constexpr (std::is_same_v<C, int8_t>) {
     const f32x16 scales = splat16(scale);
@@ -413,11 +414,145 @@ template <typename C>
 inline void prefetch_rows(const C* cache, const int32_t* table, int64_t k0, int64_t k1,
                           int64_t block_size, int64_t num_kv_heads, int64_t head, int64_t D) {
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C));
-  for (int64_t k = k0; k < k1; ++k) {
+  const int64_t slot_bytes = num_kv_heads * row_bytes;
+  for (int64_t k = k0; k < k1;) {
+    const int64_t offset = k % block_size, end = std::min(k1, k - offset + block_size);
     const char* row = reinterpret_cast<const char*>(
-        cache + ((table[k / block_size] * block_size + k % block_size) * num_kv_heads + head) * D);
-    for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(row + offset, 0, 3);
+        cache + ((table[k / block_size] * block_size + offset) * num_kv_heads + head) * D);
+    for (; k < end; ++k, row += slot_bytes)
+      for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(row + at, 0, 3);
   }
+}
+
+// HG query rows (heads of one KV head's group, one query token) against keys [a, e) of one
+// chunk: their scores, the online softmax update and the weighted values.
+struct RowStep {
+  const float* queries;  // HG rows of W lanes, scaled and zero padded
+  float* outputs;        // HG rows of W lanes: the unnormalised running output
+  float* maxes;          // HG running maxima
+  float* sums;           // HG running sums
+  float* scores;         // HG rows of `score_stride` floats (scratch)
+  int64_t score_stride;
+  int64_t a, e, k0;            // keys [a, e) of the chunk starting at key k0
+  const void* const* keys;     // keys[k - k0]: the row of key k (R elements, see step_rows)
+  const void* const* values;
+  const float* key_scales;     // int8 rows: key_scales[k - k0], else null
+  const float* value_scales;
+  float soft_cap;
+  const float* slopes;  // HG ALiBi slopes, or null
+  int64_t position;     // of the query token
+};
+
+// Query rows of a group that share each loaded key and value vector: their queries (HG * NV
+// vectors) and value accumulators stay in registers up to 16 vectors of each.
+constexpr int rows_per_step(int NV) { return NV <= 4 ? 4 : NV <= 8 ? 2 : 1; }
+
+// The rows hold R elements (the cache's own type read in place, or float rows widened into
+// scratch). Each key and value vector is loaded and widened once for the HG rows, which take
+// it from a register: widening a cache of 16-bit or int8 rows into a float copy first cost as
+// much as the attention's multiply-adds (docs/benchmarks.md). int8 scales are applied to the
+// scores (keys) and to the softmax weights (values), not per element.
+template <typename R, int NV, int HG>
+void step_rows(const RowStep& p) {
+  constexpr int64_t W = NV * 16;
+  const R* const* keys = reinterpret_cast<const R* const*>(p.keys) - p.k0;
+  const R* const* values = reinterpret_cast<const R* const*>(p.values) - p.k0;
+  float* s[HG];
+  for (int g = 0; g < HG; ++g) s[g] = p.scores + g * p.score_stride - p.a;  // s[g][k], k in [a, e)
+  f32x16 q[HG][NV];  // (loaded once: the stores below may alias p.queries for the compiler)
+  for (int g = 0; g < HG; ++g)
+    for (int v = 0; v < NV; ++v) q[g][v] = load16(p.queries + g * W + v * 16);
+  auto dot = [&](const R* key, f32x16 (&acc)[HG]) {
+    const f32x16 x = load16_float(key);
+    for (int g = 0; g < HG; ++g) acc[g] = q[g][0] * x;
+    for (int v = 1; v < NV; ++v) {
+      const f32x16 y = load16_float(key + v * 16);
+      for (int g = 0; g < HG; ++g) acc[g] += q[g][v] * y;
+    }
+  };
+  int64_t k = p.a;
+  for (; k + 16 <= p.e; k += 16) {  // 16 keys' products, summed together
+    f32x16 products[HG][16];
+    for (int i = 0; i < 16; ++i) {
+      f32x16 acc[HG];
+      dot(keys[k + i], acc);
+      for (int g = 0; g < HG; ++g) products[g][i] = acc[g];
+    }
+    for (int g = 0; g < HG; ++g) store16(s[g] + k, horizontal_sums16(products[g]));
+  }
+  for (; k < p.e; ++k) {
+    f32x16 acc[HG];
+    dot(keys[k], acc);
+    for (int g = 0; g < HG; ++g) s[g][k] = horizontal_sum(acc[g]);
+  }
+
+  float rescale[HG];
+  for (int g = 0; g < HG; ++g) {
+    float* sg = s[g];
+    if (p.key_scales != nullptr) {
+      const float* scales = p.key_scales - p.k0;
+      for (k = p.a; k < p.e; ++k) sg[k] *= scales[k];
+    }
+    if (p.soft_cap > 0.0f)
+      for (k = p.a; k < p.e; ++k) sg[k] = p.soft_cap * std::tanh(sg[k] / p.soft_cap);
+    if (p.slopes != nullptr)
+      for (k = p.a; k < p.e; ++k) sg[k] += p.slopes[g] * static_cast<float>(k - p.position);
+    f32x16 maxes = splat16(-std::numeric_limits<float>::infinity());
+    for (k = p.a; k + 16 <= p.e; k += 16) {
+      const f32x16 x = load16(sg + k);
+      maxes = x > maxes ? x : maxes;
+    }
+    float chunk_max = -std::numeric_limits<float>::infinity();
+    for (int i = 0; i < 16; ++i) chunk_max = std::max(chunk_max, maxes[i]);
+    for (; k < p.e; ++k) chunk_max = std::max(chunk_max, sg[k]);
+    const float previous = p.maxes[g], max = std::max(previous, chunk_max);
+    // exp(previous - max) in [0, 1]; the first chunk's rescale multiplies zeros.
+    rescale[g] = previous == max ? 1.0f : exp_nonpositive<float, int32_t>(previous - max);
+    p.maxes[g] = max;
+    f32x16 weight_sums{};
+    for (k = p.a; k + 16 <= p.e; k += 16) {  // the weights of 16 keys at once
+      const f32x16 weights = exp_nonpositive<f32x16, i32x16>(load16(sg + k) - max);
+      store16(sg + k, weights);
+      weight_sums += weights;
+    }
+    float sum = p.sums[g] * rescale[g] + horizontal_sum(weight_sums);
+    for (; k < p.e; ++k) {
+      sg[k] = exp_nonpositive<float, int32_t>(sg[k] - max);
+      sum += sg[k];
+    }
+    p.sums[g] = sum;
+    if (p.value_scales != nullptr) {
+      const float* scales = p.value_scales - p.k0;
+      for (k = p.a; k < p.e; ++k) sg[k] *= scales[k];
+    }
+  }
+
+  f32x16 acc[HG][NV];
+  for (int g = 0; g < HG; ++g)
+    for (int v = 0; v < NV; ++v) acc[g][v] = load16(p.outputs + g * W + v * 16) * rescale[g];
+  for (k = p.a; k < p.e; ++k) {
+    const R* value = values[k];
+    f32x16 w[HG];
+    for (int g = 0; g < HG; ++g) w[g] = splat16(s[g][k]);
+    for (int v = 0; v < NV; ++v) {
+      const f32x16 x = load16_float(value + v * 16);
+      for (int g = 0; g < HG; ++g) acc[g][v] += w[g] * x;
+    }
+  }
+  for (int g = 0; g < HG; ++g)
+    for (int v = 0; v < NV; ++v) store16(p.outputs + g * W + v * 16, acc[g][v]);
+}
+
+template <typename R, int NV>
+void step_rows(const RowStep& p, int64_t rows) {
+  constexpr int most = rows_per_step(NV);
+  if constexpr (most >= 4)
+    if (rows >= 4) return step_rows<R, NV, 4>(p);
+  if constexpr (most >= 3)
+    if (rows == 3) return step_rows<R, NV, 3>(p);
+  if constexpr (most >= 2)
+    if (rows >= 2) return step_rows<R, NV, 2>(p);
+  return step_rows<R, NV, 1>(p);
 }
 
 }  // namespace
@@ -425,10 +560,9 @@ inline void prefetch_rows(const C* cache, const int32_t* table, int64_t k0, int6
 template <typename C, int NV>
 void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
   constexpr int64_t W = NV * 16;  // padded row width
-  // float32 rows whose head size fills whole vectors are read in place; others are widened
-  // (and int8 ones dequantized) into scratch rows once per chunk and KV head, then read by
-  // every query of the item and head of the group.
-  const bool in_place = std::is_same_v<C, float> && head_size == W;
+  // Rows whose head size fills whole vectors are read in place (in the cache's type); others
+  // are widened (int8 ones dequantized) into float scratch rows once per chunk and KV head.
+  const bool in_place = head_size == W;
   const int64_t group = num_heads / num_kv_heads, D = head_size;
   const int64_t length = batch.seq_lens[item.seq];
   const int64_t seq_start = batch.query_start[item.seq];
@@ -456,8 +590,9 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
 
   // Row r = (h - kv_begin) * head_rows + j * group + g is head h * group + g of token
   // seq_start + first + j (the G heads of a token are adjacent), scaled, zero padded to W.
-  thread_local std::vector<float> queries, outputs, maxes, sums, scores, key_scratch, value_scratch;
-  thread_local std::vector<const float*> key_rows, value_rows;
+  thread_local std::vector<float> queries, outputs, maxes, sums, scores, key_scratch,
+      value_scratch, key_scales, value_scales;
+  thread_local std::vector<const void*> key_rows, value_rows;
   queries.assign(rows * W, 0.0f);
   for (int64_t h = item.kv_begin; h < item.kv_end; ++h)
     for (int64_t j = 0; j < item.num_queries; ++j) {
@@ -475,13 +610,25 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
   maxes.assign(rows, -std::numeric_limits<float>::infinity());
   sums.assign(rows, 0.0f);
   const int64_t chunk = std::max<int64_t>(1, kChunkKeys / block_size) * block_size;
-  scores.resize(chunk + 16);
+  constexpr int64_t step = rows_per_step(NV);
+  scores.resize(step * (chunk + 16));
   key_rows.resize(chunk);
   value_rows.resize(chunk);
+  constexpr bool int8 = std::is_same_v<C, int8_t>;
+  if (int8 && in_place) {
+    key_scales.resize(chunk);
+    value_scales.resize(chunk);
+  }
   if (!in_place) {
     key_scratch.resize(chunk * W);
     value_scratch.resize(chunk * W);
   }
+
+  float* const query_rows = queries.data();
+  float* const output_rows = outputs.data();
+  float* const row_maxes = maxes.data();
+  float* const row_sums = sums.data();
+  float* const score_rows = scores.data();
 
   const C* key_cache = static_cast<const C*>(batch.key_cache);
   const C* value_cache = static_cast<const C*>(batch.value_cache);
@@ -499,91 +646,63 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
     for (int64_t h = item.kv_begin; h < item.kv_end; ++h) {
       if (h + 1 < item.kv_end) prefetch(c0, h + 1);
       else prefetch(c0 + chunk, item.kv_begin);
-      // The chunk's rows of head h: key_rows[k - k0] for k in [k0, k1).
+      // The chunk's rows of head h: key_rows[k - k0] for k in [k0, k1). (Raw pointers: each
+      // use of a thread_local costs a __tls_get_addr call in a shared library.)
+      const void** key_row = key_rows.data();
+      const void** value_row = value_rows.data();
+      float* key_scale_row = key_scales.data();
+      float* value_scale_row = value_scales.data();
+      float* key_widened = key_scratch.data();
+      float* value_widened = value_scratch.data();
       for (int64_t k = k0; k < k1;) {
         const int64_t block = table[k / block_size], offset = k % block_size;
         const int64_t end = std::min(k1, k - offset + block_size);
         for (int64_t slot = block * block_size + offset; k < end; ++k, ++slot) {
           const int64_t i = k - k0, at = slot * slot_stride + h * D;
+          float key_scale = 1.0f, value_scale = 1.0f;
+          if constexpr (int8) {
+            key_scale = batch.key_scales[slot * num_kv_heads + h];
+            value_scale = batch.value_scales[slot * num_kv_heads + h];
+          }
           if (in_place) {
-            key_rows[i] = reinterpret_cast<const float*>(key_cache + at);
-            value_rows[i] = reinterpret_cast<const float*>(value_cache + at);
-          } else {
-            float key_scale = 1.0f, value_scale = 1.0f;
-            if constexpr (std::is_same_v<C, int8_t>) {
-              key_scale = batch.key_scales[slot * num_kv_heads + h];
-              value_scale = batch.value_scales[slot * num_kv_heads + h];
+            key_row[i] = key_cache + at;
+            value_row[i] = value_cache + at;
+            if constexpr (int8) {
+              key_scale_row[i] = key_scale;
+              value_scale_row[i] = value_scale;
             }
-            widen_row(key_cache + at, key_scratch.data() + i * W, D, W, key_scale);
-            widen_row(value_cache + at, value_scratch.data() + i * W, D, W, value_scale);
-            key_rows[i] = key_scratch.data() + i * W;
-            value_rows[i] = value_scratch.data() + i * W;
+          } else {
+            widen_row(key_cache + at, key_widened + i * W, D, W, key_scale);
+            widen_row(value_cache + at, value_widened + i * W, D, W, value_scale);
+            key_row[i] = key_widened + i * W;
+            value_row[i] = value_widened + i * W;
           }
         }
       }
-      const float* const* keys = key_rows.data() - k0;  // keys[k] for k in [k0, k1)
-      const float* const* values = value_rows.data() - k0;
       for (int64_t j = 0; j < item.num_queries; ++j) {
         const int64_t a = std::max(lo[j], k0), e = std::min(hi[j], k1);
         if (a >= e) continue;
-        for (int64_t g = 0; g < group; ++g) {
+        for (int64_t g = 0; g < group; g += step) {
           const int64_t r = (h - item.kv_begin) * head_rows + j * group + g;
-          f32x16 q[NV];
-          for (int v = 0; v < NV; ++v) q[v] = load16(queries.data() + r * W + v * 16);
-          float* s = scores.data() - a;  // s[k] for k in [a, e)
-          auto dot = [&](int64_t k) {
-            const float* key = keys[k];
-            f32x16 acc = q[0] * load16(key);
-            for (int v = 1; v < NV; ++v) acc += q[v] * load16(key + v * 16);
-            return acc;
-          };
-          int64_t k = a;
-          for (; k + 16 <= e; k += 16) {  // 16 keys' products, summed together
-            f32x16 products[16];
-            for (int i = 0; i < 16; ++i) products[i] = dot(k + i);
-            store16(s + k, horizontal_sums16(products));
-          }
-          for (; k < e; ++k) s[k] = horizontal_sum(dot(k));
-          if (soft_cap > 0.0f)
-            for (k = a; k < e; ++k) s[k] = soft_cap * std::tanh(s[k] / soft_cap);
-          if (!batch.slopes.empty()) {
-            const float slope = batch.slopes[h * group + g];
-            for (k = a; k < e; ++k) s[k] += slope * static_cast<float>(k - position[j]);
-          }
-          f32x16 block_maxes = splat16(-std::numeric_limits<float>::infinity());
-          for (k = a; k + 16 <= e; k += 16) {
-            const f32x16 x = load16(s + k);
-            block_maxes = x > block_maxes ? x : block_maxes;
-          }
-          float block_max = -std::numeric_limits<float>::infinity();
-          for (int i = 0; i < 16; ++i) block_max = std::max(block_max, block_maxes[i]);
-          for (; k < e; ++k) block_max = std::max(block_max, s[k]);
-          const float previous = maxes[r], max = std::max(previous, block_max);
-          // exp(previous - max) in [0, 1]; the first chunk's rescale multiplies zeros.
-          const float rescale =
-              previous == max ? 1.0f : exp_nonpositive<float, int32_t>(previous - max);
-          maxes[r] = max;
-          f32x16 weight_sums{};
-          k = a;
-          for (; k + 16 <= e; k += 16) {  // the weights of 16 keys at once
-            const f32x16 weights = exp_nonpositive<f32x16, i32x16>(load16(s + k) - max);
-            store16(s + k, weights);
-            weight_sums += weights;
-          }
-          float sum = sums[r] * rescale + horizontal_sum(weight_sums);
-          for (; k < e; ++k) {
-            s[k] = exp_nonpositive<float, int32_t>(s[k] - max);
-            sum += s[k];
-          }
-          sums[r] = sum;
-          f32x16 acc[NV];
-          for (int v = 0; v < NV; ++v) acc[v] = load16(outputs.data() + r * W + v * 16) * rescale;
-          for (k = a; k < e; ++k) {
-            const float* value = values[k];
-            const f32x16 w = splat16(s[k]);
-            for (int v = 0; v < NV; ++v) acc[v] += w * load16(value + v * 16);
-          }
-          for (int v = 0; v < NV; ++v) store16(outputs.data() + r * W + v * 16, acc[v]);
+          const RowStep rows_step{query_rows + r * W,
+                                  output_rows + r * W,
+                                  row_maxes + r,
+                                  row_sums + r,
+                                  score_rows,
+                                  chunk + 16,
+                                  a,
+                                  e,
+                                  k0,
+                                  key_row,
+                                  value_row,
+                                  int8 && in_place ? key_scale_row : nullptr,
+                                  int8 && in_place ? value_scale_row : nullptr,
+                             soft_cap,
+                             batch.slopes.empty() ? nullptr : batch.slopes.data() + h * group + g,
+                             position[j]};
+          const int64_t count = std::min(step, group - g);
+          if (in_place) step_rows<C, NV>(rows_step, count);
+          else step_rows<float, NV>(rows_step, count);
         }
       }
     }
