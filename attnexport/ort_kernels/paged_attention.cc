@@ -37,6 +37,12 @@ constexpr int64_t kMinSplitBlocks = 16;
 // (per block they cost the 12/4/64 float32 decode 0.6-0.75x of the two-pass kernel), while a
 // chunk's key and value rows of one head still sit in L2 between its scores and its values.
 constexpr int64_t kChunkKeys = 128;
+constexpr int64_t kChunkBytes = 256 << 10;
+// A decode batch whose cache rows take more than this many bytes comes from memory: its items
+// then take every KV head of a sequence (the rows of a slot are adjacent, so a chunk is read
+// as whole blocks, where one head's rows lie one per slot, each on its own page for large
+// heads); a smaller one, read from the caches, is parallel over KV heads.
+constexpr int64_t kStreamBytes = 8 << 20;
 constexpr ONNXTensorElementDataType kFloat32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr ONNXTensorElementDataType kFloat16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 constexpr ONNXTensorElementDataType kBFloat16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
@@ -247,6 +253,7 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
 
   std::vector<WorkItem> items;
   std::vector<Split> splits_;
+  std::vector<int64_t> decode_seqs;
   int64_t partial_slots = 0;
   int64_t previous_end = batch.query_start[0];
   if (previous_end < 0 || previous_end > tokens)
@@ -279,23 +286,7 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
                        " is not a block id in [0, " + std::to_string(num_blocks) + ")");
     batch.multiply_adds += 2 * (end - begin) * length * num_heads * head_size;
     if (end - begin == 1) {
-      // A decode query: one item per KV head, and a long context of a small batch split across
-      // the thread pool (a partial softmax per split, combined afterwards).
-      const int64_t blocks = (length + block_size - 1) / block_size;
-      const int64_t splits = std::clamp<int64_t>(
-          std::min(kSplitTarget / std::max<int64_t>(num_seqs * num_kv_heads, 1),
-                   blocks / kMinSplitBlocks),
-          1, kSplitTarget);
-      if (splits == 1) {
-        for (int64_t h = 0; h < num_kv_heads; ++h)
-          items.push_back({s, h, h + 1, 0, 1, 0, blocks, -1});
-      } else {
-        splits_.push_back({s, partial_slots, splits});
-        for (int64_t i = 0; i < splits; ++i, ++partial_slots)
-          for (int64_t h = 0; h < num_kv_heads; ++h)
-            items.push_back({s, h, h + 1, 0, 1, blocks * i / splits, blocks * (i + 1) / splits,
-                             partial_slots});
-      }
+      decode_seqs.push_back(s);
     } else {
       for (int64_t first = 0; first < end - begin; first += kQueryTile)
         for (int64_t h = 0; h < num_kv_heads; ++h)
@@ -303,6 +294,31 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
                            max_blocks, -1});
     }
     previous_end = end;
+  }
+
+  // Decode queries: one item per KV head (or per sequence, see kStreamBytes), and a long
+  // context of a small batch split across the thread pool (a partial softmax per split,
+  // combined afterwards).
+  int64_t decode_keys = 0;
+  for (int64_t s : decode_seqs) decode_keys += batch.seq_lens[s];
+  const int64_t row_bytes = num_kv_heads * head_size *
+                            static_cast<int64_t>(cache_type == kInt8 ? 1 : element_size(cache_type));
+  const bool streams = 2 * decode_keys * row_bytes > kStreamBytes;
+  const int64_t head_items = streams ? 1 : num_kv_heads;  // items per sequence (and split)
+  const int64_t per_item = num_kv_heads / head_items;
+  for (int64_t s : decode_seqs) {
+    const int64_t blocks = (batch.seq_lens[s] + block_size - 1) / block_size;
+    const int64_t splits = std::clamp<int64_t>(
+        std::min(kSplitTarget / std::max<int64_t>(static_cast<int64_t>(decode_seqs.size()) * head_items, 1),
+                 blocks / kMinSplitBlocks),
+        1, kSplitTarget);
+    if (splits > 1) splits_.push_back({s, partial_slots, splits});
+    for (int64_t i = 0; i < splits; ++i) {
+      for (int64_t h = 0; h < num_kv_heads; h += per_item)
+        items.push_back({s, h, h + per_item, 0, 1, blocks * i / splits, blocks * (i + 1) / splits,
+                         splits > 1 ? partial_slots : -1});
+      if (splits > 1) ++partial_slots;
+    }
   }
 
   if (previous_end != tokens)
@@ -410,11 +426,13 @@ inline void widen_row(const C* src, float* dst, int64_t D, int64_t W, float scal
 // level). A decode step's rows come from memory (the weights evicted them), one row per slot of
 // num_kv_heads rows, each slot on its own page for large heads, where the hardware prefetcher
 // does not follow: asking for the next chunk ahead keeps its rows in flight.
+// Rows of KV heads [head, head + heads): adjacent in a slot.
 template <typename C>
 inline void prefetch_rows(const C* cache, const int32_t* table, int64_t k0, int64_t k1,
-                          int64_t block_size, int64_t num_kv_heads, int64_t head, int64_t D) {
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C));
-  const int64_t slot_bytes = num_kv_heads * row_bytes;
+                          int64_t block_size, int64_t num_kv_heads, int64_t head, int64_t heads,
+                          int64_t D) {
+  const int64_t row_bytes = heads * D * static_cast<int64_t>(sizeof(C));
+  const int64_t slot_bytes = num_kv_heads * D * static_cast<int64_t>(sizeof(C));
   for (int64_t k = k0; k < k1;) {
     const int64_t offset = k % block_size, end = std::min(k1, k - offset + block_size);
     const char* row = reinterpret_cast<const char*>(
@@ -609,7 +627,10 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
   outputs.assign(rows * W, 0.0f);
   maxes.assign(rows, -std::numeric_limits<float>::infinity());
   sums.assign(rows, 0.0f);
-  const int64_t chunk = std::max<int64_t>(1, kChunkKeys / block_size) * block_size;
+  // A chunk's rows of all the item's heads stay within kChunkBytes (L2) until they are read.
+  const int64_t row_pair_bytes = 2 * heads * D * static_cast<int64_t>(sizeof(C));
+  const int64_t chunk_keys = std::min(kChunkKeys, kChunkBytes / row_pair_bytes);
+  const int64_t chunk = std::max<int64_t>(1, chunk_keys / block_size) * block_size;
   constexpr int64_t step = rows_per_step(NV);
   scores.resize(step * (chunk + 16));
   key_rows.resize(chunk);
@@ -635,17 +656,17 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
   const int64_t slot_stride = num_kv_heads * D;
   // Chunks start at block boundaries: [c0, c1) with c0 a multiple of block_size.
   const int64_t first_chunk = first_key / block_size * block_size;
-  auto prefetch = [&](int64_t c0, int64_t h) {  // the rows of chunk c0, head h
+  // While a chunk is read, the next one's rows (of all the item's heads) are asked for.
+  auto prefetch = [&](int64_t c0) {
     if (c0 >= end_key) return;
     const int64_t k0 = std::max(c0, first_key), k1 = std::min(c0 + chunk, end_key);
-    prefetch_rows(key_cache, table, k0, k1, block_size, num_kv_heads, h, D);
-    prefetch_rows(value_cache, table, k0, k1, block_size, num_kv_heads, h, D);
+    prefetch_rows(key_cache, table, k0, k1, block_size, num_kv_heads, item.kv_begin, heads, D);
+    prefetch_rows(value_cache, table, k0, k1, block_size, num_kv_heads, item.kv_begin, heads, D);
   };
   for (int64_t c0 = first_chunk; c0 < end_key; c0 += chunk) {
     const int64_t k0 = std::max(c0, first_key), k1 = std::min(c0 + chunk, end_key);
+    prefetch(c0 + chunk);
     for (int64_t h = item.kv_begin; h < item.kv_end; ++h) {
-      if (h + 1 < item.kv_end) prefetch(c0, h + 1);
-      else prefetch(c0 + chunk, item.kv_begin);
       // The chunk's rows of head h: key_rows[k - k0] for k in [k0, k1). (Raw pointers: each
       // use of a thread_local costs a __tls_get_addr call in a shared library.)
       const void** key_row = key_rows.data();

@@ -181,7 +181,14 @@ inline f32x16 load16_float(const T* p) {
 #endif
     return __builtin_convertvector(wide, f32x16);
   } else if constexpr (std::is_same_v<T, BFloat16>) {
+    // (g++ 12 widens a u16x16 as two 8-lane halves and an insert: vpmovzxwd zmm here)
+#if defined(__AVX512F__)
+    const u32x16 wide = reinterpret_cast<u32x16>(_mm512_maskz_cvtepu16_epi32(
+                            0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))))
+                        << 16;
+#else
     const u32x16 wide = __builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16) << 16;
+#endif
     f32x16 v;
     std::memcpy(&v, &wide, sizeof v);
     return v;

@@ -303,6 +303,11 @@ ATTENTION_CASES = [
     LONG.with_(alibi=True, num_heads=12, num_kv_heads=4),
     LONG.with_(sliding_window=300, head_size=40, logits_soft_cap=5.0),
     LONG.with_(num_heads=8, num_kv_heads=1, causal=False, block_size=8),
+    # past the kernel's kStreamBytes (8 MiB of decode rows, int8 included): one item per
+    # sequence (split) reads every KV head of its chunks
+    AttentionCase(
+        "stream", (1, 1, 1), (9000, 5000, 300), num_heads=8, num_kv_heads=4, head_size=128
+    ).with_(alibi=True, logits_soft_cap=30.0),
 ]
 QUERY_CACHE_DTYPES = [
     (torch.float32, torch.int8),
