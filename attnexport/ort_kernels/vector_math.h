@@ -21,7 +21,8 @@ typedef float f32x4 __attribute__((vector_size(16)));
 
 inline f32x16 load16(const float* p) { return *reinterpret_cast<const f32x16_unaligned*>(p); }
 inline void store16(float* p, f32x16 v) { *reinterpret_cast<f32x16_unaligned*>(p) = v; }
-inline f32x16 splat16(float x) { return f32x16{} + x; }
+// (Not f32x16{} + x: without -ffast-math that is an addition of 0, for x = -0.)
+inline f32x16 splat16(float x) { return f32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 inline float horizontal_sum(f32x16 v) {
   f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
