@@ -11,8 +11,10 @@ bandwidth of ``torch.sum`` over a 1 GiB float32 array on the same threads, measu
 run. ``--library`` names further builds of the kernel library (e.g. a baseline copy): each
 configuration then runs every library in turn, round by round; the table shows each library's
 best round and, per other library, the median over rounds of its time over this tree's in the
-same round (a ratio taken under the same machine load). A library that cannot run a
-configuration (an older build and an int8 cache) shows "-".
+same round (a ratio taken under the same machine load). The cache dtypes of one geometry, batch
+and context run in the same rounds too: "float32 cache / this" is the median ratio of the
+float32 cache's time to this dtype's (> 1: the cache is faster per token than float32). A
+library that cannot run a configuration (an older build and an int8 cache) shows "-".
 
     python benchmarks/ort_paged_attention_bandwidth.py [--threads 2] [--library base.so ...]
 """
@@ -80,10 +82,9 @@ def _inputs(heads, kv_heads, head_size, batch, context, dtype, query_dtype):
     return inputs
 
 
-def measure(config, libraries: list[Path], threads: int, turns: int = 5) -> list[list[float]]:
-    """Seconds per call of each library in each of ``turns`` rounds (the libraries run in
-    turn within a round) for one (geometry, batch, context, dtype, query dtype); a library that
-    refuses the configuration gets NaN."""
+def _steps(config, libraries: list[Path], threads: int) -> list:
+    """One bound step per library for (geometry, batch, context, dtype, query dtype); None
+    where a library refuses the configuration (an older build and an int8 cache)."""
     import onnxruntime as ort
 
     heads, kv_heads, head_size, batch, context, dtype, query_dtype = config
@@ -111,24 +112,42 @@ def measure(config, libraries: list[Path], threads: int, turns: int = 5) -> list
         except Exception:  # an older build refuses the dtype: no measurement
             step = None
         steps.append(step)
-    first = next((s for s in steps if s is not None), None)
-    if first is None:
-        return [[math.nan] for _ in steps]
-    start = time.perf_counter()
-    first.session.run_with_iobinding(first.binding)
-    runs = max(3, min(50, int(0.05 / max(time.perf_counter() - start, 1e-6))))
-    times: list[list[float]] = [[] for _ in steps]
+    return steps
+
+
+def measure(
+    configs, libraries: list[Path], threads: int, turns: int = 5
+) -> list[list[list[float]]]:
+    """Seconds per call of each library for each configuration in each of ``turns`` rounds:
+    ``times[config][library][round]`` (NaN where a library refuses the configuration). Every
+    configuration and library runs once per round, so that ratios between them are taken
+    under the same machine load."""
+    steps = [_steps(config, libraries, threads) for config in configs]
+    runs = []
+    for row in steps:
+        first = next((s for s in row if s is not None), None)
+        start = time.perf_counter()
+        if first is not None:
+            first.session.run_with_iobinding(first.binding)
+        runs.append(max(3, min(50, int(0.05 / max(time.perf_counter() - start, 1e-6)))))
+    times = [[[] for _ in libraries] for _ in configs]
     for _ in range(turns):
-        for i, step in enumerate(steps):
-            if step is None:
-                times[i].append(math.nan)
-                continue
-            step.session.run_with_iobinding(step.binding)
-            start = time.perf_counter()
-            for _ in range(runs):
+        for c, row in enumerate(steps):
+            for i, step in enumerate(row):
+                if step is None:
+                    times[c][i].append(math.nan)
+                    continue
                 step.session.run_with_iobinding(step.binding)
-            times[i].append((time.perf_counter() - start) / runs)
+                start = time.perf_counter()
+                for _ in range(runs[c]):
+                    step.session.run_with_iobinding(step.binding)
+                times[c][i].append((time.perf_counter() - start) / runs[c])
     return times
+
+
+def _median_ratio(numerator: list[float], denominator: list[float]) -> str:
+    ratio = statistics.median(n / d for n, d in zip(numerator, denominator, strict=True))
+    return "-" if math.isnan(ratio) else f"{ratio:.2f}"
 
 
 def _cell(seconds: float, read: int, bandwidth: float) -> str:
@@ -178,28 +197,34 @@ def main() -> None:
         f"{n} ms | {n} GB/s (of read)" for n in names
     )
     ratios = [f"{n} / this tree" for n in names[1:]]
+    per_token = "float32" in args.dtypes
+    if per_token:
+        ratios.append("float32 cache / this (per token)")
     print(header + "".join(f" | {r}" for r in ratios) + " |")
     print("|---" * (5 + 2 * len(names) + len(ratios)) + "|")
     for heads, kv_heads, head_size in (map(int, g.split("/")) for g in args.geometries):
         for batch in args.batches:
             for context in args.contexts:
+                configs = []
                 for name in args.dtypes:
                     dtype = DTYPES[name]
                     same = args.query_dtype == "same" and dtype.is_floating_point
                     query_dtype = dtype if same else torch.float32
-                    config = (heads, kv_heads, head_size, batch, context, dtype, query_dtype)
-                    times = measure(config, libraries, args.threads, args.turns)
+                    configs.append((heads, kv_heads, head_size, batch, context, dtype, query_dtype))
+                times = measure(configs, libraries, args.threads, args.turns)
+                float32_times = times[args.dtypes.index("float32")][0] if per_token else None
+                for name, config, row_times in zip(args.dtypes, configs, times, strict=True):
+                    dtype, query_dtype = config[5], config[6]
                     size = dtype.itemsize + (4 / head_size if dtype == torch.int8 else 0)
                     read = round(2 * batch * context * kv_heads * head_size * size)
-                    cells = [_cell(min(t), read, bandwidth) for t in times]
+                    cells = [_cell(min(t), read, bandwidth) for t in row_times]
                     query_name = str(query_dtype).removeprefix("torch.")
                     row = f"| {heads}/{kv_heads}/{head_size} | {query_name} | {name} | {batch} | "
                     row += f"{context} | " + " | ".join(cells)
-                    for other in times[1:]:
-                        ratio = statistics.median(
-                            o / t for o, t in zip(other, times[0], strict=True)
-                        )
-                        row += " | -" if math.isnan(ratio) else f" | {ratio:.2f}"
+                    for other in row_times[1:]:
+                        row += f" | {_median_ratio(other, row_times[0])}"
+                    if per_token:
+                        row += f" | {_median_ratio(float32_times, row_times[0])}"
                     print(row + " |", flush=True)
 
 

@@ -2,9 +2,11 @@
 
 Stock onnxruntime runs an attnexport node through its standard-op function body. Registering
 this library with a session replaces the bodies of ``PagedAttention``, ``ReshapeAndCache`` and
-``NeoxRotaryEmbedding`` by C++ kernels (float32, float16, bfloat16 on the CPU execution provider):
-attention reads the key and value rows where they lie in the paged cache instead of gathering
-them into a padded batch first, and the rotation is one node instead of seven. Nodes the
+``NeoxRotaryEmbedding`` by C++ kernels (float32, float16, bfloat16 on the CPU execution provider;
+the KV caches may be float32, float16, bfloat16 or int8 with float32 scale caches, whatever the
+activations' dtype): attention reads the key and value rows where they lie in the paged cache
+instead of gathering them into a padded batch first, and the rotation is one node instead of
+seven. Nodes the
 kernels do not cover (``VarlenAttention``, nodes placed on another execution provider) keep
 their bodies. ``scripts/build_ort_kernels.sh`` (run by ``make``) builds the library next to
 this file.
