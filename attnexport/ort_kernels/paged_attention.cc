@@ -475,9 +475,9 @@ constexpr int value_block(int NV, int HG) {
 
 // The rows hold R elements (the cache's own type read in place, or float rows widened into
 // scratch). Each key and value vector is loaded and widened once for the HG rows, which take
-// it from a register: widening a cache of 16-bit or int8 rows into a float copy first cost as
-// much as the attention's multiply-adds (docs/benchmarks.md). int8 scales are applied to the
-// scores (keys) and to the softmax weights (values), not per element.
+// it from a register: widening 16-bit or int8 rows into a float copy first took about as many
+// instructions as the attention's multiply-adds. int8 scales are applied to the scores (keys)
+// and to the softmax weights (values), not per element.
 template <typename R, int NV, int HG>
 void step_rows(const RowStep& p) {
   constexpr int64_t W = NV * 16;
