@@ -3,10 +3,12 @@
 Stock onnxruntime runs an attnexport node through its standard-op function body. Registering
 this library with a session replaces the bodies of ``PagedAttention``, ``ReshapeAndCache``,
 ``NeoxRotaryEmbedding``, ``NeoxQKVRotaryEmbedding``, ``SiluAndMul`` and ``FusedAddRMSNorm`` by
-C++ kernels (float32, float16, bfloat16 on the CPU execution provider): attention reads the key
-and value rows where they lie in the paged cache instead of gathering them into a padded batch
-first, and the rotation is one node instead of seven. Nodes the kernels do not cover
-(``VarlenAttention``, nodes placed on another execution provider) keep their bodies.
+C++ kernels (float32, float16, bfloat16 activations on the CPU execution provider; the KV caches
+may be float32, float16, bfloat16 or int8 with float32 scale caches, whatever the activations'
+dtype): attention reads the key and value rows where they lie in the paged cache instead of
+gathering them into a padded batch first, and the rotation is one node instead of seven. Nodes
+the kernels do not cover (``VarlenAttention``, nodes placed on another execution provider) keep
+their bodies.
 
 The package build (``pip install``, ``pip wheel``, ``python -m build``; ``make`` in a checkout)
 compiles the library next to this file with ``scripts/build_ort_kernels.sh``, for every x86-64
@@ -29,11 +31,9 @@ from attnexport.errors import UserError
 
 LIBRARY = Path(__file__).with_name("libattnexport_ort.so")
 """The library sessions register (it loads the variant this CPU runs, beside it)."""
-NATIVE_CACHE_DTYPES: tuple[str, ...] = ()
-"""KV cache dtypes (torch names) the kernels run under activations of another dtype (the
-scale-cache inputs of int8 included). Caches of the activations' dtype always run; models with
-other cache dtypes run their bodies (``OrtExecutor(kernels="auto")``) until a built library
-takes them: then list them here, e.g. ``("float16", "bfloat16", "int8")``."""
+NATIVE_CACHE_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "int8")
+"""KV cache dtypes (torch names) the kernels run under activations of another dtype (int8 with
+its float32 scale-cache inputs). Caches of the activations' dtype always run."""
 BUILD_FAILURE = Path(__file__).with_name("build-failure.txt")
 """Written by the package build instead of the library when it could not compile it: why."""
 ISA_VARIABLE = "ATTNEXPORT_ISA"

@@ -38,6 +38,27 @@ size_t element_size(ONNXTensorElementDataType type) {
   }
 }
 
+const char* type_name(ONNXTensorElementDataType type) {
+  switch (type) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT:
+      return "float32";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
+      return "float16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
+      return "bfloat16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8:
+      return "int8";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32:
+      return "int32";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64:
+      return "int64";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE:
+      return "float64";
+    default:
+      return "an unsupported type";
+  }
+}
+
 static OrtStatus* describe(const OrtValue* value, Tensor* out) {
   OrtTensorTypeAndShapeInfo* info = nullptr;
   ATTNEXPORT_RETURN_IF_ERROR(api().GetTensorTypeAndShape(value, &info));
@@ -59,6 +80,24 @@ OrtStatus* read_input(OrtKernelContext* context, size_t index, Tensor* out) {
   ATTNEXPORT_RETURN_IF_ERROR(describe(value, out));
   // Inputs are only read; GetTensorMutableData is the one accessor that takes a const input.
   return api().GetTensorMutableData(const_cast<OrtValue*>(value), &out->data);
+}
+
+OrtStatus* read_optional_input(OrtKernelContext* context, size_t index, Tensor* out, bool* present) {
+  *out = Tensor{};
+  *present = false;
+  size_t count = 0;
+  ATTNEXPORT_RETURN_IF_ERROR(api().KernelContext_GetInputCount(context, &count));
+  if (index >= count) return nullptr;
+  const OrtValue* value = nullptr;
+  ATTNEXPORT_RETURN_IF_ERROR(api().KernelContext_GetInput(context, index, &value));
+  if (value == nullptr) return nullptr;
+  *present = true;
+  ATTNEXPORT_RETURN_IF_ERROR(describe(value, out));
+  return api().GetTensorMutableData(const_cast<OrtValue*>(value), &out->data);
+}
+
+OrtStatus* output_count(OrtKernelContext* context, size_t* count) {
+  return api().KernelContext_GetOutputCount(context, count);
 }
 
 OrtStatus* make_output(OrtKernelContext* context, size_t index, const std::vector<int64_t>& dims,

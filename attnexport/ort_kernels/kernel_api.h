@@ -34,9 +34,16 @@ std::string format_dims(const std::vector<int64_t>& dims);  // "[2, 3]"
 
 // Bytes per element of the float types the kernels take (float32, float16, bfloat16), else 0.
 size_t element_size(ONNXTensorElementDataType type);
+// "float32", "int8", ...: for messages.
+const char* type_name(ONNXTensorElementDataType type);
 
 // Reads input `index`; returns an error status (nullptr on success).
 OrtStatus* read_input(OrtKernelContext* context, size_t index, Tensor* out);
+// Reads optional input `index`: *present is false (and *out empty) when the node leaves it out
+// (fewer inputs, or the empty name "").
+OrtStatus* read_optional_input(OrtKernelContext* context, size_t index, Tensor* out, bool* present);
+// The number of outputs the node has (optional trailing ones may be absent).
+OrtStatus* output_count(OrtKernelContext* context, size_t* count);
 // Allocates (or fetches the pre-bound buffer of) output `index` with the given dims.
 OrtStatus* make_output(OrtKernelContext* context, size_t index, const std::vector<int64_t>& dims,
                        Tensor* out);

@@ -1,15 +1,18 @@
 // attnexport.PagedAttention for onnxruntime's CPU execution provider: float32, float16 and
-// bfloat16 queries and caches, math in float32.
+// bfloat16 queries over float32, float16, bfloat16 or int8 caches (int8 with a float32 scale
+// per slot and KV head: key_scale_cache, value_scale_cache), math in float32.
 //
 // The standard-op body gathers every visible key and value row into a padded batch before two
 // matmuls; that copy is most of its time. This kernel reads the rows where they lie in the
-// paged cache: one work item per (sequence, KV head, tile of queries), the G query heads of the
-// KV head's group sharing every key and value row they load. Semantics: docs/ops.md.
+// paged cache: one work item per (sequence, KV head, tile of queries or split of a decode
+// context), the G query heads of the KV head's group sharing every key and value row they
+// load. Semantics: docs/ops.md.
 
 #include "paged_attention.h"
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -25,29 +28,66 @@ constexpr int64_t kMaxHeadSize = 256;
 // multiply-adds) is worth splitting: in a model its keys and values come from memory, not the
 // caches (the weights stream through them every step); docs/benchmarks.md has the measurement.
 constexpr int64_t kParallelWork = 1 << 16;
+// A decode context is split into up to kSplitTarget / (num_seqs * num_kv_heads) parts of at
+// least kMinSplitBlocks blocks each, so that a small batch still keeps every thread busy.
+constexpr int64_t kSplitTarget = 8;
+constexpr int64_t kMinSplitBlocks = 16;
+// Keys per step of the online softmax (whole blocks, at least one): the rescale of the
+// running output, the maximum and the exponentials are paid per chunk, not per 16-key block
+// (per block they cost the 12/4/64 float32 decode 0.6-0.75x of the two-pass kernel), while a
+// chunk's key and value rows of one head still sit in L2 between its scores and its values.
+constexpr int64_t kChunkKeys = 128;
+constexpr int64_t kChunkBytes = 256 << 10;
+// A decode batch whose cache rows take more than this many bytes comes from memory: its items
+// then take every KV head of a sequence (the rows of a slot are adjacent, so a chunk is read
+// as whole blocks, where one head's rows lie one per slot, each on its own page for large
+// heads); a smaller one, read from the caches, is parallel over KV heads.
+constexpr int64_t kStreamBytes = 8 << 20;
 constexpr ONNXTensorElementDataType kFloat32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr ONNXTensorElementDataType kFloat16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 constexpr ONNXTensorElementDataType kBFloat16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
+constexpr ONNXTensorElementDataType kInt8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
 
-enum Input : size_t { kQuery, kKeyCache, kValueCache, kBlockTables, kSeqLens, kQueryStart, kSlopes };
+enum Input : size_t {
+  kQuery,
+  kKeyCache,
+  kValueCache,
+  kBlockTables,
+  kSeqLens,
+  kQueryStart,
+  kSlopes,
+  kKeyScales,
+  kValueScales,
+};
 
+// Queries [first_query, first_query + num_queries) of sequence `seq` (indices within its
+// queries), heads of KV heads [kv_begin, kv_end), against the keys of blocks
+// [block_begin, block_end) of its table. partial < 0: the item writes its output rows; else it
+// is one split of a long decode context and leaves its running maximum, sum and unnormalised
+// output in Batch::partials slot `partial` (the rows of its heads) for combine_splits.
 struct WorkItem {
   int64_t seq;
-  int64_t kv_head;
-  int64_t first_query;  // index within the sequence's queries
+  int64_t kv_begin, kv_end;
+  int64_t first_query;
   int64_t num_queries;
+  int64_t block_begin, block_end;
+  int64_t partial;
 };
 
-// Where one KV head's rows lie in a cache [num_blocks, block_size, num_kv_heads, head_size].
-struct Geometry {
-  int64_t block_size, num_kv_heads, head_size, kv_head;
+// A split of one decode sequence's context: its items' partial slots [first, first + count).
+struct Split {
+  int64_t seq, first, count;
 };
 
-// Pointers into the inputs; query, caches and output hold the node's float type.
+// Pointers into the inputs. The caches hold the cache type the kernel is instantiated for;
+// query and output hold `query_type` (float32, float16 or bfloat16).
 struct Batch {
   const void* query;
+  ONNXTensorElementDataType query_type;
   const void* key_cache;
   const void* value_cache;
+  const float* key_scales;    // int8 caches: [num_blocks, block_size, num_kv_heads]; else null
+  const float* value_scales;
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const int32_t* query_start;
@@ -55,6 +95,8 @@ struct Batch {
   int64_t max_blocks;
   void* out;
   int64_t multiply_adds;  // an upper bound for the whole batch
+  // Per partial slot: num_heads rows of [maximum, sum, W output lanes] (W = padded head size).
+  float* partials = nullptr;
 };
 
 namespace {
@@ -64,6 +106,38 @@ OrtStatus* expect_shape(const Tensor& t, const char* name, const std::vector<int
   if (t.dims == dims) return nullptr;
   return invalid(std::string("PagedAttention: ") + name + ": expected " + layout + " = " +
                  format_dims(dims) + ", got " + t.shape());
+}
+
+bool is_float_type(ONNXTensorElementDataType type) {
+  return type == kFloat32 || type == kFloat16 || type == kBFloat16;
+}
+
+// Element i of a float32/float16/bfloat16 tensor (queries, slopes: read once per item).
+float load_element(const void* data, ONNXTensorElementDataType type, int64_t i) {
+  if (type == kFloat16) return to_float(static_cast<const Half*>(data)[i]);
+  if (type == kBFloat16) return to_float(static_cast<const BFloat16*>(data)[i]);
+  return static_cast<const float*>(data)[i];
+}
+
+void store_element(void* data, ONNXTensorElementDataType type, int64_t i, float x) {
+  if (type == kFloat16) static_cast<Half*>(data)[i] = from_float<Half>(x);
+  else if (type == kBFloat16) static_cast<BFloat16*>(data)[i] = from_float<BFloat16>(x);
+  else static_cast<float*>(data)[i] = x;
+}
+
+// Returns fn(C{}) for the cache element type C of `type` (checked by compute()).
+template <typename Fn>
+OrtStatus* with_cache_type(ONNXTensorElementDataType type, Fn fn) {
+  switch (type) {
+    case kFloat16:
+      return fn(Half{});
+    case kBFloat16:
+      return fn(BFloat16{});
+    case kInt8:
+      return fn(int8_t{});
+    default:
+      return fn(float{});
+  }
 }
 
 }  // namespace
@@ -92,7 +166,9 @@ OrtStatus* PagedAttention::init(const OrtKernelInfo* info) {
 }
 
 OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
-  Tensor query, key_cache, value_cache, tables, seq_lens, query_start, slopes;
+  Tensor query, key_cache, value_cache, tables, seq_lens, query_start, slopes, key_scales,
+      value_scales;
+  bool has_key_scales = false, has_value_scales = false;
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, kQuery, &query));
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, kKeyCache, &key_cache));
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, kValueCache, &value_cache));
@@ -100,6 +176,9 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, kSeqLens, &seq_lens));
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, kQueryStart, &query_start));
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, kSlopes, &slopes));
+  ATTNEXPORT_RETURN_IF_ERROR(read_optional_input(context, kKeyScales, &key_scales, &has_key_scales));
+  ATTNEXPORT_RETURN_IF_ERROR(
+      read_optional_input(context, kValueScales, &value_scales, &has_value_scales));
 
   // Every check runs before any memory is read through an index.
   const int64_t tokens = query.dims.empty() ? 0 : query.dims[0];
@@ -119,21 +198,49 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
   ATTNEXPORT_RETURN_IF_ERROR(expect_shape(slopes, "alibi_slopes", {num_heads}, "[num_heads]"));
 
   const ONNXTensorElementDataType type = query.type;
-  if (type != kFloat32 && type != kFloat16 && type != kBFloat16)
-    return invalid("PagedAttention: query: expected float32, float16 or bfloat16");
-  if (key_cache.type != type || value_cache.type != type)
-    return invalid("PagedAttention: key_cache and value_cache must have the query's dtype");
-  std::vector<float> slope_values(num_heads);
-  for (int64_t h = 0; h < num_heads; ++h) {
-    if (slopes.type == kFloat32) slope_values[h] = static_cast<const float*>(slopes.data)[h];
-    else if (slopes.type == kFloat16) slope_values[h] = to_float(static_cast<const Half*>(slopes.data)[h]);
-    else if (slopes.type == kBFloat16) slope_values[h] = to_float(static_cast<const BFloat16*>(slopes.data)[h]);
-    else return invalid("PagedAttention: alibi_slopes: expected float32, float16 or bfloat16");
+  if (!is_float_type(type))
+    return invalid(std::string("PagedAttention: query: expected float32, float16 or bfloat16, got ") +
+                   type_name(type));
+  const ONNXTensorElementDataType cache_type = key_cache.type;
+  if (!is_float_type(cache_type) && cache_type != kInt8)
+    return invalid(std::string("PagedAttention: key_cache: expected float32, float16, bfloat16 "
+                               "or int8, got ") +
+                   type_name(cache_type));
+  if (value_cache.type != cache_type)
+    return invalid(std::string("PagedAttention: value_cache: expected the key_cache's dtype ") +
+                   type_name(cache_type) + ", got " + type_name(value_cache.type));
+  if (cache_type == kInt8) {
+    if (!has_key_scales || !has_value_scales)
+      return invalid(std::string("PagedAttention: int8 caches need ") +
+                     (!has_key_scales ? "key_scale_cache (input 7)" : "value_scale_cache (input 8)") +
+                     ", the float32 scale of each slot and KV head");
+    const std::vector<int64_t> scale_dims{num_blocks, block_size, num_kv_heads};
+    const char* scale_layout = "[num_blocks, block_size, num_kv_heads]";
+    ATTNEXPORT_RETURN_IF_ERROR(expect_shape(key_scales, "key_scale_cache", scale_dims, scale_layout));
+    ATTNEXPORT_RETURN_IF_ERROR(
+        expect_shape(value_scales, "value_scale_cache", scale_dims, scale_layout));
+    if (key_scales.type != kFloat32 || value_scales.type != kFloat32)
+      return invalid(std::string("PagedAttention: ") +
+                     (key_scales.type != kFloat32 ? "key_scale_cache" : "value_scale_cache") +
+                     ": expected float32, got " +
+                     type_name(key_scales.type != kFloat32 ? key_scales.type : value_scales.type));
+  } else if (has_key_scales || has_value_scales) {
+    return invalid(std::string("PagedAttention: ") +
+                   (has_key_scales ? "key_scale_cache (input 7)" : "value_scale_cache (input 8)") +
+                   " is given with " + type_name(cache_type) +
+                   " caches; scale caches go with int8 caches only");
   }
+  std::vector<float> slope_values(num_heads);
+  if (!is_float_type(slopes.type))
+    return invalid("PagedAttention: alibi_slopes: expected float32, float16 or bfloat16");
+  for (int64_t h = 0; h < num_heads; ++h) slope_values[h] = load_element(slopes.data, slopes.type, h);
 
   Batch batch{query.data,
+              type,
               key_cache.data,
               value_cache.data,
+              cache_type == kInt8 ? static_cast<const float*>(key_scales.data) : nullptr,
+              cache_type == kInt8 ? static_cast<const float*>(value_scales.data) : nullptr,
               static_cast<const int32_t*>(tables.data),
               static_cast<const int32_t*>(seq_lens.data),
               static_cast<const int32_t*>(query_start.data),
@@ -145,6 +252,9 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
     batch.slopes = std::move(slope_values);
 
   std::vector<WorkItem> items;
+  std::vector<Split> splits_;
+  std::vector<int64_t> decode_seqs;
+  int64_t partial_slots = 0;
   int64_t previous_end = batch.query_start[0];
   if (previous_end < 0 || previous_end > tokens)
     return invalid("PagedAttention: query_start_loc[0] = " + std::to_string(previous_end) +
@@ -175,10 +285,40 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
                        std::to_string(b) + "] = " + std::to_string(row[b]) +
                        " is not a block id in [0, " + std::to_string(num_blocks) + ")");
     batch.multiply_adds += 2 * (end - begin) * length * num_heads * head_size;
-    for (int64_t first = 0; first < end - begin; first += kQueryTile)
-      for (int64_t h = 0; h < num_kv_heads; ++h)
-        items.push_back({s, h, first, std::min(kQueryTile, end - begin - first)});
+    if (end - begin == 1) {
+      decode_seqs.push_back(s);
+    } else {
+      for (int64_t first = 0; first < end - begin; first += kQueryTile)
+        for (int64_t h = 0; h < num_kv_heads; ++h)
+          items.push_back({s, h, h + 1, first, std::min(kQueryTile, end - begin - first), 0,
+                           max_blocks, -1});
+    }
     previous_end = end;
+  }
+
+  // Decode queries: one item per KV head (or per sequence, see kStreamBytes), and a long
+  // context of a small batch split across the thread pool (a partial softmax per split,
+  // combined afterwards).
+  int64_t decode_keys = 0;
+  for (int64_t s : decode_seqs) decode_keys += batch.seq_lens[s];
+  const int64_t row_bytes = num_kv_heads * head_size *
+                            static_cast<int64_t>(cache_type == kInt8 ? 1 : element_size(cache_type));
+  const bool streams = 2 * decode_keys * row_bytes > kStreamBytes;
+  const int64_t head_items = streams ? 1 : num_kv_heads;  // items per sequence (and split)
+  const int64_t per_item = num_kv_heads / head_items;
+  for (int64_t s : decode_seqs) {
+    const int64_t blocks = (batch.seq_lens[s] + block_size - 1) / block_size;
+    const int64_t splits = std::clamp<int64_t>(
+        std::min(kSplitTarget / std::max<int64_t>(static_cast<int64_t>(decode_seqs.size()) * head_items, 1),
+                 blocks / kMinSplitBlocks),
+        1, kSplitTarget);
+    if (splits > 1) splits_.push_back({s, partial_slots, splits});
+    for (int64_t i = 0; i < splits; ++i) {
+      for (int64_t h = 0; h < num_kv_heads; h += per_item)
+        items.push_back({s, h, h + per_item, 0, 1, blocks * i / splits, blocks * (i + 1) / splits,
+                         splits > 1 ? partial_slots : -1});
+      if (splits > 1) ++partial_slots;
+    }
   }
 
   if (previous_end != tokens)
@@ -191,20 +331,55 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
   ATTNEXPORT_RETURN_IF_ERROR(make_output(context, 0, {tokens, num_heads, head_size}, &output));
   batch.out = output.data;
 
-  return with_float_type(type, [&](auto tag) {
-    return run_all<decltype(tag)>(context, batch, items);
+  const int64_t W = padded_width();
+  std::vector<float> partials(partial_slots * num_heads * (W + 2));
+  batch.partials = partials.data();
+  return with_cache_type(cache_type, [&](auto tag) -> OrtStatus* {
+    ATTNEXPORT_RETURN_IF_ERROR(run_all<decltype(tag)>(context, batch, items));
+    for (const Split& split : splits_) combine_splits(batch, split);
+    return nullptr;
   });
 }
 
-template <typename T>
+// Rows are held as NV vectors of 16 floats, zero padded: the smallest compiled NV that fits.
+int64_t PagedAttention::padded_width() const {
+  const int64_t needed = (head_size + 15) / 16;
+  return 16 * (needed <= 8 ? needed : needed <= 12 ? 12 : 16);
+}
+
+// out = sum_i exp(m_i - M) o_i / sum_i exp(m_i - M) l_i over the splits' partial rows.
+void PagedAttention::combine_splits(const Batch& batch, const Split& split) const {
+  const int64_t W = padded_width(), D = head_size, stride = W + 2;
+  const int64_t first_row = batch.query_start[split.seq] * num_heads * D;
+  std::vector<float> total(W);
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float max = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < split.count; ++i) {
+      const float* part = batch.partials + ((split.first + i) * num_heads + h) * stride;
+      if (part[1] > 0.0f) max = std::max(max, part[0]);
+    }
+    std::fill(total.begin(), total.end(), 0.0f);
+    float sum = 0.0f;
+    for (int64_t i = 0; i < split.count; ++i) {
+      const float* part = batch.partials + ((split.first + i) * num_heads + h) * stride;
+      if (part[1] <= 0.0f) continue;  // the split saw no key of this row
+      const float weight = exp_nonpositive<float, int32_t>(part[0] - max);
+      sum += weight * part[1];
+      for (int64_t d = 0; d < W; ++d) total[d] += weight * part[2 + d];
+    }
+    const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int64_t d = 0; d < D; ++d)
+      store_element(batch.out, batch.query_type, first_row + h * D + d, total[d] * inverse);
+  }
+}
+
+template <typename C>
 OrtStatus* PagedAttention::run_all(OrtKernelContext* context, const Batch& batch,
                                    const std::vector<WorkItem>& items) const {
-  // Rows are held as NV vectors of 16 floats, zero padded: the smallest compiled NV that fits.
-  const int64_t needed = (head_size + 15) / 16;
-  switch (needed <= 8 ? needed : needed <= 12 ? 12 : 16) {
+  switch (padded_width() / 16) {
 #define ATTNEXPORT_CASE(NV)                                                   \
   case NV: {                                                                 \
-    auto run = [&](size_t i) { attend<T, NV>(batch, items[i]); };            \
+    auto run = [&](size_t i) { attend<C, NV>(batch, items[i]); };            \
     if (batch.multiply_adds < kParallelWork) {                               \
       for (size_t i = 0; i < items.size(); ++i) run(i);                      \
       return nullptr;                                                        \
@@ -229,62 +404,203 @@ OrtStatus* PagedAttention::run_all(OrtKernelContext* context, const Batch& batch
 
 namespace {
 
-// Rows [first, end) of one block of a cache for one KV head, as float rows of NV * 16 lanes:
-// the cache itself for float32 rows whose head size is a multiple of 16, else a converted,
-// zero-padded copy.
-template <typename T, int NV>
-struct BlockRows {
-  const float* base;
-  int64_t stride;
-
-  BlockRows(const T* cache, int64_t block, int64_t first, int64_t end, const Geometry& g,
-            std::vector<float>& scratch) {
-    const T* rows = cache + ((block * g.block_size + first) * g.num_kv_heads + g.kv_head) * g.head_size;
-    const int64_t slot_stride = g.num_kv_heads * g.head_size;
-    if constexpr (std::is_same_v<T, float>) {
-      if (g.head_size == NV * 16) {
-        base = reinterpret_cast<const float*>(rows) - first * slot_stride;
-        stride = slot_stride;
-        return;
-      }
-    }
-    scratch.assign(g.block_size * NV * 16, 0.0f);
-    for (int64_t k = first; k < end; ++k)
-      for (int64_t d = 0; d < g.head_size; ++d)
-        scratch[k * NV * 16 + d] = to_float(rows[(k - first) * slot_stride + d]);
-    base = scratch.data();
-    stride = NV * 16;
+// One cache row (D elements of C) as W float lanes, zero padded; an int8 row is dequantized
+// (float(q) * scale, the op contract's order, docs/ops.md). For head sizes that are not a
+// whole number of 16-lane vectors (vector loads would run past the row).
+template <typename C>
+inline void widen_row(const C* src, float* dst, int64_t D, int64_t W, float scale) {
+  const int64_t whole = D / 16 * 16;
+  int64_t d = 0;
+  if constexpr (std::is_same_v<C, int8_t>) {
+    const f32x16 scales = splat16(scale);
+    for (; d < whole; d += 16) store16(dst + d, load16_float(src + d) * scales);
+    for (; d < D; ++d) dst[d] = to_float(src[d]) * scale;
+  } else {
+    for (; d < whole; d += 16) store16(dst + d, load16_float(src + d));
+    for (; d < D; ++d) dst[d] = to_float(src[d]);
   }
+  for (; d < W; ++d) dst[d] = 0.0f;
+}
 
-  const float* row(int64_t offset) const { return base + offset * stride; }
+// Asks for the rows of KV head `head` of slots [k0, k1) of a sequence (into every cache
+// level). A decode step's rows come from memory (the weights evicted them), one row per slot of
+// num_kv_heads rows, each slot on its own page for large heads, where the hardware prefetcher
+// does not follow: asking for the next chunk ahead keeps its rows in flight.
+// Rows of KV heads [head, head + heads): adjacent in a slot.
+template <typename C>
+inline void prefetch_rows(const C* cache, const int32_t* table, int64_t k0, int64_t k1,
+                          int64_t block_size, int64_t num_kv_heads, int64_t head, int64_t heads,
+                          int64_t D) {
+  const int64_t row_bytes = heads * D * static_cast<int64_t>(sizeof(C));
+  const int64_t slot_bytes = num_kv_heads * D * static_cast<int64_t>(sizeof(C));
+  for (int64_t k = k0; k < k1;) {
+    const int64_t offset = k % block_size, end = std::min(k1, k - offset + block_size);
+    const char* row = reinterpret_cast<const char*>(
+        cache + ((table[k / block_size] * block_size + offset) * num_kv_heads + head) * D);
+    for (; k < end; ++k, row += slot_bytes)
+      for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(row + at, 0, 3);
+  }
+}
+
+// HG query rows (heads of one KV head's group, one query token) against keys [a, e) of one
+// chunk: their scores, the online softmax update and the weighted values.
+struct RowStep {
+  const float* queries;  // HG rows of W lanes, scaled and zero padded
+  float* outputs;        // HG rows of W lanes: the unnormalised running output
+  float* maxes;          // HG running maxima
+  float* sums;           // HG running sums
+  float* scores;         // HG rows of `score_stride` floats (scratch)
+  int64_t score_stride;
+  int64_t a, e, k0;            // keys [a, e) of the chunk starting at key k0
+  const void* const* keys;     // keys[k - k0]: the row of key k (R elements, see step_rows)
+  const void* const* values;
+  const float* key_scales;     // int8 rows: key_scales[k - k0], else null
+  const float* value_scales;
+  float soft_cap;
+  const float* slopes;  // HG ALiBi slopes, or null
+  int64_t position;     // of the query token
 };
 
-// Asks for the rows of one KV head in a whole block of a cache (Locality as __builtin_prefetch's:
-// 3 into every cache level, 2 into L2 and below). A decode step's rows come
-// from memory (the weights evicted them), one 256-byte row per 1 KB slot for a 4-head cache:
-// asking for the next block ahead keeps several blocks in flight instead of one.
-template <typename T, int Locality>
-inline void prefetch_block(const T* cache, int64_t block, const Geometry& g) {
-  const char* row = reinterpret_cast<const char*>(
-      cache + (block * g.block_size * g.num_kv_heads + g.kv_head) * g.head_size);
-  const int64_t slot_bytes = g.num_kv_heads * g.head_size * static_cast<int64_t>(sizeof(T));
-  const int64_t row_bytes = g.head_size * static_cast<int64_t>(sizeof(T));
-  for (int64_t k = 0; k < g.block_size; ++k, row += slot_bytes)
-    for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(row + offset, 0, Locality);
+// Query rows of a group that share each loaded (and widened) key and value vector: their
+// HG * NV query vectors stay in registers up to 16 (4 rows at NV = 8, their queries read from
+// memory, measured 0.8x of 2 rows there).
+constexpr int rows_per_step(int NV) { return NV <= 4 ? 4 : NV <= 8 ? 2 : 1; }
+// Vectors of a value row accumulated per pass over the keys: HG * VB accumulators stay in
+// registers (at most 16 of the 32), VB a divisor of NV.
+constexpr int value_block(int NV, int HG) {
+  int block = NV;
+  while (block * HG > 16 || NV % block != 0) --block;
+  return block;
+}
+
+// The rows hold R elements (the cache's own type read in place, or float rows widened into
+// scratch). Each key and value vector is loaded and widened once for the HG rows, which take
+// it from a register: widening 16-bit or int8 rows into a float copy first took about as many
+// instructions as the attention's multiply-adds. int8 scales are applied to the scores (keys)
+// and to the softmax weights (values), not per element.
+template <typename R, int NV, int HG>
+void step_rows(const RowStep& p) {
+  constexpr int64_t W = NV * 16;
+  const R* const* keys = reinterpret_cast<const R* const*>(p.keys) - p.k0;
+  const R* const* values = reinterpret_cast<const R* const*>(p.values) - p.k0;
+  float* s[HG];
+  for (int g = 0; g < HG; ++g) s[g] = p.scores + g * p.score_stride - p.a;  // s[g][k], k in [a, e)
+  f32x16 q[HG][NV];  // (loaded once: the stores below may alias p.queries for the compiler)
+  for (int g = 0; g < HG; ++g)
+    for (int v = 0; v < NV; ++v) q[g][v] = load16(p.queries + g * W + v * 16);
+  auto dot = [&](const R* key, f32x16 (&acc)[HG]) {
+    const f32x16 x = load16_float(key);
+    for (int g = 0; g < HG; ++g) acc[g] = q[g][0] * x;
+    for (int v = 1; v < NV; ++v) {
+      const f32x16 y = load16_float(key + v * 16);
+      for (int g = 0; g < HG; ++g) acc[g] += q[g][v] * y;
+    }
+  };
+  int64_t k = p.a;
+  for (; k + 16 <= p.e; k += 16) {  // 16 keys' products, summed together
+    f32x16 products[HG][16];
+    for (int i = 0; i < 16; ++i) {
+      f32x16 acc[HG];
+      dot(keys[k + i], acc);
+      for (int g = 0; g < HG; ++g) products[g][i] = acc[g];
+    }
+    for (int g = 0; g < HG; ++g) store16(s[g] + k, horizontal_sums16(products[g]));
+  }
+  for (; k < p.e; ++k) {
+    f32x16 acc[HG];
+    dot(keys[k], acc);
+    for (int g = 0; g < HG; ++g) s[g][k] = horizontal_sum(acc[g]);
+  }
+
+  float rescale[HG];
+  for (int g = 0; g < HG; ++g) {
+    float* sg = s[g];
+    if (p.key_scales != nullptr) {
+      const float* scales = p.key_scales - p.k0;
+      for (k = p.a; k < p.e; ++k) sg[k] *= scales[k];
+    }
+    if (p.soft_cap > 0.0f)
+      for (k = p.a; k < p.e; ++k) sg[k] = p.soft_cap * std::tanh(sg[k] / p.soft_cap);
+    if (p.slopes != nullptr)
+      for (k = p.a; k < p.e; ++k) sg[k] += p.slopes[g] * static_cast<float>(k - p.position);
+    f32x16 maxes = splat16(-std::numeric_limits<float>::infinity());
+    for (k = p.a; k + 16 <= p.e; k += 16) {
+      const f32x16 x = load16(sg + k);
+      maxes = x > maxes ? x : maxes;
+    }
+    float chunk_max = -std::numeric_limits<float>::infinity();
+    for (int i = 0; i < 16; ++i) chunk_max = std::max(chunk_max, maxes[i]);
+    for (; k < p.e; ++k) chunk_max = std::max(chunk_max, sg[k]);
+    const float previous = p.maxes[g], max = std::max(previous, chunk_max);
+    // exp(previous - max) in [0, 1]; the first chunk's rescale multiplies zeros.
+    rescale[g] = previous == max ? 1.0f : exp_nonpositive<float, int32_t>(previous - max);
+    p.maxes[g] = max;
+    f32x16 weight_sums{};
+    for (k = p.a; k + 16 <= p.e; k += 16) {  // the weights of 16 keys at once
+      const f32x16 weights = exp_nonpositive<f32x16, i32x16>(load16(sg + k) - max);
+      store16(sg + k, weights);
+      weight_sums += weights;
+    }
+    float sum = p.sums[g] * rescale[g] + horizontal_sum(weight_sums);
+    for (; k < p.e; ++k) {
+      sg[k] = exp_nonpositive<float, int32_t>(sg[k] - max);
+      sum += sg[k];
+    }
+    p.sums[g] = sum;
+    if (p.value_scales != nullptr) {
+      const float* scales = p.value_scales - p.k0;
+      for (k = p.a; k < p.e; ++k) sg[k] *= scales[k];
+    }
+  }
+
+  constexpr int VB = value_block(NV, HG);
+  for (int v0 = 0; v0 < NV; v0 += VB) {
+    f32x16 acc[HG][VB];
+    for (int g = 0; g < HG; ++g)
+      for (int v = 0; v < VB; ++v)
+        acc[g][v] = load16(p.outputs + g * W + (v0 + v) * 16) * rescale[g];
+    for (k = p.a; k < p.e; ++k) {
+      const R* value = values[k] + v0 * 16;
+      f32x16 w[HG];
+      for (int g = 0; g < HG; ++g) w[g] = splat16(s[g][k]);
+      for (int v = 0; v < VB; ++v) {
+        const f32x16 x = load16_float(value + v * 16);
+        for (int g = 0; g < HG; ++g) acc[g][v] += w[g] * x;
+      }
+    }
+    for (int g = 0; g < HG; ++g)
+      for (int v = 0; v < VB; ++v) store16(p.outputs + g * W + (v0 + v) * 16, acc[g][v]);
+  }
+}
+
+template <typename R, int NV>
+void step_rows(const RowStep& p, int64_t rows) {
+  constexpr int most = rows_per_step(NV);
+  if constexpr (most >= 4)
+    if (rows >= 4) return step_rows<R, NV, 4>(p);
+  if constexpr (most >= 3)
+    if (rows == 3) return step_rows<R, NV, 3>(p);
+  if constexpr (most >= 2)
+    if (rows >= 2) return step_rows<R, NV, 2>(p);
+  return step_rows<R, NV, 1>(p);
 }
 
 }  // namespace
 
-template <typename T, int NV>
+template <typename C, int NV>
 void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
   constexpr int64_t W = NV * 16;  // padded row width
+  // Rows whose head size fills whole vectors are read in place (in the cache's type); others
+  // are widened (int8 ones dequantized) into float scratch rows once per chunk and KV head.
+  const bool in_place = head_size == W;
   const int64_t group = num_heads / num_kv_heads, D = head_size;
   const int64_t length = batch.seq_lens[item.seq];
   const int64_t seq_start = batch.query_start[item.seq];
   const int64_t num_queries = batch.query_start[item.seq + 1] - seq_start;
   const int32_t* table = batch.block_tables + item.seq * batch.max_blocks;
-  const int64_t rows = item.num_queries * group;
-  const Geometry geometry{block_size, num_kv_heads, head_size, item.kv_head};
+  const int64_t heads = item.kv_end - item.kv_begin;
+  const int64_t head_rows = item.num_queries * group;  // rows of one KV head
+  const int64_t rows = heads * head_rows;
 
   // Visible keys of each query j of the tile: [lo[j], hi[j]); position p = length - q + j.
   int64_t lo[kQueryTile], hi[kQueryTile], position[kQueryTile];
@@ -299,97 +615,152 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
       end_key = std::max(end_key, hi[j]);
     }
   }
-  const int64_t width = std::max<int64_t>(end_key - first_key, 0);
+  first_key = std::max(first_key, item.block_begin * block_size);
+  end_key = std::min(end_key, item.block_end * block_size);
 
-  // Query row r = j * group + g is head kv_head * group + g of token seq_start + first + j
-  // (the G heads of a token are adjacent), scaled, zero padded to W.
-  thread_local std::vector<float> queries, scores, outputs, scratch;
+  // Row r = (h - kv_begin) * head_rows + j * group + g is head h * group + g of token
+  // seq_start + first + j (the G heads of a token are adjacent), scaled, zero padded to W.
+  thread_local std::vector<float> queries, outputs, maxes, sums, scores, key_scratch,
+      value_scratch, key_scales, value_scales;
+  thread_local std::vector<const void*> key_rows, value_rows;
   queries.assign(rows * W, 0.0f);
-  const T* query = static_cast<const T*>(batch.query);
-  for (int64_t j = 0; j < item.num_queries; ++j) {
-    const T* src = query + ((seq_start + item.first_query + j) * num_heads + item.kv_head * group) * D;
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t d = 0; d < D; ++d) queries[(j * group + g) * W + d] = scale * to_float(src[g * D + d]);
-  }
-  scores.resize(rows * width);
+  for (int64_t h = item.kv_begin; h < item.kv_end; ++h)
+    for (int64_t j = 0; j < item.num_queries; ++j) {
+      const int64_t src = ((seq_start + item.first_query + j) * num_heads + h * group) * D;
+      float* dst = queries.data() + ((h - item.kv_begin) * head_rows + j * group) * W;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          dst[g * W + d] = scale * load_element(batch.query, batch.query_type, src + g * D + d);
+    }
+  // One pass over the keys and values, a chunk of whole blocks at a time (an online softmax:
+  // each row keeps its running maximum and sum, and rescales its accumulated output when the
+  // maximum grows), so that every key and value row comes from memory once. Two passes (all
+  // scores, then all values) read the values after a long context had evicted their prefetch.
   outputs.assign(rows * W, 0.0f);
+  maxes.assign(rows, -std::numeric_limits<float>::infinity());
+  sums.assign(rows, 0.0f);
+  // A chunk's rows of all the item's heads stay within kChunkBytes (L2) until they are read.
+  const int64_t row_pair_bytes = 2 * heads * D * static_cast<int64_t>(sizeof(C));
+  const int64_t chunk_keys = std::min(kChunkKeys, kChunkBytes / row_pair_bytes);
+  const int64_t chunk = std::max<int64_t>(1, chunk_keys / block_size) * block_size;
+  constexpr int64_t step = rows_per_step(NV);
+  scores.resize(step * (chunk + 16));
+  key_rows.resize(chunk);
+  value_rows.resize(chunk);
+  constexpr bool int8 = std::is_same_v<C, int8_t>;
+  if (int8 && in_place) {
+    key_scales.resize(chunk);
+    value_scales.resize(chunk);
+  }
+  if (!in_place) {
+    key_scratch.resize(chunk * W);
+    value_scratch.resize(chunk * W);
+  }
 
-  // Visits every block of the item's keys once, and in it every query row r = j * group + g
-  // with the keys [a, e) it sees there: visit(rows, r, a, e), rows.row(k - block_start).
-  const int64_t first_block = first_key / block_size;
-  const int64_t end_block = (end_key + block_size - 1) / block_size;
-  // While a block's keys are read, the next block's keys and this block's values are asked for.
-  auto for_each_visible = [&](const void* cache, const void* values_next, auto&& visit) {
-    for (int64_t b = first_block; b < end_block; ++b) {
-      if (b + 1 < end_block) prefetch_block<T, 3>(static_cast<const T*>(cache), table[b + 1], geometry);
-      if (values_next != nullptr) prefetch_block<T, 2>(static_cast<const T*>(values_next), table[b], geometry);
-      const int64_t start = b * block_size;
-      const int64_t k0 = std::max(start, first_key), k1 = std::min(start + block_size, end_key);
-      const BlockRows<T, NV> block(static_cast<const T*>(cache), table[b], k0 - start, k1 - start,
-                                   geometry, scratch);
+  float* const query_rows = queries.data();
+  float* const output_rows = outputs.data();
+  float* const row_maxes = maxes.data();
+  float* const row_sums = sums.data();
+  float* const score_rows = scores.data();
+
+  const C* key_cache = static_cast<const C*>(batch.key_cache);
+  const C* value_cache = static_cast<const C*>(batch.value_cache);
+  const int64_t slot_stride = num_kv_heads * D;
+  // Chunks start at block boundaries: [c0, c1) with c0 a multiple of block_size.
+  const int64_t first_chunk = first_key / block_size * block_size;
+  // While a chunk is read, the next one's rows (of all the item's heads) are asked for.
+  auto prefetch = [&](int64_t c0) {
+    if (c0 >= end_key) return;
+    const int64_t k0 = std::max(c0, first_key), k1 = std::min(c0 + chunk, end_key);
+    prefetch_rows(key_cache, table, k0, k1, block_size, num_kv_heads, item.kv_begin, heads, D);
+    prefetch_rows(value_cache, table, k0, k1, block_size, num_kv_heads, item.kv_begin, heads, D);
+  };
+  for (int64_t c0 = first_chunk; c0 < end_key; c0 += chunk) {
+    const int64_t k0 = std::max(c0, first_key), k1 = std::min(c0 + chunk, end_key);
+    prefetch(c0 + chunk);
+    for (int64_t h = item.kv_begin; h < item.kv_end; ++h) {
+      // The chunk's rows of head h: key_rows[k - k0] for k in [k0, k1). (Raw pointers: each
+      // use of a thread_local costs a __tls_get_addr call in a shared library.)
+      const void** key_row = key_rows.data();
+      const void** value_row = value_rows.data();
+      float* key_scale_row = key_scales.data();
+      float* value_scale_row = value_scales.data();
+      float* key_widened = key_scratch.data();
+      float* value_widened = value_scratch.data();
+      for (int64_t k = k0; k < k1;) {
+        const int64_t block = table[k / block_size], offset = k % block_size;
+        const int64_t end = std::min(k1, k - offset + block_size);
+        for (int64_t slot = block * block_size + offset; k < end; ++k, ++slot) {
+          const int64_t i = k - k0, at = slot * slot_stride + h * D;
+          float key_scale = 1.0f, value_scale = 1.0f;
+          if constexpr (int8) {
+            key_scale = batch.key_scales[slot * num_kv_heads + h];
+            value_scale = batch.value_scales[slot * num_kv_heads + h];
+          }
+          if (in_place) {
+            key_row[i] = key_cache + at;
+            value_row[i] = value_cache + at;
+            if constexpr (int8) {
+              key_scale_row[i] = key_scale;
+              value_scale_row[i] = value_scale;
+            }
+          } else {
+            widen_row(key_cache + at, key_widened + i * W, D, W, key_scale);
+            widen_row(value_cache + at, value_widened + i * W, D, W, value_scale);
+            key_row[i] = key_widened + i * W;
+            value_row[i] = value_widened + i * W;
+          }
+        }
+      }
       for (int64_t j = 0; j < item.num_queries; ++j) {
         const int64_t a = std::max(lo[j], k0), e = std::min(hi[j], k1);
         if (a >= e) continue;
-        for (int64_t r = j * group; r < (j + 1) * group; ++r) visit(block, start, r, a, e);
+        for (int64_t g = 0; g < group; g += step) {
+          const int64_t r = (h - item.kv_begin) * head_rows + j * group + g;
+          const RowStep rows_step{query_rows + r * W,
+                                  output_rows + r * W,
+                                  row_maxes + r,
+                                  row_sums + r,
+                                  score_rows,
+                                  chunk + 16,
+                                  a,
+                                  e,
+                                  k0,
+                                  key_row,
+                                  value_row,
+                                  int8 && in_place ? key_scale_row : nullptr,
+                                  int8 && in_place ? value_scale_row : nullptr,
+                             soft_cap,
+                             batch.slopes.empty() ? nullptr : batch.slopes.data() + h * group + g,
+                             position[j]};
+          const int64_t count = std::min(step, group - g);
+          if (in_place) step_rows<C, NV>(rows_step, count);
+          else step_rows<float, NV>(rows_step, count);
+        }
       }
-    }
-  };
-
-  for_each_visible(batch.key_cache, batch.value_cache,
-                   [&](const BlockRows<T, NV>& keys, int64_t start, int64_t r, int64_t a, int64_t e) {
-    f32x16 q[NV];
-    for (int v = 0; v < NV; ++v) q[v] = load16(queries.data() + r * W + v * 16);
-    float* out = scores.data() + r * width - first_key;
-    auto dot = [&](int64_t k) {
-      const float* key = keys.row(k - start);
-      f32x16 acc = q[0] * load16(key);
-      for (int v = 1; v < NV; ++v) acc += q[v] * load16(key + v * 16);
-      return acc;
-    };
-    int64_t k = a;
-    for (; k + 16 <= e; k += 16) {  // 16 keys' products, summed together
-      f32x16 products[16];
-      for (int i = 0; i < 16; ++i) products[i] = dot(k + i);
-      store16(out + k, horizontal_sums16(products));
-    }
-    for (; k < e; ++k) out[k] = horizontal_sum(dot(k));
-  });
-
-  for (int64_t j = 0; j < item.num_queries; ++j) {
-    if (lo[j] >= hi[j]) continue;  // no visible key: zeros
-    for (int64_t g = 0; g < group; ++g) {
-      float* row = scores.data() + (j * group + g) * width + (lo[j] - first_key);
-      const int64_t n = hi[j] - lo[j];
-      if (soft_cap > 0.0f)
-        for (int64_t i = 0; i < n; ++i) row[i] = soft_cap * std::tanh(row[i] / soft_cap);
-      if (!batch.slopes.empty()) {
-        const float slope = batch.slopes[item.kv_head * group + g];
-        for (int64_t i = 0; i < n; ++i)
-          row[i] += slope * static_cast<float>(lo[j] + i - position[j]);
-      }
-      softmax_inplace(row, n);
     }
   }
 
-  for_each_visible(batch.value_cache, nullptr,
-                   [&](const BlockRows<T, NV>& values, int64_t start, int64_t r, int64_t a, int64_t e) {
-    f32x16 acc[NV];
-    for (int v = 0; v < NV; ++v) acc[v] = load16(outputs.data() + r * W + v * 16);
-    const float* weights = scores.data() + r * width - first_key;
-    for (int64_t k = a; k < e; ++k) {
-      const float* value = values.row(k - start);
-      const f32x16 w = splat16(weights[k]);
-      for (int v = 0; v < NV; ++v) acc[v] += w * load16(value + v * 16);
+  if (item.partial >= 0) {  // a decode split (one query: row r is head kv_begin * group + r)
+    float* part = batch.partials + (item.partial * num_heads + item.kv_begin * group) * (W + 2);
+    for (int64_t r = 0; r < rows; ++r, part += W + 2) {
+      part[0] = maxes[r];
+      part[1] = sums[r];
+      std::copy(outputs.data() + r * W, outputs.data() + (r + 1) * W, part + 2);
     }
-    for (int v = 0; v < NV; ++v) store16(outputs.data() + r * W + v * 16, acc[v]);
-  });
-
-  T* out = static_cast<T*>(batch.out);
-  for (int64_t j = 0; j < item.num_queries; ++j) {
-    T* dst = out + ((seq_start + item.first_query + j) * num_heads + item.kv_head * group) * D;
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t d = 0; d < D; ++d) dst[g * D + d] = from_float<T>(outputs[(j * group + g) * W + d]);
+    return;
   }
+  // A row that sees no key (sum 0) is zeros.
+  for (int64_t h = item.kv_begin; h < item.kv_end; ++h)
+    for (int64_t j = 0; j < item.num_queries; ++j) {
+      const int64_t dst = ((seq_start + item.first_query + j) * num_heads + h * group) * D;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = (h - item.kv_begin) * head_rows + j * group + g;
+        const float inverse = sums[r] > 0.0f ? 1.0f / sums[r] : 0.0f;
+        for (int64_t d = 0; d < D; ++d)
+          store_element(batch.out, batch.query_type, dst + g * D + d, outputs[r * W + d] * inverse);
+      }
+    }
 }
 
 }  // namespace attnexport

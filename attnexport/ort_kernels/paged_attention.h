@@ -9,9 +9,11 @@ namespace attnexport {
 
 struct Batch;
 struct WorkItem;
+struct Split;
 
-// The node's attributes; compute() reads the seven inputs and writes output [T, H, D] in the
-// query's type (float32, float16 or bfloat16; math in float32).
+// The node's attributes; compute() reads the seven inputs (nine with int8 caches: the key and
+// value scale caches) and writes output [T, H, D] in the query's type (float32, float16 or
+// bfloat16; math in float32). The caches may have another type than the query.
 struct PagedAttention {
   int64_t num_heads = 0, num_kv_heads = 0, head_size = 0, block_size = 0;
   int64_t causal = 1, sliding_window = -1;
@@ -21,10 +23,12 @@ struct PagedAttention {
   OrtStatus* compute(OrtKernelContext* context) const;
 
  private:
-  template <typename T>
+  int64_t padded_width() const;
+  void combine_splits(const Batch& batch, const Split& split) const;
+  template <typename C>
   OrtStatus* run_all(OrtKernelContext* context, const Batch& batch,
                      const std::vector<WorkItem>& items) const;
-  template <typename T, int NV>
+  template <typename C, int NV>
   void attend(const Batch& batch, const WorkItem& item) const;
 };
 

@@ -8,6 +8,7 @@
 
 #include <onnxruntime_c_api.h>
 
+#include <cstdint>
 #include <new>
 #include <string>
 #include <vector>
@@ -99,6 +100,22 @@ OrtStatus* infer_halved_last_dim(OrtShapeInferContext* context) {
   return set_output_shape(context, 0, type, dims, symbols);
 }
 
+// ReshapeAndCache: each cache output (and scale cache output, with int8 caches) has its
+// input's type and shape: outputs 0, 1 like inputs 2, 3; outputs 2, 3 like inputs 5, 6 where the
+// node has them.
+OrtStatus* infer_cache_outputs(OrtShapeInferContext* context) {
+  size_t inputs = 0;
+  ATTNEXPORT_RETURN_IF_ERROR(api().ShapeInferContext_GetInputCount(context, &inputs));
+  const size_t like[4] = {2, 3, 5, 6};
+  for (size_t i = 0; i < 4 && like[i] < inputs; ++i) {
+    OrtTensorTypeAndShapeInfo* info = nullptr;  // owned by the context
+    ATTNEXPORT_RETURN_IF_ERROR(api().ShapeInferContext_GetInputTypeShape(context, like[i], &info));
+    if (info == nullptr) continue;  // an input left out by the empty name
+    ATTNEXPORT_RETURN_IF_ERROR(api().ShapeInferContext_SetOutputTypeShape(context, i, info));
+  }
+  return nullptr;
+}
+
 using InferFn = OrtStatus* (*)(OrtShapeInferContext*);
 
 // An OrtCustomOp for a kernel class K with init(info) and compute(context). Output i has the
@@ -110,14 +127,18 @@ struct Op : OrtCustomOp {
   std::vector<ONNXTensorElementDataType> inputs;
   std::vector<size_t> like_input;
   InferFn infer;
+  size_t required_inputs, required_outputs;  // the rest are INPUT_OUTPUT_OPTIONAL
 
   Op(const char* op_name, std::vector<ONNXTensorElementDataType> input_types,
-     std::vector<size_t> output_like_input, InferFn infer_outputs = nullptr)
+     std::vector<size_t> output_like_input, InferFn infer_outputs = nullptr,
+     size_t required_input_count = SIZE_MAX, size_t required_output_count = SIZE_MAX)
       : OrtCustomOp{},
         name(op_name),
         inputs(input_types),
         like_input(output_like_input),
-        infer(infer_outputs) {
+        infer(infer_outputs),
+        required_inputs(required_input_count),
+        required_outputs(required_output_count) {
     version = kApiVersion;
     GetName = [](const OrtCustomOp* op) { return self(op)->name; };
     GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };  // CPU
@@ -135,8 +156,12 @@ struct Op : OrtCustomOp {
       }
       return nullptr;
     };
-    GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-    GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    GetInputCharacteristic = [](const OrtCustomOp* op, size_t i) {
+      return i < self(op)->required_inputs ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+    };
+    GetOutputCharacteristic = [](const OrtCustomOp* op, size_t i) {
+      return i < self(op)->required_outputs ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+    };
     GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
     CreateKernelV2 = [](const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info,
                         void** kernel) -> OrtStatus* {
@@ -160,12 +185,16 @@ struct Op : OrtCustomOp {
   static const Op* self(const OrtCustomOp* op) { return static_cast<const Op*>(op); }
 };
 
-// Float inputs take any type here (the kernels check: float32, float16, bfloat16), so that the
-// schema onnxruntime derives from these accepts every model the function bodies accept.
+// Float inputs take any type here (the kernels check: float32, float16, bfloat16, int8 caches),
+// so that the schema onnxruntime derives from these accepts every model the function bodies
+// accept. The scale caches of int8 caches are optional trailing inputs (and outputs).
 Op<PagedAttention> paged_attention_op(
-    "PagedAttention", {kAnyType, kAnyType, kAnyType, kInt32, kInt32, kInt32, kAnyType}, {0});
+    "PagedAttention",
+    {kAnyType, kAnyType, kAnyType, kInt32, kInt32, kInt32, kAnyType, kAnyType, kAnyType}, {0},
+    nullptr, 7);
 Op<ReshapeAndCache> reshape_and_cache_op(
-    "ReshapeAndCache", {kAnyType, kAnyType, kAnyType, kAnyType, kAnyType}, {2, 3});
+    "ReshapeAndCache", {kAnyType, kAnyType, kAnyType, kAnyType, kAnyType, kAnyType, kAnyType},
+    {2, 3, 5, 6}, infer_cache_outputs, 5, 2);
 Op<NeoxRotaryEmbedding> rotary_embedding_op("NeoxRotaryEmbedding", {kAnyType, kAnyType, kAnyType}, {0});
 Op<NeoxQKVRotaryEmbedding> qkv_rotary_embedding_op("NeoxQKVRotaryEmbedding",
                                                      {kAnyType, kAnyType, kAnyType}, {0, 0, 0},

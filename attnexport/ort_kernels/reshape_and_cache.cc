@@ -1,5 +1,8 @@
-// attnexport.ReshapeAndCache for onnxruntime's CPU execution provider (float32, float16,
-// bfloat16: rows are copied as bytes).
+// attnexport.ReshapeAndCache for onnxruntime's CPU execution provider: float32, float16 or
+// bfloat16 keys and values into float32, float16, bfloat16 or int8 caches. A row of the cache's
+// own type is copied as bytes; another float type is converted (round to nearest even); an int8
+// cache gets the row quantized with a float32 scale per slot and KV head, written to the scale
+// caches (inputs 5, 6; outputs 2, 3): the op contract's formula, docs/ops.md.
 //
 // When the caller binds each cache output to its input's buffer (the runtime's IO binding),
 // onnxruntime hands that buffer to the kernel as the output and the write costs O(new tokens).
@@ -9,13 +12,58 @@
 #include "reshape_and_cache.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "kernel_api.h"
 
 namespace attnexport {
+
+namespace {
+
+constexpr ONNXTensorElementDataType kFloat32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+constexpr ONNXTensorElementDataType kInt8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+
+// Row `n` elements of S (a float type) into the cache type C: rounded to nearest even.
+template <typename S, typename C>
+void convert_row(const S* src, C* dst, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = from_float<C>(to_float(src[d]));
+}
+
+// One row x of n elements into int8: amax = max |x|, scale = amax / 127, q = rint(x / scale)
+// clamped to [-127, 127] (IEEE division, round half to even; all zeros when scale is 0). A NaN
+// in the row makes amax and the scale NaN and the row zeros. Returns the scale.
+template <typename S>
+float quantize_row(const S* src, int8_t* dst, int64_t n, std::vector<float>& row) {
+  row.resize(n);
+  float amax = 0.0f;
+  bool nan = false;
+  for (int64_t d = 0; d < n; ++d) {
+    row[d] = to_float(src[d]);
+    nan |= std::isnan(row[d]);
+    amax = std::max(amax, std::fabs(row[d]));
+  }
+  const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
+  for (int64_t d = 0; d < n; ++d) {
+    float q = scale > 0.0f ? std::nearbyint(row[d] / scale) : 0.0f;
+    q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+    dst[d] = q == q ? static_cast<int8_t>(q) : 0;  // (inf / inf)
+  }
+  return scale;
+}
+
+template <typename Fn>
+void with_float_source(ONNXTensorElementDataType type, Fn fn) {
+  with_float_type(type, [&](auto tag) -> OrtStatus* {
+    fn(tag);
+    return nullptr;
+  });
+}
+
+}  // namespace
 
 OrtStatus* ReshapeAndCache::init(const OrtKernelInfo* info) {
   ATTNEXPORT_RETURN_IF_ERROR(int_attribute(info, "block_size", &block_size));
@@ -24,12 +72,17 @@ OrtStatus* ReshapeAndCache::init(const OrtKernelInfo* info) {
 }
 
 OrtStatus* ReshapeAndCache::compute(OrtKernelContext* context) const {
-  Tensor key, value, key_cache, value_cache, slots;
+  Tensor key, value, key_cache, value_cache, slots, key_scales, value_scales;
+  bool has_key_scales = false, has_value_scales = false;
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 0, &key));
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 1, &value));
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 2, &key_cache));
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 3, &value_cache));
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 4, &slots));
+  ATTNEXPORT_RETURN_IF_ERROR(read_optional_input(context, 5, &key_scales, &has_key_scales));
+  ATTNEXPORT_RETURN_IF_ERROR(read_optional_input(context, 6, &value_scales, &has_value_scales));
+  size_t outputs = 0;
+  ATTNEXPORT_RETURN_IF_ERROR(output_count(context, &outputs));
 
   if (key_cache.dims.size() != 4 || key_cache.dims[1] != block_size)
     return invalid("ReshapeAndCache: key_cache: expected [num_blocks, block_size = " +
@@ -44,11 +97,45 @@ OrtStatus* ReshapeAndCache::compute(OrtKernelContext* context) const {
     return invalid("ReshapeAndCache: expected slot_mapping [num_tokens] and key, value "
                    "[num_tokens, num_kv_heads, head_size] matching the caches; got slot_mapping " +
                    slots.shape() + ", key " + key.shape() + ", value " + value.shape());
-  const size_t element = element_size(key_cache.type);
-  if (element == 0 || key.type != key_cache.type || value.type != key_cache.type ||
-      value_cache.type != key_cache.type)
-    return invalid("ReshapeAndCache: key, value, key_cache and value_cache must share one "
-                   "float32, float16 or bfloat16 dtype");
+  if (element_size(key.type) == 0 || element_size(value.type) == 0)
+    return invalid(std::string("ReshapeAndCache: key and value: expected float32, float16 or "
+                               "bfloat16, got ") +
+                   type_name(key.type) + " and " + type_name(value.type));
+  const ONNXTensorElementDataType cache_type = key_cache.type;
+  if (element_size(cache_type) == 0 && cache_type != kInt8)
+    return invalid(std::string("ReshapeAndCache: key_cache: expected float32, float16, "
+                               "bfloat16 or int8, got ") +
+                   type_name(cache_type));
+  if (value_cache.type != cache_type)
+    return invalid(std::string("ReshapeAndCache: value_cache: expected the key_cache's dtype ") +
+                   type_name(cache_type) + ", got " + type_name(value_cache.type));
+  const bool int8 = cache_type == kInt8;
+  if (int8) {
+    if (!has_key_scales || !has_value_scales)
+      return invalid(std::string("ReshapeAndCache: int8 caches need ") +
+                     (!has_key_scales ? "key_scale_cache (input 5)" : "value_scale_cache (input 6)") +
+                     ", the float32 scale of each slot and KV head");
+    const std::vector<int64_t> scale_dims(key_cache.dims.begin(), key_cache.dims.begin() + 3);
+    const Tensor* scales[2] = {&key_scales, &value_scales};
+    const char* names[2] = {"key_scale_cache", "value_scale_cache"};
+    for (size_t i = 0; i < 2; ++i) {
+      if (scales[i]->dims != scale_dims)
+        return invalid(std::string("ReshapeAndCache: ") + names[i] +
+                       ": expected [num_blocks, block_size, num_kv_heads] = " +
+                       format_dims(scale_dims) + ", got " + scales[i]->shape());
+      if (scales[i]->type != kFloat32)
+        return invalid(std::string("ReshapeAndCache: ") + names[i] + ": expected float32, got " +
+                       type_name(scales[i]->type));
+    }
+    if (outputs < 4)
+      return invalid("ReshapeAndCache: int8 caches need the outputs key_scale_cache_out (2) "
+                     "and value_scale_cache_out (3)");
+  } else if (has_key_scales || has_value_scales) {
+    return invalid(std::string("ReshapeAndCache: ") +
+                   (has_key_scales ? "key_scale_cache (input 5)" : "value_scale_cache (input 6)") +
+                   " is given with " + type_name(cache_type) +
+                   " caches; scale caches go with int8 caches only");
+  }
   if (slots.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 &&
       slots.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64)
     return invalid("ReshapeAndCache: slot_mapping: expected int32 or int64");
@@ -77,17 +164,53 @@ OrtStatus* ReshapeAndCache::compute(OrtKernelContext* context) const {
     return invalid("ReshapeAndCache: slot_mapping: slot " + std::to_string(*twice) +
                    " is written by more than one token");
 
-  const size_t row = key_cache.dims[2] * key_cache.dims[3] * element;  // bytes per slot
+  const int64_t heads = key_cache.dims[2], head_size = key_cache.dims[3];
+  const int64_t row = heads * head_size;  // elements per slot
+  const size_t cache_element = int8 ? 1 : element_size(cache_type);
   const Tensor* sources[2] = {&key, &value};
   const Tensor* caches[2] = {&key_cache, &value_cache};
+  const Tensor* scale_inputs[2] = {&key_scales, &value_scales};
   for (size_t i = 0; i < 2; ++i) {
-    Tensor out;
+    Tensor out, scale_out;
     ATTNEXPORT_RETURN_IF_ERROR(make_output(context, i, caches[i]->dims, &out));
     auto* dst = static_cast<char*>(out.data);
-    if (dst != caches[i]->data) std::memcpy(dst, caches[i]->data, element * caches[i]->numel());
-    const auto* src = static_cast<const char*>(sources[i]->data);
-    for (int64_t t = 0; t < tokens; ++t)
-      if (slot[t] >= 0) std::memcpy(dst + slot[t] * row, src + t * row, row);
+    if (dst != caches[i]->data) std::memcpy(dst, caches[i]->data, cache_element * caches[i]->numel());
+    const Tensor& source = *sources[i];
+    if (int8) {
+      ATTNEXPORT_RETURN_IF_ERROR(make_output(context, 2 + i, scale_inputs[i]->dims, &scale_out));
+      auto* scale_dst = static_cast<float*>(scale_out.data);
+      if (scale_out.data != scale_inputs[i]->data)
+        std::memcpy(scale_dst, scale_inputs[i]->data, sizeof(float) * scale_inputs[i]->numel());
+      auto* cache = reinterpret_cast<int8_t*>(dst);
+      with_float_source(source.type, [&](auto tag) {
+        using S = decltype(tag);
+        const S* src = static_cast<const S*>(source.data);
+        std::vector<float> scratch;
+        for (int64_t t = 0; t < tokens; ++t) {
+          if (slot[t] < 0) continue;
+          for (int64_t h = 0; h < heads; ++h)
+            scale_dst[slot[t] * heads + h] = quantize_row(
+                src + t * row + h * head_size, cache + slot[t] * row + h * head_size, head_size,
+                scratch);
+        }
+      });
+    } else if (source.type == cache_type) {
+      const size_t bytes = row * cache_element;
+      const auto* src = static_cast<const char*>(source.data);
+      for (int64_t t = 0; t < tokens; ++t)
+        if (slot[t] >= 0) std::memcpy(dst + slot[t] * bytes, src + t * bytes, bytes);
+    } else {
+      with_float_source(source.type, [&](auto source_tag) {
+        using S = decltype(source_tag);
+        with_float_source(cache_type, [&](auto cache_tag) {
+          using C = decltype(cache_tag);
+          const S* src = static_cast<const S*>(source.data);
+          C* cache = reinterpret_cast<C*>(dst);
+          for (int64_t t = 0; t < tokens; ++t)
+            if (slot[t] >= 0) convert_row(src + t * row, cache + slot[t] * row, row);
+        });
+      });
+    }
   }
   return nullptr;
 }

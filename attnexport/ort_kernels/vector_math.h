@@ -3,19 +3,26 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace attnexport {
 
 // 16 float32 lanes (one AVX-512 register, two AVX2 ones: the compiler splits it as needed).
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef float f32x16_unaligned __attribute__((vector_size(64), aligned(4)));
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
 
 inline f32x16 load16(const float* p) { return *reinterpret_cast<const f32x16_unaligned*>(p); }
 inline void store16(float* p, f32x16 v) { *reinterpret_cast<f32x16_unaligned*>(p) = v; }
-inline f32x16 splat16(float x) { return f32x16{} + x; }
+// (Not f32x16{} + x: without -ffast-math that is an addition of 0, for x = -0.)
+inline f32x16 splat16(float x) { return f32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 inline float horizontal_sum(f32x16 v) {
   f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
@@ -142,14 +149,61 @@ inline BFloat16 from_float<BFloat16>(float x) {
 }
 
 // 16 elements of a storage type as float32 lanes, and back (rounded to nearest even).
+// The 16-bit loads widen whole vectors (vcvtph2ps for float16 where F16C or AVX-512 is there;
+// a 16-bit shift for bfloat16), where converting lane by lane cost the bfloat16 and float16
+// caches more time than their halved bytes saved (docs/benchmarks.md).
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef _Float16 f16x16 __attribute__((vector_size(32), aligned(2)));
+
+typedef int8_t i8x16 __attribute__((vector_size(16), aligned(1)));
+
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+
 template <typename T>
 inline f32x16 load16_float(const T* p) {
   if constexpr (sizeof(T) == sizeof(float)) {
     return load16(reinterpret_cast<const float*>(p));
-  } else {
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    // g++ 12 converts an int8 vector lane by lane (movsbl, vpinsrd), hence vpmovsxbd by
+    // intrinsics (the maskz form: the plain one trips -Werror=maybe-uninitialized, as above).
+#if defined(__AVX512F__)
+    const i32x16 wide = reinterpret_cast<i32x16>(
+        _mm512_maskz_cvtepi8_epi32(0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+    const i32x8 low = reinterpret_cast<i32x8>(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    const i32x8 high = reinterpret_cast<i32x8>(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+    const i32x16 wide =
+        __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    const i32x16 wide = __builtin_convertvector(*reinterpret_cast<const i8x16*>(p), i32x16);
+#endif
+    return __builtin_convertvector(wide, f32x16);
+  } else if constexpr (std::is_same_v<T, BFloat16>) {
+    // (g++ 12 widens a u16x16 as two 8-lane halves and an insert: vpmovzxwd zmm here)
+#if defined(__AVX512F__)
+    const u32x16 wide = reinterpret_cast<u32x16>(_mm512_maskz_cvtepu16_epi32(
+                            0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))))
+                        << 16;
+#else
+    const u32x16 wide = __builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16) << 16;
+#endif
     f32x16 v;
-    for (int i = 0; i < 16; ++i) v[i] = to_float(p[i]);
+    std::memcpy(&v, &wide, sizeof v);
     return v;
+  } else {
+#if defined(__F16C__)  // (g++ 12's _mm512_cvtph_ps trips -Werror=maybe-uninitialized)
+    const __m128i* halves = reinterpret_cast<const __m128i*>(p);
+    const f32x8 low = reinterpret_cast<f32x8>(_mm256_cvtph_ps(_mm_loadu_si128(halves)));
+    const f32x8 high = reinterpret_cast<f32x8>(_mm256_cvtph_ps(_mm_loadu_si128(halves + 1)));
+    return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    // g++ 12 widens a _Float16 vector lane by lane even where vcvtph2ps exists, hence the
+    // intrinsics above; this is the portable path.
+    return __builtin_convertvector(*reinterpret_cast<const f16x16*>(p), f32x16);
+#endif
   }
 }
 

@@ -289,7 +289,7 @@ LONG_DECODE = AttentionCase("long-decode", (1, 1, 5, 1), (1000, 600, 20, 0), hea
 )
 def test_native_paged_attention_splits_long_decode_contexts(case: AttentionCase):
     """Decode queries over hundreds of blocks: the native kernel splits each context across
-    threads (a partial softmax per split, combined afterwards), all KV heads per item."""
+    threads (a partial softmax per split, combined afterwards)."""
     _check_paged_attention(case, "native")
 
 
