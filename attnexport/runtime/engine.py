@@ -61,6 +61,9 @@ class EngineStats:
     num_encoder_tokens_computed: int = 0
     """Encoder-decoder models: encoder tokens run (again after a recomputation)."""
     num_preemptions: int = 0
+    num_rope_recomputations: int = 0
+    """LongRoPE models: requests recomputed because they grew past the RoPE switch length
+    (not counted in ``num_preemptions``)."""
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
     num_copied_blocks: int = 0
@@ -127,13 +130,17 @@ class Engine:
             spec.block_size,
             self.cache_config.enable_prefix_caching,
             cross=self.encoder_decoder is not None,
+            rope_switch_length=executor.rope_switch_length,
         )
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.scheduler = Scheduler(
+            self.scheduler_config, self.block_manager, executor.rope_switch_length
+        )
         self.limits = RequestLimits(
             executor.vocab_size,
             self.max_model_len,
             self.scheduler_config,
             encoder_decoder=self.encoder_decoder is not None,
+            rope_switch_length=executor.rope_switch_length,
         )
         self.outputs = OutputProcessor(self.scheduler, self.block_manager, self.max_model_len)
         self.stats = EngineStats()
@@ -359,6 +366,7 @@ class Engine:
         stats.num_prompt_tokens_computed += prompt_tokens
         stats.num_prefix_cache_hit_tokens += hits
         stats.num_preemptions += len(batch.preempted)
+        stats.num_rope_recomputations += len(batch.recomputed)
         stats.num_swapped_out_blocks += len(batch.swap_out)
         stats.num_swapped_in_blocks += len(batch.swap_in)
         stats.num_copied_blocks += len(batch.copies)
