@@ -9,6 +9,7 @@ case is exported once (``.pt2`` and ``.onnx``) for all its legs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -343,6 +344,7 @@ CROSSING_MAX_TOKENS = (GREEDY_STEPS, GREEDY_STEPS, 8, GREEDY_STEPS)
 
 @dataclass
 class Crossing:
+    checkpoint: Path
     model: object
     exports: Exports
     hf_tokens: list[list[int]]
@@ -374,7 +376,7 @@ def crossing(tmp_path_factory) -> Crossing:
         greedy_generate(hf_model, list(prompt), steps)[0]
         for prompt, steps in zip(CROSSING_PROMPTS, CROSSING_MAX_TOKENS, strict=True)
     ]
-    return Crossing(model, exports, hf_tokens)
+    return Crossing(directory, model, exports, hf_tokens)
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
@@ -418,3 +420,17 @@ def test_longrope_request_whose_recomputation_exceeds_the_token_budget_is_refuse
     assert engine.stats.num_steps == 0 and not engine.has_unfinished_requests()
     (output,) = engine.generate([list(PROMPTS[0])], SamplingParams(max_tokens=6))
     assert output.token_ids == crossing.hf_tokens[0][:6]
+
+
+def test_longrope_export_records_the_switch_for_the_loader(crossing, tmp_path):
+    """``attnexport export``'s manifest records the switch length, and the loader hands it to
+    TorchExecutor (a ``.pt2`` holds no such metadata itself)."""
+    from attnexport.artifact import ExportOptions, export_artifact
+    from attnexport.runtime.loading import load_executor
+
+    out = tmp_path / "export"
+    manifest = export_artifact(
+        str(crossing.checkpoint), out, ExportOptions(formats=("pt2",), block_size=BLOCK_SIZE)
+    )
+    assert manifest["rope_switch_length"] == ROPE_SWITCH
+    assert load_executor(out, executor="torch").rope_switch_length == ROPE_SWITCH
