@@ -420,6 +420,15 @@ def test_longrope_request_whose_recomputation_exceeds_the_token_budget_is_refuse
     assert engine.stats.num_steps == 0 and not engine.has_unfinished_requests()
     (output,) = engine.generate([list(PROMPTS[0])], SamplingParams(max_tokens=6))
     assert output.token_ids == crossing.hf_tokens[0][:6]
+    # without a SchedulerConfig (the CLI's engine) the default budget holds the switch
+    assert Engine(engine_executor("ort-bodies", crossing.exports)).scheduler_config == (
+        SchedulerConfig()
+    )
+    from attnexport.runtime import TorchExecutor
+
+    phi3_128k = TorchExecutor(crossing.exports.program, rope_switch_length=4096)
+    engine = Engine(phi3_128k, CacheConfig(num_blocks=512))
+    assert engine.scheduler_config.max_num_batched_tokens == 4097
 
 
 def test_longrope_export_records_the_switch_for_the_loader(crossing, tmp_path):
