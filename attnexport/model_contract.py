@@ -24,6 +24,9 @@ Keys (all values are strings; lists and maps are JSON):
 ``cache_outputs``            JSON object ``{cache input: its output}`` for written caches,
                              always ``{"X": "X_out"}``
 ``outputs``                  JSON list of the non-cache graph outputs, in order
+``rope_switch_length``       LongRoPE models only: the sequence length past which keys are
+                             rotated with the long factors (the engine recomputes a
+                             sequence crossing it); absent: no such switch
 ===========================  ==============================================================
 
 Caller-supplied metadata (for instance ``architecture``) is added under its own keys. The
@@ -69,6 +72,8 @@ class GraphContract:
     kv_cache_dtype: str | None = None
     """The caches' dtype when it differs from ``dtype`` (None: ``dtype``); int8 caches have
     float32 scale caches among ``cache_inputs``."""
+    rope_switch_length: int | None = None
+    """The model's ``rope_switch_length`` (LongRoPE), or None."""
     attnexport_version: str = __version__
     extra: dict[str, str] = field(default_factory=dict)
     """Caller-supplied keys (e.g. ``architecture``)."""
@@ -96,6 +101,8 @@ class GraphContract:
                 value = getattr(self, key)
                 if value is not None and not (key == "num_cross_layers" and value == 0):
                     props[key] = str(value)
+        if self.rope_switch_length is not None:
+            props["rope_switch_length"] = str(self.rope_switch_length)
         clash = sorted(set(props) & set(self.extra))
         if clash:
             raise ValueError(f"metadata: keys {clash} are written by attnexport itself")
@@ -118,6 +125,7 @@ class GraphContract:
             "cache_inputs",
             "cache_outputs",
             "outputs",
+            "rope_switch_length",
         }
         extra = {k: v for k, v in props.items() if k not in ours}
 
@@ -136,6 +144,7 @@ class GraphContract:
             head_size=integer("head_size"),
             dtype=props.get("dtype"),
             kv_cache_dtype=props.get("kv_cache_dtype"),
+            rope_switch_length=integer("rope_switch_length"),
             attnexport_version=props["attnexport_version"],
             extra=extra,
         )

@@ -89,6 +89,11 @@ class PagedModel(nn.Module):
     """Regexes of checkpoint tensors that carry nothing this model computes."""
     max_model_len: int | None = None
     """Longest sequence the model can position (learned position tables), if any."""
+    rope_switch_length: int | None = None
+    """LongRoPE: the length past which a sequence's keys are rotated with other frequencies
+    (``original_max_position_embeddings``); the engine recomputes a sequence that grows past
+    it (docs/runtime.md, "RoPE regime switch"). None: the rotation never depends on the
+    sequence's length."""
 
     def __init__(self, config) -> None:
         super().__init__()

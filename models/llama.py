@@ -230,6 +230,8 @@ class LlamaForCausalLM(DecoderModel):
         self.num_kv_heads = config.num_key_value_heads
         self.head_size = config.head_dim
         self.max_model_len = config.max_position_embeddings
+        if self.model.rotary_emb.is_longrope:
+            self.rope_switch_length = self.model.rotary_emb.long_after
         self.ignored_hf_weights = (r".*rotary_emb\.inv_freq",)  # saved by old transformers
         self.set_lm_head(config.hidden_size, config.vocab_size, config.tie_word_embeddings)
 

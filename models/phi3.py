@@ -7,11 +7,10 @@ its length in the step (see :class:`~attnexport.models.rope.RotaryEmbedding`).
 
 transformers re-runs a whole sequence with the long factors once it grows past
 ``original_max_position_embeddings`` during ``generate`` (its
-``prepare_inputs_for_generation`` drops the cache); the paged engine keeps the cached keys of
-the earlier steps, so a sequence that crosses that length while generating (or a longer
-prompt prefilled in chunks, or prefix-cache blocks of the other regime) differs from
-transformers (docs/models.md, "Notes on the newer families"). Sequences whose prompt is
-already longer and prefilled in one step, or that never cross it, match.
+``prepare_inputs_for_generation`` drops the cache). The model declares that length as
+``rope_switch_length`` (set by :class:`~attnexport.models.llama.LlamaForCausalLM` for any
+LongRoPE config) and the engine's scheduler recomputes a sequence crossing it
+(docs/runtime.md, "RoPE regime switch").
 """
 
 from __future__ import annotations

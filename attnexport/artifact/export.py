@@ -178,6 +178,7 @@ def export_artifact(
         "input_names": list(sample.input_names),
         "vocab_size": getattr(model.config, "vocab_size", None),
         "max_model_len": model.max_model_len,
+        "rope_switch_length": model.rope_switch_length,
         "generation": generation_defaults(source, model),
         **({"embedding": embedding} if embedding is not None else {}),
         "tokenizer_files": [n for n in tokenizer_files if n != "generation_config.json"],

@@ -16,6 +16,7 @@ model files it lists; no torch.
                   "accuracy_level": 4, "quantized_layers": 49, "float_layers": []},
       "file_digests": {"model.onnx": {"bytes": 123456, "sha256": "9f2c..."}, ...},
       "input_names": [...], "vocab_size": 256, "max_model_len": 2048,
+      "rope_switch_length": null,
       "generation": {"eos_token_ids": [2], "decoder_start_token_id": null,
                      "forced_bos_token_id": null, "forced_eos_token_id": null},
       "tokenizer_files": ["tokenizer.json", ...],
@@ -26,6 +27,10 @@ model files it lists; no torch.
 ``kv_cache_dtype`` (optional; absent = ``dtype``, as in manifests written before it existed)
 is the KV caches' dtype (``export --kv-cache-dtype``): ``float32``, ``bfloat16``, ``float16``
 or ``int8`` (with float32 scale caches); ``cache.dtype`` repeats it.
+
+``rope_switch_length`` (optional; absent or null = none): a LongRoPE model's
+``original_max_position_embeddings``, past which the engine recomputes a sequence (the
+``.onnx`` also records it in its graph contract; a ``.pt2`` has only the manifest).
 
 ``weights`` (optional; absent = float weights) records the weight-only quantization of the
 ONNX model (``export --weights int4|int8``, :mod:`attnexport.lowering.quantize`).
@@ -123,7 +128,7 @@ def validate_manifest(manifest, file: Path) -> None:
     names = manifest.get("input_names")
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise _field_error(file, "input_names", "a list of strings", names)
-    for key in ("vocab_size", "max_model_len"):
+    for key in ("vocab_size", "max_model_len", "rope_switch_length"):
         value = manifest.get(key)
         if value is not None and (type(value) is not int or value < 1):
             raise _field_error(file, key, "a positive integer or null", value)

@@ -126,6 +126,7 @@ def to_onnx(
         metadata: extra ``metadata_props`` (e.g. ``{"architecture": "llama"}``).
         cache_spec: the model's cache geometry, checked against the samples and recorded
             (``num_layers``/``num_cross_layers`` are otherwise inferred from the cache count).
+            A module's ``rope_switch_length`` (LongRoPE) is recorded too.
         opset_version: standard ONNX opset (>= 18).
 
     Returns:
@@ -192,6 +193,7 @@ def to_onnx(
         cache_outputs=cache_outputs,
         outputs=tuple(v.name for v in model.graph.outputs if v.name not in cache_outputs.values()),
         extra=dict(metadata or {}),
+        rope_switch_length=getattr(module_or_program, "rope_switch_length", None),
         **geometry,
     )
     model.metadata_props.update(contract.to_props())

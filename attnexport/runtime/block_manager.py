@@ -6,7 +6,9 @@ manager records (swaps and copy-on-write copies) before each model step.
 
 Prefix caching: a full block is identified by its tokens and the identity of the block before
 it, so a hit on block i implies the whole prefix up to it matches (for an encoder-decoder the
-first block's predecessor is the encoder input, which every decoder block depends on). Blocks
+first block's predecessor is the encoder input, which every decoder block depends on; for a
+LongRoPE model it also records whether the sequence is past the RoPE switch length, see
+``rope_switch_length``). Blocks
 whose last reference is dropped stay in the cache (and can be hit again) until they are
 reused, least recently freed first.
 
@@ -29,12 +31,14 @@ BlockKey = tuple[int, tuple[int, ...]]
 """(hash of the previous block's key, the block's token ids): what a cached block holds."""
 
 
-def _first_predecessor(seq: SequenceState) -> int:
-    """What a sequence's first block follows: nothing (0), or the encoder input it attends."""
+def _first_predecessor(seq: SequenceState, long_rope: bool = False) -> int:
+    """What a sequence's first block follows: nothing (0), or the encoder input it attends;
+    for a LongRoPE model past its switch length (``long_rope``), also the RoPE regime, so
+    that blocks computed with the long factors are never hits of a sequence computed with
+    the short ones, or the other way round."""
     encoder = seq.request.encoder
-    if encoder is None:
-        return 0
-    return hash(tuple(encoder.token_ids))
+    base = 0 if encoder is None else hash(tuple(encoder.token_ids))
+    return hash((base, "long_rope")) if long_rope else base
 
 
 class BlockPool:
@@ -120,8 +124,12 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         cross: bool = False,
+        rope_switch_length: int | None = None,
     ) -> None:
         self.block_size = block_size
+        self.rope_switch_length = rope_switch_length
+        """LongRoPE: a sequence longer than this is computed with the long factors (the
+        scheduler sees to it), and its blocks are cached under keys of that regime."""
         self.device = BlockPool(num_blocks, enable_prefix_caching)
         self.cpu = BlockPool(num_cpu_blocks)
         self.cross = BlockPool(num_blocks if cross else 0)
@@ -160,15 +168,33 @@ class BlockManager:
         bs = self.block_size
         while len(keys) <= index:
             i = len(keys)
-            previous = hash(keys[i - 1]) if i else _first_predecessor(seq)
+            previous = hash(keys[i - 1]) if i else _first_predecessor(seq, self._long_rope(seq))
             keys.append((previous, tuple(seq.token_ids[i * bs : (i + 1) * bs])))
         return keys[index]
+
+    def _long_rope(self, seq: SequenceState) -> bool:
+        """Whether ``seq``'s blocks hold (or, admitted now, will hold) keys of LongRoPE's long
+        regime: its cache's regime once it has one, else whether it is longer than the switch
+        length (the scheduler computes such a sequence in the long regime only)."""
+        switch = self.rope_switch_length
+        if switch is None:
+            return False
+        if seq.num_computed:
+            return seq.long_rope
+        return len(seq.token_ids) > switch
 
     def match_prefix(self, seq: SequenceState) -> list[int]:
         """Cached device blocks holding the leading full blocks of ``seq``'s tokens (at least one
         token is left to compute, so the step still produces logits). Nothing is reserved."""
         if not self.device.enable_caching or seq.block_ids:
             return []
+        keys = seq.block_hashes
+        if (
+            keys
+            and self.rope_switch_length is not None
+            and keys[0][0] != _first_predecessor(seq, self._long_rope(seq))
+        ):
+            seq.block_hashes = []  # keys of the other RoPE regime (it grew past the switch)
         hits = []
         for index in range((len(seq.token_ids) - 1) // self.block_size):
             block = self.device.lookup(self._key(seq, index))
@@ -300,6 +326,7 @@ class BlockManager:
         child.block_hashes = parent.block_hashes[: len(shared)]
         child.num_computed = computed
         child.num_registered_blocks = min(parent.num_registered_blocks, len(shared))
+        child.long_rope = parent.long_rope
 
     def free_swapped(self, seq: SequenceState) -> None:
         """Drops ``seq``'s references to its blocks in the CPU pool (it is swapped out)."""
@@ -315,6 +342,7 @@ class BlockManager:
         seq.block_ids = []
         seq.num_computed = 0
         seq.num_registered_blocks = 0
+        seq.long_rope = False
 
     # ------------------------------------------------------------------ swapping
     @staticmethod

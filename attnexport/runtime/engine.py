@@ -20,6 +20,7 @@ engine stays usable.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -61,6 +62,9 @@ class EngineStats:
     num_encoder_tokens_computed: int = 0
     """Encoder-decoder models: encoder tokens run (again after a recomputation)."""
     num_preemptions: int = 0
+    num_rope_recomputations: int = 0
+    """LongRoPE models: requests recomputed because they grew past the RoPE switch length
+    (not counted in ``num_preemptions``)."""
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
     num_copied_blocks: int = 0
@@ -75,7 +79,9 @@ class Engine:
     Args:
         executor: runs the model (:class:`TorchExecutor`, :class:`OrtExecutor`).
         cache_config: pool sizes and prefix caching (defaults: :class:`CacheConfig`).
-        scheduler_config: step limits and preemption mode (defaults: :class:`SchedulerConfig`).
+        scheduler_config: step limits and preemption mode (defaults: :class:`SchedulerConfig`,
+            with ``max_num_batched_tokens`` raised to a LongRoPE model's
+            ``rope_switch_length + 1`` when it is below).
         encoder_decoder: the decoder start token of an encoder-decoder model
             (default: the start token the executor found on the model); ignored otherwise.
         tokenizer: a :class:`~attnexport.runtime.text.Tokenizer`: prompts may then be text,
@@ -108,7 +114,7 @@ class Engine:
                     f"[0, {executor.vocab_size})"
                 )
         self.cache_config = cache_config or CacheConfig()
-        self.scheduler_config = scheduler_config or SchedulerConfig()
+        self.scheduler_config = scheduler_config or _default_scheduler_config(executor)
         self.max_model_len = (
             self.scheduler_config.max_model_len or executor.max_model_len or DEFAULT_MAX_MODEL_LEN
         )
@@ -127,13 +133,17 @@ class Engine:
             spec.block_size,
             self.cache_config.enable_prefix_caching,
             cross=self.encoder_decoder is not None,
+            rope_switch_length=executor.rope_switch_length,
         )
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.scheduler = Scheduler(
+            self.scheduler_config, self.block_manager, executor.rope_switch_length
+        )
         self.limits = RequestLimits(
             executor.vocab_size,
             self.max_model_len,
             self.scheduler_config,
             encoder_decoder=self.encoder_decoder is not None,
+            rope_switch_length=executor.rope_switch_length,
         )
         self.outputs = OutputProcessor(self.scheduler, self.block_manager, self.max_model_len)
         self.stats = EngineStats()
@@ -368,6 +378,7 @@ class Engine:
         stats.num_prompt_tokens_computed += prompt_tokens
         stats.num_prefix_cache_hit_tokens += hits
         stats.num_preemptions += len(batch.preempted)
+        stats.num_rope_recomputations += len(batch.recomputed)
         stats.num_swapped_out_blocks += len(batch.swap_out)
         stats.num_swapped_in_blocks += len(batch.swap_in)
         stats.num_copied_blocks += len(batch.copies)
@@ -479,6 +490,17 @@ class Engine:
 
     def reset_stats(self) -> None:
         self.stats = EngineStats()
+
+
+def _default_scheduler_config(executor: Executor) -> SchedulerConfig:
+    """:class:`SchedulerConfig`'s defaults, with a token budget that holds a LongRoPE model's
+    recomputation past its switch length (``switch + 1`` tokens in one step; Phi-3's 4096 is
+    above the default 2048)."""
+    config = SchedulerConfig()
+    switch = executor.rope_switch_length
+    if switch is not None and config.max_num_batched_tokens <= switch:
+        config = dataclasses.replace(config, max_num_batched_tokens=switch + 1)
+    return config
 
 
 def engine_from_path(

@@ -48,6 +48,13 @@ def _manifest_max_len(directory: Path) -> int | None:
     return None
 
 
+def _manifest_rope_switch(path: Path) -> int | None:
+    """``rope_switch_length`` from the manifest of an export directory or of the directory
+    holding a model file (None: none recorded, e.g. an older export)."""
+    value = _manifest(path).get("rope_switch_length")
+    return value if isinstance(value, int) else None
+
+
 def load_executor(
     path: str | os.PathLike,
     *,
@@ -79,6 +86,7 @@ def load_executor(
     kind, file = resolve_artifact(path, executor)
     if max_model_len is None and Path(path).is_dir():
         max_model_len = _manifest_max_len(Path(path))
+    rope_switch_length = _manifest_rope_switch(Path(path))
     if kind == "ort":
         from attnexport.runtime.executors.ort_executor import OrtExecutor
 
@@ -91,7 +99,11 @@ def load_executor(
 
         try:
             return OrtExecutor(
-                file, device=device, num_threads=num_threads, max_model_len=max_model_len
+                file,
+                device=device,
+                num_threads=num_threads,
+                max_model_len=max_model_len,
+                rope_switch_length=rope_switch_length,
             )
         except InvalidProtobuf as error:
             raise ArtifactError(
@@ -104,5 +116,6 @@ def load_executor(
         backend=backend,
         device=device,
         max_model_len=max_model_len,
+        rope_switch_length=rope_switch_length,
         trust_pickle=trust_pickle,
     )

@@ -21,6 +21,9 @@ class RequestLimits:
     scheduler_config: SchedulerConfig
     encoder_decoder: bool
     """The prompt is an encoder input (run whole, not chunked)."""
+    rope_switch_length: int | None = None
+    """LongRoPE: a sequence that gets longer than this is computed again over a first chunk
+    of at least ``rope_switch_length + 1`` tokens (see :mod:`attnexport.runtime.scheduler`)."""
 
     def check(
         self, prompt: Sequence[int] | str, params: SamplingParams, tokenizer: Tokenizer | None
@@ -32,7 +35,9 @@ class RequestLimits:
             TypeError: a prompt that is not a sequence of ints, or params that are not
                 SamplingParams.
             ValueError: an empty prompt, a prompt longer than ``max_model_len``, a token id
-                (prompt or forced) outside ``[0, vocab_size)``, or bad sampling parameters.
+                (prompt or forced) outside ``[0, vocab_size)``, bad sampling parameters, or
+                (LongRoPE) a request that grows past the RoPE switch length when
+                ``max_num_batched_tokens`` cannot hold the recomputation.
         """
         if not isinstance(params, SamplingParams):
             raise UserTypeError(f"params: expected SamplingParams, got {type(params).__name__}")
@@ -76,6 +81,19 @@ class RequestLimits:
                 f"prompt: {num_tokens} tokens exceed max_num_batched_tokens={budget} and "
                 "chunked prefill is disabled"
             )
+        switch = self.rope_switch_length
+        if switch is not None and budget <= switch:
+            # The longest sequence a step computes: the prompt, or the one before the last
+            # generated token (the last is sampled, never fed back).
+            longest = max(num_tokens, min(num_tokens + params.max_tokens, self.max_model_len) - 1)
+            if longest > switch:
+                raise UserError(
+                    f"max_num_batched_tokens: {budget} tokens cannot hold this request's "
+                    f"recomputation past the model's RoPE switch length {switch} (LongRoPE "
+                    f"original_max_position_embeddings; the prompt has {num_tokens} tokens, "
+                    f"max_tokens={params.max_tokens}): use max_num_batched_tokens >= "
+                    f"{switch + 1}, or fewer tokens"
+                )
 
 
 def _token_ids(prompt: Sequence[int] | str, tokenizer: Tokenizer | None) -> list[int]:

@@ -11,6 +11,15 @@ sequences, in this order:
 3. if nothing is swapped: waiting requests, oldest first (first the prefix-cache lookup, so a
    cached prefix costs neither tokens nor blocks).
 
+LongRoPE models (``rope_switch_length`` set): a sequence's keys are rotated with the long
+factors once it is longer than the switch length, as transformers' ``generate`` does by
+recomputing the whole sequence when it grows past it. So a running (or swapped) request whose
+sequence is now longer than the switch while its cache was computed at or below it is
+preempted by recomputation (blocks freed, back to the waiting queue by age) and prefilled again
+over all its tokens; and a chunk of a sequence longer than the switch always ends past it
+(its first computed chunk covers at least ``rope_switch_length + 1`` tokens), so no key of
+such a sequence is computed with the short factors.
+
 An encoder-decoder request is admitted with its cross blocks, and its encoder tokens count
 against the step's budget in the step that admits it (the encoder input is never chunked).
 Preempting it by recomputation frees its cross blocks too: the encoder runs again when it is
@@ -41,6 +50,9 @@ class ScheduledBatch:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     """(CPU block, device block) pairs."""
     preempted: list[Request] = field(default_factory=list)
+    recomputed: list[Request] = field(default_factory=list)
+    """Requests preempted by recomputation because they grew past the RoPE switch length
+    (not for lack of blocks: queued requests are still admitted in this step)."""
     failed: list[Request] = field(default_factory=list)
     """Requests that can never fit the pool; the engine finishes them with their error."""
 
@@ -60,9 +72,16 @@ def _insert_by_age(queue: list[Request], request: Request) -> None:
 class Scheduler:
     """Queues of requests and the per-step policy above."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        rope_switch_length: int | None = None,
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.rope_switch_length = rope_switch_length
+        """The model's LongRoPE switch length (None: no regime switch, no checks)."""
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -117,10 +136,14 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
+        switch = self.rope_switch_length
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if switch is not None and self._crosses_switch(request, switch):
+                self._preempt(request, batch, regime_switch=True)
+                continue
             plan, cost = self._plan(request, budget)
             if not plan:
                 index += 1
@@ -154,6 +177,15 @@ class Scheduler:
         batch.copies = bm.take_pending_copies()
         return batch
 
+    @staticmethod
+    def _crosses_switch(request: Request, switch: int) -> bool:
+        """A sequence of ``request`` is longer than the RoPE switch length while its cache
+        holds keys computed at or below it (with the short factors)."""
+        for seq in request.seqs:
+            if len(seq.token_ids) > switch and seq.num_computed and not seq.long_rope:
+                return True
+        return False
+
     def _waits_for_leader(self, request: Request, seq: SequenceState) -> bool:
         """After a recomputation, a forked sample waits until the first unfinished sample (the
         leader) has recomputed the shared prompt blocks, then shares them."""
@@ -172,6 +204,7 @@ class Scheduler:
     def _plan(self, request: Request, budget: int) -> tuple[list[tuple[SequenceState, int]], int]:
         """(sequence, tokens) pairs for ``request`` within ``budget``, and their token total."""
         plan, cost = [], 0
+        switch = self.rope_switch_length
         for seq in request.seqs:  # not unfinished_seqs(): no list built for every request
             if seq.finished or (request.shared_prefix_len and self._waits_for_leader(request, seq)):
                 continue
@@ -181,14 +214,36 @@ class Scheduler:
                 break
             if count < uncomputed and not self.config.enable_chunked_prefill:
                 break
+            if switch is not None and not self._rope_regime_ok(seq, seq.num_computed, count):
+                break
             plan.append((seq, count))
             cost += count
         return plan, cost
 
+    def _rope_regime_ok(self, seq: SequenceState, computed: int, count: int) -> bool:
+        """Computing ``count`` tokens of ``seq`` after its first ``computed`` keeps all its
+        keys in one RoPE regime: a sequence longer than the switch length computes a chunk
+        ending past it (its keys get the long factors), which then marks it long. A chunk
+        ending at or below it would get the short factors: the sequence waits for a budget
+        that holds the longer chunk (``RequestLimits`` refuses a request that never fits)."""
+        switch = self.rope_switch_length
+        if len(seq.token_ids) <= switch:
+            return True
+        if computed + count <= switch:
+            return False
+        seq.long_rope = True
+        return True
+
     def _schedule_swapped(self, batch: ScheduledBatch, budget: int) -> int:
         bm = self.block_manager
+        switch = self.rope_switch_length
         while self.swapped and budget > 0:
             request = self.swapped[0]
+            if switch is not None and self._crosses_switch(request, switch):
+                # Its CPU blocks hold short-regime keys: drop them and recompute.
+                self.swapped.pop(0)
+                self._requeue_for_recompute(request, batch, swapped=True)
+                continue
             if not self._has_seq_slots(request):
                 break
             plan, cost = self._plan(request, budget)
@@ -216,9 +271,14 @@ class Scheduler:
             encoder_cost = encoder.num_tokens if encoder and not encoder.encoded else 0
             plan, cost = [], encoder_cost
             for seq, seq_hits in zip(seqs, hits, strict=True):
-                remaining = seq.num_uncomputed - len(seq_hits) * bm.block_size
+                cached = len(seq_hits) * bm.block_size
+                remaining = seq.num_uncomputed - cached
                 count = min(remaining, budget - cost)
                 if count <= 0 or (count < remaining and not self.config.enable_chunked_prefill):
+                    break
+                if self.rope_switch_length is not None and not self._rope_regime_ok(
+                    seq, cached, count
+                ):
                     break
                 plan.append((seq, count))
                 cost += count
@@ -241,26 +301,46 @@ class Scheduler:
         self._num_running_seqs += self._seq_slots(request)
 
     # ------------------------------------------------------------------ preemption
-    def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
-        """Evicts ``request`` (running, none of its tokens scheduled in this step)."""
+    def _preempt(
+        self, request: Request, batch: ScheduledBatch, regime_switch: bool = False
+    ) -> None:
+        """Evicts ``request`` (running, none of its tokens scheduled in this step); with
+        ``regime_switch``, by recomputation because it grew past the RoPE switch length."""
         bm = self.block_manager
         self.running.remove(request)
         self._num_running_seqs -= self._seq_slots(request)
-        request.num_preemptions += 1
-        batch.preempted.append(request)
         seqs = request.unfinished_seqs()
-        if self.config.preemption_mode == "swap" and bm.can_swap_out(seqs):
+        if not regime_switch and self.config.preemption_mode == "swap" and bm.can_swap_out(seqs):
+            request.num_preemptions += 1
+            batch.preempted.append(request)
             batch.swap_out += bm.swap_out(seqs)
             request.status = Status.SWAPPED
             _insert_by_age(self.swapped, request)
         else:
-            for seq in seqs:
-                bm.free(seq)
-            bm.free_cross(request)
-            if len(seqs) > 1:
-                request.shared_prefix_len = request.prompt_len // bm.block_size * bm.block_size
-            request.status = Status.WAITING
-            _insert_by_age(self.waiting, request)
+            self._requeue_for_recompute(request, batch, swapped=False, regime_switch=regime_switch)
+
+    def _requeue_for_recompute(
+        self,
+        request: Request,
+        batch: ScheduledBatch,
+        swapped: bool,
+        regime_switch: bool = True,
+    ) -> None:
+        """Frees the blocks of ``request`` (in the CPU pool when ``swapped``) and queues it
+        to be computed again from its first token."""
+        bm = self.block_manager
+        request.num_preemptions += 1
+        (batch.recomputed if regime_switch else batch.preempted).append(request)
+        seqs = request.unfinished_seqs()
+        for seq in seqs:
+            if swapped:
+                bm.free_swapped(seq)
+            bm.free(seq)
+        bm.free_cross(request)
+        if len(seqs) > 1:
+            request.shared_prefix_len = request.prompt_len // bm.block_size * bm.block_size
+        request.status = Status.WAITING
+        _insert_by_age(self.waiting, request)
 
     def _fail_too_large(self, request: Request, batch: ScheduledBatch) -> None:
         pool = self.block_manager.num_blocks

@@ -64,6 +64,9 @@ class SequenceState:
     """Prefix-cache keys of the sequence's leading full blocks (computed lazily, in order)."""
     num_registered_blocks: int = 0
     """Leading blocks already entered in the prefix cache."""
+    long_rope: bool = False
+    """LongRoPE models: the cached keys were computed past the RoPE switch length (with the
+    long factors); reset when the blocks are freed."""
     finish_reason: str | None = None
 
     @property

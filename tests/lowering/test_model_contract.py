@@ -148,3 +148,15 @@ def test_metadata_errors(tmp_path):
         to_onnx(model, args, tmp_path / "m.onnx", cache_spec=wrong)
     with pytest.raises(ValueError, match=r"metadata: keys \['target'\] are written by attnexport"):
         to_onnx(model, args, tmp_path / "m.onnx", metadata={"target": "mine"})
+
+
+def test_rope_switch_length_is_a_contract_key_absent_when_none():
+    """A LongRoPE model's switch length is written under its own key and read back; a file
+    without it (any other model, older exports) reads as None, not as an extra key."""
+    contract = GraphContract(target="attnexport", rope_switch_length=4096)
+    props = contract.to_props()
+    assert props["rope_switch_length"] == "4096"
+    assert GraphContract.from_props(props) == contract
+    assert GraphContract.from_props(props).extra == {}
+    del props["rope_switch_length"]
+    assert GraphContract.from_props(props).rope_switch_length is None

@@ -32,6 +32,9 @@ class Exports:
 
     pt2: Path
     onnx: Path
+    rope_switch_length: int | None = None
+    """The module's (LongRoPE); the ``.onnx`` records it, the ``.pt2`` does not (an export
+    directory's manifest does, which the loader passes to TorchExecutor)."""
 
     @functools.cached_property
     def program(self) -> torch.export.ExportedProgram:
@@ -57,7 +60,7 @@ def write_exports(module: torch.nn.Module, block_size: int, directory: Path) -> 
         output_names=["logits"],
         cache_spec=module.cache_spec(block_size),
     )
-    return Exports(pt2, onnx_path)
+    return Exports(pt2, onnx_path, getattr(module, "rope_switch_length", None))
 
 
 def _skip_without_native_kernels() -> None:
@@ -107,7 +110,7 @@ def engine_executor(executor: str, exports: Exports):
     from attnexport.runtime import OrtExecutor, TorchExecutor
 
     if executor == "torch-pt2":
-        return TorchExecutor(exports.program)
+        return TorchExecutor(exports.program, rope_switch_length=exports.rope_switch_length)
     if executor == "ort-native":
         _skip_without_native_kernels()
     if executor in ("ort-bodies", "ort-native"):

@@ -9,6 +9,7 @@ case is exported once (``.pt2`` and ``.onnx``) for all its legs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -326,3 +327,119 @@ def test_soft_capped_gemma2_matches_the_float64_reference(tmp_path):
         without_caps = hf_uncapped(torch.tensor([PROMPTS[1]])).logits[0]
     assert (ours - reference).abs().max() < 2e-6
     assert (without_caps - reference).abs().max() > 1.0
+
+
+# LongRoPE past the switch length: transformers' generate recomputes a sequence with the long
+# factors when it grows past original_max_position_embeddings; the engine preempts it by
+# recomputation at that step (attnexport.runtime.scheduler).
+ROPE_SWITCH = 12
+CROSSING_PROMPTS = (
+    PROMPTS[0],  # below the switch, generation crosses it
+    PROMPTS[1],  # longer than the switch, prefilled in chunks of at most 16 tokens
+    PROMPTS[2],  # 8 tokens only: never crosses
+    PROMPTS[1][:9],  # below the switch, the first blocks of PROMPTS[1] (computed long)
+)
+CROSSING_MAX_TOKENS = (GREEDY_STEPS, GREEDY_STEPS, 8, GREEDY_STEPS)
+
+
+@dataclass
+class Crossing:
+    checkpoint: Path
+    model: object
+    exports: Exports
+    hf_tokens: list[list[int]]
+
+
+@pytest.fixture(scope="module")
+def crossing(tmp_path_factory) -> Crossing:
+    """A Phi-3 LongRoPE checkpoint with a 12-token switch, exported once, and transformers'
+    greedy tokens of :data:`CROSSING_PROMPTS`, each generated alone."""
+    config = transformers.Phi3Config(
+        **_COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        original_max_position_embeddings=ROPE_SWITCH,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 500.0,
+            "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.5, 2.0, 4.0],
+            "long_factor": [3.0, 6.0, 12.0, 32.0],
+        },
+    )
+    directory = tmp_path_factory.mktemp("phi3-crossing")
+    hf_model = build_checkpoint("Phi3ForCausalLM", config, directory)
+    model = load_model(directory)
+    exports = write_exports(model, BLOCK_SIZE, tmp_path_factory.mktemp("phi3-crossing-x"))
+    hf_tokens = [
+        greedy_generate(hf_model, list(prompt), steps)[0]
+        for prompt, steps in zip(CROSSING_PROMPTS, CROSSING_MAX_TOKENS, strict=True)
+    ]
+    return Crossing(directory, model, exports, hf_tokens)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+@pytest.mark.parametrize("executor", ENGINE_EXECUTORS)
+def test_longrope_generation_crossing_the_switch_matches_transformers(
+    crossing, executor, prefix_caching
+):
+    """A ragged batch through the engine: a sequence whose generation crosses the switch
+    length, one whose prompt is longer than it (chunked at 16 tokens, every chunk past it),
+    one that never reaches it, and one sharing the first blocks of the long prompt while
+    below it: greedy tokens equal transformers' generate on each alone."""
+    assert crossing.model.rope_switch_length == ROPE_SWITCH
+    runtime = engine_executor(executor, crossing.exports)
+    assert runtime.rope_switch_length == ROPE_SWITCH  # the .onnx: from its graph contract
+    engine = Engine(
+        runtime,
+        CacheConfig(num_blocks=NUM_BLOCKS, enable_prefix_caching=prefix_caching),
+        SchedulerConfig(max_model_len=64, max_num_batched_tokens=16),
+    )
+    params = [SamplingParams(max_tokens=n) for n in CROSSING_MAX_TOKENS]
+    outputs = engine.generate([list(p) for p in CROSSING_PROMPTS], params)
+    assert [o.token_ids for o in outputs] == crossing.hf_tokens
+    # the three that cross are recomputed once each; the long prompt never is
+    assert engine.stats.num_rope_recomputations == 2
+    assert engine.block_manager.num_used_blocks() == 0
+
+
+def test_longrope_request_whose_recomputation_exceeds_the_token_budget_is_refused(crossing):
+    """With fewer tokens a step than the switch length + 1, a request that would grow (or
+    whose prompt is) past the switch is refused when added, naming the budget, before any
+    step runs; one that stays below it is taken."""
+    engine = Engine(
+        engine_executor("ort-bodies", crossing.exports),
+        CacheConfig(num_blocks=NUM_BLOCKS),
+        SchedulerConfig(max_model_len=64, max_num_batched_tokens=ROPE_SWITCH),
+    )
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens: 12 tokens .* >= 13"):
+        engine.add_request(list(PROMPTS[1]), SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        engine.add_request(list(PROMPTS[0]), SamplingParams(max_tokens=7))  # 7 + 7 - 1 > 12
+    assert engine.stats.num_steps == 0 and not engine.has_unfinished_requests()
+    (output,) = engine.generate([list(PROMPTS[0])], SamplingParams(max_tokens=6))
+    assert output.token_ids == crossing.hf_tokens[0][:6]
+    # without a SchedulerConfig (the CLI's engine) the default budget holds the switch
+    assert Engine(engine_executor("ort-bodies", crossing.exports)).scheduler_config == (
+        SchedulerConfig()
+    )
+    from attnexport.runtime import TorchExecutor
+
+    phi3_128k = TorchExecutor(crossing.exports.program, rope_switch_length=4096)
+    engine = Engine(phi3_128k, CacheConfig(num_blocks=512))
+    assert engine.scheduler_config.max_num_batched_tokens == 4097
+
+
+def test_longrope_export_records_the_switch_for_the_loader(crossing, tmp_path):
+    """``attnexport export``'s manifest records the switch length, and the loader hands it to
+    TorchExecutor (a ``.pt2`` holds no such metadata itself)."""
+    from attnexport.artifact import ExportOptions, export_artifact
+    from attnexport.runtime.loading import load_executor
+
+    out = tmp_path / "export"
+    manifest = export_artifact(
+        str(crossing.checkpoint), out, ExportOptions(formats=("pt2",), block_size=BLOCK_SIZE)
+    )
+    assert manifest["rope_switch_length"] == ROPE_SWITCH
+    assert load_executor(out, executor="torch").rope_switch_length == ROPE_SWITCH

@@ -176,3 +176,23 @@ def test_samples_hitting_the_same_unheld_block_count_it_once():
     assert bm.admission_cost(plan, hits) == 3  # the shared hit once, one new block each
     bm.admit(request, plan, hits)
     assert bm.device.ref_counts[hits[0][0]] == 2 and bm.device.num_free == 1
+
+
+def test_prefix_cache_keys_carry_the_rope_regime():
+    """LongRoPE (switch 10): blocks computed at or below the switch (short factors) are never
+    hits of a sequence longer than it (computed with the long factors), nor the other way
+    round; the same regime hits."""
+    bm = BlockManager(32, 4, 4, rope_switch_length=10)
+    short = _seq(range(8))
+    _grow(bm, short, 8)
+    assert bm.match_prefix(_seq([*range(8), 50], 1)) == short.block_ids[:2]  # 9 <= 10
+    grown = _seq([*range(8), 50, 51, 52, 53], 2)  # 12 > 10: computed long
+    assert bm.match_prefix(grown) == []
+    long = _seq(range(100, 114), 3)
+    long.long_rope = True  # as the scheduler marks it when it plans a chunk past the switch
+    _grow(bm, long, 14)
+    assert bm.match_prefix(_seq(range(100, 113), 4)) == long.block_ids[:3]
+    below = _seq(range(100, 109), 5)  # 9 tokens: short
+    assert bm.match_prefix(below) == []
+    below.token_ids += [108, 109, 110]  # it grew past the switch: its short keys are dropped
+    assert bm.match_prefix(below) == long.block_ids[:2]

@@ -107,3 +107,69 @@ def test_a_request_larger_than_the_pool_fails_alone():
 def test_bad_configs_name_the_field(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+# ---------------------------------------------------------------- LongRoPE switch length
+
+
+def _rope_scheduler(switch: int, num_blocks=64, **config) -> Scheduler:
+    bm = BlockManager(num_blocks, 16, 4, enable_prefix_caching=False, rope_switch_length=switch)
+    return Scheduler(SchedulerConfig(**config), bm, rope_switch_length=switch)
+
+
+def test_a_sequence_growing_past_the_rope_switch_is_recomputed_whole_in_one_step():
+    """At the step its length first exceeds the switch (10) with a cache computed at or below
+    it, a request is preempted by recomputation (its blocks go back to the pool) and computed
+    again over all its tokens in that same step; the other request decodes on, and is
+    recomputed in turn when it crosses."""
+    scheduler = _rope_scheduler(10, max_num_batched_tokens=32)
+    r0, r1 = _add(scheduler, 7, 0), _add(scheduler, 3, 1)
+    assert _step(scheduler) == {"r0": 7, "r1": 3}
+    for _ in range(3):
+        assert _step(scheduler) == {"r0": 1, "r1": 1}
+    seq = r0.seqs[0]
+    assert (seq.num_computed, len(seq.token_ids), seq.long_rope) == (10, 11, False)
+    old_blocks = list(seq.block_ids)
+    batch = scheduler.schedule()
+    assert batch.recomputed == [r0] and batch.preempted == [] and r0.num_preemptions == 1
+    ids = [s.request.request_id for s in batch.seqs]
+    # r0 computes every token again: all its keys get the long factors
+    assert dict(zip(ids, batch.num_new_tokens, strict=True)) == {"r1": 1, "r0": 11}
+    assert seq.long_rope and not set(seq.block_ids) & set(old_blocks)
+    assert scheduler.block_manager.num_used_blocks() == 3 + 2  # the old 3 blocks are free
+    for s, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        s.num_computed += count
+        s.token_ids.append(1)
+    assert _step(scheduler) == {"r0": 1, "r1": 1}  # long now: no second recomputation
+    steps = [_step(scheduler) for _ in range(3)]
+    assert steps[-1] == {"r0": 1, "r1": 11} and r1.seqs[0].long_rope
+
+
+def test_a_prompt_longer_than_the_rope_switch_is_never_chunked_below_it():
+    """A chunk of a sequence longer than the switch ends past it: with 8 tokens of the budget
+    left (a chunk ending at 8 <= 10) the 14-token prompt waits; with 11 left it starts."""
+    scheduler = _rope_scheduler(10, max_num_batched_tokens=12)
+    _add(scheduler, 4, 0)
+    _add(scheduler, 14, 1)
+    assert _step(scheduler) == {"r0": 4}  # not {"r0": 4, "r1": 8}
+    assert _step(scheduler) == {"r0": 1, "r1": 11}
+    assert _step(scheduler) == {"r0": 1, "r1": 3}
+
+
+def test_a_swapped_request_that_crossed_the_rope_switch_is_recomputed_not_swapped_in():
+    """Swapped out for blocks at the step it would cross the switch, a request is not brought
+    back with its short-regime keys: its CPU blocks are dropped and it waits to be computed
+    again."""
+    scheduler = _rope_scheduler(10, num_blocks=6, max_num_batched_tokens=32, preemption_mode="swap")
+    bm = scheduler.block_manager
+    _add(scheduler, 7, 0)
+    r1 = _add(scheduler, 5, 1)
+    for _ in range(7):
+        _step(scheduler)
+    seq = r1.seqs[0]
+    assert r1.status == Status.SWAPPED and (seq.num_computed, len(seq.token_ids)) == (10, 11)
+    assert bm.cpu.num_free == 16 - 3
+    batch = scheduler.schedule()
+    assert batch.recomputed == [r1] and batch.swap_in == []
+    assert r1.status == Status.WAITING and seq.num_computed == 0 and not seq.block_ids
+    assert bm.cpu.num_free == 16

@@ -56,6 +56,7 @@ class Executor(abc.ABC):
         vocab_size: int,
         max_model_len: int | None,
         device: Any,
+        rope_switch_length: int | None = None,
     ) -> None:
         self.cache_spec = cache_spec
         self.vocab_size = vocab_size
@@ -66,6 +67,9 @@ class Executor(abc.ABC):
         self.cache_pool: CachePool | None = None
         self.decoder_start_token_id: int | None = None
         """Encoder-decoder models: the decoder start token, when the model states it."""
+        self.rope_switch_length = rope_switch_length
+        """LongRoPE models: the sequence length past which keys get other RoPE factors (the
+        engine recomputes a sequence that crosses it); None for every other model."""
 
     @property
     def kv_caches(self) -> list:

@@ -117,6 +117,8 @@ class OrtExecutor(Executor):
             :mod:`attnexport.ort_kernels` (an error if that library is not built or
             the device is cuda); ``bodies``, their standard-op function bodies; ``auto``
             (default), native on cpu when the library is built, else the bodies.
+        rope_switch_length: the LongRoPE switch length when the file's contract does not
+            record one (see :attr:`Executor.rope_switch_length`).
     """
 
     name = "onnxruntime"
@@ -131,6 +133,7 @@ class OrtExecutor(Executor):
         session_options=None,
         max_model_len: int | None = None,
         kernels: str = "auto",
+        rope_switch_length: int | None = None,
     ) -> None:
         import onnxruntime as ort
 
@@ -215,7 +218,13 @@ class OrtExecutor(Executor):
             num_cross_layers=meta.num_cross_layers,
         )
         found = next((int(meta.extra[k]) for k in _MAX_LEN_KEYS if k in meta.extra), None)
-        super().__init__(spec, vocab_size, max_model_len or found, device)
+        super().__init__(
+            spec,
+            vocab_size,
+            max_model_len or found,
+            device,
+            rope_switch_length or meta.rope_switch_length,
+        )
         self._binding = None
         self._cache_values: list = []
         self._input_buffers: dict[str, np.ndarray] = {}

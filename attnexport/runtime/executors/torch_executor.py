@@ -58,6 +58,10 @@ class TorchExecutor(Executor):
             or the input and output shapes of an exported program.
         trust_pickle: load a ``.pt2`` path even when its archive holds entries that loading
             would unpickle (they can run code); see :func:`attnexport.artifact.load_pt2`.
+        rope_switch_length: the LongRoPE switch length (see
+            :attr:`Executor.rope_switch_length`): a module's ``rope_switch_length`` when not
+            given; an exported program does not record it (the export manifest does, which
+            :func:`~attnexport.runtime.loading.load_executor` passes here).
     """
 
     name = "torch"
@@ -74,6 +78,7 @@ class TorchExecutor(Executor):
         vocab_size: int | None = None,
         max_model_len: int | None = None,
         trust_pickle: bool = False,
+        rope_switch_length: int | None = None,
     ) -> None:
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -106,7 +111,11 @@ class TorchExecutor(Executor):
         if vocab_size is None:
             raise ValueError("vocab_size: the model does not state its vocabulary; pass it")
         super().__init__(
-            cache_spec, vocab_size, max_model_len or found.get("max_model_len"), device
+            cache_spec,
+            vocab_size,
+            max_model_len or found.get("max_model_len"),
+            device,
+            rope_switch_length or found.get("rope_switch_length"),
         )
         if isinstance(model, torch.nn.Module):
             module = module.to(device).eval()
@@ -148,6 +157,7 @@ def _module_facts(
         ("vocab_size", ("vocab_size",)),
         ("max_model_len", ("max_model_len", "max_position_embeddings")),
         ("decoder_start_token_id", ("decoder_start_token_id",)),
+        ("rope_switch_length", ("rope_switch_length",)),
     ):
         for owner in (module, config):
             value = next((getattr(owner, n) for n in names if hasattr(owner, n)), None)
