@@ -168,12 +168,17 @@ class _Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    new_ids: list[int] = field(default_factory=list)
+    """The tokens the last :meth:`update` took."""
 
     def update(self, sample: CompletionOutput) -> str:
-        """Takes the sample's new tokens; returns the text they add (maybe empty)."""
+        """Takes the sample's new tokens; returns the text they add (maybe empty: a partial
+        character or word is held back)."""
+        self.new_ids = []
         if self.finish_reason is not None:
             return ""
-        self.token_ids += sample.new_token_ids
+        self.new_ids = list(sample.new_token_ids)
+        self.token_ids += self.new_ids
         final = sample.finish_reason is not None
         delta = ""
         if self.detokenizer is not None:
@@ -337,16 +342,13 @@ class _Server:
             choice = prompt.choices[sample.index]
             was_done = choice.finish_reason is not None
             delta = choice.update(sample)
-            if delta or (choice.finish_reason is not None and not was_done):
+            if delta or choice.new_ids or (choice.finish_reason is not None and not was_done):
                 changed.append((index * n + sample.index, delta))
         done = all(c.finish_reason is not None for c in prompt.choices)
         if done and not output.finished:
             run.group.abort_one(index)  # stop strings ended every sample
         if (done or output.finished) and index not in run.done:
             run.done.add(index)
-            reasons = {c.finish_reason for c in prompt.choices}
-            for reason in reasons:
-                self.metrics.finished("error" if prompt.error else reason if reason else "aborted")
             self.metrics.request_latency.observe(now - run.arrival)
         return changed
 
@@ -418,9 +420,7 @@ class _Server:
                             index=i,
                             text=delta,
                             finish_reason=choice.finish_reason,
-                            token_ids=_new_ids(choice, output, i, run)
-                            if body.return_token_ids
-                            else None,
+                            token_ids=choice.new_ids if body.return_token_ids else None,
                         )
                     ],
                 )
@@ -457,7 +457,7 @@ class _Server:
         async for index, output in run.group:
             for i, delta in self.take(run, index, output):
                 choice = run.choice(i)
-                ids = _new_ids(choice, output, i, run) if body.return_token_ids else None
+                ids = choice.new_ids if body.return_token_ids else None
                 yield chunk(i, DeltaMessage(content=delta), choice.finish_reason, ids)
         self._check_failed(run)
         if body.stream_options is not None and body.stream_options.include_usage:
@@ -515,11 +515,6 @@ class _Run:
         """Consumes every output (non-streaming responses)."""
         async for index, output in self.group:
             server.take(self, index, output)
-
-
-def _new_ids(choice: _Choice, output: RequestOutput, i: int, run: _Run) -> list[int]:
-    n = len(run.prompts[0].choices)
-    return list(output.outputs[i % n].new_token_ids)
 
 
 def _engine_error(message: str) -> APIError:

@@ -53,7 +53,8 @@ class ServerMetrics:
         ).labels(model_name)
         self._finished = Counter(
             "attnexport_requests_finished",
-            "Requests finished, by finish reason (stop, length, error, aborted).",
+            "Requests finished, by the engine's finish reason: stop, length, error, aborted "
+            "(a client that went away, a stop string that ended every sample, a shutdown).",
             [*labels, "finish_reason"],
             registry=self.registry,
         )
@@ -91,8 +92,11 @@ class ServerMetrics:
         self._finished.labels(self.model_name, reason).inc()
 
     def on_step(self, state: EngineState, step: StepOutputs) -> None:
-        """The driver's state after an iteration (driver thread)."""
-        del step
+        """The driver's state after an iteration, and the requests it finished, by the
+        engine's finish reason (driver thread)."""
+        for output in step.outputs if step is not None else ():
+            if output.finished:
+                self.finished(output.finish_reason or "aborted")
         self.requests_running.set(state.num_running)
         self.requests_waiting.set(state.num_waiting)
         self.kv_blocks_in_use.set(state.blocks_in_use)
