@@ -143,16 +143,17 @@ def create_app(
 
 
 def _validation_error(error: RequestValidationError) -> InvalidRequest:
-    """FastAPI's validation errors (and malformed JSON) as one 400 naming the first field."""
+    """FastAPI's validation errors (and malformed JSON) as one 400: ``param`` is the top-level
+    field, the message names the whole path (``stop_token_ids.0: ...``)."""
     first = error.errors()[0] if error.errors() else {}
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     # pydantic adds the union member it tried ("str", "list[int]") to the location.
     names = [part for part in loc if not any(c in part for c in "[]") and part not in _TYPES]
-    param = ".".join(names) or None
+    path = ".".join(names)
     message = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
         message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}"
-    return InvalidRequest(f"{param}: {message}" if param else message, param)
+    return InvalidRequest(f"{path}: {message}" if path else message, names[0] if names else None)
 
 
 _TYPES = frozenset({"str", "int", "float", "bool", "list", "dict", "function-after"})

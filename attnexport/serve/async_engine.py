@@ -13,15 +13,19 @@ stream of its outputs (vLLM's AsyncLLM pattern).
 
 :class:`~attnexport.runtime.Engine` is single-threaded, so only the driver thread touches it:
 coroutines (or other threads) hand it requests to add and ids to abort through a locked
-inbox and wake it; after each step it hands the step's outputs to the event loop in one
-``call_soon_threadsafe`` call, where they are sorted into the per-request queues. An abort
-(a client that went away) is applied before the driver's next step, so the request's blocks
-are free within one step. The driver sleeps on an event while nothing is queued or running.
+inbox and wake it; after each step it puts the step's outputs in an outbox and, unless a
+delivery is already scheduled, schedules one on the event loop (``call_soon_threadsafe``).
+Delivery merges each output into its request's pending output: a consumer that fell behind
+(a slow client, a busy loop) finds one output holding the tokens of several steps, never a
+backlog, so neither memory nor the loop's work grows with the lag. An abort (a client that
+went away) is applied before the driver's next step, so the request's blocks are free within
+one step. The driver sleeps on an event while nothing is queued or running.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -30,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from attnexport.runtime.engine import Engine
-from attnexport.runtime.outputs import RequestOutput
+from attnexport.runtime.outputs import RequestMetrics, RequestOutput
 from attnexport.runtime.sampling import SamplingParams
 
 logger = logging.getLogger("attnexport.serve")
@@ -76,17 +80,18 @@ class RequestGroup:
 
     Call :meth:`abort` when the consumer stops early (a client that went away, a stop string):
     the unfinished requests are aborted and their blocks are free after the driver's next
-    iteration. It is idempotent and also what a finished group does to forget its queue.
+    iteration. It is idempotent and also what a finished group does to forget its requests.
     """
 
     def __init__(self, engine: AsyncEngine, request_ids: list[str]) -> None:
         self.engine = engine
         self.request_ids = request_ids
         self.index = {rid: i for i, rid in enumerate(request_ids)}
-        self.queue: asyncio.Queue[tuple[RequestOutput, float]] = asyncio.Queue()
         self.unfinished = set(request_ids)
         self.time = 0.0
         """When the driver finished the step of the output last returned (perf_counter)."""
+        self._pending: dict[str, RequestOutput] = {}
+        self._ready = asyncio.Event()
 
     def __aiter__(self) -> RequestGroup:
         return self
@@ -95,10 +100,25 @@ class RequestGroup:
         if not self.unfinished:
             self.abort()
             raise StopAsyncIteration
-        output, self.time = await self.queue.get()
+        while not self._pending:
+            self._ready.clear()
+            await self._ready.wait()
+        request_id = next(iter(self._pending))
+        output = self._pending.pop(request_id)
         if output.finished:
-            self.unfinished.discard(output.request_id)
-        return self.index[output.request_id], output
+            self.unfinished.discard(request_id)
+        return self.index[request_id], output
+
+    def _put(self, output: RequestOutput, time: float) -> None:
+        """Event loop: a delivered output, merged into the request's pending one."""
+        self.time = time
+        pending = self._pending.get(output.request_id)
+        if pending is not None:
+            earlier = {sample.index: sample.new_token_ids for sample in pending.outputs}
+            for sample in output.outputs:
+                sample.new_token_ids = earlier.get(sample.index, []) + sample.new_token_ids
+        self._pending[output.request_id] = output
+        self._ready.set()
 
     def abort_one(self, index: int) -> None:
         """Aborts the request of prompt ``index`` (if it is still running)."""
@@ -107,7 +127,7 @@ class RequestGroup:
             self.engine.abort([request_id])
 
     def abort(self) -> None:
-        """Aborts every unfinished request of the group and drops its queue."""
+        """Aborts every unfinished request of the group and forgets the group."""
         self.engine._forget(self.request_ids)
         if self.unfinished:
             self.engine.abort(sorted(self.unfinished))
@@ -147,9 +167,9 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queues: dict[
-            str, asyncio.Queue[RequestOutput]
-        ] = {}  # event-loop side: request id -> queue
+        self._groups: dict[str, RequestGroup] = {}  # event-loop side: request id -> group
+        self._outbox: list[StepOutputs] = []  # driver -> event loop, under _lock
+        self._delivery_scheduled = False
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ lifecycle
@@ -211,7 +231,7 @@ class AsyncEngine:
             )
         group = RequestGroup(self, [f"srv-{next(self._ids)}" for _ in tokens])
         for request_id in group.request_ids:
-            self._queues[request_id] = group.queue
+            self._groups[request_id] = group
         with self._lock:
             self._adds.extend(zip(group.request_ids, tokens, params, strict=True))
         self._wake.set()
@@ -225,7 +245,7 @@ class AsyncEngine:
 
     def _forget(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
-            self._queues.pop(request_id, None)
+            self._groups.pop(request_id, None)
 
     def _stopped_reason(self) -> str:
         if self._error is not None:
@@ -233,11 +253,29 @@ class AsyncEngine:
         return "the server is shutting down"
 
     # ------------------------------------------------------------------ event-loop side
-    def _deliver(self, step: StepOutputs) -> None:
-        for output in step.outputs:
-            queue = self._queues.get(output.request_id)
-            if queue is not None:  # else its consumer left; the abort is on its way
-                queue.put_nowait((output, step.time))
+    def _deliver(self) -> None:
+        with self._lock:
+            steps, self._outbox = self._outbox, []
+            self._delivery_scheduled = False
+        for step in steps:
+            for output in step.outputs:
+                group = self._groups.get(output.request_id)
+                if group is not None:  # else its consumer left; the abort is on its way
+                    group._put(output, step.time)
+
+    def _send(self, step: StepOutputs) -> None:
+        """Driver thread: puts ``step`` in the outbox; schedules a delivery unless one is."""
+        loop = self._loop
+        if not step.outputs or loop is None or loop.is_closed():
+            return
+        with self._lock:
+            self._outbox.append(step)
+            if self._delivery_scheduled:
+                return
+            self._delivery_scheduled = True
+        # RuntimeError: the loop closed meanwhile, so nobody is left to deliver to.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(self._deliver)
 
     # ------------------------------------------------------------------ driver thread
     def _drive(self) -> None:
@@ -261,7 +299,11 @@ class AsyncEngine:
                 for request_id, tokens, params in adds:
                     if request_id in aborted or stopping:
                         continue
-                    engine.add_request(tokens, params, request_id)  # checked by submit()
+                    try:  # checked by submit(); a failure here still must not stop the driver
+                        engine.add_request(tokens, params, request_id)
+                    except Exception as error:
+                        step.outputs.append(_failed(request_id, tokens, error))
+                        continue
                     sent[request_id] = {}
                 if engine.has_unfinished_requests():
                     try:
@@ -310,8 +352,7 @@ class AsyncEngine:
         step.time = time.perf_counter()
         if self.on_step is not None:
             self.on_step(state, step)
-        if step.outputs and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._deliver, step)
+        self._send(step)
 
     def _fail_all(self, sent: dict, error: BaseException) -> None:
         """The driver is dying: every live request gets a finished output with the error."""
@@ -324,5 +365,17 @@ class AsyncEngine:
                 continue
             output.error = output.error or f"the engine stopped: {type(error).__name__}: {error}"
             step.outputs.append(output)
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._deliver, step)
+        self._send(step)
+
+
+def _failed(request_id: str, tokens: list[int], error: Exception) -> RequestOutput:
+    """The finished output of a request the engine refused to add."""
+    now = time.perf_counter()
+    return RequestOutput(
+        request_id=request_id,
+        prompt_token_ids=list(tokens),
+        outputs=[],
+        finished=True,
+        error=f"{type(error).__name__}: {error}",
+        metrics=RequestMetrics(now, None, None, now, len(tokens), 0, 0),
+    )

@@ -188,9 +188,8 @@ def test_curl_completions_streaming_and_chat(server):
     events = list(sse_events(iter(curl("/v1/completions", {**body, "stream": True}).split("\n"))))
     assert events[-1] == "[DONE]"
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == full["choices"][0]["text"]
-    chat = json.loads(
-        curl("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})
-    )
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = json.loads(curl("/v1/chat/completions", {"messages": messages, "max_tokens": 8}))
     assert chat["object"] == "chat.completion" and chat["choices"][0]["finish_reason"]
     error = json.loads(curl("/v1/completions", {"prompt": "x", "max_tokens": 0}))
     assert error["error"]["param"] == "max_tokens"
