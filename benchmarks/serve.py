@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -71,6 +72,8 @@ def workload(count: int, rate: float, quick: bool, vocab: int, seed: int) -> lis
 
 # ----------------------------------------------------------------------------- the client
 async def _one(client, url: str, request: dict, start: float, record: dict) -> None:
+    import httpx
+
     await asyncio.sleep(max(0.0, start + request["at"] - time.perf_counter()))
     body = {
         "model": "bench",
@@ -83,16 +86,26 @@ async def _one(client, url: str, request: dict, start: float, record: dict) -> N
     sent = time.perf_counter()
     times: list[float] = []
     gaps: list[float] = []  # per token after the first: its chunk's gap, spread over its tokens
+    try:
+        await _stream(client, url, body, times, gaps, record)
+    except httpx.HTTPError as error:  # a server that broke the connection fails the request
+        record["error"] = f"{type(error).__name__}: {error}"
+    record["sent"] = sent
+    if "error" not in record:
+        record.update(times=times, gaps=gaps)
+
+
+async def _stream(client, url: str, body: dict, times: list, gaps: list, record: dict) -> None:
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
-            record.update(error=f"HTTP {response.status_code}", sent=sent)
+            record["error"] = f"HTTP {response.status_code}"
             return
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
-                record.update(error=chunk["error"]["message"], sent=sent)
+                record["error"] = chunk["error"]["message"]
                 return
             now = time.perf_counter()
             count = len(chunk["choices"][0].get("token_ids") or [])
@@ -101,7 +114,6 @@ async def _one(client, url: str, request: dict, start: float, record: dict) -> N
             elif count > 1:
                 gaps += [0.0] * (count - 1)
             times += [now] * count
-    record.update(sent=sent, times=times, gaps=gaps)
 
 
 async def drive(url: str, requests: list[dict], kv_probe) -> dict:
@@ -117,7 +129,9 @@ async def drive(url: str, requests: list[dict], kv_probe) -> dict:
 
         async def probe():
             while not stop.is_set():
-                samples.append(await kv_probe(client))
+                # A busy or broken server: the requests' records say which.
+                with contextlib.suppress(httpx.HTTPError):
+                    samples.append(await kv_probe(client))
                 await asyncio.sleep(0.05)
 
         prober = asyncio.create_task(probe())
@@ -183,7 +197,8 @@ def start_leg(leg: str, args) -> tuple[subprocess.Popen, str]:
             python, __file__, "--front", leg, "--port", str(port), "--work", str(args.work),
             "--threads", str(args.threads), "--workers", str(workers),
         ]  # fmt: skip
-    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
+    log = open(args.work / f"{leg}.log", "wb")  # noqa: SIM115  (closed with the process)
+    process = subprocess.Popen(command, env=env, stderr=log, stdout=log)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     import httpx

@@ -10,6 +10,7 @@ import asyncio
 import json
 import queue
 import threading
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
@@ -55,6 +56,8 @@ def main(args) -> None:
         def work() -> None:
             try:
                 generate(prompt, new, on_token)
+            except Exception:  # the client sees a short answer; the log says why
+                traceback.print_exc()
             finally:
                 with lock:
                     held.pop(key, None)

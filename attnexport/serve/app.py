@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from attnexport._version import __version__
 from attnexport.runtime.outputs import CompletionOutput, RequestOutput
 from attnexport.runtime.sampling import SamplingParams
 from attnexport.runtime.text import TokenizerError
@@ -213,6 +214,8 @@ class _Server:
         self.model = model
         self.engine = engine
         self.metrics = metrics
+        # Which server answered (replicas behind a load balancer or Ray Serve).
+        self.fingerprint = f"attnexport-{__version__}-{uuid.uuid4().hex[:12]}"
 
     # ------------------------------------------------------------------ routes
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -382,6 +385,7 @@ class _Server:
         return CompletionResponse(
             id=run.id,
             model=self.model.name,
+            system_fingerprint=self.fingerprint,
             choices=choices,
             usage=self._usage(run),
             prompt_token_ids=[p.token_ids for p in run.prompts] if body.return_token_ids else None,
@@ -401,6 +405,7 @@ class _Server:
         return ChatCompletionResponse(
             id=run.id,
             model=self.model.name,
+            system_fingerprint=self.fingerprint,
             choices=choices,
             usage=self._usage(run),
             prompt_token_ids=run.prompts[0].token_ids if body.return_token_ids else None,
@@ -416,6 +421,7 @@ class _Server:
                     id=run.id,
                     created=created,
                     model=self.model.name,
+                    system_fingerprint=self.fingerprint,
                     choices=[
                         CompletionChoice(
                             index=i,
@@ -432,6 +438,7 @@ class _Server:
                 id=run.id,
                 created=created,
                 model=self.model.name,
+                system_fingerprint=self.fingerprint,
                 choices=[],
                 usage=self._usage(run),
             )
@@ -445,6 +452,7 @@ class _Server:
                 id=run.id,
                 created=created,
                 model=self.model.name,
+                system_fingerprint=self.fingerprint,
                 choices=[
                     ChatChunkChoice(index=i, delta=delta, finish_reason=reason, token_ids=ids)
                 ],
@@ -466,6 +474,7 @@ class _Server:
                 id=run.id,
                 created=created,
                 model=self.model.name,
+                system_fingerprint=self.fingerprint,
                 choices=[],
                 usage=self._usage(run),
             )
