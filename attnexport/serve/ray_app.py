@@ -17,7 +17,6 @@ extra (``ray[serve]``).
 
 from __future__ import annotations
 
-import functools
 import os
 
 
@@ -62,7 +61,11 @@ def ray_application(
     require("ray", "ray", "the Ray Serve deployment")
     from ray import serve
 
-    builder = functools.partial(_build, str(artifact), max_queued_requests, model_options)
+    artifact = str(artifact)
+
+    def builder():  # a function: Ray calls it on each replica (a partial would be taken as ASGI)
+        return _build(artifact, max_queued_requests, model_options)
+
     deployment = serve.deployment(
         serve.ingress(builder)(),
         name="attnexport",
