@@ -244,6 +244,11 @@ class _Server:
             ids = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages])
         except TokenizerError as error:
             raise InvalidRequest(str(error), "messages") from None
+        except Exception as error:  # the template's own checks (jinja's raise_exception)
+            raise InvalidRequest(
+                f"messages: the chat template refused them: {type(error).__name__}: {error}",
+                "messages",
+            ) from None
         limit = body.max_completion_tokens or body.max_tokens
         run = self._start(body, [ids], limit, chat=True)
         if body.stream:
