@@ -286,19 +286,22 @@ def table(results: dict[str, dict[float, dict]], rates: list[float]) -> list[str
 
 
 def sustained(results: dict[str, dict[float, dict]], slo: float) -> dict[str, float]:
-    """Per leg: the highest offered rate whose p99 TTFT stays under ``slo`` with every request
-    completed (0 when none does)."""
+    """Per leg: the highest offered rate up to which every rate kept its p99 TTFT under
+    ``slo`` with every request completed (0 when the lowest did not)."""
     best = {}
     for leg, by_rate in results.items():
-        ok = [
-            rate
-            for rate, r in by_rate.items()
-            if "skipped" not in r
-            and r["completed"] == r["requests"]
-            and r["ttft_p99"] is not None
-            and r["ttft_p99"] <= slo
-        ]
-        best[leg] = max(ok, default=0.0)
+        best[leg] = 0.0
+        for rate in sorted(by_rate):
+            r = by_rate[rate]
+            ok = (
+                "skipped" not in r
+                and r["completed"] == r["requests"]
+                and r["ttft_p99"] is not None
+                and r["ttft_p99"] <= slo
+            )
+            if not ok:
+                break
+            best[leg] = rate
     return best
 
 
@@ -332,6 +335,9 @@ def main() -> int:
     parser.add_argument("--genai-workers", type=int, default=4)
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
+    parser.add_argument(
+        "--report", type=Path, help="print (or --write-docs) the table of a --json run instead"
+    )
     # Internal: run a baseline leg's HTTP front in this process.
     parser.add_argument("--front", choices=("genai", "transformers"), help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -342,6 +348,8 @@ def main() -> int:
 
         serve_front.main(args)
         return 0
+    if args.report:
+        return report(json.loads(args.report.read_text()), args)
 
     # The checkpoint, our export and genai's build are benchmarks/generate.py's (one home).
     import generate
@@ -377,8 +385,7 @@ def main() -> int:
 
     import onnxruntime
 
-    best = sustained(results, args.ttft_slo)
-    lines = [
+    header = (
         f"{'Tiny smoke-test model' if args.quick else 'Llama-like ~125M model'} "
         f"({'x'.join(str(v) for v in config.values())} hidden/intermediate/layers/heads/"
         "kv-heads/vocab, fp32, random weights seed 0); "
@@ -388,17 +395,33 @@ def main() -> int:
         f"streamed; {args.threads} threads per server; genai: {args.genai_workers} generators "
         f"at a time; {platform.processor() or platform.machine()}, onnxruntime "
         f"{onnxruntime.__version__}. TTFT and ITL as the client sees them (a chunk of k "
-        "tokens counts k gaps of 1/k of its wait).",
+        "tokens counts k gaps of 1/k of its wait)."
+    )
+    run = {"header": header, "rates": args.rates, "results": results}
+    if args.json:
+        args.json.write_text(json.dumps(run, indent=1))
+    return report(run, args)
+
+
+def report(run: dict, args) -> int:
+    """Prints (and with ``--write-docs`` writes) the table of a run and its sustained rates."""
+    rates = [float(r) for r in run["rates"]]
+    results = {
+        leg: {float(rate): r for rate, r in by_rate.items()}
+        for leg, by_rate in run["results"].items()
+    }
+    best = sustained(results, args.ttft_slo)
+    lines = [
+        run["header"],
         "",
-        *table(results, args.rates),
+        *table(results, rates),
         "",
-        f"Sustained rate (p99 TTFT <= {args.ttft_slo:g} s, every request completed): "
+        f"Sustained rate (the highest offered rate up to which every rate kept p99 TTFT <= "
+        f"{args.ttft_slo:g} s and completed every request): "
         + ", ".join(f"{leg} {rate:g} req/s" for leg, rate in best.items())
         + ".",
     ]
     print("\n".join(lines))
-    if args.json:
-        args.json.write_text(json.dumps({"results": results, "sustained": best}, indent=1))
     if args.write_docs:
         write_docs(lines)
     return 0
