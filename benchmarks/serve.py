@@ -247,6 +247,11 @@ def run_leg(leg: str, args, rates: list[float]) -> dict[float, dict]:
             requests = workload(args.requests, rate, args.quick, args.vocab, seed=i)
             results[rate] = asyncio.run(drive(url, requests, kv_probe_for(leg, url)))
             print(f"{leg} @ {rate} req/s: {results[rate]}", file=sys.stderr)
+            seconds = results[rate]["seconds"]
+            if args.leg_budget and seconds > args.leg_budget:  # higher rates only take longer
+                for later in rates[i + 1 :]:
+                    results[later] = {"skipped": f"not run: {seconds:.0f} s at {rate:g} req/s"}
+                break
     finally:
         process.terminate()
         try:
@@ -333,6 +338,12 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=ROOT / "out" / "bench_generate")
     parser.add_argument("--genai-python", default=sys.executable)
     parser.add_argument("--genai-workers", type=int, default=4)
+    parser.add_argument(
+        "--leg-budget",
+        type=float,
+        default=300.0,
+        help="seconds: a leg whose rate took longer skips its higher rates (0: never)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
     parser.add_argument(
