@@ -12,6 +12,7 @@ from attnexport.cli.errors import CliError
 BENCHMARKS = {
     "decode": ("decode_attention.py", "decode attention: ipex vs sdpa vs raw IPEX kernels"),
     "generate": ("generate.py", "end-to-end generation: executors vs transformers, ORT-genai"),
+    "serve": ("serve.py", "HTTP serving under Poisson load: attnexport serve vs ORT-genai, HF"),
     "export": ("export_time.py", "torch.export and ONNX export time by model depth"),
     "cache-update": ("ort_cache_update.py", "onnxruntime cache write: IO binding vs run()"),
     "xformers": ("xformers_attention.py", "xformers vs sdpa on CUDA"),

@@ -11,7 +11,7 @@ import warnings
 
 from attnexport._version import __version__
 
-COMMANDS = ("export", "run", "embed", "verify", "bench", "backends", "inspect", "demo")
+COMMANDS = ("export", "run", "serve", "embed", "verify", "bench", "backends", "inspect", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

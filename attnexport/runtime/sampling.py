@@ -37,7 +37,8 @@ class SamplingParams:
     top_p: float = 1.0
     """Sample among the most likely tokens whose probabilities sum to top_p (nucleus)."""
     seed: int | None = None
-    """Makes random sampling reproducible; None draws a fresh seed."""
+    """Makes random sampling reproducible (an int >= 0, as NumPy seeds); None draws a fresh
+    seed."""
     stop_token_ids: Sequence[int] = field(default=())
     """Generation of a sample stops after it produces one of these (the token is kept)."""
     n: int = 1
@@ -68,7 +69,7 @@ class SamplingParams:
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise UserError(f"top_p: expected a value in (0, 1], got {self.top_p!r}")
         if self.seed is not None:
-            _check_int("seed", self.seed, minimum=None)
+            _check_int("seed", self.seed, minimum=0)
         for token in self.stop_token_ids:
             _check_int("stop_token_ids", token, minimum=0)
         for name in ("forced_bos_token_id", "forced_eos_token_id"):

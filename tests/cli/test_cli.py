@@ -21,7 +21,7 @@ def test_console_script_prints_help_and_version():
     exe = Path(sys.executable).with_name("attnexport")
     command = [str(exe)] if exe.exists() else [sys.executable, "-m", "attnexport.cli.main"]
     out = subprocess.run([*command, "--help"], capture_output=True, text=True, check=True)
-    for name in ("export", "run", "verify", "bench", "backends", "inspect", "demo"):
+    for name in ("export", "run", "serve", "verify", "bench", "backends", "inspect", "demo"):
         assert name in out.stdout
     version = subprocess.run([*command, "--version"], capture_output=True, text=True)
     assert version.stdout.startswith("attnexport ")

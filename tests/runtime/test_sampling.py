@@ -77,6 +77,8 @@ def test_top_k_and_top_p_restrict_the_candidates():
         ({"stop_token_ids": [3, -1]}, ValueError, "stop_token_ids: expected an int >= 0"),
         ({"forced_bos_token_id": -1}, ValueError, "forced_bos_token_id: expected an int >= 0"),
         ({"forced_eos_token_id": "2"}, TypeError, "forced_eos_token_id: expected an int"),
+        # NumPy's SeedSequence refuses it later, with a message naming no field
+        ({"seed": -1}, ValueError, "seed: expected an int >= 0, got -1"),
     ],
 )
 def test_bad_params_name_the_field(changes, error, message):

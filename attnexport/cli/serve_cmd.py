@@ -1,0 +1,154 @@
+"""``attnexport serve ARTIFACT``: an OpenAI-compatible HTTP server over the paged engine."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from attnexport.cli import choices
+from attnexport.cli.errors import CliError
+from attnexport.cli.flags import add_trust_flag
+from attnexport.cli.run_cmd import check_backend
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser(
+        "serve",
+        help="serve an export over HTTP with OpenAI's API (continuous batching)",
+        description="Serve ARTIFACT (an export directory, model.onnx or model.pt2) with "
+        "OpenAI's completions, chat completions and models routes, /health and Prometheus "
+        "/metrics. Requests share one engine: continuous batching over a paged KV cache. "
+        "SIGTERM or Ctrl-C stops accepting connections, lets running requests finish for "
+        "--shutdown-timeout seconds, then aborts the rest.",
+    )
+    parser.add_argument("artifact", type=Path, metavar="ARTIFACT")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: %(default)s)"
+    )
+    parser.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the model id of /v1/models and responses (default: the export directory's name)",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=64,
+        metavar="N",
+        help="sequences running at once (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="tokens per engine step (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="longest sequence, prompt and output (default: the model's)",
+    )
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=256,
+        metavar="N",
+        help="requests that may wait for a slot; more get HTTP 503 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="KV-cache pool size in GiB (default: --max-num-seqs sequences of the maximum "
+        "length, at most a quarter of the memory)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds running requests get to finish after SIGTERM (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--executor",
+        choices=choices.executors(),
+        default="auto",
+        help="onnxruntime (default when model.onnx exists) or torch (.pt2)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=choices.attention_backends(),
+        default="auto",
+        help="attention backend of the torch executor",
+    )
+    parser.add_argument("--device", choices=choices.devices(), default="cpu")
+    parser.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="onnxruntime intra-op threads (default: OMP_NUM_THREADS, else the cores)",
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=("critical", "error", "warning", "info", "debug"),
+        default="info",
+    )
+    add_trust_flag(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnexport.errors import require
+
+    uvicorn = require("uvicorn", "serve", "attnexport serve")
+    require("fastapi", "serve", "attnexport serve")
+    from attnexport.serve.app import create_app
+    from attnexport.serve.served_model import load_served_model
+
+    for flag, value, minimum in (
+        ("--port", args.port, 0),
+        ("--max-num-seqs", args.max_num_seqs, 1),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
+        ("--max-queued-requests", args.max_queued_requests, 0),
+    ):
+        if value < minimum:
+            raise CliError(f"{flag}: expected an integer >= {minimum}, got {value}")
+    if args.port > 65535:
+        raise CliError(f"--port: expected a port in [0, 65535], got {args.port}")
+    if args.kv_cache_memory is not None and not args.kv_cache_memory > 0:
+        raise CliError(f"--kv-cache-memory: expected a size in GiB > 0, got {args.kv_cache_memory}")
+    check_backend(args.backend, args.executor)
+    options = {"num_threads": args.num_threads} if args.num_threads else {}
+    model = load_served_model(
+        args.artifact,
+        name=args.served_model_name,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
+        executor=args.executor,
+        backend=args.backend,
+        device=args.device,
+        trust_pickle=args.trust_remote_pickle,
+        **options,
+    )
+    app = create_app(
+        model,
+        max_queued_requests=args.max_queued_requests,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    return 0

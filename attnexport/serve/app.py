@@ -1,0 +1,568 @@
+"""The HTTP server: OpenAI's completions, chat completions and models routes, health and
+Prometheus metrics, over one :class:`~attnexport.serve.async_engine.AsyncEngine` (FastAPI).
+
+    app = create_app(load_served_model("export/"), max_queued_requests=256)
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Text: prompts are encoded and outputs decoded on the event loop with the artifact's tokenizer
+(its one user, so no lock), each sample through an incremental detokenizer, so streamed deltas
+never split a character and concatenate to the full text, then through the request's stop
+strings. Responses follow OpenAI's shapes; ``stream: true`` sends server-sent events ending
+with ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from attnexport._version import __version__
+from attnexport.runtime.outputs import CompletionOutput, RequestOutput
+from attnexport.runtime.sampling import SamplingParams
+from attnexport.runtime.text import TokenizerError
+from attnexport.serve.async_engine import (
+    AsyncEngine,
+    EngineStoppedError,
+    QueueFullError,
+    RequestGroup,
+)
+from attnexport.serve.errors import APIError, InvalidRequest, server_error, unavailable
+from attnexport.serve.metrics import ServerMetrics
+from attnexport.serve.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+from attnexport.serve.served_model import ServedModel
+from attnexport.serve.stop import StopStrings
+
+logger = logging.getLogger("attnexport.serve")
+
+
+def create_app(
+    model: ServedModel,
+    *,
+    max_queued_requests: int | None = None,
+    shutdown_timeout: float = 10.0,
+) -> FastAPI:
+    """The server's ASGI app. Its lifespan starts the engine's driver thread and, at shutdown
+    (after uvicorn stopped accepting connections and let the open ones finish), aborts what is
+    left and stops the driver.
+
+    Args:
+        model: what to serve (:func:`~attnexport.serve.served_model.load_served_model`).
+        max_queued_requests: requests that may wait for a slot before new ones get a 503
+            (None: no limit).
+        shutdown_timeout: seconds to wait for the driver's last step at shutdown.
+    """
+    metrics = ServerMetrics(model.name)
+    metrics.bytes_per_block = model.engine.executor.cache_spec.bytes_per_block
+    engine = AsyncEngine(model.engine, max_queued_requests, on_step=metrics.on_step)
+    metrics.on_step(engine.state, None)
+    server = _Server(model, engine, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await engine.shutdown(shutdown_timeout)
+
+    app = FastAPI(title="attnexport", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        if error.status == 400:
+            metrics.rejected.labels(model.name, "400").inc()
+        headers = {"Retry-After": "1"} if error.status == 503 else None
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        return await api_error(request, _validation_error(error))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+        code = "not_found" if error.status_code == 404 else None
+        api = APIError(error.status_code, str(error.detail), kind, code=code)
+        return JSONResponse(api.body(), status_code=error.status_code, headers=error.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        api = server_error(f"internal error: {type(error).__name__}: {error}")
+        return JSONResponse(api.body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.running:
+            raise unavailable("the engine is not running", code="engine_stopped")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model.name, max_model_len=model.max_model_len)])
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await server.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await server.chat(body, request)
+
+    return app
+
+
+def _validation_error(error: RequestValidationError) -> InvalidRequest:
+    """FastAPI's validation errors (and malformed JSON) as one 400: ``param`` is the top-level
+    field, the message names the whole path (``stop_token_ids.0: ...``)."""
+    first = error.errors()[0] if error.errors() else {}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # pydantic adds the union member it tried ("str", "list[int]") to the location.
+    names = [part for part in loc if not any(c in part for c in "[]") and part not in _TYPES]
+    path = ".".join(names)
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}"
+    return InvalidRequest(f"{path}: {message}" if path else message, names[0] if names else None)
+
+
+_TYPES = frozenset({"str", "int", "float", "bool", "list", "dict", "function-after"})
+
+
+# ---------------------------------------------------------------------- choices
+@dataclass
+class _Choice:
+    """One sample's text as it streams: detokenized, then cut at the first stop string."""
+
+    detokenizer: object | None
+    stops: StopStrings
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    new_ids: list[int] = field(default_factory=list)
+    """The tokens the last :meth:`update` took."""
+
+    def update(self, sample: CompletionOutput) -> str:
+        """Takes the sample's new tokens; returns the text they add (maybe empty: a partial
+        character or word is held back)."""
+        self.new_ids = []
+        if self.finish_reason is not None:
+            return ""
+        self.new_ids = list(sample.new_token_ids)
+        self.token_ids += self.new_ids
+        final = sample.finish_reason is not None
+        delta = ""
+        if self.detokenizer is not None:
+            delta = self.detokenizer.push(sample.new_token_ids)
+            if final:
+                delta += self.detokenizer.finish()
+        delta = self.stops.push(delta, final)
+        self.text += delta
+        if self.stops.stopped:
+            self.finish_reason = "stop"
+        elif final:
+            self.finish_reason = sample.finish_reason
+        return delta
+
+
+@dataclass
+class _Prompt:
+    """One prompt of a request: its ids, its choices (``n`` samples), and its output state."""
+
+    token_ids: list[int]
+    choices: list[_Choice]
+    error: str | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+class _Server:
+    """The routes' work: requests to engine prompts and parameters, outputs to responses."""
+
+    def __init__(self, model: ServedModel, engine: AsyncEngine, metrics: ServerMetrics):
+        self.model = model
+        self.engine = engine
+        self.metrics = metrics
+        # Which server answered (replicas behind a load balancer or Ray Serve).
+        self.fingerprint = f"attnexport-{__version__}-{uuid.uuid4().hex[:12]}"
+
+    # ------------------------------------------------------------------ routes
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        if body.logprobs is not None:
+            raise InvalidRequest("logprobs: not supported by this server", "logprobs")
+        if body.echo:
+            raise InvalidRequest("echo: not supported by this server", "echo")
+        prompts = self._completion_prompts(body.prompt)
+        run = self._start(body, prompts, body.max_tokens, chat=False)
+        if body.stream:
+            return self._sse(run, self._completion_chunks(body, run), request)
+        await _unless_disconnected(request, run.drain(self), run)
+        return JSONResponse(self._completion_response(body, run).model_dump(exclude_none=True))
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        if body.logprobs or body.top_logprobs:
+            raise InvalidRequest("logprobs: not supported by this server", "logprobs")
+        tokenizer = self.model.tokenizer
+        if tokenizer is None:
+            raise InvalidRequest(
+                f"messages: the model {self.model.name!r} has no tokenizer (its artifact "
+                "holds none), so it takes token-id prompts on /v1/completions only",
+                "messages",
+            )
+        try:
+            ids = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages])
+        except TokenizerError as error:
+            raise InvalidRequest(str(error), "messages") from None
+        except Exception as error:  # the template's own checks (jinja's raise_exception)
+            raise InvalidRequest(
+                f"messages: the chat template refused them: {type(error).__name__}: {error}",
+                "messages",
+            ) from None
+        limit = body.max_completion_tokens or body.max_tokens
+        run = self._start(body, [ids], limit, chat=True)
+        if body.stream:
+            return self._sse(run, self._chat_chunks(body, run), request)
+        await _unless_disconnected(request, run.drain(self), run)
+        return JSONResponse(self._chat_response(body, run).model_dump(exclude_none=True))
+
+    # ------------------------------------------------------------------ requests
+    def _completion_prompts(self, prompt) -> list[list[int]]:
+        """The ``prompt`` field as token-id lists: a string, a list of strings, a list of ids
+        or a list of id lists."""
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
+            texts = [prompt] if isinstance(prompt, str) else prompt
+            tokenizer = self.model.tokenizer
+            if tokenizer is None:
+                raise InvalidRequest(
+                    f"prompt: the model {self.model.name!r} has no tokenizer (its artifact "
+                    "holds none); send token ids instead",
+                    "prompt",
+                )
+            return [tokenizer.encode(text) for text in texts]
+        if not prompt:
+            raise InvalidRequest("prompt: expected at least one token, got an empty prompt")
+        if isinstance(prompt[0], int):
+            return [list(prompt)]
+        return [list(p) for p in prompt]
+
+    def _params(self, body, prompt_len: int, max_tokens: int | None) -> SamplingParams:
+        model = self.model
+        if body.stop and self.model.tokenizer is None:
+            raise InvalidRequest("stop: stop strings need the model's tokenizer", "stop")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(body, name):
+                raise InvalidRequest(f"{name}: not supported by this server", name)
+        if max_tokens is None:  # what is left of the model's length
+            max_tokens = max(1, model.max_model_len - prompt_len)
+        stops = () if body.ignore_eos else model.eos_token_ids
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0 if body.temperature is None else float(body.temperature),
+            top_k=body.top_k or 0,
+            top_p=1.0 if body.top_p is None else float(body.top_p),
+            seed=body.seed,
+            stop_token_ids=tuple(dict.fromkeys([*stops, *(body.stop_token_ids or ())])),
+            n=body.n,
+            forced_bos_token_id=model.forced_bos_token_id,
+            forced_eos_token_id=model.forced_eos_token_id,
+        )
+
+    def _start(self, body, prompts: list[list[int]], max_tokens, chat: bool) -> _Run:
+        params = [self._params(body, len(p), max_tokens) for p in prompts]
+        try:
+            group = self.engine.submit(prompts, params)
+        except (TypeError, ValueError) as error:
+            param = "messages" if chat and str(error).startswith("prompt:") else None
+            raise InvalidRequest(str(error), param) from None
+        except QueueFullError as error:
+            self.metrics.rejected.labels(self.model.name, "503").inc()
+            raise unavailable(str(error)) from None
+        except EngineStoppedError as error:
+            raise unavailable(str(error), code="engine_stopped") from None
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
+        tokenizer = self.model.tokenizer
+        runs = [
+            _Prompt(
+                ids,
+                [
+                    _Choice(tokenizer.detokenizer() if tokenizer else None, StopStrings(stops))
+                    for _ in range(body.n)
+                ],
+            )
+            for ids in prompts
+        ]
+        for ids in prompts:
+            self.metrics.prompt_tokens.inc(len(ids))
+        prefix = "chatcmpl" if chat else "cmpl"
+        return _Run(f"{prefix}-{uuid.uuid4().hex}", group, runs, time.perf_counter())
+
+    # ------------------------------------------------------------------ outputs
+    def take(self, run: _Run, index: int, output: RequestOutput) -> list[tuple[int, str]]:
+        """An engine output of prompt ``index``: updates its choices; returns the choices
+        that changed as (choice index, text delta). Aborts the request once a stop string
+        ended all its samples."""
+        prompt = run.prompts[index]
+        now = run.group.time
+        new_tokens = sum(len(s.new_token_ids) for s in output.outputs)
+        if new_tokens:
+            self.metrics.generation_tokens.inc(new_tokens)
+            if prompt.first_token_time is None:
+                prompt.first_token_time = now
+                self.metrics.time_to_first_token.observe(now - run.arrival)
+            else:
+                self.metrics.inter_token_latency.observe(now - prompt.last_token_time)
+            prompt.last_token_time = now
+        if output.error is not None:
+            prompt.error = output.error
+        changed = []
+        n = len(prompt.choices)
+        for sample in output.outputs:
+            choice = prompt.choices[sample.index]
+            was_done = choice.finish_reason is not None
+            delta = choice.update(sample)
+            if delta or choice.new_ids or (choice.finish_reason is not None and not was_done):
+                changed.append((index * n + sample.index, delta))
+        done = all(c.finish_reason is not None for c in prompt.choices)
+        if done and not output.finished:
+            run.group.abort_one(index)  # stop strings ended every sample
+        if (done or output.finished) and index not in run.done:
+            run.done.add(index)
+            self.metrics.request_latency.observe(now - run.arrival)
+        return changed
+
+    def _check_failed(self, run: _Run) -> None:
+        """A prompt that failed in the engine fails the request (after its stream ended)."""
+        for prompt in run.prompts:
+            if prompt.error is not None:
+                raise _engine_error(prompt.error)
+            if any(c.finish_reason == "aborted" for c in prompt.choices):
+                raise unavailable("the request was aborted: the server is shutting down")
+
+    def _usage(self, run: _Run) -> Usage:
+        prompt = sum(len(p.token_ids) for p in run.prompts)
+        completion = sum(len(c.token_ids) for p in run.prompts for c in p.choices)
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
+    def _completion_response(self, body: CompletionRequest, run: _Run) -> CompletionResponse:
+        self._check_failed(run)
+        choices = [
+            CompletionChoice(
+                index=i,
+                text=choice.text,
+                finish_reason=choice.finish_reason,
+                token_ids=choice.token_ids if body.return_token_ids else None,
+            )
+            for i, choice in enumerate(run.choices())
+        ]
+        return CompletionResponse(
+            id=run.id,
+            model=self.model.name,
+            system_fingerprint=self.fingerprint,
+            choices=choices,
+            usage=self._usage(run),
+            prompt_token_ids=[p.token_ids for p in run.prompts] if body.return_token_ids else None,
+        )
+
+    def _chat_response(self, body: ChatCompletionRequest, run: _Run) -> ChatCompletionResponse:
+        self._check_failed(run)
+        choices = [
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content=choice.text),
+                finish_reason=choice.finish_reason,
+                token_ids=choice.token_ids if body.return_token_ids else None,
+            )
+            for i, choice in enumerate(run.choices())
+        ]
+        return ChatCompletionResponse(
+            id=run.id,
+            model=self.model.name,
+            system_fingerprint=self.fingerprint,
+            choices=choices,
+            usage=self._usage(run),
+            prompt_token_ids=run.prompts[0].token_ids if body.return_token_ids else None,
+        )
+
+    # ------------------------------------------------------------------ streaming
+    async def _completion_chunks(self, body: CompletionRequest, run: _Run) -> AsyncIterator[str]:
+        created = int(time.time())
+        async for index, output in run.group:
+            for i, delta in self.take(run, index, output):
+                choice = run.choice(i)
+                chunk = CompletionChunk(
+                    id=run.id,
+                    created=created,
+                    model=self.model.name,
+                    system_fingerprint=self.fingerprint,
+                    choices=[
+                        CompletionChoice(
+                            index=i,
+                            text=delta,
+                            finish_reason=choice.finish_reason,
+                            token_ids=choice.new_ids if body.return_token_ids else None,
+                        )
+                    ],
+                )
+                yield _event(chunk.model_dump(exclude_none=True, exclude={"usage"}))
+        self._check_failed(run)
+        if body.stream_options is not None and body.stream_options.include_usage:
+            usage = CompletionChunk(
+                id=run.id,
+                created=created,
+                model=self.model.name,
+                system_fingerprint=self.fingerprint,
+                choices=[],
+                usage=self._usage(run),
+            )
+            yield _event(usage.model_dump(exclude_none=True))
+
+    async def _chat_chunks(self, body: ChatCompletionRequest, run: _Run) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(i: int, delta: DeltaMessage, reason: str | None, ids=None) -> str:
+            value = ChatCompletionChunk(
+                id=run.id,
+                created=created,
+                model=self.model.name,
+                system_fingerprint=self.fingerprint,
+                choices=[
+                    ChatChunkChoice(index=i, delta=delta, finish_reason=reason, token_ids=ids)
+                ],
+            )
+            data = value.model_dump(exclude_none=True, exclude={"usage"})
+            data["choices"][0]["finish_reason"] = reason  # null until the last chunk, as OpenAI
+            return _event(data)
+
+        for i in range(len(run.choices())):
+            yield chunk(i, DeltaMessage(role="assistant", content=""), None)
+        async for index, output in run.group:
+            for i, delta in self.take(run, index, output):
+                choice = run.choice(i)
+                ids = choice.new_ids if body.return_token_ids else None
+                yield chunk(i, DeltaMessage(content=delta), choice.finish_reason, ids)
+        self._check_failed(run)
+        if body.stream_options is not None and body.stream_options.include_usage:
+            usage = ChatCompletionChunk(
+                id=run.id,
+                created=created,
+                model=self.model.name,
+                system_fingerprint=self.fingerprint,
+                choices=[],
+                usage=self._usage(run),
+            )
+            yield _event(usage.model_dump(exclude_none=True))
+
+    def _sse(self, run: _Run, chunks: AsyncIterator[str], request: Request) -> StreamingResponse:
+        """Server-sent events over ``chunks``, then ``data: [DONE]``. An error after the
+        headers went out (the engine failed, the server is stopping) is sent as an
+        ``{"error": ...}`` event. A client that disconnects cancels the response; the
+        background task then aborts what is still running."""
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                async for event in chunks:
+                    yield event
+            except APIError as error:
+                yield _event(error.body())
+            finally:
+                run.group.abort()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(
+            events(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+            background=BackgroundTask(run.group.abort),
+        )
+
+
+@dataclass
+class _Run:
+    """A request in flight: its id, its engine requests and their choices."""
+
+    id: str
+    group: RequestGroup
+    prompts: list[_Prompt]
+    arrival: float
+    done: set[int] = field(default_factory=set)
+
+    def choices(self) -> list[_Choice]:
+        return [c for p in self.prompts for c in p.choices]
+
+    def choice(self, i: int) -> _Choice:
+        n = len(self.prompts[0].choices)
+        return self.prompts[i // n].choices[i % n]
+
+    async def drain(self, server: _Server) -> None:
+        """Consumes every output (non-streaming responses)."""
+        async for index, output in self.group:
+            server.take(self, index, output)
+
+
+def _engine_error(message: str) -> APIError:
+    """A request the engine failed: its executor (500) or its own size (400)."""
+    if message.startswith("the executor failed") or message.startswith("the engine stopped"):
+        return server_error(message)
+    return InvalidRequest(message)
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[None], run: _Run) -> None:
+    """Awaits ``work`` unless the client disconnects first; then aborts the run's requests
+    (their blocks are free after the engine's next step). Starlette does not cancel a
+    handler whose client left, so the disconnect is watched here."""
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    work_task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work_task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work_task, watch):
+            task.cancel()
+        run.group.abort()
+    if work_task.done() and not work_task.cancelled():
+        work_task.result()
+    else:
+        raise APIError(499, "the client disconnected", "client_closed_request")

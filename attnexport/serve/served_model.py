@@ -1,0 +1,107 @@
+"""The model a server serves: its engine, its tokenizer and the generation defaults of its
+artifact (end-of-sequence and forced tokens), loaded as ``attnexport run`` loads them, so a
+served completion equals ``run``'s for the same prompt and parameters."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from attnexport.artifact import TOKENIZER_FILES, artifact_dir, read_manifest
+from attnexport.errors import UserError
+from attnexport.runtime.config import CacheConfig, SchedulerConfig
+from attnexport.runtime.engine import Engine, engine_from_path
+from attnexport.runtime.text import Tokenizer
+
+
+@dataclass
+class ServedModel:
+    """What the server needs of a model. The engine has no tokenizer: the server decodes on
+    its event loop, so the driver thread never waits for text."""
+
+    name: str
+    engine: Engine
+    tokenizer: Tokenizer | None
+    eos_token_ids: tuple[int, ...] = ()
+    forced_bos_token_id: int | None = None
+    forced_eos_token_id: int | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+
+def load_served_model(
+    artifact: str | os.PathLike,
+    *,
+    name: str | None = None,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
+    max_model_len: int | None = None,
+    kv_cache_bytes: int | None = None,
+    **executor_options,
+) -> ServedModel:
+    """Loads ``artifact`` (an export directory, ``model.onnx`` or ``model.pt2``) for serving.
+
+    Args:
+        name: the model id of ``/v1/models`` and the responses (default: the export
+            directory's name).
+        max_num_seqs, max_num_batched_tokens, max_model_len: the scheduler's limits
+            (:class:`~attnexport.runtime.SchedulerConfig`).
+        kv_cache_bytes: the KV pool's size (default: sized for ``max_num_seqs`` sequences of
+            ``max_model_len`` tokens, see :class:`~attnexport.runtime.CacheConfig`).
+        executor_options: ``executor``, ``backend``, ``device``, ``num_threads``,
+            ``trust_pickle`` (:func:`~attnexport.runtime.loading.load_executor`).
+
+    Raises:
+        UserError: a missing artifact or an encoder-only model (nothing to generate).
+    """
+    artifact = Path(artifact)
+    if not artifact.exists():
+        raise UserError(
+            f"ARTIFACT: {artifact} does not exist (create one with: attnexport export MODEL "
+            "--out DIR)"
+        )
+    manifest = read_manifest(artifact)
+    if manifest and manifest["kind"] == "encoder":
+        raise UserError(
+            f"ARTIFACT: {manifest['architecture']} is an encoder model; the server generates "
+            "with decoder and encoder-decoder models"
+        )
+    directory = artifact_dir(artifact)
+    tokenizer = _tokenizer(directory, manifest)
+    engine = engine_from_path(
+        artifact,
+        cache_config=CacheConfig(memory_bytes=kv_cache_bytes),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+        ),
+        **executor_options,
+    )
+    generation = (manifest or {}).get("generation") or {}
+    return ServedModel(
+        name=name or directory.resolve().name,
+        engine=engine,
+        tokenizer=tokenizer,
+        eos_token_ids=tuple(generation.get("eos_token_ids", [])),
+        forced_bos_token_id=generation.get("forced_bos_token_id"),
+        forced_eos_token_id=generation.get("forced_eos_token_id"),
+    )
+
+
+def _tokenizer(directory: Path, manifest: dict | None) -> Tokenizer | None:
+    """The artifact's tokenizer; None when it has none or transformers is not installed
+    (the server then takes token-id prompts only and returns no text)."""
+    if manifest is not None:
+        present = bool(manifest.get("tokenizer_files"))
+    else:
+        present = any((directory / name).is_file() for name in TOKENIZER_FILES)
+    if not present:
+        return None
+    try:
+        return Tokenizer.from_directory(directory)
+    except ModuleNotFoundError:
+        return None
