@@ -641,7 +641,7 @@ def main() -> int:
         for kv in (kv_cache_dtypes if leg.startswith("ort") else kv_cache_dtypes[:1])
     ]
 
-    def name(leg: str, kv: str) -> str:
+    def run_name(leg: str, kv: str) -> str:
         return leg if not leg.startswith("ort") or kv == "auto" else f"{leg} kv={kv}"
 
     for name, precision in GENAI_PRECISION.items():
@@ -656,13 +656,13 @@ def main() -> int:
         except OSError as error:
             print(f"{name}: cannot run the builder ({error}); pass --genai-python", file=sys.stderr)
 
-    results: dict[str, dict[int, dict]] = {name(leg, kv): {} for leg, kv in runs}
+    results: dict[str, dict[int, dict]] = {run_name(leg, kv): {} for leg, kv in runs}
     # Legs alternate within each repeat, and the best repeat counts: on a shared machine this
     # gives every leg the same chances of a quiet moment.
     for repeat in range(args.repeat):
         for batch in args.batches:
             for leg, args.kv_cache_dtype in runs:
-                key = name(leg, args.kv_cache_dtype)
+                key = run_name(leg, args.kv_cache_dtype)
                 python = _python_for(leg, args)
                 if not python or not Path(python).exists():
                     results[key][batch] = {"skipped": f"no interpreter for {leg}: {python}"}
@@ -684,8 +684,8 @@ def main() -> int:
             result = _spawn(f"quality-{leg}", python, args, 1)
             if "logits" in result and "logits" in reference:
                 result = compare_logits(result["logits"], reference["logits"])
-            quality[name(leg, args.kv_cache_dtype)] = result
-            print(f"quality {name(leg, args.kv_cache_dtype)}: {result}", file=sys.stderr)
+            quality[run_name(leg, args.kv_cache_dtype)] = result
+            print(f"quality {run_name(leg, args.kv_cache_dtype)}: {result}", file=sys.stderr)
         args.kv_cache_dtype = kv_cache_dtypes[0]
 
     import platform
