@@ -17,9 +17,11 @@ model (random weights, seed 0) for
 
 at batch 1/8/32 (prompt 128 tokens, 128 new tokens, greedy, ``--threads`` threads), plus the KV
 memory the paged cache allocates for a batch of mixed lengths against onnxruntime-genai's
-contiguous cache. ``--kv-cache-dtype float16|bfloat16|int8`` exports the ort legs' model with
-caches of that dtype (``attnexport export --kv-cache-dtype``; default ``auto``, the model's
-float32): run once per cache dtype, e.g. ``--prompt-len 2048 --legs ort``, to compare them.
+contiguous cache. ``--kv-cache-dtype auto int8`` (one or more of auto, float32, float16,
+bfloat16, int8) exports the ort legs' model with caches of each dtype (``attnexport export
+--kv-cache-dtype``; ``auto`` is the model's float32) and runs every ort leg once per dtype,
+alternating in the same run (legs named e.g. ``ort-int4 kv=int8``), e.g. with ``--prompt-len
+2048`` where the cache dominates.
 Every leg runs in its own process; all legs of one invocation share the
 machine in turn, so ratios between them are comparable. ``--quick`` is a smoke test on a tiny
 model.
