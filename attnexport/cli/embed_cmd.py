@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from attnexport.cli.errors import CliError
-from attnexport.cli.flags import add_trust_flag
+from attnexport.cli.flags import add_executor_flag, add_trust_flag
 from attnexport.cli.run_cmd import parse_ids
 
 
@@ -33,12 +33,7 @@ def add_parser(commands) -> None:
         metavar="IDS",
         help="a sequence as comma-separated token ids, special tokens included (repeatable)",
     )
-    parser.add_argument(
-        "--executor",
-        choices=("auto", "ort", "torch"),
-        default="auto",
-        help="onnxruntime (default when model.onnx exists) or torch (.pt2)",
-    )
+    add_executor_flag(parser)
     parser.add_argument(
         "--max-batch-tokens",
         type=int,

@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 from attnexport.artifact import TOKENIZER_FILES, artifact_dir, read_manifest
-from attnexport.cli import choices
 from attnexport.cli.errors import CliError
-from attnexport.cli.flags import add_trust_flag
+from attnexport.cli.flags import add_executor_flag, add_kernel_flags, add_trust_flag
 from attnexport.cli.prompts import PromptSpec, chat_messages, read_prompts_file
 
 
@@ -89,20 +88,8 @@ def add_parser(commands) -> None:
         metavar="ID",
         help="encoder-decoder models: the decoder's first token (default: the checkpoint's)",
     )
-    parser.add_argument(
-        "--executor",
-        choices=choices.executors(),
-        default="auto",
-        help="onnxruntime (default when model.onnx exists) or torch (.pt2)",
-    )
-    parser.add_argument(
-        "--backend",
-        choices=choices.attention_backends(),
-        default="auto",
-        metavar="BACKEND",
-        help="attention backend of the torch executor: %(choices)s (default: auto)",
-    )
-    parser.add_argument("--device", choices=choices.devices(), default="cpu")
+    add_executor_flag(parser)
+    add_kernel_flags(parser)
     add_trust_flag(parser)
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
     parser.set_defaults(run=run)

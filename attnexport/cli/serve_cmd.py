@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from attnexport.cli import choices
 from attnexport.cli.errors import CliError
-from attnexport.cli.flags import add_trust_flag
+from attnexport.cli.flags import add_executor_flag, add_kernel_flags, add_trust_flag
 from attnexport.cli.run_cmd import check_backend
 
 
@@ -75,19 +74,8 @@ def add_parser(commands) -> None:
         metavar="S",
         help="seconds running requests get to finish after SIGTERM (default: %(default)s)",
     )
-    parser.add_argument(
-        "--executor",
-        choices=choices.executors(),
-        default="auto",
-        help="onnxruntime (default when model.onnx exists) or torch (.pt2)",
-    )
-    parser.add_argument(
-        "--backend",
-        choices=choices.attention_backends(),
-        default="auto",
-        help="attention backend of the torch executor",
-    )
-    parser.add_argument("--device", choices=choices.devices(), default="cpu")
+    add_executor_flag(parser)
+    add_kernel_flags(parser)
     parser.add_argument(
         "--num-threads",
         type=int,
