@@ -564,10 +564,10 @@ def _memory_lines(memory: dict) -> list[str]:
     ]
 
 
-def write_docs(lines: list[str]) -> None:
-    """Replaces (or appends) the "Generation (CPU)" section of docs/benchmarks.md."""
+def write_docs(lines: list[str], title: str = "## Generation (CPU)") -> None:
+    """Replaces (or appends) the section ``title`` of docs/benchmarks.md (up to the next
+    ``## `` heading) with ``lines``."""
     path = ROOT / "docs" / "benchmarks.md"
-    title = "## Generation (CPU)"
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     section = "\n".join([title, "", *lines]) + "\n"
     if title in text:

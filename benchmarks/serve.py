@@ -310,21 +310,6 @@ def sustained(results: dict[str, dict[float, dict]], slo: float) -> dict[str, fl
     return best
 
 
-def write_docs(lines: list[str]) -> None:
-    """Replaces (or appends) the "Serving (CPU)" section of docs/benchmarks.md."""
-    path = ROOT / "docs" / "benchmarks.md"
-    title = "## Serving (CPU)"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = "\n".join([title, "", *lines]) + "\n"
-    if title in text:
-        start = text.index(title)
-        following = text.find("\n## ", start + len(title))
-        text = text[:start] + section + (text[following + 1 :] if following >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, few requests")
@@ -434,7 +419,9 @@ def report(run: dict, args) -> int:
     ]
     print("\n".join(lines))
     if args.write_docs:
-        write_docs(lines)
+        import generate  # (one home for rewriting a section of docs/benchmarks.md)
+
+        generate.write_docs(lines, "## Serving (CPU)")
     return 0
 
 
