@@ -380,6 +380,18 @@ def _int8_attention_inputs() -> tuple[dict, AttentionCase]:
     return inputs, case
 
 
+def _apply(change: dict, inputs: dict) -> None:
+    """Replaces inputs as a bad-scale case says: a tensor or None as given, "half" the input
+    in float16, "float" the input and the value cache in float32 (float caches)."""
+    for name, new in change.items():
+        if new == "half":
+            new = inputs[name].half()
+        elif new == "float":
+            inputs["value_cache"] = inputs["value_cache"].float()
+            new = inputs[name].float()
+        inputs[name] = new
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -395,13 +407,7 @@ def _int8_attention_inputs() -> tuple[dict, AttentionCase]:
 )
 def test_paged_attention_names_a_bad_scale_cache(change, message):
     inputs, case = _int8_attention_inputs()
-    for name, new in change.items():
-        if new == "half":
-            new = inputs[name].half()
-        elif new == "float":
-            inputs["value_cache"] = inputs["value_cache"].float()
-            new = inputs[name].float()
-        inputs[name] = new
+    _apply(change, inputs)
     session = _attention_session(inputs, case)
     with pytest.raises(Exception, match=message):
         _run(session, inputs)
@@ -434,13 +440,7 @@ def test_paged_attention_takes_float_caches_with_absent_scale_names():
 def test_reshape_and_cache_names_a_bad_scale_cache(change, message):
     case = WRITE_CASES[0]
     inputs = _write_inputs(make_paged_inputs(case), torch.int8, torch.float32)
-    for name, new in change.items():
-        if new == "half":
-            new = inputs[name].half()
-        elif new == "float":
-            inputs["value_cache"] = inputs["value_cache"].float()
-            new = inputs[name].float()
-        inputs[name] = new
+    _apply(change, inputs)
     session = _write_session(inputs, case.block_size)
     with pytest.raises(Exception, match=message):
         _run(session, inputs)
