@@ -186,5 +186,5 @@ def test_without_the_header_the_wheel_builds_and_says_why_at_run_time(tmp_path):
     )
     warning = "attnexport: warning: the native onnxruntime kernels are unavailable"
     assert done.stderr.count(warning) == 1, done.stderr
-    assert "holds no onnxruntime_c_api.h" in done.stderr and "598 instead of 143" in done.stderr
+    assert "holds no onnxruntime_c_api.h" in done.stderr and "instead of 143" in done.stderr
     assert "bodies kernels; native kernels unavailable:" in done.stdout

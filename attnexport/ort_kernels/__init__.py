@@ -45,8 +45,8 @@ BUILD_HINT = (
     "attnexport where they are available"
 )
 FALLBACK_COST = (
-    "on the 125M Llama they run 598 instead of 143 onnxruntime nodes per step and measured "
-    "6-8% fewer decode tokens/s and 1.1-1.6x the time to first token (docs/benchmarks.md)"
+    "on the 125M Llama they run 1422 instead of 143 onnxruntime nodes per step and measured "
+    "14-16% fewer decode tokens/s and up to 1.2x the time to first token (docs/benchmarks.md)"
 )
 """What running the attnexport nodes through their function bodies costs (warnings say it)."""
 
