@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from attnexport.artifact import TOKENIZER_FILES, artifact_dir, read_manifest
+from attnexport.artifact import artifact_dir, read_manifest
 from attnexport.cli.errors import CliError
 from attnexport.cli.flags import add_executor_flag, add_kernel_flags, add_trust_flag
 from attnexport.cli.prompts import PromptSpec, chat_messages, read_prompts_file
@@ -124,19 +124,14 @@ def load_tokenizer(artifact: Path, manifest: dict | None, required: bool = True)
     from attnexport.runtime.text import Tokenizer
 
     directory = artifact_dir(artifact)
-    if manifest is not None:
-        present = bool(manifest.get("tokenizer_files"))
-    else:
-        present = any((directory / name).is_file() for name in TOKENIZER_FILES)
-    if present:
-        try:
-            return Tokenizer.from_directory(directory)
-        except ModuleNotFoundError:
-            if required:
-                raise
-            return None
-    if not required:
+    try:
+        tokenizer = Tokenizer.of_artifact(directory, manifest)
+    except ModuleNotFoundError:
+        if required:
+            raise
         return None
+    if tokenizer is not None or not required:
+        return tokenizer
     raise CliError(
         f"text prompts (--prompt, --chat, --prompts-file): {directory} has no tokenizer; pass "
         "token ids with --prompt-ids, or export from a checkpoint directory that has tokenizer "

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from attnexport.artifact import TOKENIZER_FILES, artifact_dir, read_manifest
+from attnexport.artifact import artifact_dir, read_manifest
 from attnexport.errors import UserError
 from attnexport.runtime.config import CacheConfig, SchedulerConfig
 from attnexport.runtime.engine import Engine, engine_from_path
@@ -70,7 +70,10 @@ def load_served_model(
             "with decoder and encoder-decoder models"
         )
     directory = artifact_dir(artifact)
-    tokenizer = _tokenizer(directory, manifest)
+    try:
+        tokenizer = Tokenizer.of_artifact(directory, manifest)
+    except ModuleNotFoundError:  # no transformers: token-id prompts only, no text returned
+        tokenizer = None
     engine = engine_from_path(
         artifact,
         cache_config=CacheConfig(memory_bytes=kv_cache_bytes),
@@ -90,18 +93,3 @@ def load_served_model(
         forced_bos_token_id=generation.get("forced_bos_token_id"),
         forced_eos_token_id=generation.get("forced_eos_token_id"),
     )
-
-
-def _tokenizer(directory: Path, manifest: dict | None) -> Tokenizer | None:
-    """The artifact's tokenizer; None when it has none or transformers is not installed
-    (the server then takes token-id prompts only and returns no text)."""
-    if manifest is not None:
-        present = bool(manifest.get("tokenizer_files"))
-    else:
-        present = any((directory / name).is_file() for name in TOKENIZER_FILES)
-    if not present:
-        return None
-    try:
-        return Tokenizer.from_directory(directory)
-    except ModuleNotFoundError:
-        return None
