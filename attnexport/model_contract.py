@@ -38,7 +38,6 @@ it; it imports neither torch nor onnx (the serving core reads it without them).
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -148,55 +147,6 @@ class GraphContract:
             attnexport_version=props["attnexport_version"],
             extra=extra,
         )
-
-
-def read_file_props(path) -> dict[str, str]:
-    """The ``metadata_props`` of the ONNX file at ``path``, read without onnx (the serving core
-    runs without it) and without reading the graph: the top-level fields of the ``ModelProto``
-    are skipped by their protobuf tags and lengths, and only ``metadata_props`` (field 14:
-    ``StringStringEntryProto`` messages, key = 1, value = 2) are read. Written by hand: the
-    protobuf runtime needs the message's generated class (onnx's) to parse it, and would read
-    the whole graph first."""
-
-    def varint(read) -> int | None:
-        result = shift = 0
-        while True:
-            byte = read(1)
-            if not byte:
-                return None
-            result |= (byte[0] & 0x7F) << shift
-            if not byte[0] & 0x80:
-                return result
-            shift += 7
-
-    def entries(stream):
-        """(field number, bytes of a length-delimited field or None) of one message."""
-        read = stream.read
-
-        def skip(size: int) -> None:
-            stream.seek(size, io.SEEK_CUR)
-
-        while (tag := varint(read)) is not None:
-            kind = tag & 7
-            if kind == 0:
-                varint(read)
-                yield tag >> 3, None
-            elif kind == 2:
-                size = varint(read)
-                yield tag >> 3, (read(size) if tag >> 3 in (1, 2, 14) else skip(size))
-            elif kind in (1, 5):
-                skip(8 if kind == 1 else 4)
-                yield tag >> 3, None
-            else:
-                raise UserError(f"{path}: not an ONNX model (protobuf wire type {kind})")
-
-    props = {}
-    with open(path, "rb") as file:
-        for number, value in entries(file):
-            if number == 14 and value is not None:
-                fields = dict(entries(io.BytesIO(value)))
-                props[(fields.get(1) or b"").decode()] = (fields.get(2) or b"").decode()
-    return props
 
 
 def read_contract(model) -> GraphContract:

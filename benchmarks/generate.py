@@ -211,12 +211,9 @@ def ours_dir(args, weights: str = "") -> Path:
 
 
 def leg_ort(args, spin: bool = True, kernels: str = "native", weights: str = "") -> dict:
-    from attnexport import ort_kernels
     from attnexport.runtime import OrtExecutor
 
     kv = args.kv_cache_dtype
-    if kernels == "native" and kv not in ("auto", "float32", *ort_kernels.NATIVE_CACHE_DTYPES):
-        kernels = "bodies"  # the native kernels do not take this cache dtype yet
     path = ours_dir(args, weights) / "model.onnx"
     executor = OrtExecutor(path, num_threads=args.threads, spin=spin, kernels=kernels)
     return _engine_leg(args, executor) | {"kernels": executor.kernels, "kv_cache_dtype": kv}
@@ -418,8 +415,7 @@ def quality_ort(args, weights: str = "") -> dict:
     spec = model.cache_spec(BLOCK_SIZE, None if kv == "auto" else getattr(torch, kv))
     options = ort.SessionOptions()
     options.intra_op_num_threads = args.threads
-    if kv in ("auto", "float32", *ort_kernels.NATIVE_CACHE_DTYPES):
-        ort_kernels.register(options)
+    ort_kernels.register(options)
     path = ours_dir(args, weights) / "model.onnx"
     session = PagedOrtSession(path, session_options=options)
 

@@ -16,8 +16,8 @@ transformers leg: its greedy tokens are not the float checkpoint's).
 
 An artifact with a KV cache dtype of its own (manifest ``kv_cache_dtype``) runs every leg on
 caches of that dtype (the reference too) with the bound of
-:func:`attnexport.tolerances.kv_cache_model_tolerance`; legs that cannot run it (IPEX, the
-native kernels until they take it) are left out with the reason, and there is no transformers
+:func:`attnexport.tolerances.kv_cache_model_tolerance`; backends that cannot run it (IPEX) are
+left out with the reason, and there is no transformers
 leg (its float caches are not the artifact's).
 """
 
@@ -108,26 +108,14 @@ def _eager_leg(model: torch.nn.Module, backend: str) -> Leg:
 def _legs(manifest: dict, directory: Path, model, trust_pickle: bool) -> dict[str, Leg]:
     """Every way to run this artifact here, the reference (``eager[sdpa]``) first. Only the
     model files the manifest lists are loaded, each after checking its size and SHA-256.
-    Backends and native kernels that cannot run the artifact's KV cache dtype are left out
-    (:func:`skipped_legs` says why)."""
-    import attnexport  # noqa: F401  (registers backends)
-    from attnexport.custom_ops import registered_backends
-
+    Backends that cannot run the artifact's KV cache dtype are left out (:func:`skipped_legs`
+    says why)."""
     legs: dict[str, Leg] = {}
-    cache_dtype, other_caches = _cache_dtypes(manifest)
     if model is not None:
         legs["eager[sdpa]"] = _eager_leg(model, "sdpa")
-        for backend in registered_backends():
-            if (
-                backend.name != "sdpa"
-                and backend.is_available()
-                and ("cpu" in backend.capabilities.devices)
-                and (
-                    not other_caches
-                    or _torch_dtype(cache_dtype) in backend.capabilities.cache_dtypes
-                )
-            ):
-                legs[f"eager[{backend.name}]"] = _eager_leg(model, backend.name)
+        runnable, _ = _other_backends(manifest)
+        for backend in runnable:
+            legs[f"eager[{backend.name}]"] = _eager_leg(model, backend.name)
     if "pt2" in manifest["files"]:
         from attnexport.artifact import load_pt2
 
@@ -139,22 +127,9 @@ def _legs(manifest: dict, directory: Path, model, trust_pickle: bool) -> dict[st
 
         path = check_model_file(manifest, directory, "onnx")
         legs["onnx"] = _onnx_leg(path, manifest["input_names"], native=False)
-        native_caches = not other_caches or cache_dtype in ort_kernels.NATIVE_CACHE_DTYPES
-        if ort_kernels.unavailable_reason() is None and native_caches:
+        if ort_kernels.unavailable_reason() is None:
             legs["onnx[native]"] = _onnx_leg(path, manifest["input_names"], native=True)
     return legs
-
-
-def _torch_dtype(name: str):
-    """The torch dtype of a cache dtype name (``int8`` included)."""
-    import torch
-
-    from attnexport.artifact import DTYPES
-
-    return {**DTYPES, "int8": torch.int8}[name]
-
-
-"""The manifest's model and KV cache dtype names -> torch dtypes."""
 
 
 def _cache_dtypes(manifest: dict) -> tuple[str, bool]:
@@ -163,28 +138,30 @@ def _cache_dtypes(manifest: dict) -> tuple[str, bool]:
     return cache_dtype, cache_dtype != manifest["dtype"]
 
 
-def skipped_legs(manifest: dict) -> list[str]:
-    """Plain sentences on the legs left out because they cannot run the KV cache dtype."""
-    from attnexport import ort_kernels
+def _other_backends(manifest: dict) -> tuple[list, list]:
+    """The available CPU kernel backends besides sdpa: those that run the artifact's KV cache
+    dtype, and those that do not."""
+    import torch
+
+    import attnexport  # noqa: F401  (registers backends)
     from attnexport.custom_ops import registered_backends
 
     cache_dtype, other_caches = _cache_dtypes(manifest)
-    if not other_caches:
-        return []
-    notes = [
-        f"no eager[{b.name}] leg: {b.capabilities.cache_dtype_reason}"
-        for b in registered_backends()
-        if b.name != "sdpa"
-        and b.is_available()
-        and "cpu" in b.capabilities.devices
-        and _torch_dtype(cache_dtype) not in b.capabilities.cache_dtypes
-    ]
-    if "onnx" in manifest["files"] and cache_dtype not in ort_kernels.NATIVE_CACHE_DTYPES:
-        notes.append(
-            f"no onnx[native] leg: the native kernels do not take {cache_dtype} KV caches yet "
-            "(attnexport.ort_kernels.NATIVE_CACHE_DTYPES)"
-        )
-    return notes
+    runnable, refused = [], []
+    for backend in registered_backends():
+        if backend.name == "sdpa" or not backend.is_available():
+            continue
+        if "cpu" not in backend.capabilities.devices:
+            continue
+        takes = not other_caches or getattr(torch, cache_dtype) in backend.capabilities.cache_dtypes
+        (runnable if takes else refused).append(backend)
+    return runnable, refused
+
+
+def skipped_legs(manifest: dict) -> list[str]:
+    """Plain sentences on the legs left out because they cannot run the KV cache dtype."""
+    _, refused = _other_backends(manifest)
+    return [f"no eager[{b.name}] leg: {b.capabilities.cache_dtype_reason}" for b in refused]
 
 
 def _batch(manifest: dict, seed: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -399,7 +376,9 @@ def verify_artifact(
     tolerance = model_tolerance(DTYPES[manifest["dtype"]])
     cache_dtype, other_caches = _cache_dtypes(manifest)
     if other_caches:  # the legs share the cache dtype; rounding may move a cache value
-        tolerance = max(tolerance, kv_cache_model_tolerance(_torch_dtype(cache_dtype)))
+        import torch
+
+        tolerance = max(tolerance, kv_cache_model_tolerance(getattr(torch, cache_dtype)))
     reference_name, *others = legs
     step(f"running {reference_name}")
     reference = run_leg(legs[reference_name], manifest, seed)

@@ -31,9 +31,6 @@ from attnexport.errors import UserError
 
 LIBRARY = Path(__file__).with_name("libattnexport_ort.so")
 """The library sessions register (it loads the variant this CPU runs, beside it)."""
-NATIVE_CACHE_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "int8")
-"""KV cache dtypes (torch names) the kernels run under activations of another dtype (int8 with
-its float32 scale-cache inputs). Caches of the activations' dtype always run."""
 BUILD_FAILURE = Path(__file__).with_name("build-failure.txt")
 """Written by the package build instead of the library when it could not compile it: why."""
 ISA_VARIABLE = "ATTNEXPORT_ISA"

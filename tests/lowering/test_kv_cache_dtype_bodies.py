@@ -1,14 +1,12 @@
 """The ReshapeAndCache and PagedAttention nodes over KV caches of a dtype of their own (float16,
 bfloat16, int8 with scale caches) in onnxruntime, against the float64 reference: by their
-standard-op bodies, and by the native kernels once they take these inputs
-(``NATIVE_CACHE_DTYPES`` of :mod:`attnexport.ort_kernels`)."""
+standard-op bodies and by the native kernels."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from attnexport import ort_kernels
 from attnexport.custom_ops import reference
 from attnexport.lowering.single_node import single_node_session
 from tests.attention_cases import (
@@ -29,17 +27,6 @@ def kernels(request) -> str:
     return request.param
 
 
-def _skip_unless_native_runs(kernels: str, case: AttentionCase) -> None:
-    cache_dtype = case.cache_dtype or case.dtype
-    if kernels == "native" and cache_dtype != case.dtype:
-        name = str(cache_dtype).removeprefix("torch.")
-        if name not in ort_kernels.NATIVE_CACHE_DTYPES:
-            pytest.skip(
-                f"native kernels: a {name} cache under {case.dtype} activations is not in "
-                f"attnexport.ort_kernels.NATIVE_CACHE_DTYPES {ort_kernels.NATIVE_CACHE_DTYPES}"
-            )
-
-
 def _scales(x: dict, suffix: str = "") -> dict:
     if x["key_scale_cache"] is None:
         return {}
@@ -48,7 +35,6 @@ def _scales(x: dict, suffix: str = "") -> dict:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_cache_write_matches_reference_exactly(case: AttentionCase, kernels: str):
-    _skip_unless_native_runs(kernels, case)
     x = make_paged_inputs(case)
     expected = [None if t is None else t.clone() for t in cache_write_args(x)[2:]]
     args = cache_write_args(x)
@@ -66,7 +52,6 @@ def test_cache_write_matches_reference_exactly(case: AttentionCase, kernels: str
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_paged_attention_matches_reference(case: AttentionCase, kernels: str):
-    _skip_unless_native_runs(kernels, case)
     x = make_paged_inputs(case)
     kwargs = x["kwargs"]
     names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "query_start_loc")

@@ -15,7 +15,6 @@ from attnexport import ort_kernels
 from attnexport.artifact import ExportOptions, export_artifact, read_manifest, rebuild_eager_model
 from attnexport.artifact.errors import ArtifactError
 from attnexport.cli.verify_cmd import _eager_leg, _run_paged, verify_artifact
-from attnexport.errors import UserError
 from attnexport.model_contract import GraphContract, read_contract
 from attnexport.model_interface import CacheSpec
 from attnexport.models import load_zoo_model
@@ -108,7 +107,7 @@ def test_engine_greedy_tokens_equal_float32_caches(exports, float32_tokens, cach
 
 def test_engine_runs_int8_caches_on_every_executor_alike(exports):
     ort_engine = Engine.from_path(exports / "int8", executor="ort")
-    native = ort_kernels.unavailable_reason() is None and "int8" in ort_kernels.NATIVE_CACHE_DTYPES
+    native = ort_kernels.unavailable_reason() is None
     assert ort_engine.executor.kernels == ("native" if native else "bodies")
     caches = ort_engine.executor.kv_caches
     assert [c.dtype.name for c in caches[:4]] == ["int8", "int8", "float32", "float32"]
@@ -141,19 +140,9 @@ def test_verify_passes_and_says_which_legs_it_left_out(exports, cache_dtype):
     reference, comparisons = verify_artifact(exports / cache_dtype)
     assert reference == "eager[sdpa]"
     assert {c.leg for c in comparisons} >= {"pt2", "onnx"}
-    native = ort_kernels.unavailable_reason() is None and cache_dtype in (
-        ort_kernels.NATIVE_CACHE_DTYPES
-    )
+    native = ort_kernels.unavailable_reason() is None
     assert ("onnx[native]" in {c.leg for c in comparisons}) == native
     assert all(c.ok for c in comparisons), [c for c in comparisons if not c.ok]
-
-
-@pytest.mark.skipif(ort_kernels.unavailable_reason() is not None, reason="native kernels unbuilt")
-def test_native_kernels_on_int8_caches_are_refused_until_they_take_them(exports):
-    if "int8" in ort_kernels.NATIVE_CACHE_DTYPES:
-        pytest.skip("the native kernels take int8 caches")
-    with pytest.raises(UserError, match=r"kernels='native': the native kernels do not take int8"):
-        OrtExecutor(exports / "int8" / "model.onnx", kernels="native")
 
 
 def test_cache_pools_allocate_scale_caches_and_move_their_blocks():
@@ -196,16 +185,3 @@ def test_export_refuses_a_cache_dtype_it_cannot_make(tmp_path):
         )
     with pytest.raises(ArtifactError, match="--kv-cache-dtype: expected one of auto"):
         export_artifact("llama", tmp_path / "y", ExportOptions(kv_cache_dtype="int4"))
-
-
-def test_file_props_are_read_without_onnx_as_onnx_reads_them(exports):
-    """OrtExecutor reads the cache dtype before its session exists (the native kernels are
-    registered first) with a reader of its own: the serving core imports no onnx."""
-    import onnx
-
-    from attnexport.model_contract import read_file_props
-
-    for name in ("auto", "int8"):
-        path = exports / name / "model.onnx"
-        expected = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
-        assert read_file_props(path) == expected

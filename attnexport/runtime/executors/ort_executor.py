@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from attnexport.errors import UserError
-from attnexport.model_contract import GraphContract, read_contract, read_file_props
+from attnexport.model_contract import read_contract
 from attnexport.model_interface import (
     DECODER_INPUT_NAMES,
     ENCODER_DECODER_INPUT_NAMES,
@@ -77,26 +77,6 @@ def default_session_options(num_threads: int | None = None, spin: bool = True):
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     return options
-
-
-def _native_runs_caches(path: Path, kernels: str) -> bool:
-    """Whether the native kernels take the KV caches of the model at ``path``: caches of the
-    activations' dtype, or a cache dtype of ``ort_kernels.NATIVE_CACHE_DTYPES`` (their scale
-    inputs included). ``kernels='native'`` on other caches is a UserError."""
-    from attnexport import ort_kernels
-
-    # Read from the file before the session exists (the kernels must be registered first).
-    meta = GraphContract.from_props(read_file_props(path))
-    cache_dtype = meta.cache_dtype
-    if cache_dtype == meta.dtype or cache_dtype in ort_kernels.NATIVE_CACHE_DTYPES:
-        return True
-    if kernels == "native":
-        raise UserError(
-            f"kernels='native': the native kernels do not take {cache_dtype} KV caches under "
-            f"{meta.dtype} activations yet (attnexport.ort_kernels.NATIVE_CACHE_DTYPES = "
-            f"{ort_kernels.NATIVE_CACHE_DTYPES}); use kernels='bodies'"
-        )
-    return False
 
 
 class OrtExecutor(Executor):
@@ -163,8 +143,6 @@ class OrtExecutor(Executor):
         native = kernels == "native" or (
             kernels == "auto" and device.type == "cpu" and not unavailable
         )
-        if native and not _native_runs_caches(path, kernels):
-            native = False  # auto: the bodies run a cache dtype the kernels do not take
         if native:
             ort_kernels.register(options)
         elif kernels == "auto" and unavailable:
