@@ -41,9 +41,9 @@ def add_parser(commands) -> None:
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=2048,
+        default=None,
         metavar="N",
-        help="tokens per engine step (default: %(default)s)",
+        help="tokens per engine step (default: 2048, or a LongRoPE model's switch length + 1)",
     )
     parser.add_argument(
         "--max-model-len",
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
         ("--max-queued-requests", args.max_queued_requests, 0),
     ):
-        if value < minimum:
+        if value is not None and value < minimum:
             raise CliError(f"{flag}: expected an integer >= {minimum}, got {value}")
     if args.port > 65535:
         raise CliError(f"--port: expected a port in [0, 65535], got {args.port}")

@@ -53,14 +53,20 @@ class CacheConfig:
             )
 
 
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+"""The step's token budget when :class:`SchedulerConfig` leaves it to the model."""
+
+
 @dataclass
 class SchedulerConfig:
     """Limits of one engine step."""
 
     max_num_seqs: int = 64
     """Sequences running at once (each of a request's ``n`` samples counts)."""
-    max_num_batched_tokens: int = 2048
-    """Tokens computed in one step, prefill chunks and decodes together."""
+    max_num_batched_tokens: int | None = None
+    """Tokens computed in one step, prefill chunks and decodes together. None: 2048, or a
+    LongRoPE model's ``rope_switch_length + 1`` when that is more (the recomputation of a
+    sequence past its switch runs in one step; Phi-3's switch is 4096): see :meth:`resolved`."""
     max_model_len: int | None = None
     """Prompt + generated tokens per sequence; None takes the model's own limit (or 2048)."""
     enable_chunked_prefill: bool = True
@@ -73,6 +79,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
+            if name == "max_num_batched_tokens" and value is None:
+                continue
             if not isinstance(value, int) or value < 1:
                 raise UserError(f"SchedulerConfig.{name}: expected a positive int, got {value!r}")
         if self.max_model_len is not None and (
@@ -87,6 +95,17 @@ class SchedulerConfig:
                 "SchedulerConfig.preemption_mode: expected 'swap' or 'recompute', "
                 f"got {self.preemption_mode!r}"
             )
+
+    def resolved(self, rope_switch_length: int | None) -> SchedulerConfig:
+        """This config with its token budget decided for a model whose LongRoPE switch length
+        is ``rope_switch_length`` (None: no switch). A budget given explicitly is kept (a
+        request it cannot schedule is refused when added)."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        budget = DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if rope_switch_length is not None:
+            budget = max(budget, rope_switch_length + 1)
+        return dataclasses.replace(self, max_num_batched_tokens=budget)
 
 
 @dataclass(frozen=True)

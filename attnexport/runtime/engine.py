@@ -20,7 +20,6 @@ engine stays usable.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import time
@@ -79,9 +78,8 @@ class Engine:
     Args:
         executor: runs the model (:class:`TorchExecutor`, :class:`OrtExecutor`).
         cache_config: pool sizes and prefix caching (defaults: :class:`CacheConfig`).
-        scheduler_config: step limits and preemption mode (defaults: :class:`SchedulerConfig`,
-            with ``max_num_batched_tokens`` raised to a LongRoPE model's
-            ``rope_switch_length + 1`` when it is below).
+        scheduler_config: step limits and preemption mode (defaults: :class:`SchedulerConfig`;
+            a budget it leaves to the model is resolved by :meth:`SchedulerConfig.resolved`).
         encoder_decoder: the decoder start token of an encoder-decoder model
             (default: the start token the executor found on the model); ignored otherwise.
         tokenizer: a :class:`~attnexport.runtime.text.Tokenizer`: prompts may then be text,
@@ -114,7 +112,9 @@ class Engine:
                     f"[0, {executor.vocab_size})"
                 )
         self.cache_config = cache_config or CacheConfig()
-        self.scheduler_config = scheduler_config or _default_scheduler_config(executor)
+        self.scheduler_config = (scheduler_config or SchedulerConfig()).resolved(
+            executor.rope_switch_length
+        )
         self.max_model_len = (
             self.scheduler_config.max_model_len or executor.max_model_len or DEFAULT_MAX_MODEL_LEN
         )
@@ -490,17 +490,6 @@ class Engine:
 
     def reset_stats(self) -> None:
         self.stats = EngineStats()
-
-
-def _default_scheduler_config(executor: Executor) -> SchedulerConfig:
-    """:class:`SchedulerConfig`'s defaults, with a token budget that holds a LongRoPE model's
-    recomputation past its switch length (``switch + 1`` tokens in one step; Phi-3's 4096 is
-    above the default 2048)."""
-    config = SchedulerConfig()
-    switch = executor.rope_switch_length
-    if switch is not None and config.max_num_batched_tokens <= switch:
-        config = dataclasses.replace(config, max_num_batched_tokens=switch + 1)
-    return config
 
 
 def engine_from_path(

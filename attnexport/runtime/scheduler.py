@@ -78,7 +78,7 @@ class Scheduler:
         block_manager: BlockManager,
         rope_switch_length: int | None = None,
     ) -> None:
-        self.config = config
+        self.config = config.resolved(rope_switch_length)
         self.block_manager = block_manager
         self.rope_switch_length = rope_switch_length
         """The model's LongRoPE switch length (None: no regime switch, no checks)."""

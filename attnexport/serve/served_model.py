@@ -37,7 +37,7 @@ def load_served_model(
     *,
     name: str | None = None,
     max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 2048,
+    max_num_batched_tokens: int | None = None,
     max_model_len: int | None = None,
     kv_cache_bytes: int | None = None,
     **executor_options,
@@ -48,7 +48,8 @@ def load_served_model(
         name: the model id of ``/v1/models`` and the responses (default: the export
             directory's name).
         max_num_seqs, max_num_batched_tokens, max_model_len: the scheduler's limits
-            (:class:`~attnexport.runtime.SchedulerConfig`).
+            (:class:`~attnexport.runtime.SchedulerConfig`; a None budget is the engine's:
+            2048, or a LongRoPE model's switch length + 1).
         kv_cache_bytes: the KV pool's size (default: sized for ``max_num_seqs`` sequences of
             ``max_model_len`` tokens, see :class:`~attnexport.runtime.CacheConfig`).
         executor_options: ``executor``, ``backend``, ``device``, ``num_threads``,

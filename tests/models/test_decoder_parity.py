@@ -399,7 +399,7 @@ def test_longrope_generation_crossing_the_switch_matches_transformers(
     params = [SamplingParams(max_tokens=n) for n in CROSSING_MAX_TOKENS]
     outputs = engine.generate([list(p) for p in CROSSING_PROMPTS], params)
     assert [o.token_ids for o in outputs] == crossing.hf_tokens
-    # the three that cross are recomputed once each; the long prompt never is
+    # the two that cross are recomputed once each; the long prompt never is
     assert engine.stats.num_rope_recomputations == 2
     assert engine.block_manager.num_used_blocks() == 0
 
@@ -422,13 +422,17 @@ def test_longrope_request_whose_recomputation_exceeds_the_token_budget_is_refuse
     assert output.token_ids == crossing.hf_tokens[0][:6]
     # without a SchedulerConfig (the CLI's engine) the default budget holds the switch
     assert Engine(engine_executor("ort-bodies", crossing.exports)).scheduler_config == (
-        SchedulerConfig()
+        SchedulerConfig(max_num_batched_tokens=2048)
     )
     from attnexport.runtime import TorchExecutor
 
     phi3_128k = TorchExecutor(crossing.exports.program, rope_switch_length=4096)
     engine = Engine(phi3_128k, CacheConfig(num_blocks=512))
     assert engine.scheduler_config.max_num_batched_tokens == 4097
+    # a SchedulerConfig that sets other limits but leaves the budget unset (attnexport serve's)
+    engine = Engine(phi3_128k, CacheConfig(num_blocks=512), SchedulerConfig(max_num_seqs=8))
+    assert engine.scheduler_config.max_num_batched_tokens == 4097
+    assert engine.scheduler.config.max_num_batched_tokens == 4097
 
 
 def test_longrope_export_records_the_switch_for_the_loader(crossing, tmp_path):
