@@ -27,9 +27,12 @@
 # static initializers when it loads; see isa_dispatch.cc.
 #
 #   CXX          C++ compiler (default g++)
-#   EXTRA_FLAGS  appended to every compile (a test builds with -O0)
-#   ARCH_FLAGS   development only, appended to every compile, e.g. -mtune=native; never
-#                -march=native in a library that is shipped (it would need this machine's CPU)
+#   EXTRA_FLAGS  added to every compile (a test builds with -O0)
+#   ARCH_FLAGS   development only, added to every compile, e.g. -mtune=native. The variants'
+#                ISA flags come after both and switch off what is above their ISA (-march=native
+#                cannot put AVX-512 into the AVX2 library or AVX into the dispatcher)
+#   WERROR       1 (default): warnings are errors (make, the tests); the package build passes 0,
+#                so that a newer compiler's new warning does not leave a wheel without kernels
 #   OUTPUT       the library to write (default attnexport/ort_kernels/libattnexport_ort.so);
 #                the variants are written beside it
 set -euo pipefail
@@ -49,11 +52,15 @@ fail() {
   exit 1
 }
 
+# unpack_deb: 0 when the pinned .deb was unpacked, 1 when there is none, 2 when the .deb there
+# is another build (e.g. a distribution's own rebuild of the same version; removed).
 unpack_deb() {
   local deb=("$HEADERS"/"$DEB_PACKAGE"_*.deb)
   [ -f "${deb[0]}" ] || return 1
-  echo "$DEB_SHA256  ${deb[0]}" | sha256sum -c --quiet - ||
-    fail "${deb[0]}: not the pinned $DEB_PACKAGE $DEB_VERSION (SHA-256 differs)"
+  if ! echo "$DEB_SHA256  ${deb[0]}" | sha256sum -c --quiet - 2>/dev/null; then
+    rm -f "${deb[0]}"
+    return 2
+  fi
   dpkg-deb -x "${deb[0]}" "$HEADERS"
 }
 
@@ -64,6 +71,7 @@ fetch_debian_headers() {
   mkdir -p "$HEADERS"
   rm -f "$HEADERS"/"$DEB_PACKAGE"_*.deb
   # This system's own sources first (their lists may be stale or lack the package: quietly on).
+  # A rebuild there (another SHA-256) falls through to Debian's own build below.
   (cd "$HEADERS" && apt-get -qq download "$DEB_PACKAGE=$DEB_VERSION" 2>/dev/null) || true
   unpack_deb && return 0
   local mirror
@@ -84,8 +92,15 @@ fetch_debian_headers() {
     "(set ORT_INCLUDE_DIR to a directory holding onnxruntime_c_api.h instead)"
   (cd "$HEADERS" && apt-get "${options[@]}" download "$DEB_PACKAGE=$DEB_VERSION") ||
     fail "apt-get download $DEB_PACKAGE=$DEB_VERSION from $mirror $DEB_SUITE failed"
-  unpack_deb || fail "apt-get download wrote no $DEB_PACKAGE .deb into $HEADERS"
+  unpack_deb ||
+    fail "$DEB_PACKAGE $DEB_VERSION from $mirror $DEB_SUITE: missing, or not the pinned build" \
+      "(SHA-256 differs)"
 }
+
+# Before any download: what cannot build here fails first.
+CXX=${CXX:-g++}
+command -v "$CXX" >/dev/null || fail "no C++ compiler: $CXX is not installed (set CXX)"
+[ "$(uname -m)" = x86_64 ] || fail "the kernels are x86-64 code; this machine is $(uname -m)"
 
 if [ -n "$ORT_INCLUDE_DIR" ]; then
   INCLUDE=$ORT_INCLUDE_DIR
@@ -95,15 +110,14 @@ else
   INCLUDE=$HEADERS/usr/include/onnxruntime
   [ -f "$INCLUDE/onnxruntime_c_api.h" ] || fetch_debian_headers
 fi
-CXX=${CXX:-g++}
-command -v "$CXX" >/dev/null || fail "no C++ compiler: $CXX is not installed (set CXX)"
-[ "$(uname -m)" = x86_64 ] || fail "the kernels are x86-64 code; this machine is $(uname -m)"
 
 # -Wno-psabi: compiled for AVX2, g++ notes that returning a 16-float vector "changes the ABI";
 # every such function is inline and internal to this library, so no ABI is crossed.
-FLAGS=(-std=c++17 -O3 -fPIC -fvisibility=hidden -Wall -Wextra -Werror -Wno-psabi -I "$INCLUDE")
-AVX2=(-mavx2 -mfma -mf16c)
-AVX512=("${AVX2[@]}" -mavx512f -mavx512bw -mavx512vl -mavx512dq)
+FLAGS=(-std=c++17 -O3 -fPIC -fvisibility=hidden -Wall -Wextra -Wno-psabi -I "$INCLUDE")
+[ "${WERROR:-1}" = 0 ] || FLAGS+=(-Werror)
+AVX2=(-mavx2 -mfma -mf16c -mno-avx512f)
+AVX512=(-mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -mavx512dq)
+BASELINE=(-mno-avx)  # the dispatcher: it runs before anything knows the CPU has AVX
 OBJECTS=$(mktemp -d)
 trap 'rm -rf "$OBJECTS"' EXIT
 
@@ -124,7 +138,7 @@ build_variant() {  # build_variant ISA FLAGS...
   mkdir -p "$OBJECTS/$isa"
   for source in "$SOURCES"/*.cc; do
     [ "$(basename "$source")" = isa_dispatch.cc ] && continue
-    "$CXX" "${FLAGS[@]}" "$@" ${ARCH_FLAGS:-} ${EXTRA_FLAGS:-} -c "$source" \
+    "$CXX" "${FLAGS[@]}" ${ARCH_FLAGS:-} ${EXTRA_FLAGS:-} "$@" -c "$source" \
       -o "$OBJECTS/$isa/$(basename "$source" .cc).o"
   done
   link "${OUTPUT%.so}_$isa.so" "RegisterCustomOps" "$OBJECTS/$isa"/*.o
@@ -134,7 +148,8 @@ build_variant avx2 "${AVX2[@]}" &
 avx2_job=$!
 build_variant avx512 "${AVX512[@]}"
 wait "$avx2_job"
-"$CXX" "${FLAGS[@]}" ${EXTRA_FLAGS:-} -c "$SOURCES/isa_dispatch.cc" -o "$OBJECTS/isa_dispatch.o"
+"$CXX" "${FLAGS[@]}" ${ARCH_FLAGS:-} ${EXTRA_FLAGS:-} "${BASELINE[@]}" -c "$SOURCES/isa_dispatch.cc" \
+  -o "$OBJECTS/isa_dispatch.o"
 link "$OUTPUT" "RegisterCustomOps; AttnexportKernelIsa" "$OBJECTS/isa_dispatch.o" -ldl
 for isa in avx2 avx512; do
   mv "${OUTPUT%.so}_$isa.so.tmp" "${OUTPUT%.so}_$isa.so"

@@ -69,10 +69,10 @@ def _checkout_copy(destination: Path) -> Path:
     return destination
 
 
-def _build_wheel(tmp: Path, include_dir: Path) -> Path:
+def _pip_wheel(tmp: Path, include_dir: Path, **env) -> tuple[subprocess.CompletedProcess, Path]:
     source = _checkout_copy(tmp / "source")
     out = tmp / "wheels"
-    env = {**os.environ, "ORT_INCLUDE_DIR": str(include_dir), "EXTRA_FLAGS": "-O0"}
+    env = {**os.environ, "ORT_INCLUDE_DIR": str(include_dir), "EXTRA_FLAGS": "-O0", **env}
     command = [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--quiet"]
     done = subprocess.run(
         [*command, "--no-build-isolation", "--wheel-dir", str(out)],
@@ -80,6 +80,11 @@ def _build_wheel(tmp: Path, include_dir: Path) -> Path:
         text=True,
         env=env,
     )
+    return done, out
+
+
+def _build_wheel(tmp: Path, include_dir: Path) -> Path:
+    done, out = _pip_wheel(tmp, include_dir, ATTNEXPORT_BUILD_REQUIRE_KERNELS="0")
     assert done.returncode == 0, done.stderr[-3000:]
     (wheel,) = out.glob("*.whl")
     return wheel
@@ -188,3 +193,11 @@ def test_without_the_header_the_wheel_builds_and_says_why_at_run_time(tmp_path):
     assert done.stderr.count(warning) == 1, done.stderr
     assert "holds no onnxruntime_c_api.h" in done.stderr and "instead of 143" in done.stderr
     assert "bodies kernels; native kernels unavailable:" in done.stdout
+
+
+def test_a_build_that_requires_the_kernels_fails_without_them(tmp_path):
+    """ATTNEXPORT_BUILD_REQUIRE_KERNELS=1 (a release or CI build) makes a kernel build failure
+    fail the package build instead of shipping a wheel that runs on the function bodies."""
+    done, out = _pip_wheel(tmp_path, tmp_path / "no-headers", ATTNEXPORT_BUILD_REQUIRE_KERNELS="1")
+    assert done.returncode != 0 and not list(out.glob("*.whl"))
+    assert "the native onnxruntime kernels were not built" in done.stderr + done.stdout

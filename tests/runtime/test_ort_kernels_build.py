@@ -1,5 +1,6 @@
 """The native kernel library builds whatever target flags the compiler is given besides the
-build's own (ARCH_FLAGS, for development builds), not only on the CPU that runs the suite.
+build's own (ARCH_FLAGS, for development builds), not only on the CPU that runs the suite, and
+those flags never raise its variants above their ISA.
 
 The library holds an AVX2 and an AVX-512 variant (scripts/build_ort_kernels.sh); compiled for
 AVX2, g++ warns that returning the 16-float vectors "changes the ABI", and the build's
@@ -37,10 +38,19 @@ pytestmark = [
 ]
 
 
+def _instructions(library: Path) -> str:
+    return subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", str(library)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
 @pytest.mark.parametrize(
     "arch,name",
-    [("x86-64", "libattnexport_ort.so"), ("x86-64-v3", "base.so")],
-    ids=["baseline", "avx2"],
+    [("x86-64", "libattnexport_ort.so"), ("x86-64-v3", "base.so"), ("native", "dev.so")],
+    ids=["baseline", "avx2", "native"],
 )
 def test_kernel_library_builds_without_avx512(tmp_path, arch, name):
     output = tmp_path / name
@@ -60,3 +70,9 @@ def test_kernel_library_builds_without_avx512(tmp_path, arch, name):
     library = ctypes.CDLL(str(output))
     library.AttnexportKernelIsa.restype = ctypes.c_char_p
     assert library.AttnexportKernelIsa().decode() in ("avx2", "avx512")
+    # Whatever ARCH_FLAGS says (-march=native on an AVX-512 machine), the AVX2 library holds no
+    # AVX-512 register and the dispatcher no AVX one: they run on CPUs without them.
+    if shutil.which("objdump"):
+        assert "%zmm" not in _instructions(variants[0])
+        dispatcher = _instructions(output)
+        assert "%ymm" not in dispatcher and "%zmm" not in dispatcher
