@@ -197,17 +197,17 @@ def start_leg(leg: str, args) -> tuple[subprocess.Popen, str]:
             python, __file__, "--front", leg, "--port", str(port), "--work", str(args.work),
             "--threads", str(args.threads), "--workers", str(workers),
         ]  # fmt: skip
-    log = open(args.work / f"{leg}.log", "wb")  # noqa: SIM115  (closed with the process)
-    process = subprocess.Popen(command, env=env, stderr=log, stdout=log)
+    log = args.work / f"{leg}.log"
+    with log.open("wb") as output:  # (the child keeps its own descriptor)
+        process = subprocess.Popen(command, env=env, stderr=output, stdout=output)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     import httpx
 
     while True:
         if process.poll() is not None:
-            raise RuntimeError(
-                f"{leg}: the server exited: {process.stderr.read().decode()[-2000:]}"
-            )
+            tail = log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{leg}: the server exited ({log}): {tail}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return process, url
