@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from attnexport.custom_ops.kv_cache_dtype import CACHE_DTYPES, SCALE_DTYPE, is_scaled
+
 INDEX_DTYPE = torch.int32
 SLOT_DTYPES = (torch.int32, torch.int64)
 CACHE_DIMS = "[num_blocks, block_size, num_kv_heads, head_size]"
@@ -154,8 +156,6 @@ def check_cache_dtype(
     precision, only with float64 activations and they only with it); int8 caches come with
     float32 scale caches [num_blocks, block_size, Hkv] (the scale of each row, same block and
     offset), float caches without them (docs/ops.md, "KV cache dtypes")."""
-    from attnexport.custom_ops.kv_cache_dtype import CACHE_DTYPES, SCALE_DTYPE, is_scaled
-
     if torch.float64 in (activation.dtype, key_cache.dtype):
         expect_like("dtype", activation_name, activation, key_cache=key_cache)
     expect_dtype("key_cache", key_cache, CACHE_DTYPES)
