@@ -39,6 +39,7 @@ SERVING_CORE = [
     "attnexport.runtime.executors.base",
     "attnexport.runtime.executors.cache_pool",
     "attnexport.runtime.executors.ort_executor",
+    "attnexport.runtime.embedding",
 ]
 FORBIDDEN = ("torch", "attnexport.custom_ops", "attnexport.lowering", "onnx")
 
