@@ -117,6 +117,8 @@ class EmbeddingEngine:
         executor: an :class:`OrtEncoderExecutor` or ``TorchEncoderExecutor``.
         config: pooling and normalisation (see :meth:`EmbeddingConfig.from_manifest`).
         max_num_batched_tokens: the token budget of one forward.
+        directory: the export directory whose tokenizer :meth:`embed_texts` loads (once, on
+            first use) when it is given none.
     """
 
     def __init__(
@@ -124,6 +126,7 @@ class EmbeddingEngine:
         executor: EncoderExecutor,
         config: EmbeddingConfig | None = None,
         max_num_batched_tokens: int = 8192,
+        directory: str | os.PathLike | None = None,
     ) -> None:
         if max_num_batched_tokens < 1:
             raise UserError(
@@ -132,6 +135,8 @@ class EmbeddingEngine:
         self.executor = executor
         self.config = config or EmbeddingConfig()
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.directory = None if directory is None else Path(directory)
+        self._tokenizer = None
 
     @classmethod
     def from_path(
@@ -164,9 +169,8 @@ class EmbeddingEngine:
             from attnexport.runtime.executors.torch_encoder_executor import TorchEncoderExecutor
 
             runner = TorchEncoderExecutor(file, trust_pickle=trust_pickle, **limits)
-        engine = cls(runner, EmbeddingConfig.from_manifest(manifest), max_num_batched_tokens)
-        engine.directory = artifact_dir(Path(path))
-        return engine
+        config = EmbeddingConfig.from_manifest(manifest)
+        return cls(runner, config, max_num_batched_tokens, artifact_dir(Path(path)))
 
     def check(
         self, sequences: Sequence[Sequence[int]], token_type_ids: Sequence[Sequence[int]] | None
@@ -254,10 +258,11 @@ class EmbeddingEngine:
         if tokenizer is None:
             from attnexport.runtime.text import Tokenizer, TokenizerError
 
-            directory = getattr(self, "directory", None)
-            if directory is None:
+            if self.directory is None:
                 raise TokenizerError("tokenizer: this engine has no export directory; pass one")
-            tokenizer = Tokenizer.from_directory(directory)
+            if self._tokenizer is None:
+                self._tokenizer = Tokenizer.from_directory(self.directory)
+            tokenizer = self._tokenizer
         ids, types = self.tokenize(texts, tokenizer)
         return self.embed(ids, types)
 
@@ -267,7 +272,8 @@ class OrtEncoderExecutor:
 
     Args:
         model: path of the ``.onnx`` file.
-        num_threads: intra-op threads (default: onnxruntime's).
+        num_threads: intra-op threads (default:
+            :func:`~attnexport.runtime.executors.ort_executor.default_num_threads`).
         vocab_size, max_model_len: the model's limits (from the manifest), checked before a
             run when given.
     """
@@ -284,12 +290,12 @@ class OrtEncoderExecutor:
     ) -> None:
         import onnxruntime as ort
 
+        from attnexport.runtime.executors.ort_executor import default_session_options
+
         path = Path(model)
         if not path.is_file():
             raise UserError(f"model: no such .onnx file: {path}")
-        options = ort.SessionOptions()
-        if num_threads:
-            options.intra_op_num_threads = num_threads
+        options = default_session_options(num_threads)
         self.session = ort.InferenceSession(
             str(path), sess_options=options, providers=["CPUExecutionProvider"]
         )
