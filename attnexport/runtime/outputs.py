@@ -45,6 +45,8 @@ class RequestMetrics:
     num_cached_prompt_tokens: int
     """Prompt tokens served from the prefix cache (not computed)."""
     num_preemptions: int
+    """Times the request was evicted and requeued, its LongRoPE regime-switch recomputation
+    included (``EngineStats`` counts those apart)."""
 
     @property
     def time_to_first_token(self) -> float | None:
