@@ -85,26 +85,6 @@ inline V exp_nonpositive(V x) {
   return p * scale;
 }
 
-// row[0:n] <- softmax(row[0:n]), n >= 1.
-inline void softmax_inplace(float* row, int64_t n) {
-  float max = row[0];
-  for (int64_t i = 1; i < n; ++i) max = row[i] > max ? row[i] : max;
-  f32x16 sums{};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const f32x16 e = exp_nonpositive<f32x16, i32x16>(load16(row + i) - max);
-    store16(row + i, e);
-    sums += e;
-  }
-  float sum = horizontal_sum(sums);
-  for (; i < n; ++i) {
-    row[i] = exp_nonpositive<float, int32_t>(row[i] - max);
-    sum += row[i];
-  }
-  const float inverse = 1.0f / sum;
-  for (i = 0; i < n; ++i) row[i] *= inverse;
-}
-
 // Storage types the kernels read and write; all math is float32.
 struct Half {
   uint16_t bits;
