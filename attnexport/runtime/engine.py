@@ -316,7 +316,7 @@ class Engine:
         for request in requests:
             if request.status is Status.FINISHED:
                 continue  # it finished in this step before the error
-            request.error = message
+            request.error, request.error_is_internal = message, True
             request.finish_time = now
             self.scheduler.finish(request)
             changed.append(request)

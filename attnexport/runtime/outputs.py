@@ -77,6 +77,9 @@ class RequestOutput:
     finished: bool
     error: str | None
     metrics: RequestMetrics
+    error_is_internal: bool = False
+    """``error`` is the engine's (its executor failed, it stopped), not a fault of the request
+    (e.g. larger than the KV pool): a server answers it with 500, not 400."""
 
     @property
     def token_ids(self) -> list[int]:
@@ -131,6 +134,7 @@ def snapshot(
         outputs=outputs,
         finished=request.finished,
         error=request.error,
+        error_is_internal=request.error_is_internal,
         metrics=RequestMetrics(
             arrival_time=request.arrival_time,
             first_scheduled_time=request.first_scheduled_time,

@@ -115,6 +115,8 @@ class Request:
     recomputes these leading prompt tokens (whole blocks) alone, then the others share its
     blocks instead of computing them again."""
     error: str | None = None
+    error_is_internal: bool = False
+    """The error is the engine's (its executor failed), not the request's."""
     encoder: EncoderInput | None = None
     """Encoder-decoder requests only."""
 

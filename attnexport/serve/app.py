@@ -202,7 +202,8 @@ class _Prompt:
 
     token_ids: list[int]
     choices: list[_Choice]
-    error: str | None = None
+    error: APIError | None = None
+    """What the request answers when the engine failed this prompt."""
     first_token_time: float | None = None
     last_token_time: float | None = None
 
@@ -344,7 +345,7 @@ class _Server:
                 self.metrics.inter_token_latency.observe(now - prompt.last_token_time)
             prompt.last_token_time = now
         if output.error is not None:
-            prompt.error = output.error
+            prompt.error = _engine_error(output.error, output.error_is_internal)
         changed = []
         n = len(prompt.choices)
         for sample in output.outputs:
@@ -365,7 +366,7 @@ class _Server:
         """A prompt that failed in the engine fails the request (after its stream ended)."""
         for prompt in run.prompts:
             if prompt.error is not None:
-                raise _engine_error(prompt.error)
+                raise prompt.error
             if any(c.finish_reason == "aborted" for c in prompt.choices):
                 raise unavailable("the request was aborted: the server is shutting down")
 
@@ -532,11 +533,9 @@ class _Run:
             server.take(self, index, output)
 
 
-def _engine_error(message: str) -> APIError:
-    """A request the engine failed: its executor (500) or its own size (400)."""
-    if message.startswith("the executor failed") or message.startswith("the engine stopped"):
-        return server_error(message)
-    return InvalidRequest(message)
+def _engine_error(message: str, internal: bool) -> APIError:
+    """A request the engine failed: by its own fault (400) or the engine's (500)."""
+    return server_error(message) if internal else InvalidRequest(message)
 
 
 def _event(data: dict) -> str:

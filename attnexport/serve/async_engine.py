@@ -363,7 +363,9 @@ class AsyncEngine:
                 output = self.engine.get_output(request_id)
             except Exception:  # the engine itself is broken: nothing more to report
                 continue
-            output.error = output.error or f"the engine stopped: {type(error).__name__}: {error}"
+            if output.error is None:
+                output.error = f"the engine stopped: {type(error).__name__}: {error}"
+                output.error_is_internal = True
             step.outputs.append(output)
         self._send(step)
 

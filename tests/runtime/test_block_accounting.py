@@ -104,6 +104,7 @@ def test_random_workloads_are_exact_and_leak_no_block(workload):
     for output, (prompt, params) in _run_leaking_nothing(workload):
         if output.error is not None:
             assert output.finish_reason == "error" and "more KV-cache blocks" in output.error
+            assert not output.error_is_internal  # the request's own size: a 400
             continue
         expected = reference_tokens(prompt, params.max_tokens, MODEL.vocab_size, 32)
         assert [c.token_ids for c in output.outputs] == [expected] * params.n

@@ -169,6 +169,7 @@ def test_an_executor_exception_fails_the_step_requests_and_frees_their_blocks(fa
         output = engine.get_output(request_id)
         assert output.finished and output.finish_reason == "error"
         assert "the executor failed: RuntimeError: device lost" in output.error
+        assert output.error_is_internal  # the engine's fault: a server answers 500
         engine.release(request_id)
     _assert_released(engine)
     _assert_usable(engine)
