@@ -437,18 +437,10 @@ class _Server:
                         )
                     ],
                 )
-                yield _event(chunk.model_dump(exclude_none=True, exclude={"usage"}))
+                yield _choice_event(chunk, choice.finish_reason)
         self._check_failed(run)
         if body.stream_options is not None and body.stream_options.include_usage:
-            usage = CompletionChunk(
-                id=run.id,
-                created=created,
-                model=self.model.name,
-                system_fingerprint=self.fingerprint,
-                choices=[],
-                usage=self._usage(run),
-            )
-            yield _event(usage.model_dump(exclude_none=True))
+            yield self._usage_event(CompletionChunk, run, created)
 
     async def _chat_chunks(self, body: ChatCompletionRequest, run: _Run) -> AsyncIterator[str]:
         created = int(time.time())
@@ -463,9 +455,7 @@ class _Server:
                     ChatChunkChoice(index=i, delta=delta, finish_reason=reason, token_ids=ids)
                 ],
             )
-            data = value.model_dump(exclude_none=True, exclude={"usage"})
-            data["choices"][0]["finish_reason"] = reason  # null until the last chunk, as OpenAI
-            return _event(data)
+            return _choice_event(value, reason)
 
         for i in range(len(run.choices())):
             yield chunk(i, DeltaMessage(role="assistant", content=""), None)
@@ -476,15 +466,19 @@ class _Server:
                 yield chunk(i, DeltaMessage(content=delta), choice.finish_reason, ids)
         self._check_failed(run)
         if body.stream_options is not None and body.stream_options.include_usage:
-            usage = ChatCompletionChunk(
-                id=run.id,
-                created=created,
-                model=self.model.name,
-                system_fingerprint=self.fingerprint,
-                choices=[],
-                usage=self._usage(run),
-            )
-            yield _event(usage.model_dump(exclude_none=True))
+            yield self._usage_event(ChatCompletionChunk, run, created)
+
+    def _usage_event(self, chunk_type, run: _Run, created: int) -> str:
+        """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
+        usage = chunk_type(
+            id=run.id,
+            created=created,
+            model=self.model.name,
+            system_fingerprint=self.fingerprint,
+            choices=[],
+            usage=self._usage(run),
+        )
+        return _event(usage.model_dump(exclude_none=True))
 
     def _sse(self, run: _Run, chunks: AsyncIterator[str], request: Request) -> StreamingResponse:
         """Server-sent events over ``chunks``, then ``data: [DONE]``. An error after the
@@ -536,6 +530,14 @@ class _Run:
 def _engine_error(message: str, internal: bool) -> APIError:
     """A request the engine failed: by its own fault (400) or the engine's (500)."""
     return server_error(message) if internal else InvalidRequest(message)
+
+
+def _choice_event(chunk, finish_reason: str | None) -> str:
+    """A chunk of one choice; its ``finish_reason`` is sent as null until the last chunk, as
+    OpenAI sends it (the other unset fields are left out)."""
+    data = chunk.model_dump(exclude_none=True, exclude={"usage"})
+    data["choices"][0]["finish_reason"] = finish_reason
+    return _event(data)
 
 
 def _event(data: dict) -> str:

@@ -40,3 +40,16 @@ def test_an_executor_failure_is_a_500_and_a_request_too_large_for_the_pool_a_400
         response = client.post("/v1/completions", json=body)
         assert response.status_code == 400, response.text
         assert "more KV-cache blocks" in response.json()["error"]["message"]
+
+
+def test_every_streamed_completion_chunk_names_its_finish_reason_null_until_the_last():
+    """Completion chunks left ``finish_reason`` out until the last, where OpenAI (and this
+    server's chat chunks) send null."""
+    import json
+
+    body = {"prompt": [1, 2, 3], "max_tokens": 4, "stream": True}
+    with _client(fail_at=0) as client, client.stream("POST", "/v1/completions", json=body) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: {")]
+    reasons = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in lines]
+    assert len(reasons) >= 2 and reasons[-1] == "length", reasons
+    assert all(reason is None for reason in reasons[:-1]), reasons
