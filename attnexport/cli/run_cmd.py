@@ -121,11 +121,11 @@ def load_tokenizer(artifact: Path, manifest: dict | None, required: bool = True)
     """The tokenizer saved in the export directory, exactly as transformers.AutoTokenizer
     loads it. Without one (or without transformers) that is a CliError when text prompts
     need it (``required``), else None: the outputs then have no text."""
-    from attnexport.runtime.text import Tokenizer
+    from attnexport.runtime.loading import artifact_tokenizer
 
     directory = artifact_dir(artifact)
     try:
-        tokenizer = Tokenizer.of_artifact(directory, manifest)
+        tokenizer = artifact_tokenizer(directory, manifest)
     except ModuleNotFoundError:
         if required:
             raise

@@ -13,10 +13,25 @@ from pathlib import Path
 from attnexport.errors import UserError
 from attnexport.runtime.config import EncoderDecoderConfig
 from attnexport.runtime.executors.base import Executor
+from attnexport.runtime.text import Tokenizer
 
 AUTO = "auto"
 """The default executor and backend choice (``attnexport.artifact.EXECUTORS``' and
 ``attnexport.custom_ops.dispatch.AUTO``' name)."""
+
+
+def artifact_tokenizer(directory: str | os.PathLike, manifest: dict | None) -> Tokenizer | None:
+    """The tokenizer an export directory holds (the files its manifest lists, or any tokenizer
+    file when there is no manifest); None when it holds none. MissingDependencyError (a
+    ModuleNotFoundError) when transformers is missing."""
+    from attnexport.artifact import TOKENIZER_FILES
+
+    directory = Path(directory)
+    if manifest is not None:
+        present = bool(manifest.get("tokenizer_files"))
+    else:
+        present = any((directory / name).is_file() for name in TOKENIZER_FILES)
+    return Tokenizer.from_directory(directory) if present else None
 
 
 def _manifest(path: Path) -> dict:

@@ -70,20 +70,6 @@ class Tokenizer:
             ) from None
         return cls(hf, str(directory))
 
-    @classmethod
-    def of_artifact(cls, directory: str | os.PathLike, manifest: dict | None) -> Tokenizer | None:
-        """The tokenizer an export directory holds (the files its manifest lists, or any
-        tokenizer file when there is no manifest); None when it holds none.
-        MissingDependencyError (a ModuleNotFoundError) when transformers is missing."""
-        from attnexport.artifact import TOKENIZER_FILES
-
-        directory = Path(directory)
-        if manifest is not None:
-            present = bool(manifest.get("tokenizer_files"))
-        else:
-            present = any((directory / name).is_file() for name in TOKENIZER_FILES)
-        return cls.from_directory(directory) if present else None
-
     def encode(self, text: str) -> list[int]:
         """``text`` -> token ids, special tokens as the tokenizer config says; never padded or
         truncated (a prompt longer than the model is the engine's named error, not a cut)."""

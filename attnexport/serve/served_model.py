@@ -12,6 +12,7 @@ from attnexport.artifact import artifact_dir, read_manifest
 from attnexport.errors import UserError
 from attnexport.runtime.config import CacheConfig, SchedulerConfig
 from attnexport.runtime.engine import Engine, engine_from_path
+from attnexport.runtime.loading import artifact_tokenizer
 from attnexport.runtime.text import Tokenizer
 
 
@@ -72,7 +73,7 @@ def load_served_model(
         )
     directory = artifact_dir(artifact)
     try:
-        tokenizer = Tokenizer.of_artifact(directory, manifest)
+        tokenizer = artifact_tokenizer(directory, manifest)
     except ModuleNotFoundError:  # no transformers: token-id prompts only, no text returned
         tokenizer = None
     engine = engine_from_path(
