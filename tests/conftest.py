@@ -12,6 +12,9 @@ import attnexport  # noqa: F401  (registers ops and backends)
 from attnexport import ort_kernels
 from attnexport.custom_ops import get_backend, registered_backends, use_backend
 
+# smollm2_checkpoint, smollm2_fp32_artifact: the real checkpoint (tests/real_model.py)
+pytest_plugins = ["tests.real_model"]
+
 # CI runs must not depend on luck: property tests replay the same examples every run there.
 settings.register_profile("ci", derandomize=True, database=None)
 if os.environ.get("CI"):
