@@ -102,15 +102,12 @@ class PagedStep:
             sliding_window=call.sliding_window,
             logits_soft_cap=call.logits_soft_cap,
         )
-        out = attention(
-            query[0].transpose(0, 1),
-            key[0].transpose(0, 1),
-            value[0].transpose(0, 1),
-            key_cache,
-            value_cache,
-            self.metadata,
-        )
-        return out.unflatten(-1, (call.num_heads, call.head_size)).unsqueeze(0)
+        # transpose then reshape (not [0]): the ONNX layout rules fold these into the inverse
+        # transpose and reshape of the model's own code, leaving [T, heads, D] straight from
+        # the projection (attnexport.lowering.fusions)
+        heads = [x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (query, key, value)]
+        out = attention(*heads, key_cache, value_cache, self.metadata)
+        return out.reshape(1, -1, call.num_heads, call.head_size)
 
 
 def _layer_call(module, query, key, value, options: dict) -> LayerCall:
