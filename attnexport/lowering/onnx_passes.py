@@ -248,10 +248,7 @@ def gemm_to_matmul(model: ir.Model) -> int:
             or len(weight.const_value.shape) != 2
         ):
             continue
-        if _attr(node, "transB", 0):
-            matrix = _transposed(graph, weight)
-        else:
-            matrix = weight
+        matrix = _transposed(graph, weight) if _attr(node, "transB", 0) else weight
         matmul = ir.Node("", "MatMul", [node.inputs[0], matrix], name=node.name)
         nodes = [matmul]
         result = matmul.outputs[0]

@@ -35,7 +35,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         x: ``[T, 2 * d]`` floating point (leading dims allowed: ``[..., T, 2 * d]``).
 
     Returns:
-        ``[T, d]`` (``[..., T, d]``) in the dtype of x (silu, then the product, each rounded to that dtype).
+        ``[T, d]`` (``[..., T, d]``) in the dtype of x (silu, then the product, each rounded
+        to that dtype).
     """
     check(x)
     gate, up = x.chunk(2, dim=-1)

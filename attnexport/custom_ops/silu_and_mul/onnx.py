@@ -21,8 +21,8 @@ ONNX_OPS = (
     OnnxOp(
         node="SiluAndMul",
         doc=(
-            "SwiGLU's gate of a fused gate/up projection: output = silu(x[..., :d]) * x[..., d:] with "
-            "silu(g) = g * sigmoid(g)."
+            "SwiGLU's gate of a fused gate/up projection: output = silu(x[..., :d]) * "
+            "x[..., d:] with silu(g) = g * sigmoid(g)."
         ),
         summary="silu(x[..., :d]) * x[..., d:].",
         inputs=(Port("x", "T", "[..., num_tokens, 2 * d]: the gate half, then the up half"),),
