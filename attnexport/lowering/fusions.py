@@ -197,9 +197,9 @@ def _fuse_group(graph: ir.Graph, nodes: list[ir.Node], biases) -> None:
         result.shape = ir.Shape([*dims[:-1], int(sum(columns))])
         matmul.outputs[0].shape = result.shape
     result.type = matmul.outputs[0].type = results[0].type
-    # The fused nodes go where the last of the old ones was: every input they read is there.
-    anchor = _last_of(graph, [*nodes, *(b[0] for b in biases or ())])
-    graph.insert_after(anchor, new_nodes)
+    # Before the first of the old nodes: the fused ones read only x and constants, and every
+    # user of an old output comes after it.
+    graph.insert_before(_first_of(graph, nodes), new_nodes)
     for old, new in zip(results, split.outputs, strict=True):
         new.type, new.shape = old.type, old.shape
         ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
@@ -209,13 +209,9 @@ def _fuse_group(graph: ir.Graph, nodes: list[ir.Node], biases) -> None:
             graph.initializers.pop(weight.name)
 
 
-def _last_of(graph: ir.Graph, nodes: list[ir.Node]) -> ir.Node:
+def _first_of(graph: ir.Graph, nodes: list[ir.Node]) -> ir.Node:
     members = {id(n) for n in nodes}
-    last = None
-    for node in graph:
-        if id(node) in members:
-            last = node
-    return last
+    return next(node for node in graph if id(node) in members)
 
 
 # ----------------------------------------------------------------------------- rotary
@@ -394,32 +390,12 @@ def _check_rms_norm(x, weight, two, axes, epsilon, widened, narrowed) -> pattern
     return result
 
 
-class AddRmsNorm(pattern.RewriteRuleClassBase):
-    """A residual ``Add`` of two tensors of one shape and the RMSNorm of the sum ->
-    ``FusedAddRMSNorm`` (its outputs: the normalized sum and the sum)."""
-
-    def pattern(self, op, a, b, weight, two, axes, epsilon):
-        total = op.Add(a, b, _outputs=["total"])
-        return _rms_norm_pattern(op, total, weight, two, axes, epsilon), total
-
-    def check(self, context, a, b, total, weight, two, axes, epsilon, **tags):
-        result = _check_rms_norm(total, weight, two, axes, epsilon, **_tags(tags))
-        if result and (_dims(a) != _dims(b) or _dims(a) != _dims(total)):
-            return result.fail("the add broadcasts")
-        return result
-
-    def rewrite(self, op, a, b, total, weight, epsilon, **_):
-        normed, summed = _custom(
-            op, "FusedAddRMSNorm", a, b, weight, outputs=2, epsilon=_scalar(epsilon)
-        )
-        dims = list(_dims(total))
-        return _typed(normed, total, dims), _typed(summed, total, dims)
-
-
 class RmsNorm(pattern.RewriteRuleClassBase):
-    """transformers' RMSNorm alone (no residual add before it) -> the same math with a
-    ``Div`` by the root (the zoo's form, which onnxruntime fuses into one
-    SimplifiedLayerNormalization; it leaves the ``Reciprocal`` form unfused)."""
+    """transformers' RMSNorm -> a marker node (``RMSNorm`` of :data:`MARKER_DOMAIN`) that
+    :func:`fuse_rms_norms` then turns into ``FusedAddRMSNorm`` when a residual ``Add`` makes
+    its input, else into the ``Div`` form. (One pattern rule with the ``Add`` and both of its
+    outputs would be a multi-output pattern, which onnxscript's matcher searches two orders of
+    magnitude slower.)"""
 
     def pattern(self, op, x, weight, two, axes, epsilon):
         return _rms_norm_pattern(op, x, weight, two, axes, epsilon)
@@ -427,13 +403,90 @@ class RmsNorm(pattern.RewriteRuleClassBase):
     def check(self, context, x, weight, two, axes, epsilon, **tags):
         return _check_rms_norm(x, weight, two, axes, epsilon, **_tags(tags))
 
-    def rewrite(self, op, x, weight, two, axes, epsilon, **tags):
-        wide = op.Cast(x, to=ir.DataType.FLOAT) if x.dtype != ir.DataType.FLOAT else x
-        mean_square = op.ReduceMean(op.Pow(wide, two), axes, keepdims=1)
-        normed = op.Div(wide, op.Sqrt(op.Add(mean_square, epsilon)))
-        if x.dtype != ir.DataType.FLOAT:
-            normed = op.Cast(normed, to=x.dtype)
-        return op.Mul(weight, normed)
+    def rewrite(self, op, x, weight, epsilon, **_):
+        marker = op.RMSNorm(x, weight, epsilon=_scalar(epsilon), _domain=MARKER_DOMAIN)
+        return _typed(marker, x, list(_dims(x)))
+
+
+MARKER_DOMAIN = "attnexport.fusions"
+"""The domain of the marker nodes :func:`fuse` leaves for its passes (none survives it)."""
+
+
+def _residual_add(x: ir.Value) -> ir.Node | None:
+    """The standard ``Add`` of two tensors of x's shape and dtype that produces x, if any."""
+    add = x.producer()
+    if add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx"):
+        return None
+    a, b = add.inputs
+    if _dims(a) != _dims(x) or _dims(b) != _dims(x) or a.dtype != x.dtype != b.dtype:
+        return None
+    return add
+
+
+def fuse_rms_norms(model: ir.Model) -> tuple[int, int]:
+    """Replaces each RMSNorm marker: ``FusedAddRMSNorm(a, b, weight)`` when its input is a
+    residual ``Add(a, b)`` (the sum's other users read the node's second output), else
+    ``weight * x / sqrt(mean(x^2) + eps)`` in float32 (the zoo's form: onnxruntime fuses it into
+    one SimplifiedLayerNormalization; it leaves transformers' ``Reciprocal`` form unfused).
+    Returns (fused adds, plain norms)."""
+    graph = model.graph
+    counts = [0, 0]
+    for marker in [n for n in graph if n.domain == MARKER_DOMAIN]:
+        x, weight = marker.inputs
+        epsilon = marker.attributes.get_float("epsilon")
+        add = _residual_add(x)
+        if add is not None:
+            fused = ir.Node(
+                DOMAIN,
+                "FusedAddRMSNorm",
+                [*add.inputs, weight],
+                attributes=[ir.AttrFloat32("epsilon", epsilon)],
+                num_outputs=2,
+                name=f"{add.name}/FusedAddRMSNorm",
+            )
+            graph.insert_before(marker, fused)
+            outputs = [(marker.outputs[0], fused.outputs[0]), (x, fused.outputs[1])]
+            counts[0] += 1
+        else:
+            nodes, result = _div_form(graph, x, weight, epsilon, marker.name)
+            graph.insert_before(marker, nodes)
+            outputs = [(marker.outputs[0], result)]
+            counts[1] += 1
+        for old, new in outputs:
+            new.type, new.shape = old.type, old.shape
+            ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+        graph.remove([marker, *([add] if add is not None else [])], safe=True)
+    return counts[0], counts[1]
+
+
+def _div_form(graph: ir.Graph, x: ir.Value, weight: ir.Value, epsilon: float, name: str):
+    def constant(array, suffix):
+        return ir.Value(
+            name=f"{name}/{suffix}",
+            const_value=ir.tensor(array, name=f"{name}/{suffix}"),
+            shape=ir.Shape(array.shape),
+            type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+        )
+
+    two = constant(np.array(2.0, dtype=np.float32), "two")
+    axes = constant(np.array([-1], dtype=np.int64), "axes")
+    eps = constant(np.array(epsilon, dtype=np.float32), "epsilon")
+    for value in (two, axes, eps):
+        graph.register_initializer(value)
+    nodes = []
+
+    def node(op_type, *inputs, **attributes):
+        attrs = [ir.Attr(k, ir.AttributeType.INT, v) for k, v in attributes.items()]
+        created = ir.Node("", op_type, list(inputs), attributes=attrs, name=f"{name}/{op_type}")
+        nodes.append(created)
+        return created.outputs[0]
+
+    wide = x if x.dtype == ir.DataType.FLOAT else node("Cast", x, to=ir.DataType.FLOAT.value)
+    mean_square = node("ReduceMean", node("Pow", wide, two), axes, keepdims=1)
+    normed = node("Div", wide, node("Sqrt", node("Add", mean_square, eps)))
+    if x.dtype != ir.DataType.FLOAT:
+        normed = node("Cast", normed, to=x.dtype.value)
+    return nodes, node("Mul", weight, normed)
 
 
 def _tags(tags: dict) -> dict:
@@ -477,8 +530,7 @@ FUSION_RULES: dict[str, tuple[pattern.RewriteRule, ...]] = {
     "rotary": (RotaryEmbedding.rule(),),
     "qkv_rotary": (QkvRotaryEmbedding.rule(),),
     "silu_and_mul": (SiluAndMul.rule(),),
-    "add_rms_norm": (AddRmsNorm.rule(),),
-    "rms_norm": (RmsNorm.rule(),),
+    "rms_norm_marker": (RmsNorm.rule(),),
 }
 """The pattern rules, in the order :func:`fuse` applies them (each one to a fixed point)."""
 
@@ -518,4 +570,6 @@ def fuse(model: ir.Model) -> dict[str, int]:
             _TIDY(model)  # first: the layout rules read the rewrites' shapes as initializers
             _apply_layout(model)
             _TIDY(model)
+    del fired["rms_norm_marker"]
+    fired["add_rms_norm"], fired["rms_norm"] = fuse_rms_norms(model)
     return {name: count for name, count in fired.items() if count}
