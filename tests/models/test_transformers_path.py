@@ -116,4 +116,3 @@ def test_unsupported_models_are_refused_with_the_reason(name, tmp_path):
     build_checkpoint(family, tmp_path)
     with pytest.raises(UnsupportedModelError, match=reason):
         load_checkpoint(tmp_path, impl="transformers")
-
