@@ -250,10 +250,12 @@ class Engine:
         except Exception as error:
             if self.tokenizer is None:
                 raise
-            logger.error("request %s: decoding its text failed", request.request_id, exc_info=True)
-            message = f"decoding the text failed: {type(error).__name__}: {error}"
-            self.outputs.fail(request, message, time.perf_counter())
-            self._notify([request])
+            if request.error is None:
+                logger.error(
+                    "request %s: decoding its text failed", request.request_id, exc_info=True
+                )
+                message = f"decoding the text failed: {type(error).__name__}: {error}"
+                self.outputs.fail(request, message, time.perf_counter())
             return snapshot(request, sent)
 
     def release(self, request_id: str) -> None:

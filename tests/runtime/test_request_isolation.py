@@ -1,14 +1,17 @@
 """One request can never fail another: what goes wrong with one request inside a step (its
-logits row is NaN) fails that request alone, and a per-request limit (``max_model_len``) can
-never surface as a failure of the step its co-batched requests are in."""
+logits row is NaN, its text cannot be decoded) fails that request alone, and a per-request
+limit (``max_model_len``) can never surface as a failure of the step its co-batched requests
+are in."""
 
 from __future__ import annotations
 
 import pytest
 
 from attnexport.runtime import CacheConfig, Engine, SamplingParams, SchedulerConfig, TorchExecutor
+from attnexport.runtime.text import Tokenizer
 from tests.runtime.echo_decoder import EchoDecoder, reference_tokens
 from tests.runtime.poisoned import PoisonedRows
+from tests.text_tokenizers import BUILDERS
 
 MODEL = EchoDecoder(vocab_size=50, max_model_len=64)
 VICTIMS = [[1, 2, 3, 4, 5], [7, 8]]
@@ -87,4 +90,45 @@ def test_a_failed_request_streams_its_error_and_the_others_their_tokens():
     victim, failed = sorted(finals.values(), key=lambda o: o.prompt_token_ids != VICTIMS[0])
     assert victim.token_ids == _solo(VICTIMS[0]) and victim.error is None
     assert failed.finish_reason == "error" and "NonFiniteLogitsError" in failed.error
+    _assert_released(engine)
+
+
+class _RefusingTokenizer(Tokenizer):
+    """Decoding any text holding the token ``refused`` raises (a tokenizer bug)."""
+
+    def __init__(self, inner: Tokenizer, refused: int) -> None:
+        super().__init__(inner.hf)
+        self.refused = refused
+
+    def decode(self, ids) -> str:
+        if self.refused in ids:
+            raise RuntimeError(f"cannot decode token {self.refused}")
+        return super().decode(ids)
+
+
+@pytest.mark.parametrize("api", ["generate", "stream"])
+def test_text_that_cannot_be_decoded_fails_its_request_alone(api, tmp_path):
+    refused = _solo(BAD)[0]
+    assert not any(refused in _solo(v) for v in VICTIMS)
+    tokenizer = _RefusingTokenizer(
+        Tokenizer.from_directory(BUILDERS["byte_level_bpe"](tmp_path)), refused
+    )
+    engine = Engine(
+        TorchExecutor(MODEL, cache_spec=MODEL.cache_spec(2)),
+        CacheConfig(num_blocks=64),
+        SchedulerConfig(max_model_len=32),
+        tokenizer=tokenizer,
+    )
+    prompts, params = [VICTIMS[0], BAD, VICTIMS[1]], SamplingParams(MAX_TOKENS)
+    if api == "generate":
+        outputs = engine.generate(prompts, params)
+    else:
+        finals = {o.request_id: o for o in engine.stream(prompts, params) if o.finished}
+        outputs = sorted(finals.values(), key=lambda o: prompts.index(o.prompt_token_ids))
+    for victim, output in zip(VICTIMS, (outputs[0], outputs[2]), strict=True):
+        assert output.error is None and output.token_ids == _solo(victim)
+        assert output.text == tokenizer.decode(_solo(victim))
+    failed = outputs[1]
+    assert failed.finish_reason == "error" and failed.error_is_internal
+    assert f"decoding the text failed: RuntimeError: cannot decode token {refused}" in failed.error
     _assert_released(engine)
