@@ -41,6 +41,7 @@ from attnexport.runtime.config import (
 )
 from attnexport.runtime.executors.base import Executor
 from attnexport.runtime.loading import encoder_decoder_config, load_executor
+from attnexport.runtime.logits_processing import RequestLogits
 from attnexport.runtime.model_input import ModelInput
 from attnexport.runtime.output_processor import OutputProcessor
 from attnexport.runtime.outputs import RequestOutput, snapshot
@@ -49,6 +50,7 @@ from attnexport.runtime.sampling import SamplingParams
 from attnexport.runtime.scheduler import ScheduledBatch, Scheduler
 from attnexport.runtime.sequence import EncoderInput, Request, Status
 from attnexport.runtime.step_packing import pack_decoder_batch, pack_encoder_decoder_batch
+from attnexport.runtime.structured_output import GrammarCompiler
 from attnexport.runtime.text import Tokenizer
 
 logger = logging.getLogger("attnexport.runtime")
@@ -90,6 +92,9 @@ class Engine:
             (default: the start token the executor found on the model); ignored otherwise.
         tokenizer: a :class:`~attnexport.runtime.text.Tokenizer`: prompts may then be text,
             and outputs carry ``text`` / ``text_delta`` (default: token ids only).
+        grammars: compiles the grammars of requests with ``SamplingParams.structured``
+            (:class:`~attnexport.runtime.structured_output.GrammarCompiler`, over the model's
+            tokenizer); without it such requests are refused.
     """
 
     def __init__(
@@ -99,9 +104,11 @@ class Engine:
         scheduler_config: SchedulerConfig | None = None,
         encoder_decoder: EncoderDecoderConfig | None = None,
         tokenizer: Tokenizer | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.executor = executor
         self.tokenizer = tokenizer
+        self.grammars = grammars
         self.encoder_decoder = None
         if executor.cache_spec.num_cross_layers:
             start = executor.decoder_start_token_id
@@ -203,10 +210,24 @@ class Engine:
         """Queues a request; returns its id. Raises like :meth:`check_request`."""
         params = params or SamplingParams()
         tokens = self.check_request(prompt, params)
+        grammar = None
+        if params.structured is not None:
+            if self.grammars is None:
+                raise UserError(
+                    "structured: this engine has no grammar compiler (it needs the model's "
+                    "tokenizer and the structured extra: pip install 'attnexport[structured]')"
+                )
+            grammar = self.grammars.compile(params.structured)
         request = self._new_request(tokens, params, request_id)
         if self.encoder_decoder is not None:
             request.encoder = EncoderInput(list(tokens))
             request.prompt = [self.encoder_decoder.decoder_start_token_id]
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        if params.processes_logits:
+            request.logits_plan = RequestLogits(
+                params, request.user_prompt, self.executor.vocab_size, grammar
+            )
         self.outputs.new_sequence(request, list(request.prompt), 0)
         self.scheduler.add(request)
         return request.request_id
@@ -317,6 +338,8 @@ class Engine:
                 self._mark_computed(batch, start)
                 if model_input.sampling_seqs:
                     rows = model_input.sampling_seqs
+                    if model_input.sample_rows is not None:  # some rows score prompts
+                        logits, rows = self.outputs.score_prompts(batch.seqs, model_input, logits)
                     self.outputs.take_tokens(batch.seqs, rows, logits, changed)
         except BaseException as error:
             self._fail_step(batch, moved, error, changed)
@@ -523,6 +546,7 @@ def engine_from_path(
     scheduler_config: SchedulerConfig | None = None,
     encoder_decoder: EncoderDecoderConfig | None = None,
     tokenizer: Tokenizer | None = None,
+    grammars: GrammarCompiler | None = None,
     **executor_options,
 ) -> Engine:
     """An :class:`Engine` over :func:`~attnexport.runtime.loading.load_executor` ``(path,
@@ -533,4 +557,4 @@ def engine_from_path(
     executor = load_executor(path, **executor_options)
     if encoder_decoder is None and executor.cache_spec.num_cross_layers:
         encoder_decoder = encoder_decoder_config(path)
-    return Engine(executor, cache_config, scheduler_config, encoder_decoder, tokenizer)
+    return Engine(executor, cache_config, scheduler_config, encoder_decoder, tokenizer, grammars)

@@ -62,6 +62,17 @@ class RequestLimits:
                 raise UserError(
                     f"{name}: token id {forced} is outside the vocabulary; expected [0, {vocab})"
                 )
+        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise UserError(
+                f"logit_bias: token id {bad} is outside the vocabulary; expected ids in "
+                f"[0, {vocab})"
+            )
+        if params.prompt_logprobs is not None and self.encoder_decoder:
+            raise UserError(
+                "prompt_logprobs: an encoder-decoder's prompt is its encoder input, which the "
+                "decoder does not predict"
+            )
         self._check_scheduling(len(tokens), params)
         return tokens
 

@@ -17,14 +17,17 @@ The sampler works on NumPy logits and imports no torch (the serving core runs wi
 
 from __future__ import annotations
 
+import functools
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from attnexport.errors import UserError, UserTypeError
+from attnexport.runtime.logprobs import MAX_LOGPROBS
+from attnexport.runtime.structured_output import StructuredOutput
 
 SAMPLING_EPS = 1e-5
 """Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``)."""
@@ -67,6 +70,46 @@ class SamplingParams:
     """The last token a sample can generate (its ``max_tokens``-th, or the one reaching the
     model's maximum length) is this token (transformers' ``ForcedEOSTokenLogitsProcessor``).
     It wins over ``forced_bos_token_id`` when both apply to the same token."""
+    logprobs: int | None = None
+    """Each generated token's log-probability and its row's ``logprobs`` most likely tokens
+    (0: the token's only; at most 20); None: none. The model's distribution, before any
+    penalty, bias, grammar or temperature (:mod:`attnexport.runtime.logprobs`)."""
+    prompt_logprobs: int | None = None
+    """The same for every prompt token but the first (which nothing predicts); None: none.
+    The prompt is then computed, not served from the prefix cache."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the sample generated (vLLM, OpenAI)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time the sample generated it."""
+    repetition_penalty: float = 1.0
+    """vLLM's: the logit of a token of the prompt or the output is divided by it when
+    positive, multiplied when negative (1: off)."""
+    logit_bias: Mapping[int, float] | None = None
+    """Token id -> value added to its logit before sampling (-100 bans, +100 forces)."""
+    min_tokens: int = 0
+    """The stop tokens are banned until the sample has this many tokens (a grammar's end
+    is not: a structured sample ends where its grammar does)."""
+    structured: StructuredOutput | None = None
+    """The grammar the sample's text must match (JSON schema, any JSON object, ...)."""
+
+    @functools.cached_property
+    def processes_logits(self) -> bool:
+        """Some parameter changes the logits before sampling (penalties, bias, min_tokens,
+        a grammar): the sampler's slower path takes the request's rows."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+            or self.structured is not None
+        )
+
+    @functools.cached_property
+    def plain(self) -> bool:
+        """Nothing but sampling: no log-probabilities, nothing that changes the logits (the
+        sampler's fast path)."""
+        return self.logprobs is None and not self.processes_logits
 
     @property
     def greedy(self) -> bool:
@@ -93,6 +136,24 @@ class SamplingParams:
         for name in ("forced_bos_token_id", "forced_eos_token_id"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=0)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=0, maximum=MAX_LOGPROBS)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_float(name, getattr(self, name), -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 1e30)
+        if self.repetition_penalty == 0.0:
+            raise UserError("repetition_penalty: expected a value > 0 (1 = off), got 0")
+        for token, bias in (self.logit_bias or {}).items():
+            _check_int("logit_bias", token, minimum=0)
+            _check_float(f"logit_bias[{token}]", bias, -100.0, 100.0)
+        _check_int("min_tokens", self.min_tokens, minimum=0, maximum=self.max_tokens)
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise UserTypeError(
+                    f"structured: expected a StructuredOutput, got {type(self.structured).__name__}"
+                )
+            self.structured.check()
 
     def forced_token(self, num_generated: int, is_last: bool) -> int | None:
         """The token a sample must generate next, if forced: ``forced_eos_token_id`` for its
@@ -106,11 +167,20 @@ class SamplingParams:
         return None
 
 
-def _check_int(name: str, value, minimum: int | None) -> None:
+def _check_int(name: str, value, minimum: int | None, maximum: int | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise UserTypeError(f"{name}: expected an int, got {value!r}")
     if minimum is not None and value < minimum:
         raise UserError(f"{name}: expected an int >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise UserError(f"{name}: expected an int <= {maximum}, got {value}")
+
+
+def _check_float(name: str, value, low: float, high: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise UserTypeError(f"{name}: expected a float, got {value!r}")
+    if not (math.isfinite(value) and low <= value <= high):
+        raise UserError(f"{name}: expected a finite value in [{low}, {high}], got {value}")
 
 
 def make_generator(params: SamplingParams, sample_index: int) -> np.random.Generator | None:
