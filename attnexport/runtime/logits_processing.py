@@ -168,7 +168,9 @@ def process_logits(
         cols = [samples[i].output_ids.ids for i in counted]
         r, c = _indices(rows, counted, cols)
         sizes = _sizes(cols)
-        counts = np.concatenate([samples[i].counts[col] for i, col in zip(counted, cols, strict=True)])
+        counts = np.concatenate(
+            [samples[i].counts[col] for i, col in zip(counted, cols, strict=True)]
+        )
         frequency = np.repeat([samples[i].request.frequency for i in counted], sizes)
         presence = np.repeat([samples[i].request.presence for i in counted], sizes)
         logits[r, c] -= frequency * counts.astype(np.float32)
