@@ -77,7 +77,10 @@ def validation_error(error: ValidationError, model: type[BaseModel]) -> InvalidR
     """A pydantic error as one 400: ``param`` is the top-level field, the message names the
     whole path (``stop_token_ids.0: ...``)."""
     errors = error.errors(include_url=False, include_input=False, include_context=False)
-    first = errors[0] if errors else {}
+    # Of a union's members, the one of the value's type says what is wrong with it (a lone
+    # surrogate in a list of strings, not "not a string").
+    values = [e for e in errors if not e["type"].endswith("_type")]
+    first = (values or errors or [{}])[0]
     loc = [str(part) for part in first.get("loc", ())]
     # pydantic adds the union member it tried ("str", "list[int]") to the location.
     names = [part for part in loc if not any(c in part for c in "[]") and part not in _TYPES]
