@@ -125,7 +125,10 @@ def test_a_template_at_its_cpu_limit_never_stalls_other_clients(limited):
     def render():
         start = time.perf_counter()
         messages = [{"role": "user", "content": "spin"}]
-        heavy["response"] = _post(limited, "/v1/chat/completions", {"messages": messages})
+        try:
+            heavy["response"] = _post(limited, "/v1/chat/completions", {"messages": messages})
+        except httpx.HTTPError as error:  # (unbounded, it outlasts the client's timeout)
+            heavy["response"] = error
         heavy["seconds"] = time.perf_counter() - start
 
     thread = threading.Thread(target=render)
@@ -137,11 +140,11 @@ def test_a_template_at_its_cpu_limit_never_stalls_other_clients(limited):
         start = time.perf_counter()
         assert _post(limited, "/v1/completions", small).status_code == 200
         latencies.append(time.perf_counter() - start)
-    thread.join(120)
-    error = _error(heavy["response"], 400)
-    assert error["param"] == "messages" and "CPU time" in error["message"], error
+    thread.join(180)
     assert len(latencies) >= 3, (latencies, heavy["seconds"])
     assert max(latencies) < heavy["seconds"] / 3, (latencies, heavy["seconds"])
+    error = _error(heavy["response"], 400)
+    assert error["param"] == "messages" and "CPU time" in error["message"], error
 
 
 def test_a_template_that_would_allocate_without_end_is_a_400(limited):
