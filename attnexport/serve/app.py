@@ -336,6 +336,11 @@ class _Server:
     def _completion_prompts(self, prompt) -> list[list[int]]:
         """The ``prompt`` field as token-id lists: a string, a list of strings, a list of ids
         or a list of id lists."""
+        if prompt and not isinstance(prompt, str) and not isinstance(prompt[0], int):
+            try:  # before any is encoded
+                self.engine.check_count(len(prompt))
+            except ValueError as error:
+                raise InvalidRequest(str(error)) from None
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
             texts = [prompt] if isinstance(prompt, str) else prompt
             tokenizer = self.model.tokenizer

@@ -239,13 +239,17 @@ class AsyncEngine:
             TypeError, ValueError: a bad prompt or parameters, or more prompts than
                 ``max_queued_requests`` (such a submission could never be queued).
         """
+        self.check_count(len(prompts))
+        return [self.check(p, q) for p, q in zip(prompts, params, strict=True)]
+
+    def check_count(self, num_prompts: int) -> None:
+        """ValueError unless ``num_prompts`` prompts can ever be queued at once."""
         limit = self.max_queued_requests
-        if limit is not None and len(prompts) > limit:
+        if limit is not None and num_prompts > limit:
             raise ValueError(
-                f"prompt: {len(prompts)} prompts are more than the server can ever queue at "
+                f"prompt: {num_prompts} prompts are more than the server can ever queue at "
                 f"once (--max-queued-requests {limit}); send at most {limit} per request"
             )
-        return [self.check(p, q) for p, q in zip(prompts, params, strict=True)]
 
     def enqueue(self, tokens: list[list[int]], params: Sequence[SamplingParams]) -> RequestGroup:
         """Queues prompts that :meth:`check_all` returned; the event loop's side of

@@ -255,11 +255,12 @@ def test_a_lone_surrogate_is_a_400(limited, route, body, param):
     assert error["param"] == param and "surrogate" in error["message"], error
 
 
-def test_more_prompts_than_the_queue_holds_is_a_400_not_a_503_forever(limited):
-    body = {"model": "export", "prompt": [[5, 6]] * (MAX_QUEUED + 1), "max_tokens": 1}
+@pytest.mark.parametrize("prompt", [[5, 6], "Hi"])
+def test_more_prompts_than_the_queue_holds_is_a_400_not_a_503_forever(limited, prompt):
+    body = {"model": "export", "prompt": [prompt] * (MAX_QUEUED + 1), "max_tokens": 1}
     error = _error(_post(limited, "/v1/completions", body), 400)
     assert error["param"] == "prompt" and "--max-queued-requests" in error["message"], error
-    body["prompt"] = [[5, 6]] * MAX_QUEUED
+    body["prompt"] = [prompt] * MAX_QUEUED
     assert _post(limited, "/v1/completions", body).status_code == 200
 
 
