@@ -271,22 +271,25 @@ class _Server:
 
     # ------------------------------------------------------------------ routes
     async def completions(self, request: Request) -> Response:
-        prepared = await self._prepare(request, self._prepare_completion)
-        body = prepared.body
-        run = self._start(prepared)
-        if body.stream:
-            return self._sse(run, self._completion_chunks(body, run), request)
-        await _unless_disconnected(request, run.drain(self), run)
-        return JSONResponse(self._completion_response(body, run).model_dump(exclude_none=True))
+        return await self._serve(
+            request, self._prepare_completion, self._completion_chunks, self._completion_response
+        )
 
     async def chat(self, request: Request) -> Response:
-        prepared = await self._prepare(request, self._prepare_chat)
+        return await self._serve(
+            request, self._prepare_chat, self._chat_chunks, self._chat_response
+        )
+
+    async def _serve(self, request: Request, prepare, chunks, respond) -> Response:
+        """Prepares the request (off the event loop), queues it, and answers with ``respond``
+        (the whole response) or a stream of ``chunks``."""
+        prepared = await self._prepare(request, prepare)
         body = prepared.body
         run = self._start(prepared)
         if body.stream:
-            return self._sse(run, self._chat_chunks(body, run), request)
+            return self._sse(run, chunks(body, run), request)
         await _unless_disconnected(request, run.drain(self), run)
-        return JSONResponse(self._chat_response(body, run).model_dump(exclude_none=True))
+        return JSONResponse(respond(body, run).model_dump(exclude_none=True))
 
     async def _prepare(self, request: Request, prepare: Callable[[bytes, float], T]) -> T:
         """Reads the body on the event loop and prepares it in a worker thread."""

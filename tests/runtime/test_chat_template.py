@@ -48,7 +48,8 @@ KITCHEN_SINK = """\
 {{- '{}|{}'.format(ns.count, ns.parts|join(',')) -}}
 {{- {'n': ns.count, 'roles': rest|map(attribute='role')|list}|tojson -}}
 {%- set digits %}{% for i in range(3) %}{{ i }}{% endfor %}{% endset -%}
-{{ digits|center(9) }}{{ 'x\\ny'|indent(2, true) }}{{ strftime_now('') }}{{ dict(b=2, a=1)|dictsort }}
+{{ digits|center(9) }}{{ 'x\\ny'|indent(2, true) }}{{ strftime_now('') }}
+{{ dict(b=2, a=1)|dictsort }}
 {{ 'a b c'.split()|sort|reverse|join('-') }}{{ ('abc' * 2)[1:-1] }}{{ 7 // 2 }}{{ 2 ** 5 }}
 {{ 'wrap me please'|wordwrap(5) }}{{ [1, 2, 3, 4, 5]|batch(2)|list }}{{ [1, 2, 3]|sum }}
 {%- generation %}gen{% endgeneration -%}
@@ -132,7 +133,8 @@ def test_compiling_evaluates_nothing():
 # asks for; the subprocess runs under a 2 GiB address-space limit, so one that got through
 # would fail with "ran out of memory" instead of a limit.
 ATTACKS = {
-    "nested loops": "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}",
+    "nested loops": "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}"
+    "{% endfor %}",
     "literal text in loops": "{% for i in range(99999) %}{% for j in range(99999) %}xy{% endfor %}"
     "{% endfor %}",
     "a folded constant": "{{ 'x' * 10000000000 }}",
