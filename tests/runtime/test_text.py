@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from attnexport.runtime import chat_template as chat_template_module
 from attnexport.runtime import text as text_module
 from attnexport.runtime.text import REPLACEMENT_CHARACTER, Tokenizer, TokenizerError
 from tests.text_tokenizers import BUILDERS, CORPUS, byte_level_bpe
@@ -140,17 +141,19 @@ def test_a_directory_without_a_tokenizer_is_a_named_error(tmp_path):
         Tokenizer.from_directory(tmp_path)
 
 
-def test_module_imports_neither_torch_nor_the_rest_of_attnexport():
+@pytest.mark.parametrize("module", [text_module, chat_template_module])
+def test_module_imports_neither_torch_nor_the_rest_of_attnexport(module):
     """A torch-free deployment (numpy, onnxruntime, the tokenizer library) can import it."""
-    tree = ast.parse(Path(text_module.__file__).read_text())
+    tree = ast.parse(Path(module.__file__).read_text())
     imported = {
         alias.name
         for node in ast.walk(tree)
         if isinstance(node, ast.Import)
         for alias in node.names
     } | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    # attnexport.errors is a leaf module without imports (the errors every layer raises).
-    allowed = {"attnexport.errors"}
+    # attnexport.errors is a leaf module without imports (the errors every layer raises); the
+    # chat template's sandbox and the text module need only each other.
+    allowed = {"attnexport.errors", "attnexport.runtime.text", "attnexport.runtime.chat_template"}
     assert not {
         m for m in imported if m and m.split(".")[0] in ("torch", "attnexport") and m not in allowed
     }
