@@ -108,12 +108,17 @@ class Tokenizer:
         return ChatTemplate(self.hf.get_chat_template())
 
     def apply_chat_template(
-        self, messages: Sequence[dict], limits: TemplateLimits | None = None
+        self,
+        messages: Sequence[dict],
+        limits: TemplateLimits | None = None,
+        tools: Sequence[dict] | None = None,
     ) -> list[int]:
         """Chat messages (``[{"role": "user", "content": "..."}, ...]``) -> prompt ids, with
         the assistant's generation prompt appended: what transformers'
-        ``apply_chat_template(messages, add_generation_prompt=True)`` returns, rendered within
-        ``limits`` (default :class:`~attnexport.runtime.chat_template.TemplateLimits`)."""
+        ``apply_chat_template(messages, tools=tools, add_generation_prompt=True)`` returns
+        (``tools``: OpenAI's ``{"type": "function", "function": {...}}`` objects, as
+        transformers passes them to the template), rendered within ``limits`` (default
+        :class:`~attnexport.runtime.chat_template.TemplateLimits`)."""
         from attnexport.runtime.chat_template import TemplateLimits
 
         template = self.chat_template
@@ -121,7 +126,7 @@ class Tokenizer:
         text = template.render(
             limits or TemplateLimits(),
             messages=[dict(message) for message in messages],
-            tools=None,
+            tools=[dict(tool) for tool in tools] if tools else None,
             documents=None,
             add_generation_prompt=True,
             **self.hf.special_tokens_map,

@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from attnexport._version import __version__
 from attnexport.errors import UserError
 from attnexport.runtime.chat_template import TemplateLimitError, TemplateLimits
+from attnexport.runtime.logprobs import TokenLogprobs
 from attnexport.runtime.outputs import CompletionOutput, RequestOutput
 from attnexport.runtime.sampling import SamplingParams
 from attnexport.runtime.text import TokenizerError
@@ -51,6 +52,12 @@ from attnexport.serve.errors import (
     server_error,
     unavailable,
 )
+from attnexport.serve.logprob_format import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
+)
 from attnexport.serve.metrics import ServerMetrics
 from attnexport.serve.protocol import (
     AssistantMessage,
@@ -64,13 +71,18 @@ from attnexport.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    FunctionCallOut,
     ModelCard,
     ModelList,
+    ToolCallDelta,
+    ToolCallOut,
     Usage,
 )
 from attnexport.serve.request_body import default_max_request_bytes, parse_body, read_body
+from attnexport.serve.request_params import ToolUse, sampling_extras
 from attnexport.serve.served_model import ServedModel
 from attnexport.serve.stop import StopStrings
+from attnexport.serve.tool_calls import CallStream, ParsedCall, parse_calls
 
 logger = logging.getLogger("attnexport.serve")
 
@@ -202,6 +214,15 @@ class _Choice:
     finish_reason: str | None = None
     new_ids: list[int] = field(default_factory=list)
     """The tokens the last :meth:`update` took."""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """One entry per token of ``token_ids`` when the request asked for logprobs."""
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    calls: CallStream | None = None
+    """Chat with tools: the text that may hold tool calls."""
+    offset: int = 0
+    """Completions streams: characters of token text sent (logprobs' text offsets)."""
+    echoed: bool = False
+    """A completions stream sent its prompt's echo."""
 
     def update(self, sample: CompletionOutput) -> str:
         """Takes the sample's new tokens; returns the text they add (maybe empty: a partial
@@ -211,6 +232,11 @@ class _Choice:
             return ""
         self.new_ids = list(sample.new_token_ids)
         self.token_ids += self.new_ids
+        if sample.logprobs is not None and self.new_ids:
+            self.new_logprobs = sample.logprobs[len(sample.logprobs) - len(self.new_ids) :]
+            self.logprobs += self.new_logprobs
+        else:
+            self.new_logprobs = []
         final = sample.finish_reason is not None
         delta = ""
         if self.detokenizer is not None:
@@ -234,6 +260,7 @@ class _Prompt:
     choices: list[_Choice]
     error: APIError | None = None
     """What the request answers when the engine failed this prompt."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
 
@@ -247,6 +274,10 @@ class _Prepared:
     params: list[SamplingParams]
     arrival: float
     chat: bool
+    tools: ToolUse | None = None
+    """How the answer is read for tool calls (chat with tools)."""
+    echo: list[str] | None = None
+    """Completions with ``echo``: each prompt's text."""
 
 
 class _Server:
@@ -266,6 +297,8 @@ class _Server:
         self.max_request_bytes = max_request_bytes
         self.chat_template_seconds = chat_template_seconds
         self._limiter = None  # an anyio CapacityLimiter, made on the event loop
+        self.texts = TokenTexts(model.tokenizer)
+        """Token texts of log-probabilities (decoded once per id, on the event loop)."""
         # Which server answered (replicas behind a load balancer or Ray Serve).
         self.fingerprint = f"attnexport-{__version__}-{uuid.uuid4().hex[:12]}"
 
@@ -306,7 +339,17 @@ class _Server:
         body = parse_body(raw, CompletionRequest)
         self._check_model(body)
         prompts = self._completion_prompts(body.prompt)
-        return self._checked(body, prompts, body.max_tokens, arrival, chat=False)
+        prepared = self._checked(body, prompts, body.max_tokens, arrival, chat=False)
+        if body.echo:
+            texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+            if not all(isinstance(t, str) for t in texts):
+                texts = [self._decode(p) for p in prepared.prompts]
+            prepared.echo = texts
+        return prepared
+
+    def _decode(self, ids: list[int]) -> str:
+        tokenizer = self.model.tokenizer
+        return tokenizer.decode(ids) if tokenizer is not None else ""
 
     def _prepare_chat(self, raw: bytes, arrival: float) -> _Prepared:
         body = parse_body(raw, ChatCompletionRequest)
@@ -323,8 +366,9 @@ class _Server:
             max_chars=CHAT_TEMPLATE_MIN_CHARS + CHAT_TEMPLATE_CHARS_PER_BYTE * len(raw),
         )
         messages = [m.as_template_message() for m in body.messages]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         try:
-            ids = tokenizer.apply_chat_template(messages, limits)
+            ids = tokenizer.apply_chat_template(messages, limits, tools)
         except TokenizerError as error:
             message = str(error)
             message = message if message.startswith("messages") else f"messages: {message}"
@@ -360,7 +404,7 @@ class _Server:
             return [prompt]
         return prompt
 
-    def _params(self, body, prompt_len: int, max_tokens: int | None) -> SamplingParams:
+    def _params(self, body, prompt_len: int, max_tokens: int | None, extras) -> SamplingParams:
         model = self.model
         if body.stop and self.model.tokenizer is None:
             raise InvalidRequest("stop: stop strings need the model's tokenizer", "stop")
@@ -378,17 +422,24 @@ class _Server:
             n=body.n,
             forced_bos_token_id=model.forced_bos_token_id,
             forced_eos_token_id=model.forced_eos_token_id,
+            **extras,
         )
 
     def _checked(self, body, prompts, max_tokens, arrival: float, chat: bool) -> _Prepared:
         """Sampling parameters for each prompt, and every prompt checked by the engine."""
-        params = [self._params(body, len(p), max_tokens) for p in prompts]
+        extras, tools = sampling_extras(body, self.model)
+        params = [self._params(body, len(p), max_tokens, extras) for p in prompts]
         try:
             tokens = self.engine.check_all(prompts, params)
         except (TypeError, ValueError) as error:
-            param = "messages" if chat and str(error).startswith("prompt:") else None
-            raise InvalidRequest(str(error), param) from None
-        return _Prepared(body, tokens, params, arrival, chat)
+            message = str(error)
+            param = message.split(":", 1)[0] if ":" in message else None
+            if param == "prompt" and chat:
+                param = "messages"
+            elif param not in type(body).model_fields:
+                param = None
+            raise InvalidRequest(message, param) from None
+        return _Prepared(body, tokens, params, arrival, chat, tools=tools)
 
     # ------------------------------------------------------------------ event loop
     def _start(self, prepared: _Prepared) -> _Run:
@@ -415,7 +466,12 @@ class _Server:
         for ids in prepared.prompts:
             self.metrics.prompt_tokens.inc(len(ids))
         prefix = "chatcmpl" if prepared.chat else "cmpl"
-        return _Run(f"{prefix}-{uuid.uuid4().hex}", group, runs, prepared.arrival)
+        run = _Run(f"{prefix}-{uuid.uuid4().hex}", group, runs, prepared.arrival)
+        run.tools, run.echo = prepared.tools, prepared.echo
+        if run.tools is not None:
+            for choice in run.choices():
+                choice.calls = CallStream(run.tools.format, run.tools.forced)
+        return run
 
     # ------------------------------------------------------------------ outputs
     def take(self, run: _Run, index: int, output: RequestOutput) -> list[tuple[int, str]]:
@@ -435,6 +491,8 @@ class _Server:
             prompt.last_token_time = now
         if output.error is not None:
             prompt.error = _engine_error(output.error, output.error_is_internal)
+        if output.prompt_logprobs is not None and prompt.prompt_logprobs is None:
+            prompt.prompt_logprobs = output.prompt_logprobs
         changed = []
         n = len(prompt.choices)
         for sample in output.outputs:
@@ -468,15 +526,29 @@ class _Server:
 
     def _completion_response(self, body: CompletionRequest, run: _Run) -> CompletionResponse:
         self._check_failed(run)
-        choices = [
-            CompletionChoice(
-                index=i,
-                text=choice.text,
-                finish_reason=choice.finish_reason,
-                token_ids=choice.token_ids if body.return_token_ids else None,
+        choices = []
+        n = len(run.prompts[0].choices)
+        for i, choice in enumerate(run.choices()):
+            prompt = run.prompts[i // n]
+            text, ids, entries = choice.text, choice.token_ids, choice.logprobs
+            if run.echo is not None:
+                text = run.echo[i // n] + text
+                if body.logprobs is not None:
+                    ids, entries = prompt.token_ids + ids, prompt.prompt_logprobs + entries
+            choices.append(
+                CompletionChoice(
+                    index=i,
+                    text=text,
+                    finish_reason=choice.finish_reason,
+                    token_ids=choice.token_ids if body.return_token_ids else None,
+                    logprobs=(
+                        completion_logprobs(entries, ids, self.texts)
+                        if body.logprobs is not None
+                        else None
+                    ),
+                    prompt_logprobs=self._prompt_logprobs(body, prompt),
+                )
             )
-            for i, choice in enumerate(run.choices())
-        ]
         return CompletionResponse(
             id=run.id,
             model=self.model.name,
@@ -486,17 +558,27 @@ class _Server:
             prompt_token_ids=[p.token_ids for p in run.prompts] if body.return_token_ids else None,
         )
 
+    def _prompt_logprobs(self, body, prompt: _Prompt):
+        if body.prompt_logprobs is None:
+            return None
+        return prompt_logprobs(prompt.prompt_logprobs, self.texts)
+
     def _chat_response(self, body: ChatCompletionRequest, run: _Run) -> ChatCompletionResponse:
         self._check_failed(run)
-        choices = [
-            ChatChoice(
-                index=i,
-                message=AssistantMessage(content=choice.text),
-                finish_reason=choice.finish_reason,
-                token_ids=choice.token_ids if body.return_token_ids else None,
+        choices = []
+        for i, choice in enumerate(run.choices()):
+            content, calls = choice.text, []
+            if run.tools is not None:
+                content, calls = parse_calls(choice.text, run.tools.format)
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=AssistantMessage(content=content, tool_calls=_calls_out(calls)),
+                    finish_reason=_finish_reason(choice, calls),
+                    token_ids=choice.token_ids if body.return_token_ids else None,
+                    logprobs=chat_logprobs(choice.logprobs, self.texts) if body.logprobs else None,
+                )
             )
-            for i, choice in enumerate(run.choices())
-        ]
         return ChatCompletionResponse(
             id=run.id,
             model=self.model.name,
@@ -504,14 +586,28 @@ class _Server:
             choices=choices,
             usage=self._usage(run),
             prompt_token_ids=run.prompts[0].token_ids if body.return_token_ids else None,
+            prompt_logprobs=self._prompt_logprobs(body, run.prompts[0]),
         )
 
     # ------------------------------------------------------------------ streaming
     async def _completion_chunks(self, body: CompletionRequest, run: _Run) -> AsyncIterator[str]:
         created = int(time.time())
+        n = len(run.prompts[0].choices)
         async for index, output in run.group:
             for i, delta in self.take(run, index, output):
                 choice = run.choice(i)
+                prompt = run.prompts[i // n]
+                ids, entries = choice.new_ids, choice.new_logprobs
+                first = run.echo is not None and not choice.echoed
+                if first:  # the prompt goes before the first generated text
+                    choice.echoed = True
+                    delta = run.echo[i // n] + delta
+                    if body.logprobs is not None:
+                        ids, entries = prompt.token_ids + ids, prompt.prompt_logprobs + entries
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = completion_logprobs(entries, ids, self.texts, choice.offset)
+                    choice.offset += sum(len(token) for token in logprobs.tokens)
                 chunk = CompletionChunk(
                     id=run.id,
                     created=created,
@@ -523,6 +619,8 @@ class _Server:
                             text=delta,
                             finish_reason=choice.finish_reason,
                             token_ids=choice.new_ids if body.return_token_ids else None,
+                            logprobs=logprobs,
+                            prompt_logprobs=self._prompt_logprobs(body, prompt) if first else None,
                         )
                     ],
                 )
@@ -534,14 +632,16 @@ class _Server:
     async def _chat_chunks(self, body: ChatCompletionRequest, run: _Run) -> AsyncIterator[str]:
         created = int(time.time())
 
-        def chunk(i: int, delta: DeltaMessage, reason: str | None, ids=None) -> str:
+        def chunk(i: int, delta: DeltaMessage, reason: str | None, ids=None, logprobs=None) -> str:
             value = ChatCompletionChunk(
                 id=run.id,
                 created=created,
                 model=self.model.name,
                 system_fingerprint=self.fingerprint,
                 choices=[
-                    ChatChunkChoice(index=i, delta=delta, finish_reason=reason, token_ids=ids)
+                    ChatChunkChoice(
+                        index=i, delta=delta, finish_reason=reason, token_ids=ids, logprobs=logprobs
+                    )
                 ],
             )
             return _choice_event(value, reason)
@@ -552,7 +652,28 @@ class _Server:
             for i, delta in self.take(run, index, output):
                 choice = run.choice(i)
                 ids = choice.new_ids if body.return_token_ids else None
-                yield chunk(i, DeltaMessage(content=delta), choice.finish_reason, ids)
+                logprobs = chat_logprobs(choice.new_logprobs, self.texts) if body.logprobs else None
+                reason, calls = choice.finish_reason, []
+                if choice.calls is not None:
+                    delta = choice.calls.push(delta)
+                    if reason is not None:
+                        rest, calls = choice.calls.finish()
+                        delta += rest
+                        reason = _finish_reason(choice, calls)
+                if calls:
+                    yield chunk(i, DeltaMessage(content=delta or None), None, ids, logprobs)
+                    tool_calls = [
+                        ToolCallDelta(
+                            index=k,
+                            id=call.id,
+                            type="function",
+                            function=FunctionCallOut(name=call.name, arguments=call.arguments),
+                        )
+                        for k, call in enumerate(calls)
+                    ]
+                    yield chunk(i, DeltaMessage(tool_calls=tool_calls), reason)
+                else:
+                    yield chunk(i, DeltaMessage(content=delta), reason, ids, logprobs)
         self._check_failed(run)
         if body.stream_options is not None and body.stream_options.include_usage:
             yield self._usage_event(ChatCompletionChunk, run, created)
@@ -602,6 +723,8 @@ class _Run:
     prompts: list[_Prompt]
     arrival: float
     done: set[int] = field(default_factory=set)
+    tools: ToolUse | None = None
+    echo: list[str] | None = None
 
     def choices(self) -> list[_Choice]:
         return [c for p in self.prompts for c in p.choices]
@@ -614,6 +737,20 @@ class _Run:
         """Consumes every output (non-streaming responses)."""
         async for index, output in self.group:
             server.take(self, index, output)
+
+
+def _calls_out(calls: list[ParsedCall]) -> list[ToolCallOut] | None:
+    if not calls:
+        return None
+    return [
+        ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+        for c in calls
+    ]
+
+
+def _finish_reason(choice: _Choice, calls: list[ParsedCall]) -> str | None:
+    """``tool_calls`` for a sample that ended by itself (not by length) with calls."""
+    return "tool_calls" if calls and choice.finish_reason == "stop" else choice.finish_reason
 
 
 def _engine_error(message: str, internal: bool) -> APIError:

@@ -7,7 +7,8 @@ client may send and this server does not do yet, each with the values that ask f
 (accepted and dropped: ``"logprobs": false``, ``"tools": []``) and the reason given for the
 others; turning one on is adding it to the request model and removing its row (docs/serving.md
 mirrors the table). Any other unknown field is refused as unknown. Extensions as in vLLM:
-``top_k``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``.
+``top_k``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``, ``repetition_penalty``,
+``min_tokens``, ``prompt_logprobs``.
 
 Lists are validated fail-fast (the first bad item is the error), so a body of a million bad ids
 costs one error, not a million.
@@ -15,12 +16,17 @@ costs one error, not a million.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from attnexport.runtime.logprobs import MAX_LOGPROBS
+
+MAX_TOOLS = 128
+"""Tools (and tool calls of a message) per request."""
 MAX_STOP_TOKEN_IDS = 1024
 """``stop_token_ids`` per request: every end-of-turn token of any vocabulary fits, and the
 engine's per-token check stays O(1) (it holds them as a set)."""
@@ -41,27 +47,17 @@ class Unsupported:
 
 UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
     # sampling the engine does not do
-    "logprobs": Unsupported((None, False), "the sampler keeps no log-probabilities"),
-    "top_logprobs": Unsupported((None, 0), "the sampler keeps no log-probabilities"),
-    "presence_penalty": Unsupported((None, 0, 0.0), "the sampler applies no penalties"),
-    "frequency_penalty": Unsupported((None, 0, 0.0), "the sampler applies no penalties"),
-    "repetition_penalty": Unsupported((None, 1, 1.0), "the sampler applies no penalties"),
-    "logit_bias": Unsupported((None, {}), "the sampler applies no logit bias"),
     "min_p": Unsupported((None, 0, 0.0), "the sampler has no min-p filter"),
-    "min_tokens": Unsupported((None, 0), "samples may end before any minimum length"),
-    "response_format": Unsupported(
-        (None, {"type": "text"}), "there is no constrained (JSON, schema) decoding"
-    ),
     # completions
-    "echo": Unsupported((None, False), "the prompt is not returned"),
     "best_of": Unsupported((None, 1), "use n"),
     "suffix": Unsupported((None, ""), "there is no insertion (fill-in-the-middle)"),
     # chat
-    "tools": Unsupported((None, []), "there is no tool calling"),
-    "tool_choice": Unsupported((None, "none"), "there is no tool calling"),
-    "parallel_tool_calls": Unsupported((None,), "there is no tool calling"),
-    "functions": Unsupported((None, []), "there is no function calling"),
-    "function_call": Unsupported((None, "none"), "there is no function calling"),
+    "functions": Unsupported(
+        (None, []), "OpenAI's deprecated function calling: use tools and tool_choice"
+    ),
+    "function_call": Unsupported(
+        (None, "none"), "OpenAI's deprecated function calling: use tools and tool_choice"
+    ),
     "modalities": Unsupported((None, ["text"]), "the server answers text only"),
     "audio": Unsupported((None,), "the server answers text only"),
     "reasoning_effort": Unsupported((None,), "the server has no reasoning control"),
@@ -74,11 +70,8 @@ UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
 field) unless their value is one of the neutral ones."""
 
 UNSUPPORTED_MESSAGE_FIELDS: dict[str, Unsupported] = {
-    "name": Unsupported((None,), "the chat template sees only role and content"),
-    "tool_calls": Unsupported((None, []), "there is no tool calling"),
-    "tool_call_id": Unsupported((None,), "there is no tool calling"),
-    "function_call": Unsupported((None,), "there is no function calling"),
-    "refusal": Unsupported((None,), "the chat template sees only role and content"),
+    "function_call": Unsupported((None,), "OpenAI's deprecated function calling: use tool_calls"),
+    "refusal": Unsupported((None,), "the chat template sees only role, content and tools"),
     "audio": Unsupported((None,), "the server answers text only"),
 }
 """The same for the fields of a chat message."""
@@ -101,6 +94,7 @@ def _no_lone_surrogate(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_no_lone_surrogate)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(fail_fast=True)]
 StopString = Annotated[Text, Field(max_length=MAX_STOP_STRING_CHARS)]
 
@@ -131,6 +125,24 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: Annotated[str, Field(max_length=64)] = "response"
+    description: Text | None = None
+    schema_: Annotated[dict, Field(alias="schema")] = Field(default_factory=dict)
+    strict: bool | None = None
+    """Accepted: the schema is always enforced (OpenAI's strict mode)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(_Strict):
+    """``{"type": "text" | "json_object"}`` or ``{"type": "json_schema", "json_schema":
+    {"name", "schema", "strict"}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Request(_Strict):
     unsupported_fields = UNSUPPORTED_FIELDS
 
@@ -157,6 +169,19 @@ class _Request(_Strict):
     ``prompt_token_ids``)."""
     user: str | None = None
     """Accepted and not used (an end-user id for the caller's own records)."""
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    """Extension (vLLM's): divides the positive logits of prompt and output tokens,
+    multiplies the negative ones (1: off)."""
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    """Token id (as a string, OpenAI's keys) -> value added to its logit."""
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    """Extension: the stop tokens are banned until a sample has this many tokens."""
+    prompt_logprobs: TopLogprobs | None = None
+    """Extension (vLLM's): the log-probability of every prompt token (and its row's this
+    many most likely tokens)."""
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_Request):
@@ -169,6 +194,12 @@ class CompletionRequest(_Request):
         | Annotated[list[TokenIds], Field(fail_fast=True)]
     )
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: TopLogprobs | None = None
+    """The log-probability of each generated token and its row's this many most likely
+    tokens (OpenAI's legacy shape)."""
+    echo: bool = False
+    """The prompt is returned before the generated text (and, with ``logprobs``, the prompt
+    tokens' log-probabilities: a prompt's score)."""
 
 
 class TextPart(_Strict):
@@ -176,18 +207,83 @@ class TextPart(_Strict):
     text: Text
 
 
+class FunctionCall(_Strict):
+    name: Text
+    arguments: Text
+    """The arguments as JSON text (OpenAI's shape)."""
+
+
+class ToolCall(_Strict):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     unsupported_fields = UNSUPPORTED_MESSAGE_FIELDS
 
     role: Text
     content: Text | Annotated[list[TextPart], Field(fail_fast=True)] | None = None
+    name: Text | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    """An assistant turn's calls, given back to the template (arguments parsed from JSON, as
+    chat templates expect a mapping)."""
+    tool_call_id: Text | None = None
+    """A ``tool`` turn: the call it answers."""
 
-    def as_template_message(self) -> dict[str, str]:
-        """``{"role", "content"}`` with the text parts joined, for the chat template."""
+    def as_template_message(self) -> dict:
+        """``{"role", "content"}`` with the text parts joined (and the tool fields that are
+        set), for the chat template."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message: dict = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _json_or_text(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        return message
+
+
+def _json_or_text(arguments: str):
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: Text | None = None
+    parameters: dict | None = None
+    """A JSON schema of the arguments (None: an object of any properties)."""
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Request):
@@ -197,6 +293,13 @@ class ChatCompletionRequest(_Request):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     """Default: what is left of the model's maximum length after the prompt."""
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
+    """With ``logprobs``: each token's row's this many most likely tokens."""
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Default ``auto`` with tools, ``none`` without."""
+    parallel_tool_calls: bool = True
 
 
 # ---------------------------------------------------------------------- responses
@@ -206,12 +309,33 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions shape: one entry per token in each list."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's ``prompt_logprobs`` entry of one token."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
     token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -225,15 +349,44 @@ class CompletionResponse(BaseModel):
     prompt_token_ids: list[list[int]] | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     token_ids: list[int] | None = None
 
@@ -247,17 +400,26 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallOut | None = None
 
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None
 
