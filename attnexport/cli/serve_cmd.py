@@ -85,6 +85,17 @@ def add_parser(commands) -> None:
         help="seconds running requests get to finish after SIGTERM; the rest then get an "
         "HTTP 503, or an error event and [DONE] on a stream (default: %(default)s)",
     )
+    parser.add_argument(
+        "--chat-template",
+        type=Path,
+        metavar="FILE",
+        help="a Jinja chat template replacing the artifact's (e.g. one that renders tools)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json"),
+        help="how the model writes tool calls (default: what its chat template asks for)",
+    )
     add_executor_flag(parser)
     add_kernel_flags(parser)
     parser.add_argument(
@@ -129,6 +140,11 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--kv-cache-memory: expected a size in GiB > 0, got {args.kv_cache_memory}")
     check_backend(args.backend, args.executor)
     options = {"num_threads": args.num_threads} if args.num_threads else {}
+    template = None
+    if args.chat_template is not None:
+        if not args.chat_template.is_file():
+            raise CliError(f"--chat-template: no such file: {args.chat_template}")
+        template = args.chat_template.read_text(encoding="utf-8")
     model = load_served_model(
         args.artifact,
         name=args.served_model_name,
@@ -140,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
         backend=args.backend,
         device=args.device,
         trust_pickle=args.trust_remote_pickle,
+        chat_template=template,
+        tool_call_format=args.tool_call_parser,
         **options,
     )
     app = create_app(

@@ -132,7 +132,6 @@ class GrammarMatcher:
         return self._matcher.get_error() or "unknown error"
 
 
-
 class CompiledGrammar:
     """A checked grammar: makes the matchers of the samples that follow it."""
 
@@ -191,7 +190,6 @@ class GrammarCompiler:
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return grammar
-
 
 
 def bitmask_for(rows: int, vocab_size: int) -> np.ndarray:

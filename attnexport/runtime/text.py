@@ -112,6 +112,7 @@ class Tokenizer:
         messages: Sequence[dict],
         limits: TemplateLimits | None = None,
         tools: Sequence[dict] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         """Chat messages (``[{"role": "user", "content": "..."}, ...]``) -> prompt ids, with
         the assistant's generation prompt appended: what transformers'
@@ -128,7 +129,7 @@ class Tokenizer:
             messages=[dict(message) for message in messages],
             tools=[dict(tool) for tool in tools] if tools else None,
             documents=None,
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
             **self.hf.special_tokens_map,
         )
         encoded = self.hf(text, add_special_tokens=False, padding=False, truncation=False)

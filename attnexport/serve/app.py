@@ -45,6 +45,8 @@ from attnexport.serve.async_engine import (
     QueueFullError,
     RequestGroup,
 )
+from attnexport.serve.common_routes import RouteContext, add_common_routes
+from attnexport.serve.embeddings import create_embedding_app
 from attnexport.serve.errors import (
     APIError,
     InvalidRequest,
@@ -80,7 +82,7 @@ from attnexport.serve.protocol import (
 )
 from attnexport.serve.request_body import default_max_request_bytes, parse_body, read_body
 from attnexport.serve.request_params import ToolUse, sampling_extras
-from attnexport.serve.served_model import ServedModel
+from attnexport.serve.served_model import ServedEncoder, ServedModel
 from attnexport.serve.stop import StopStrings
 from attnexport.serve.tool_calls import CallStream, ParsedCall, parse_calls
 
@@ -99,7 +101,7 @@ T = TypeVar("T")
 
 
 def create_app(
-    model: ServedModel,
+    model: ServedModel | ServedEncoder,
     *,
     max_queued_requests: int | None = None,
     shutdown_timeout: float = 10.0,
@@ -111,7 +113,9 @@ def create_app(
     left and stops the driver.
 
     Args:
-        model: what to serve (:func:`~attnexport.serve.served_model.load_served_model`).
+        model: what to serve (:func:`~attnexport.serve.served_model.load_served_model`); an
+            encoder is served for its embeddings
+            (:func:`~attnexport.serve.embeddings.create_embedding_app`).
         max_queued_requests: requests that may wait for a slot before new ones get a 503
             (None: no limit); a request with more prompts than this is a 400.
         shutdown_timeout: seconds to wait for the driver's last step at shutdown.
@@ -120,6 +124,10 @@ def create_app(
         chat_template_seconds: CPU seconds one chat template render may take (a 400 past
             them).
     """
+    if isinstance(model, ServedEncoder):
+        return create_embedding_app(
+            model, max_request_bytes=max_request_bytes, template_seconds=chat_template_seconds
+        )
     metrics = ServerMetrics(model.name)
     metrics.bytes_per_block = model.engine.executor.cache_spec.bytes_per_block
     engine = AsyncEngine(model.engine, max_queued_requests, on_step=metrics.on_step)
@@ -171,6 +179,18 @@ def create_app(
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    add_common_routes(
+        app,
+        RouteContext(
+            model.name,
+            model.tokenizer,
+            model.max_model_len,
+            max_request_bytes,
+            chat_template_seconds,
+            model.engine.executor.vocab_size,
+        ),
+    )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -432,13 +452,8 @@ class _Server:
         try:
             tokens = self.engine.check_all(prompts, params)
         except (TypeError, ValueError) as error:
-            message = str(error)
-            param = message.split(":", 1)[0] if ":" in message else None
-            if param == "prompt" and chat:
-                param = "messages"
-            elif param not in type(body).model_fields:
-                param = None
-            raise InvalidRequest(message, param) from None
+            param = "messages" if chat and str(error).startswith("prompt:") else None
+            raise InvalidRequest(str(error), param) from None
         return _Prepared(body, tokens, params, arrival, chat, tools=tools)
 
     # ------------------------------------------------------------------ event loop
@@ -661,7 +676,8 @@ class _Server:
                         delta += rest
                         reason = _finish_reason(choice, calls)
                 if calls:
-                    yield chunk(i, DeltaMessage(content=delta or None), None, ids, logprobs)
+                    if delta or logprobs is not None:
+                        yield chunk(i, DeltaMessage(content=delta), None, ids, logprobs)
                     tool_calls = [
                         ToolCallDelta(
                             index=k,
@@ -672,7 +688,7 @@ class _Server:
                         for k, call in enumerate(calls)
                     ]
                     yield chunk(i, DeltaMessage(tool_calls=tool_calls), reason)
-                else:
+                elif delta or reason is not None or choice.calls is None:
                     yield chunk(i, DeltaMessage(content=delta), reason, ids, logprobs)
         self._check_failed(run)
         if body.stream_options is not None and body.stream_options.include_usage:

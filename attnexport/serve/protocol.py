@@ -457,6 +457,76 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class ModelRequest(_Strict):
+    model: str | None = None
+
+
+class TokenizeRequest(ModelRequest):
+    """vLLM's ``POST /tokenize``: a ``prompt``, or chat ``messages`` (rendered by the chat
+    template, with ``tools``)."""
+
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, fail_fast=True)] | None = None
+    add_special_tokens: bool | None = None
+    """Default: true for a prompt, false for messages (the template writes them)."""
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(ModelRequest):
+    tokens: TokenIds
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+MAX_EMBEDDING_INPUTS = 2048
+"""Inputs per ``/v1/embeddings`` request (OpenAI's limit)."""
+
+
+class EmbeddingRequest(ModelRequest):
+    """OpenAI's ``POST /v1/embeddings``."""
+
+    input: (
+        Text
+        | Annotated[list[Text], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+        | Annotated[TokenIds, Field(min_length=1)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    """``base64``: the float32 vector's little-endian bytes, base64-encoded."""
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    """Accepted when it is the model's dimension (nothing is truncated)."""
+    user: str | None = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str

@@ -113,5 +113,6 @@ def _grammar(body, model: ServedModel) -> tuple[StructuredOutput | None, str, To
             "response_format: cannot be combined with a tool_choice that forces a call",
             "response_format",
         )
-    grammar = call_grammar(functions, model.tool_call_format, body.parallel_tool_calls)
+    parallel = body.parallel_tool_calls and choice == "required"  # a named one: one call
+    grammar = call_grammar(functions, model.tool_call_format, parallel)
     return grammar, "tools", ToolUse(model.tool_call_format, forced=True)

@@ -24,7 +24,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from attnexport.runtime.structured_output import StructuredOutput, strict_schema
+from attnexport.runtime.structured_output import JSON_OPTIONS, StructuredOutput, strict_schema
 
 FORMATS = ("hermes", "llama3_json")
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -71,7 +71,7 @@ def call_grammar(functions: list[dict], fmt: str, parallel: bool) -> StructuredO
     """The Lark grammar of an answer made of calls of ``functions`` (at least one; several
     when ``parallel``) in format ``fmt``."""
     key = "arguments" if fmt == "hermes" else "parameters"
-    schema = {"anyOf": [call_schema(f, key) for f in functions]}
+    schema = {"x-guidance": JSON_OPTIONS, "anyOf": [call_schema(f, key) for f in functions]}
     body = f"%json {json.dumps(schema)}"
     if fmt == "hermes":
         call = 'call: "<tool_call>\\n" body "\\n</tool_call>"'
@@ -84,7 +84,8 @@ def call_grammar(functions: list[dict], fmt: str, parallel: bool) -> StructuredO
 
 def parse_calls(text: str, fmt: str) -> tuple[str | None, list[ParsedCall]]:
     """``text`` as (content before the calls or None, the calls); no calls when the text
-    holds none that parse (the whole text is then the content)."""
+    holds none that parse (the whole text is then the content). A last call that does not
+    parse (a sample cut by its length) is left out of the others."""
     if fmt == "hermes":
         start = text.find("<tool_call>")
         if start < 0:
@@ -98,6 +99,8 @@ def parse_calls(text: str, fmt: str) -> tuple[str | None, list[ParsedCall]]:
             return text, []
         calls = [_call(part, "parameters") for part in _split_objects(body)]
         content = None
+    if calls and calls[-1] is None:
+        calls.pop()
     if not calls or any(c is None for c in calls):
         return text, []
     return content, calls
