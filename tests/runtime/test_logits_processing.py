@@ -17,16 +17,17 @@ def vllm_reference(logits, prompts, outputs, params) -> np.ndarray:
     then ``apply_penalties`` (repetition over prompt | output, frequency and presence over
     the output's bin counts)."""
     logits = logits.copy()
+    vocab = logits.shape[1]
     for i, (prompt, output, p) in enumerate(zip(prompts, outputs, params, strict=True)):
         row = logits[i]
         for token, bias in (p.logit_bias or {}).items():
             row[token] += np.float32(bias)
         if len(output) < p.min_tokens:
             row[list(p.stop_token_ids)] = -np.inf
-        prompt_mask = np.bincount(prompt, minlength=VOCAB) > 0
-        counts = np.bincount(np.asarray(output, dtype=np.int64), minlength=VOCAB)
+        prompt_mask = np.bincount(prompt, minlength=vocab) > 0
+        counts = np.bincount(np.asarray(output, dtype=np.int64), minlength=vocab)
         output_mask = counts > 0
-        repetition = np.full(VOCAB, p.repetition_penalty, np.float32)
+        repetition = np.full(vocab, p.repetition_penalty, np.float32)
         repetition[~(prompt_mask | output_mask)] = 1.0
         row[:] = np.where(row > 0, row / repetition, row * repetition)
         row -= np.float32(p.frequency_penalty) * counts.astype(np.float32)
