@@ -247,7 +247,7 @@ class _Choice:
     def update(self, sample: CompletionOutput) -> str:
         """Takes the sample's new tokens; returns the text they add (maybe empty: a partial
         character or word is held back)."""
-        self.new_ids = []
+        self.new_ids, self.new_logprobs = [], []
         if self.finish_reason is not None:
             return ""
         self.new_ids = list(sample.new_token_ids)
@@ -255,8 +255,6 @@ class _Choice:
         if sample.logprobs is not None and self.new_ids:
             self.new_logprobs = sample.logprobs[len(sample.logprobs) - len(self.new_ids) :]
             self.logprobs += self.new_logprobs
-        else:
-            self.new_logprobs = []
         final = sample.finish_reason is not None
         delta = ""
         if self.detokenizer is not None:
