@@ -100,7 +100,7 @@ FIELDS = {
     "stop": st.one_of(st.just(3), st.just([1, 2])),
     "stop_token_ids": st.one_of(st.just([-1]), st.just(["a"]), st.just(7)),
     "stream": st.one_of(st.just("yes"), st.just(2)),
-    "logprobs": st.just(1),
+    "logprobs": st.sampled_from([21, -1, True, "1"]),
 }
 # Fields whose values of any other JSON type are refused too; each with what it accepts.
 VALID = {
@@ -169,7 +169,8 @@ def test_garbage_bodies_get_a_400(server, body, route):
         ({"messages": [{"content": "hi"}]}, "messages"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages"),
         ({"messages": [{"role": "user", "content": "x" * 20000}]}, "messages"),
-        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
         ({"messages": "hi"}, "messages"),
     ],
 )
