@@ -39,7 +39,9 @@ class DrainingServer(uvicorn.Server):
         )
         super().__init__(config)
         self.shutdown_timeout = shutdown_timeout
-        self._engine = app.state.server.engine
+        server = getattr(app.state, "server", None)
+        self._engine = server.engine if server is not None else None
+        """The generation engine (None for an embeddings server: nothing to abort)."""
 
     async def shutdown(self, sockets=None) -> None:
         deadline = asyncio.get_running_loop().call_later(self.shutdown_timeout, self._abort)
@@ -49,6 +51,8 @@ class DrainingServer(uvicorn.Server):
             deadline.cancel()
 
     def _abort(self) -> None:
+        if self._engine is None:
+            return
         state = self._engine.state
         if state.num_running or state.num_waiting:
             logger.warning(

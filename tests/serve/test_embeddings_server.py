@@ -11,19 +11,15 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from attnexport.artifact.export import ExportOptions, export_artifact  # noqa: E402
 from attnexport.cli.main import main  # noqa: E402
-from tests.models.hf_reference import minilm_dir  # noqa: E402
 from tests.serve.helpers import running_server  # noqa: E402
 
 TEXTS = ["A man is eating food.", "A man is riding a horse.", "Das ist ein Satz."]
 
 
 @pytest.fixture(scope="module")
-def minilm(tmp_path_factory):
-    out = tmp_path_factory.mktemp("minilm_serve")
-    export_artifact(str(minilm_dir()), out, ExportOptions(formats=("onnx",)))
-    return out
+def minilm(minilm_artifact):
+    return minilm_artifact
 
 
 @pytest.fixture(scope="module")
