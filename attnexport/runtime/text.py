@@ -113,7 +113,13 @@ class Tokenizer:
         """Chat messages (``[{"role": "user", "content": "..."}, ...]``) -> prompt ids, with
         the assistant's generation prompt appended: what transformers'
         ``apply_chat_template(messages, add_generation_prompt=True)`` returns, rendered within
-        ``limits`` (default :class:`~attnexport.runtime.chat_template.TemplateLimits`)."""
+        ``limits`` (default :class:`~attnexport.runtime.chat_template.TemplateLimits`).
+
+        Raises:
+            TokenizerError: no chat template, or malformed messages.
+            ChatTemplateError: the template does not compile, failed, or went past ``limits``
+                (:class:`~attnexport.runtime.chat_template.TemplateLimitError`).
+        """
         from attnexport.runtime.chat_template import TemplateLimits
 
         template = self.chat_template

@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from attnexport._version import __version__
 from attnexport.errors import UserError
-from attnexport.runtime.chat_template import TemplateLimitError, TemplateLimits
+from attnexport.runtime.chat_template import ChatTemplateError, TemplateLimitError, TemplateLimits
 from attnexport.runtime.outputs import CompletionOutput, RequestOutput
 from attnexport.runtime.sampling import SamplingParams
 from attnexport.runtime.text import TokenizerError
@@ -201,7 +201,7 @@ def _check_chat_template(model: ServedModel, seconds: float) -> None:
             f"{model.name}: its chat template cannot render a one-message conversation "
             f"within the server's limits: {error}"
         ) from None
-    except TokenizerError:
+    except (TokenizerError, ChatTemplateError):
         pass
 
 
@@ -355,7 +355,7 @@ class _Server:
         messages = [m.as_template_message() for m in body.messages]
         try:
             ids = tokenizer.apply_chat_template(messages, limits)
-        except TokenizerError as error:
+        except (TokenizerError, ChatTemplateError) as error:
             message = str(error)
             message = message if message.startswith("messages") else f"messages: {message}"
             raise InvalidRequest(message, "messages") from None
