@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from attnexport.runtime.text import TokenizerError
+from attnexport.errors import UserError
 
 MAX_INT_BITS = 4096
 """The largest int a template may make with ``*`` or ``**``."""
@@ -52,7 +52,7 @@ class TemplateLimits:
     string or list it makes on the way, freed or not."""
 
 
-class ChatTemplateError(TokenizerError):
+class ChatTemplateError(UserError):
     """The chat template failed on these messages, or does not compile."""
 
 

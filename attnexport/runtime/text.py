@@ -119,7 +119,13 @@ class Tokenizer:
         ``apply_chat_template(messages, tools=tools, add_generation_prompt=True)`` returns
         (``tools``: OpenAI's ``{"type": "function", "function": {...}}`` objects, as
         transformers passes them to the template), rendered within ``limits`` (default
-        :class:`~attnexport.runtime.chat_template.TemplateLimits`)."""
+        :class:`~attnexport.runtime.chat_template.TemplateLimits`).
+
+        Raises:
+            TokenizerError: no chat template, or malformed messages.
+            ChatTemplateError: the template does not compile, failed, or went past ``limits``
+                (:class:`~attnexport.runtime.chat_template.TemplateLimitError`).
+        """
         from attnexport.runtime.chat_template import TemplateLimits
 
         template = self.chat_template

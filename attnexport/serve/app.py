@@ -6,7 +6,9 @@ Prometheus metrics, over one :class:`~attnexport.serve.async_engine.AsyncEngine`
 
 A request's body is read up to ``max_request_bytes`` (413 past it); parsing, validation,
 tokenization and the chat template run in a worker thread (at most ``PREPARE_THREADS`` at
-once), never on the event loop, and the chat template within a CPU-time and size limit
+once), not on the event loop (but for token-id completions of at most
+``INLINE_BODY_BYTES``, whose work is small), and the chat template within a CPU-time and size
+limit
 (:mod:`attnexport.runtime.chat_template`). The event loop only queues the checked prompts and
 turns the engine's outputs into responses: each sample through an incremental detokenizer,
 so streamed deltas never split a character and concatenate to the full text, then through the
@@ -34,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from attnexport._version import __version__
 from attnexport.errors import UserError
-from attnexport.runtime.chat_template import TemplateLimitError, TemplateLimits
+from attnexport.runtime.chat_template import ChatTemplateError, TemplateLimitError, TemplateLimits
 from attnexport.runtime.logprobs import TokenLogprobs
 from attnexport.runtime.outputs import CompletionOutput, RequestOutput
 from attnexport.runtime.sampling import SamplingParams
@@ -90,6 +92,11 @@ logger = logging.getLogger("attnexport.serve")
 
 PREPARE_THREADS = 4
 """Requests parsed, tokenized and templated at once (worker threads; more wait their turn)."""
+INLINE_BODY_BYTES = 8 << 10
+"""A completion of token ids with a body this small is parsed and checked on the event loop (a
+millisecond at most): under load, the hand-offs to a worker thread and back each wait for the
+GIL and cost more than the work. Text (tokenization) and chat (the template, the artifact's
+code) always go to a thread."""
 CHAT_TEMPLATE_SECONDS = 2.0
 """CPU seconds one chat template render may take."""
 CHAT_TEMPLATE_CHARS_PER_BYTE = 8
@@ -203,6 +210,17 @@ def create_app(
     return app
 
 
+def _is_token_ids(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    """A completion whose prompts need no tokenizer (and no grammar to compile, no prompt to
+    decode for ``echo``)."""
+    prompt = getattr(body, "prompt", None)
+    if prompt is None or isinstance(prompt, str) or body.echo:
+        return False
+    if body.response_format is not None and body.response_format.type != "text":
+        return False
+    return not prompt or not isinstance(prompt[0], str)
+
+
 def _check_chat_template(model: ServedModel, seconds: float) -> None:
     """Refuses a chat template that cannot render a one-message conversation within the
     server's limits: every chat request would fail. (A template that refuses the message, as
@@ -218,7 +236,7 @@ def _check_chat_template(model: ServedModel, seconds: float) -> None:
             f"{model.name}: its chat template cannot render a one-message conversation "
             f"within the server's limits: {error}"
         ) from None
-    except TokenizerError:
+    except (TokenizerError, ChatTemplateError):
         pass
 
 
@@ -323,18 +341,44 @@ class _Server:
     # ------------------------------------------------------------------ routes
     async def completions(self, request: Request) -> Response:
         return await self._serve(
-            request, self._prepare_completion, self._completion_chunks, self._completion_response
+            request,
+            CompletionRequest,
+            self._prepare_completion,
+            self._completion_chunks,
+            self._completion_response,
         )
 
     async def chat(self, request: Request) -> Response:
         return await self._serve(
-            request, self._prepare_chat, self._chat_chunks, self._chat_response
+            request,
+            ChatCompletionRequest,
+            self._prepare_chat,
+            self._chat_chunks,
+            self._chat_response,
         )
 
-    async def _serve(self, request: Request, prepare, chunks, respond) -> Response:
-        """Prepares the request (off the event loop), queues it, and answers with ``respond``
-        (the whole response) or a stream of ``chunks``."""
-        prepared = await self._prepare(request, prepare)
+    async def _serve(self, request: Request, model, prepare, chunks, respond) -> Response:
+        """Reads the body (of type ``model``), prepares it (``prepare``, off the event loop but
+        for small token-id requests), queues it, and answers with ``respond`` (the whole
+        response) or a stream of ``chunks``."""
+        import anyio.to_thread
+
+        arrival = time.perf_counter()
+        raw = await read_body(request, self.max_request_bytes)
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(PREPARE_THREADS)
+
+        def in_thread(function: Callable[[], T]) -> Awaitable[T]:
+            return anyio.to_thread.run_sync(function, limiter=self._limiter)
+
+        if len(raw) <= INLINE_BODY_BYTES:
+            body = parse_body(raw, model)
+            if _is_token_ids(body):
+                prepared = prepare(body, len(raw), arrival)
+            else:
+                prepared = await in_thread(lambda: prepare(body, len(raw), arrival))
+        else:
+            prepared = await in_thread(lambda: prepare(parse_body(raw, model), len(raw), arrival))
         body = prepared.body
         run = self._start(prepared)
         if body.stream:
@@ -342,19 +386,8 @@ class _Server:
         await _unless_disconnected(request, run.drain(self), run)
         return JSONResponse(respond(body, run).model_dump(exclude_none=True))
 
-    async def _prepare(self, request: Request, prepare: Callable[[bytes, float], T]) -> T:
-        """Reads the body on the event loop and prepares it in a worker thread."""
-        import anyio.to_thread
-
-        arrival = time.perf_counter()
-        raw = await read_body(request, self.max_request_bytes)
-        if self._limiter is None:
-            self._limiter = anyio.CapacityLimiter(PREPARE_THREADS)
-        return await anyio.to_thread.run_sync(prepare, raw, arrival, limiter=self._limiter)
-
     # ------------------------------------------------------------------ worker threads
-    def _prepare_completion(self, raw: bytes, arrival: float) -> _Prepared:
-        body = parse_body(raw, CompletionRequest)
+    def _prepare_completion(self, body: CompletionRequest, size: int, arrival: float) -> _Prepared:
         self._check_model(body)
         prompts = self._completion_prompts(body.prompt)
         prepared = self._checked(body, prompts, body.max_tokens, arrival, chat=False)
@@ -369,8 +402,8 @@ class _Server:
         tokenizer = self.model.tokenizer
         return tokenizer.decode(ids) if tokenizer is not None else ""
 
-    def _prepare_chat(self, raw: bytes, arrival: float) -> _Prepared:
-        body = parse_body(raw, ChatCompletionRequest)
+    def _prepare_chat(self, body: ChatCompletionRequest, size: int, arrival: float) -> _Prepared:
+        """``size``: the body's bytes (the chat template's budget grows with them)."""
         self._check_model(body)
         tokenizer = self.model.tokenizer
         if tokenizer is None:
@@ -381,13 +414,13 @@ class _Server:
             )
         limits = TemplateLimits(
             cpu_seconds=self.chat_template_seconds,
-            max_chars=CHAT_TEMPLATE_MIN_CHARS + CHAT_TEMPLATE_CHARS_PER_BYTE * len(raw),
+            max_chars=CHAT_TEMPLATE_MIN_CHARS + CHAT_TEMPLATE_CHARS_PER_BYTE * size,
         )
         messages = [m.as_template_message() for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         try:
             ids = tokenizer.apply_chat_template(messages, limits, tools)
-        except TokenizerError as error:
+        except (TokenizerError, ChatTemplateError) as error:
             message = str(error)
             message = message if message.startswith("messages") else f"messages: {message}"
             raise InvalidRequest(message, "messages") from None

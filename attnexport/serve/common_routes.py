@@ -11,7 +11,7 @@ from typing import TypeVar
 
 from fastapi import FastAPI, Request
 
-from attnexport.runtime.chat_template import TemplateLimits
+from attnexport.runtime.chat_template import ChatTemplateError, TemplateLimits
 from attnexport.runtime.text import Tokenizer, TokenizerError
 from attnexport.serve.errors import InvalidRequest, model_not_found
 from attnexport.serve.protocol import (
@@ -110,7 +110,7 @@ class RouteContext:
                     tools,
                     add_generation_prompt=body.add_generation_prompt,
                 )
-            except TokenizerError as error:
+            except (TokenizerError, ChatTemplateError) as error:
                 raise InvalidRequest(f"messages: {error}", "messages") from None
             if body.add_special_tokens:
                 ids = tokenizer.hf.build_inputs_with_special_tokens(ids)
