@@ -38,7 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-size", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--block-sizes",
+        default="16,64",
+        help="cache block sizes (comma-separated): xFormers' paged decode operators differ by "
+        "block size (fa3 any, triton_splitk multiples of 64, fa2 multiples of 256)",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument(
         "--max-prefill-tokens",
@@ -57,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     else:
         args.batches = [int(b) for b in args.batches.split(",")]
         args.contexts = [int(c) for c in args.contexts.split(",")]
+    args.block_sizes = [int(b) for b in str(args.block_sizes).split(",")]
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for mode in args.modes:
@@ -71,12 +77,19 @@ class Result:
     backend: str
     batch: int
     context: int
+    block_size: int
     ms: float | None
+    """Per call, with the step's plan open (host-side planning done once, as for every layer
+    after the first)."""
     gbs: float | None = None
     """Achieved bandwidth reading K/V (decode)."""
     fraction_of_copy: float | None = None
     tflops: float | None = None
     """Attention matmul throughput (prefill, causal half counted)."""
+    plan_ms: float | None = None
+    """The first call of a step (checks, plan, masks: host work once per step), wall time."""
+    operator: str = ""
+    """The xFormers operator(s) that ran (empty for sdpa)."""
     note: str = ""
 
 
@@ -104,10 +117,9 @@ def _time(fn, warmup: int, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def _decode_inputs(args, batch: int, context: int, dtype: torch.dtype):
+def _decode_inputs(args, batch: int, context: int, dtype: torch.dtype, bs: int):
     import attnexport
 
-    bs = args.block_size
     blocks_per_seq = -(-context // bs)
     num_blocks = batch * blocks_per_seq
     perm = torch.randperm(num_blocks).tolist()  # scattered blocks, as after many steps
@@ -124,10 +136,9 @@ def _decode_inputs(args, batch: int, context: int, dtype: torch.dtype):
     return query, caches, step
 
 
-def _prefill_inputs(args, batch: int, context: int, dtype: torch.dtype):
+def _prefill_inputs(args, batch: int, context: int, dtype: torch.dtype, bs: int):
     import attnexport
 
-    bs = args.block_size
     blocks_per_seq = -(-context // bs)
     sequences = [
         attnexport.ScheduledSequence(
@@ -142,40 +153,65 @@ def _prefill_inputs(args, batch: int, context: int, dtype: torch.dtype):
     return query, caches, step
 
 
-def run_point(args, mode: str, backend: str, batch: int, context: int, copy_gbs: float):
+def _operators_used(fn) -> str:
+    """Runs ``fn`` once, recording the xFormers operator classes it calls."""
+    from attnexport.backends import xformers as backend
+
+    used: list[str] = []
+    real = backend._forward
+
+    def spy(query, key, value, bias, scale, op):
+        used.append(op.NAME)
+        return real(query, key, value, bias, scale, op)
+
+    backend._forward = spy
+    try:
+        fn()
+    finally:
+        backend._forward = real
+    return ",".join(sorted(set(used)))
+
+
+def run_point(args, mode, backend, batch, context, block_size, copy_gbs) -> Result:
+    import time
+
     import attnexport
+    from attnexport.custom_ops.planning import step_plan
 
     dtype = getattr(torch, args.dtype)
     make = _decode_inputs if mode == "decode" else _prefill_inputs
+    point = (mode, backend, batch, context, block_size)
     try:
-        query, (key_cache, value_cache), step = make(args, batch, context, dtype)
+        query, (key_cache, value_cache), step = make(args, batch, context, dtype, block_size)
+        metadata = (step.block_tables, step.seq_lens, step.query_start_loc)
 
         def call():
             return attnexport.paged_attention(
-                query,
-                key_cache,
-                value_cache,
-                step.block_tables,
-                step.seq_lens,
-                step.query_start_loc,
-                scale=args.head_size**-0.5,
+                query, key_cache, value_cache, *metadata, scale=args.head_size**-0.5
             )
 
-        with attnexport.use_backend(backend):
+        with attnexport.use_backend(backend), step_plan(metadata):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            call()
+            torch.cuda.synchronize()
+            plan_ms = (time.perf_counter() - start) * 1e3
             ms = _time(call, args.warmup, args.iters)
+            operator = _operators_used(call) if backend == "xformers" else ""
     except attnexport.BackendUnsupportedError as error:
-        return Result(mode, backend, batch, context, None, note=f"refused: {error}")
+        return Result(*point, None, note=f"refused: {error}")
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
-        return Result(mode, backend, batch, context, None, note="out of GPU memory")
+        return Result(*point, None, note="out of GPU memory")
     element = torch.finfo(dtype).bits // 8
     kv_bytes = 2 * batch * context * args.kv_heads * args.head_size * element
     if mode == "decode":
         gbs = kv_bytes / (ms * 1e-3) / 1e9
-        return Result(mode, backend, batch, context, ms, gbs, gbs / copy_gbs)
+        return Result(*point, ms, gbs, gbs / copy_gbs, plan_ms=plan_ms, operator=operator)
     # q.k and p.v over the causal half: 2 matmuls * 2 flops * H * D * context^2 / 2
     flops = 2 * batch * args.heads * args.head_size * context * context
-    return Result(mode, backend, batch, context, ms, tflops=flops / (ms * 1e-3) / 1e12)
+    tflops = flops / (ms * 1e-3) / 1e12
+    return Result(*point, ms, tflops=tflops, plan_ms=plan_ms, operator=operator)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,11 +239,14 @@ def main(argv: list[str] | None = None) -> int:
             for context in args.contexts:
                 if mode == "prefill" and batch * context > args.max_prefill_tokens:
                     continue
-                for backend in args.backends:
-                    result = run_point(args, mode, backend, batch, context, copy_gbs)
-                    results.append(result)
-                    if not args.json:
-                        print(_line(result), flush=True)
+                for block_size in args.block_sizes:
+                    for backend in args.backends:
+                        result = run_point(
+                            args, mode, backend, batch, context, block_size, copy_gbs
+                        )
+                        results.append(result)
+                        print(_line(result), file=sys.stderr if args.json else sys.stdout)
+                        torch.cuda.empty_cache()
     report = {
         "device": torch.cuda.get_device_name(),
         "capability": list(torch.cuda.get_device_capability()),
@@ -216,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         "xformers": _xformers_version(),
         "dtype": args.dtype,
         "heads": [args.heads, args.kv_heads, args.head_size],
-        "block_size": args.block_size,
+        "block_sizes": args.block_sizes,
         "copy_bandwidth_gbs": round(copy_gbs, 1),
         "results": [asdict(r) for r in results],
     }
@@ -237,12 +276,17 @@ def _xformers_version() -> str | None:
 
 
 def _line(r: Result) -> str:
-    head = f"{r.mode:7s} {r.backend:8s} batch={r.batch:<4d} ctx={r.context:<6d}"
+    head = (
+        f"{r.mode:7s} {r.backend:8s} batch={r.batch:<4d} ctx={r.context:<6d} "
+        f"block={r.block_size:<4d}"
+    )
     if r.ms is None:
         return f"{head} {r.note}"
+    tail = f" plan {r.plan_ms:6.2f} ms {r.operator}"
     if r.mode == "decode":
-        return f"{head} {r.ms:8.3f} ms {r.gbs:7.0f} GB/s ({100 * r.fraction_of_copy:4.1f}% of copy)"
-    return f"{head} {r.ms:8.3f} ms {r.tflops:7.1f} TFLOP/s"
+        share = f"({100 * r.fraction_of_copy:4.1f}% of copy)"
+        return f"{head} {r.ms:8.3f} ms {r.gbs:7.0f} GB/s {share}{tail}"
+    return f"{head} {r.ms:8.3f} ms {r.tflops:7.1f} TFLOP/s{tail}"
 
 
 if __name__ == "__main__":
