@@ -10,7 +10,8 @@ import torch
 
 print(f"torch {torch.__version__} | CUDA {torch.version.cuda} | GPU {torch.cuda.is_available()}")
 if torch.cuda.is_available():
-    print("GPU", torch.cuda.get_device_name(), "sm%d%d" % torch.cuda.get_device_capability())
+    major, minor = torch.cuda.get_device_capability()
+    print("GPU", torch.cuda.get_device_name(), f"sm{major}{minor}")
 for name in ("xformers", "triton", "transformers", "onnx", "onnxscript", "onnx-ir", "numpy"):
     try:
         print(name, importlib.metadata.version(name))
