@@ -51,6 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=65536,
         help="skip prefill points with more tokens than this (batch * context)",
     )
+    parser.add_argument(
+        "--no-cuda-graph",
+        dest="cuda_graph",
+        action="store_false",
+        help="time only from Python (by default calls are also replayed from a CUDA graph: "
+        "the device time, without the host's per-call overhead)",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="batches 1,8; contexts 1k,4k")
@@ -79,13 +86,19 @@ class Result:
     context: int
     block_size: int
     ms: float | None
-    """Per call, with the step's plan open (host-side planning done once, as for every layer
-    after the first)."""
+    """Per call from Python, with the step's plan open (host-side planning done once, as for
+    every layer after the first): host overhead included where it exceeds the kernels."""
+    graph_ms: float | None = None
+    """Per call replayed from a CUDA graph of calls (the device's time, as a decode step
+    captured in a CUDA graph sees it); None when the call cannot be captured."""
     gbs: float | None = None
-    """Achieved bandwidth reading K/V (decode)."""
+    """Achieved bandwidth reading K/V (decode), from ``graph_ms`` when there is one."""
     fraction_of_copy: float | None = None
+    eager_fraction_of_copy: float | None = None
+    """The same from ``ms``."""
     tflops: float | None = None
-    """Attention matmul throughput (prefill, causal half counted)."""
+    """Attention matmul throughput (prefill, causal half counted), from ``graph_ms`` when
+    there is one."""
     plan_ms: float | None = None
     """The first call of a step (checks, plan, masks: host work once per step), wall time."""
     operator: str = ""
@@ -115,6 +128,26 @@ def _time(fn, warmup: int, iters: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def _graph_time(fn, calls: int = 10, replays: int = 5) -> float | None:
+    """Milliseconds per call of ``fn`` replayed from a CUDA graph holding ``calls`` calls;
+    None when ``fn`` cannot be captured (a host synchronisation inside, say)."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        return _time(graph.replay, warmup=1, iters=replays) / calls
+    except Exception as error:  # capture refuses many things; the eager time stands alone
+        print(f"  (no CUDA graph: {type(error).__name__}: {error})", file=sys.stderr)
+        torch.cuda.synchronize()
+        return None
 
 
 def _decode_inputs(args, batch: int, context: int, dtype: torch.dtype, bs: int):
@@ -198,6 +231,7 @@ def run_point(args, mode, backend, batch, context, block_size, copy_gbs) -> Resu
             plan_ms = (time.perf_counter() - start) * 1e3
             ms = _time(call, args.warmup, args.iters)
             operator = _operators_used(call) if backend == "xformers" else ""
+            graph_ms = _graph_time(call) if args.cuda_graph else None
     except attnexport.BackendUnsupportedError as error:
         return Result(*point, None, note=f"refused: {error}")
     except torch.cuda.OutOfMemoryError:
@@ -205,13 +239,22 @@ def run_point(args, mode, backend, batch, context, block_size, copy_gbs) -> Resu
         return Result(*point, None, note="out of GPU memory")
     element = torch.finfo(dtype).bits // 8
     kv_bytes = 2 * batch * context * args.kv_heads * args.head_size * element
+    device_ms = graph_ms or ms
+    times = dict(graph_ms=graph_ms, plan_ms=plan_ms, operator=operator)
     if mode == "decode":
-        gbs = kv_bytes / (ms * 1e-3) / 1e9
-        return Result(*point, ms, gbs, gbs / copy_gbs, plan_ms=plan_ms, operator=operator)
+        gbs = kv_bytes / (device_ms * 1e-3) / 1e9
+        eager = kv_bytes / (ms * 1e-3) / 1e9 / copy_gbs
+        return Result(
+            *point,
+            ms,
+            gbs=gbs,
+            fraction_of_copy=gbs / copy_gbs,
+            eager_fraction_of_copy=eager,
+            **times,
+        )
     # q.k and p.v over the causal half: 2 matmuls * 2 flops * H * D * context^2 / 2
     flops = 2 * batch * args.heads * args.head_size * context * context
-    tflops = flops / (ms * 1e-3) / 1e12
-    return Result(*point, ms, tflops=tflops, plan_ms=plan_ms, operator=operator)
+    return Result(*point, ms, tflops=flops / (device_ms * 1e-3) / 1e12, **times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,11 +325,13 @@ def _line(r: Result) -> str:
     )
     if r.ms is None:
         return f"{head} {r.note}"
+    graph = "   n/a" if r.graph_ms is None else f"{r.graph_ms:6.3f}"
     tail = f" plan {r.plan_ms:6.2f} ms {r.operator}"
+    times = f"{r.ms:7.3f} ms (graph {graph} ms)"
     if r.mode == "decode":
         share = f"({100 * r.fraction_of_copy:4.1f}% of copy)"
-        return f"{head} {r.ms:8.3f} ms {r.gbs:7.0f} GB/s {share}{tail}"
-    return f"{head} {r.ms:8.3f} ms {r.tflops:7.1f} TFLOP/s{tail}"
+        return f"{head} {times} {r.gbs:7.0f} GB/s {share}{tail}"
+    return f"{head} {times} {r.tflops:7.1f} TFLOP/s{tail}"
 
 
 if __name__ == "__main__":

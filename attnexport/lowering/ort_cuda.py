@@ -19,7 +19,8 @@ covers keys with p - k <= local_window_size; ours p - k < sliding_window).
 
 A node is left as an attnexport node (running its standard-op body, also on the CUDA EP) when
 the contrib op cannot express it: fp32/fp64 dtypes (it takes fp16/bf16), ALiBi (no slope
-input), a read-only attention (it always writes), a window of 1, non-static head counts, or a
+input), a read-only attention (it always writes), a window of 1, non-static head counts, a block
+size that is not a power of two of at least 16 (the CUDA kernel refuses it at run time), or a
 write whose tokens are not the query tokens. The reasons are returned as notes.
 
 The mapping is one onnxscript rewrite rule: the pattern (write -> attention), the check (what
@@ -75,6 +76,11 @@ def _why_not(attention: ir.Node, write: ir.Node | None) -> str | None:
         return "ALiBi (com.microsoft.PagedAttention has no slope input)"
     if _attribute(attention, "sliding_window", -1) == 1:
         return "sliding_window=1 (has no unambiguous local_window_size)"
+    block_size = _static(attention.inputs[1], 1)
+    if block_size is None or block_size < 16 or block_size & (block_size - 1):
+        # onnxruntime 1.31's CUDA kernel refuses the run otherwise ("block_size must be a
+        # power of two and at least 16"), measured on an H200.
+        return f"block_size={block_size} (com.microsoft.PagedAttention needs a power of two >= 16)"
     key = write.inputs[0]
     if key.shape is None or query.shape is None or key.shape[0] != query.shape[0]:
         return "the written tokens are not known to be the query tokens"

@@ -437,12 +437,16 @@ def _ort_cuda_unavailable() -> str | None:
     return None
 
 
-@pytest.mark.parametrize("name", ("llama-gqa", "mistral-window"))
-def test_ort_cuda_artifact_generates_on_the_gpu(name, tmp_path):
-    """``export --target ort-cuda --dtype float16``: the cache write and the attention are one
-    ``com.microsoft.PagedAttention`` per layer, run by onnxruntime's CUDA execution provider
-    through the engine (caches in place under IO binding); each token is a greedy choice of
-    transformers' fp32 logits within fp16 rounding."""
+@pytest.mark.parametrize(
+    ("name", "target"),
+    [("llama-gqa", "ort-cuda"), ("mistral-window", "ort-cuda"), ("mistral-window", "attnexport")],
+)
+def test_onnx_artifact_generates_on_the_gpu(name, target, tmp_path):
+    """``export --dtype float16`` run by onnxruntime's CUDA execution provider through the
+    engine (caches in place under IO binding). ``--target ort-cuda``: the cache write and the
+    attention are one ``com.microsoft.PagedAttention`` per layer; ``attnexport``: the
+    attnexport nodes' standard-op bodies. Each token is a greedy choice of transformers' fp32
+    logits within fp16 rounding."""
     reason = _ort_cuda_unavailable()
     if reason:
         pytest.skip(reason)
@@ -455,14 +459,12 @@ def test_ort_cuda_artifact_generates_on_the_gpu(name, tmp_path):
     hf_class, config = _zoo_configs()[name]
     hf_model = build_checkpoint(hf_class, config, tmp_path / "ckpt")
     out = tmp_path / "out"
-    export_artifact(
-        str(tmp_path / "ckpt"), out, ExportOptions(target="ort-cuda", dtype=torch.float16)
-    )
+    export_artifact(str(tmp_path / "ckpt"), out, ExportOptions(target=target, dtype=torch.float16))
     graph = onnx.load(out / "model.onnx", load_external_data=False).graph
     contrib = [
-        n for n in graph.node if n.op_type == "PagedAttention" and n.domain == "com.microsoft"
+        n for n in graph.node if n.domain == "com.microsoft" and n.op_type == "PagedAttention"
     ]
-    assert len(contrib) == config.num_hidden_layers
+    assert len(contrib) == (config.num_hidden_layers if target == "ort-cuda" else 0)
     engine = Engine.from_path(
         out,
         device="cuda",
