@@ -15,7 +15,14 @@ from attnexport.artifact.files import (
     PT2_FILE,
     artifact_dir,
 )
-from attnexport.artifact.manifest import check_model_file, is_export_manifest, read_manifest
+from attnexport.artifact.manifest import (
+    check_model_file,
+    is_export_manifest,
+    read_manifest,
+    require_model_bytes,
+)
+from attnexport.artifact.onnx_data import check_external_data, ort_checks_external_data
+from attnexport.contained_files import UnsafePathError
 from attnexport.errors import UserError
 
 
@@ -23,14 +30,18 @@ def resolve_artifact(path: str | os.PathLike, executor: str = "auto") -> tuple[s
     """(executor kind ``ort`` or ``torch``, verified model file) for ``path`` and the executor
     asked for.
 
-    With a manifest, only the files it lists are candidates, and the chosen one is checked
-    against its recorded size and SHA-256 (:func:`check_model_file`). ``auto`` takes onnxruntime
-    for an ``.onnx`` file or a directory with ``model.onnx``, torch for a ``.pt2`` file or a
-    directory with only ``model.pt2``.
+    A directory is an export directory: only the files its manifest lists are candidates,
+    and the chosen one is checked against its recorded size and SHA-256
+    (:func:`check_model_file`). A model file named directly is loaded as it is when no export
+    manifest lies beside it. ``auto`` takes onnxruntime for an ``.onnx`` file or a directory
+    with ``model.onnx``, torch for a ``.pt2`` file or a directory with only ``model.pt2``.
 
     Raises:
         ArtifactError: the path does not exist, holds no usable model file, not the one
-            ``executor`` needs, or a file the manifest does not list or whose digest differs.
+            ``executor`` needs, an empty file, or a file the manifest does not list or whose
+            digest differs.
+        IncompleteArtifactError: a directory with a model file but no manifest.
+        UnsafePathError: a file of the directory that is a link or not a regular file.
     """
     if executor not in EXECUTORS:
         raise UserError(f"executor: expected one of {', '.join(EXECUTORS)}, got {executor!r}")
@@ -39,13 +50,14 @@ def resolve_artifact(path: str | os.PathLike, executor: str = "auto") -> tuple[s
         raise ArtifactError(f"artifact: {path} does not exist")
     manifest = read_manifest(path, plain_ok=True)
     if not is_export_manifest(manifest):
-        manifest = None  # no list of model files: take the files present
+        manifest = None  # a model file named directly, without an export manifest beside it
     directory = artifact_dir(path)
     if path.is_dir():
-        if manifest is not None:
-            present = [k for k, f in EXECUTOR_FORMAT.items() if f in manifest["files"]]
-        else:
-            present = [k for k, f in EXECUTOR_FORMAT.items() if (path / MODEL_FILES[f]).is_file()]
+        present = (
+            []
+            if manifest is None
+            else [k for k, f in EXECUTOR_FORMAT.items() if f in manifest["files"]]
+        )
         if not present:
             raise ArtifactError(
                 f"artifact: {path} holds neither {ONNX_FILE} nor {PT2_FILE}; "
@@ -58,21 +70,24 @@ def resolve_artifact(path: str | os.PathLike, executor: str = "auto") -> tuple[s
                 f"artifact: {path} has no {wanted} for --executor {kind}; "
                 f"re-export with --format {EXECUTOR_FORMAT[kind]} or both"
             )
-    else:
-        kind = {".onnx": "ort", ".pt2": "torch"}.get(path.suffix)
-        if kind is None:
-            raise ArtifactError(
-                f"artifact: expected a .onnx or .pt2 file or an export directory: {path}"
-            )
-        if executor not in ("auto", kind):
-            raise ArtifactError(
-                f"artifact: {path.name} runs on the {kind} executor, not {executor}"
-            )
-        if manifest is not None and path.name not in manifest["files"].values():
-            raise ArtifactError(
-                f"artifact: {path} is not a model file {directory / MANIFEST} lists "
-                f"({sorted(manifest['files'].values())}); only listed files are loaded"
-            )
+        return kind, check_model_file(manifest, directory, EXECUTOR_FORMAT[kind])
+    kind = {".onnx": "ort", ".pt2": "torch"}.get(path.suffix)
+    if kind is None:
+        raise ArtifactError(
+            f"artifact: expected a .onnx or .pt2 file or an export directory: {path}"
+        )
+    if executor not in ("auto", kind):
+        raise ArtifactError(f"artifact: {path.name} runs on the {kind} executor, not {executor}")
     if manifest is None:
-        return kind, path if path.is_file() else path / MODEL_FILES[EXECUTOR_FORMAT[kind]]
+        if not path.is_file():
+            raise UnsafePathError(f"{path}: not a regular file")
+        require_model_bytes(path)
+        if kind == "ort" and not ort_checks_external_data():
+            check_external_data(path)
+        return kind, path
+    if path.name not in manifest["files"].values():
+        raise ArtifactError(
+            f"artifact: {path} is not a model file {directory / MANIFEST} lists "
+            f"({sorted(manifest['files'].values())}); only listed files are loaded"
+        )
     return kind, check_model_file(manifest, directory, EXECUTOR_FORMAT[kind])
