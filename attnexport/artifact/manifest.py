@@ -89,10 +89,9 @@ def read_manifest(path: str | os.PathLike, *, plain_ok: bool = False) -> dict | 
     """The validated manifest of an export directory or of the directory holding a model file;
     None when there is none.
 
-    With ``plain_ok`` and a model file's path, a JSON object without a ``format`` key (a
-    hand-written manifest with, say, ``config.max_position_embeddings``, which the runtime
-    reads) is returned as it is: it lists no model files. An export directory needs the
-    manifest ``attnexport export`` writes.
+    With ``plain_ok``, a JSON object without a ``format`` key (a hand-written manifest with,
+    say, ``config.max_position_embeddings``, which the runtime reads) is returned as it is: it
+    lists no model files, so the loaders take the ones present.
 
     Raises:
         ArtifactError: ``manifest.json`` is not JSON, not an attnexport manifest, or a field
@@ -107,7 +106,7 @@ def read_manifest(path: str | os.PathLike, *, plain_ok: bool = False) -> dict | 
             refuse_model_without_manifest(path)
         return None
     manifest = read_json(file, ArtifactError, max_bytes=MAX_MANIFEST_BYTES, hint=REEXPORT)
-    if plain_ok and not path.is_dir() and isinstance(manifest, dict) and "format" not in manifest:
+    if plain_ok and isinstance(manifest, dict) and "format" not in manifest:
         return manifest
     validate_manifest(manifest, file)
     return manifest

@@ -22,7 +22,7 @@ from attnexport.artifact.manifest import (
     require_model_bytes,
 )
 from attnexport.artifact.onnx_data import check_external_data, ort_checks_external_data
-from attnexport.contained_files import UnsafePathError
+from attnexport.contained_files import UnsafePathError, contained_file
 from attnexport.errors import UserError
 
 
@@ -32,9 +32,11 @@ def resolve_artifact(path: str | os.PathLike, executor: str = "auto") -> tuple[s
 
     A directory is an export directory: only the files its manifest lists are candidates,
     and the chosen one is checked against its recorded size and SHA-256
-    (:func:`check_model_file`). A model file named directly is loaded as it is when no export
-    manifest lies beside it. ``auto`` takes onnxruntime for an ``.onnx`` file or a directory
-    with ``model.onnx``, torch for a ``.pt2`` file or a directory with only ``model.pt2``.
+    (:func:`check_model_file`); without a manifest it is refused, with a hand-written one (no
+    ``format``) its model files are taken. A model file named directly is loaded as it is when
+    no export manifest lies beside it. No file of a directory may be a link. ``auto`` takes
+    onnxruntime for an ``.onnx`` file or a directory with ``model.onnx``, torch for a ``.pt2``
+    file or a directory with only ``model.pt2``.
 
     Raises:
         ArtifactError: the path does not exist, holds no usable model file, not the one
@@ -50,14 +52,17 @@ def resolve_artifact(path: str | os.PathLike, executor: str = "auto") -> tuple[s
         raise ArtifactError(f"artifact: {path} does not exist")
     manifest = read_manifest(path, plain_ok=True)
     if not is_export_manifest(manifest):
-        manifest = None  # a model file named directly, without an export manifest beside it
+        manifest = None  # none or a hand-written one: no list of model files
     directory = artifact_dir(path)
     if path.is_dir():
-        present = (
-            []
-            if manifest is None
-            else [k for k, f in EXECUTOR_FORMAT.items() if f in manifest["files"]]
-        )
+        if manifest is not None:
+            present = [k for k, f in EXECUTOR_FORMAT.items() if f in manifest["files"]]
+        else:  # a hand-written manifest (no list of model files): take the files present
+            present = [
+                k
+                for k, f in EXECUTOR_FORMAT.items()
+                if contained_file(path, MODEL_FILES[f]).is_file()
+            ]
         if not present:
             raise ArtifactError(
                 f"artifact: {path} holds neither {ONNX_FILE} nor {PT2_FILE}; "
@@ -70,6 +75,8 @@ def resolve_artifact(path: str | os.PathLike, executor: str = "auto") -> tuple[s
                 f"artifact: {path} has no {wanted} for --executor {kind}; "
                 f"re-export with --format {EXECUTOR_FORMAT[kind]} or both"
             )
+        if manifest is None:
+            return _unlisted(contained_file(path, MODEL_FILES[EXECUTOR_FORMAT[kind]]), kind)
         return kind, check_model_file(manifest, directory, EXECUTOR_FORMAT[kind])
     kind = {".onnx": "ort", ".pt2": "torch"}.get(path.suffix)
     if kind is None:
@@ -81,13 +88,19 @@ def resolve_artifact(path: str | os.PathLike, executor: str = "auto") -> tuple[s
     if manifest is None:
         if not path.is_file():
             raise UnsafePathError(f"{path}: not a regular file")
-        require_model_bytes(path)
-        if kind == "ort" and not ort_checks_external_data():
-            check_external_data(path)
-        return kind, path
+        return _unlisted(path, kind)
     if path.name not in manifest["files"].values():
         raise ArtifactError(
             f"artifact: {path} is not a model file {directory / MANIFEST} lists "
             f"({sorted(manifest['files'].values())}); only listed files are loaded"
         )
     return kind, check_model_file(manifest, directory, EXECUTOR_FORMAT[kind])
+
+
+def _unlisted(file: Path, kind: str) -> tuple[str, Path]:
+    """``(kind, file)`` for a model file no export manifest lists, checked as far as it can
+    be without one: not empty, its ONNX external data in its directory."""
+    require_model_bytes(file)
+    if kind == "ort" and not ort_checks_external_data():
+        check_external_data(file)
+    return kind, file
