@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import shutil
 
 import numpy as np
 import pytest
@@ -291,7 +292,7 @@ def test_executor_arguments_are_checked(model):
 def test_engine_from_an_export_directory(pt2_path, eager_tokens, tmp_path):
     directory = tmp_path / "export"
     directory.mkdir()
-    (directory / "model.pt2").symlink_to(pt2_path)
+    shutil.copyfile(pt2_path, directory / "model.pt2")  # a link in it would be refused
     (directory / "manifest.json").write_text('{"config": {"max_position_embeddings": 128}}')
     engine = Engine.from_path(directory, cache_config=CACHE, scheduler_config=SchedulerConfig())
     assert engine.max_model_len == 128 and engine.executor.name == "torch"
