@@ -201,6 +201,7 @@ def _engine_leg(args, executor) -> dict:
     return {
         **rates(args.batch, args.new_tokens, start, first, end),
         "describe": engine.executor.describe(),
+        "first_tokens": list(outputs[0].token_ids),
     }
 
 
@@ -216,7 +217,22 @@ def leg_ort(args, spin: bool = True, kernels: str = "native", weights: str = "")
     kv = args.kv_cache_dtype
     path = ours_dir(args, weights) / "model.onnx"
     executor = OrtExecutor(path, num_threads=args.threads, spin=spin, kernels=kernels)
-    return _engine_leg(args, executor) | {"kernels": executor.kernels, "kv_cache_dtype": kv}
+    result = _engine_leg(args, executor)
+    del result["first_tokens"]
+    return result | {"kernels": executor.kernels, "kv_cache_dtype": kv}
+
+
+def leg_ours(args) -> dict:
+    """Our OrtExecutor (its defaults) on the export directory ``args.artifact`` (the real
+    model's benchmark, benchmarks/generate_smollm2.py), with this process's peak RSS."""
+    import resource
+
+    from attnexport.runtime import OrtExecutor
+
+    executor = OrtExecutor(Path(args.artifact) / "model.onnx", num_threads=args.threads)
+    result = _engine_leg(args, executor)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return result | {"peak_rss_mb": peak}
 
 
 def leg_torch(args, backend: str) -> dict:
@@ -227,7 +243,9 @@ def leg_torch(args, backend: str) -> dict:
     if backend not in {b.name for b in registered_backends()}:
         return {"skipped": f"the {backend} backend is not registered in this build"}
     model = load_model(args.work / "ckpt")
-    return _engine_leg(args, TorchExecutor(model, backend=backend, block_size=BLOCK_SIZE))
+    result = _engine_leg(args, TorchExecutor(model, backend=backend, block_size=BLOCK_SIZE))
+    del result["first_tokens"]
+    return result
 
 
 def timed_hf_generate(model, prompts: list[list[int]], new: int, **kwargs) -> dict:
@@ -360,6 +378,7 @@ def run_leg(args) -> dict:
         "genai": leg_genai,
         "genai-int4": lambda a: leg_genai(a, "genai-int4"),
         "memory": leg_memory,
+        "ours": leg_ours,
         "quality-hf": quality_hf,
         "quality-ort": quality_ort,
         "quality-ort-int4": lambda a: quality_ort(a, "int4"),
@@ -560,6 +579,19 @@ def _memory_lines(memory: dict) -> list[str]:
     ]
 
 
+def _bench_module(name: str):
+    """A sibling script of benchmarks/ as a module (benchmarks/ is not a package)."""
+    import importlib.util
+
+    key = f"attnexport_bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
 def write_docs(lines: list[str], title: str = "## Generation (CPU)") -> None:
     """Replaces (or appends) the section ``title`` of docs/benchmarks.md (up to the next
     ``## `` heading) with ``lines``."""
@@ -579,6 +611,13 @@ def main() -> int:
     from attnexport.model_interface import KV_CACHE_DTYPES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model",
+        choices=("llama125m", "smollm2"),
+        default="llama125m",
+        help="llama125m: the random-weight ~125M Llama (the legs above); smollm2: the real "
+        "SmolLM2-135M-Instruct against the CPU peers (benchmarks/generate_smollm2.py)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny model, batch 1 and 2")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -605,9 +644,13 @@ def main() -> int:
     # Internal: run one leg in this process and print its JSON result.
     parser.add_argument("--leg", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--artifact", help=argparse.SUPPRESS)
     parser.add_argument(
         "--vocab", type=int, default=FULL_CONFIG["vocab_size"], help=argparse.SUPPRESS
     )
+    chosen, _ = parser.parse_known_args()
+    if chosen.model == "smollm2" and not chosen.leg:
+        return _bench_module("generate_smollm2").main(sys.argv[1:])
     args = parser.parse_args()
     kv_cache_dtypes, args.kv_cache_dtype = args.kv_cache_dtype, args.kv_cache_dtype[0]
     if args.leg:
