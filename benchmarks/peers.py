@@ -115,9 +115,16 @@ PEERS: dict[str, Peer] = {
         Peer(
             "openvino",
             "OpenVINO GenAI",
+            # torch pinned in the same resolution: optimum-intel wants torchvision, whose newest
+            # release would replace torch's CPU build by a newer CUDA one.
             steps=(
-                ["install", TORCH],
-                ["install", "openvino-genai==2026.4.1.0", "optimum-intel[openvino]==2.2.0", "nncf"],
+                [
+                    "install",
+                    TORCH,
+                    "openvino-genai==2026.4.1.0",
+                    "optimum-intel[openvino]==2.2.0",
+                    "nncf",
+                ],
             ),
             probe="openvino_genai",
             formats={"fp32": "fp32", "8-bit": "int8", "4-bit": "int4"},
