@@ -40,7 +40,6 @@ def leg_llamacpp(request: dict) -> dict:
     prefilled through ``llama_batch``es of ``n_batch`` tokens (logits of each prompt's last
     token only), then one ``llama_batch`` of one token per sequence per step; greedy argmax in
     NumPy over the logits rows llama.cpp returns."""
-    import ctypes
 
     import llama_cpp as lc
     import numpy as np
@@ -48,7 +47,6 @@ def leg_llamacpp(request: dict) -> dict:
     threads, prompts, new = request["threads"], request["prompts"], request["new_tokens"]
     batch_size, length = len(prompts), len(prompts[0])
     lc.llama_backend_init()
-    lc.llama_log_set(ctypes.cast(None, lc.llama_log_callback), ctypes.c_void_p())
     model = lc.llama_model_load_from_file(
         request["model"].encode(), lc.llama_model_default_params()
     )
