@@ -305,30 +305,17 @@ def leg_hf(args) -> dict:
 
 
 def leg_genai(args, name: str = "genai") -> dict:
-    import numpy as np
-    import onnxruntime_genai as og
-
-    model = og.Model(str(args.work / name))
-
-    def run(prompts, new):
-        params = og.GeneratorParams(model)
-        total = args.prompt_len + new
-        params.set_search_options(
-            max_length=total, min_length=total, do_sample=False, batch_size=args.batch
-        )
-        generator = og.Generator(model, params)
-        start = time.perf_counter()
-        generator.append_tokens(np.asarray(prompts, dtype=np.int32))
-        first = time.perf_counter()
-        while not generator.is_done():
-            generator.generate_next_token()
-        return rates(args.batch, new, start, first, time.perf_counter())
-
-    run(_prompts(args.batch, args.prompt_len, args.vocab, 1), 4)
-    return {
-        **run(_prompts(args.batch, args.prompt_len, args.vocab, 0), args.new_tokens),
-        "describe": f"onnxruntime-genai {og.__version__}",
+    """onnxruntime-genai's model ``name`` (built by build_genai): benchmarks/peer_legs.py's leg,
+    on this benchmark's prompts."""
+    request = {
+        "model": str(args.work / name),
+        "prompts": _prompts(args.batch, args.prompt_len, args.vocab, 0),
+        "warmup_prompts": _prompts(args.batch, args.prompt_len, args.vocab, 1),
+        "new_tokens": args.new_tokens,
     }
+    result = _bench_module("peer_legs").leg_genai(request)
+    del result["first_tokens"]
+    return result
 
 
 def leg_memory(args) -> dict:
@@ -579,6 +566,13 @@ def _memory_lines(memory: dict) -> list[str]:
     ]
 
 
+def _genai_python() -> str:
+    peers = _bench_module("peers")
+    return (
+        str(peers.venv_python("genai")) if not peers.unavailable_reason("genai") else sys.executable
+    )
+
+
 def _bench_module(name: str):
     """A sibling script of benchmarks/ as a module (benchmarks/ is not a package)."""
     import importlib.util
@@ -635,7 +629,12 @@ def main() -> int:
     parser.add_argument("--legs", nargs="+", default=list(LEGS), choices=LEGS)
     parser.add_argument("--work", type=Path, default=ROOT / "out" / "bench_generate")
     parser.add_argument("--ipex-python", default=str(ROOT / ".venv-ipex" / "bin" / "python"))
-    parser.add_argument("--genai-python", default=sys.executable)
+    parser.add_argument(
+        "--genai-python",
+        default=_genai_python(),
+        help="an interpreter with onnxruntime_genai (default: the genai environment of "
+        "benchmarks/peers.py when it is ready, else this one)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     parser.add_argument(
         "--quality", action="store_true", help="also compare the ONNX legs' logits with fp32"
