@@ -187,6 +187,7 @@ def start_leg(leg: str, args) -> tuple[subprocess.Popen, str]:
         command = [
             sys.executable, "-m", "attnexport.cli.main", "serve",
             str(args.work / "ours" / "model.onnx"), "--port", str(port),
+            "--served-model-name", "bench",
             "--num-threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs),
             "--kv-cache-memory", str(args.kv_cache_gib), "--log-level", "warning",
         ]  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 from attnexport.cli.errors import CliError
@@ -57,7 +58,16 @@ def add_parser(commands) -> None:
         type=int,
         default=256,
         metavar="N",
-        help="requests that may wait for a slot; more get HTTP 503 (default: %(default)s)",
+        help="requests that may wait for a slot; more get HTTP 503, and a request with more "
+        "prompts than this a 400 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the largest request body; larger ones get HTTP 413 (default: 4 MiB, or 32 bytes "
+        "per token of --max-model-len when that is more)",
     )
     parser.add_argument(
         "--kv-cache-memory",
@@ -72,7 +82,8 @@ def add_parser(commands) -> None:
         type=float,
         default=30.0,
         metavar="S",
-        help="seconds running requests get to finish after SIGTERM (default: %(default)s)",
+        help="seconds running requests get to finish after SIGTERM; the rest then get an "
+        "HTTP 503, or an error event and [DONE] on a stream (default: %(default)s)",
     )
     add_executor_flag(parser)
     add_kernel_flags(parser)
@@ -95,21 +106,25 @@ def add_parser(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     from attnexport.errors import require
 
-    uvicorn = require("uvicorn", "serve", "attnexport serve")
+    require("uvicorn", "serve", "attnexport serve")
     require("fastapi", "serve", "attnexport serve")
     from attnexport.serve.app import create_app
+    from attnexport.serve.http_server import DrainingServer
     from attnexport.serve.served_model import load_served_model
 
     for flag, value, minimum in (
         ("--port", args.port, 0),
         ("--max-num-seqs", args.max_num_seqs, 1),
         ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
-        ("--max-queued-requests", args.max_queued_requests, 0),
+        ("--max-queued-requests", args.max_queued_requests, 1),
+        ("--max-request-bytes", args.max_request_bytes, 1),
     ):
         if value is not None and value < minimum:
             raise CliError(f"{flag}: expected an integer >= {minimum}, got {value}")
     if args.port > 65535:
         raise CliError(f"--port: expected a port in [0, 65535], got {args.port}")
+    if not args.shutdown_timeout >= 0:
+        raise CliError(f"--shutdown-timeout: expected seconds >= 0, got {args.shutdown_timeout}")
     if args.kv_cache_memory is not None and not args.kv_cache_memory > 0:
         raise CliError(f"--kv-cache-memory: expected a size in GiB > 0, got {args.kv_cache_memory}")
     check_backend(args.backend, args.executor)
@@ -131,12 +146,15 @@ def run(args: argparse.Namespace) -> int:
         model,
         max_queued_requests=args.max_queued_requests,
         shutdown_timeout=args.shutdown_timeout,
+        max_request_bytes=args.max_request_bytes,
     )
-    uvicorn.run(
+    server = DrainingServer(
         app,
+        shutdown_timeout=args.shutdown_timeout,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout,
     )
-    return 0
+    with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C
+        server.run()
+    return 0 if server.started else 3  # uvicorn's exit status when it cannot bind

@@ -20,6 +20,7 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path, PurePath
+from typing import TYPE_CHECKING
 
 from attnexport.contained_files import (
     RULE,
@@ -29,6 +30,9 @@ from attnexport.contained_files import (
     read_json,
 )
 from attnexport.errors import UserError, require
+
+if TYPE_CHECKING:
+    from attnexport.runtime.chat_template import ChatTemplate, TemplateLimits
 
 REPLACEMENT_CHARACTER = "\ufffd"
 
@@ -107,22 +111,48 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
-        """Chat messages (``[{"role": "user", "content": "..."}, ...]``) -> prompt ids, with
-        the assistant's generation prompt appended (``add_generation_prompt=True``)."""
+    @functools.cached_property
+    def chat_template(self) -> ChatTemplate:
+        """The tokenizer's chat template, compiled once in attnexport's bounded sandbox
+        (:mod:`attnexport.runtime.chat_template`). TokenizerError when there is none or it
+        does not compile."""
+        from attnexport.runtime.chat_template import ChatTemplate
+
         if not self.has_chat_template:
             raise TokenizerError(
                 f"{self.source}: this tokenizer has no chat template (tokenizer_config.json "
                 "has no 'chat_template' and there is no chat_template.jinja); give the "
                 "conversation as a plain text prompt instead"
             )
+        return ChatTemplate(self.hf.get_chat_template())
+
+    def apply_chat_template(
+        self, messages: Sequence[dict], limits: TemplateLimits | None = None
+    ) -> list[int]:
+        """Chat messages (``[{"role": "user", "content": "..."}, ...]``) -> prompt ids, with
+        the assistant's generation prompt appended: what transformers'
+        ``apply_chat_template(messages, add_generation_prompt=True)`` returns, rendered within
+        ``limits`` (default :class:`~attnexport.runtime.chat_template.TemplateLimits`).
+
+        Raises:
+            TokenizerError: no chat template, or malformed messages.
+            ChatTemplateError: the template does not compile, failed, or went past ``limits``
+                (:class:`~attnexport.runtime.chat_template.TemplateLimitError`).
+        """
+        from attnexport.runtime.chat_template import TemplateLimits
+
+        template = self.chat_template
         check_messages(messages)
-        ids = self.hf.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+        text = template.render(
+            limits or TemplateLimits(),
+            messages=[dict(message) for message in messages],
+            tools=None,
+            documents=None,
+            add_generation_prompt=True,
+            **self.hf.special_tokens_map,
         )
-        if hasattr(ids, "keys"):  # some transformers versions return a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
+        encoded = self.hf(text, add_special_tokens=False, padding=False, truncation=False)
+        return list(encoded["input_ids"])
 
     @functools.cached_property
     def cleans_up_spaces(self) -> bool:

@@ -57,7 +57,8 @@ def load_served_model(
             ``trust_pickle`` (:func:`~attnexport.runtime.loading.load_executor`).
 
     Raises:
-        UserError: a missing artifact or an encoder-only model (nothing to generate).
+        UserError: a missing artifact, an encoder-only model (nothing to generate), or a chat
+            template that does not compile.
     """
     artifact = Path(artifact)
     if not artifact.exists():
@@ -76,6 +77,8 @@ def load_served_model(
         tokenizer = artifact_tokenizer(directory, manifest)
     except ModuleNotFoundError:  # no transformers: token-id prompts only, no text returned
         tokenizer = None
+    if tokenizer is not None:
+        _ready(tokenizer)
     engine = engine_from_path(
         artifact,
         cache_config=CacheConfig(memory_bytes=kv_cache_bytes),
@@ -95,3 +98,12 @@ def load_served_model(
         forced_bos_token_id=generation.get("forced_bos_token_id"),
         forced_eos_token_id=generation.get("forced_eos_token_id"),
     )
+
+
+def _ready(tokenizer: Tokenizer) -> None:
+    """Compiles the chat template now (one that does not compile is refused at start-up, not
+    at each request), and encodes once: transformers sets the backend tokenizer's padding and
+    truncation on its first call, which must not race with the server's worker threads."""
+    if tokenizer.has_chat_template:
+        tokenizer.chat_template  # noqa: B018 (a cached property: compiles and checks it)
+    tokenizer.encode("warm up")

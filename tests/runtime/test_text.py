@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from attnexport.contained_files import UnsafePathError
+from attnexport.runtime import chat_template as chat_template_module
 from attnexport.runtime import text as text_module
 from attnexport.runtime.text import REPLACEMENT_CHARACTER, Tokenizer, TokenizerError
 from tests.text_tokenizers import BUILDERS, CORPUS, byte_level_bpe
@@ -143,9 +144,10 @@ def test_a_directory_without_a_tokenizer_is_a_named_error(tmp_path):
         Tokenizer.from_directory(tmp_path)
 
 
-def test_module_imports_neither_torch_nor_the_rest_of_attnexport():
+@pytest.mark.parametrize("module", [text_module, chat_template_module])
+def test_module_imports_neither_torch_nor_the_rest_of_attnexport(module):
     """A torch-free deployment (numpy, onnxruntime, the tokenizer library) can import it."""
-    tree = ast.parse(Path(text_module.__file__).read_text())
+    tree = ast.parse(Path(module.__file__).read_text())
     imported = {
         alias.name
         for node in ast.walk(tree)
@@ -153,8 +155,13 @@ def test_module_imports_neither_torch_nor_the_rest_of_attnexport():
         for alias in node.names
     } | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     # attnexport.errors is a leaf module without imports (the errors every layer raises);
-    # attnexport.contained_files (the check of what a loader may read) imports only it.
-    allowed = {"attnexport.errors", "attnexport.contained_files"}
+    # attnexport.contained_files (the check of what a loader may read) imports only it; the
+    # text module renders with the chat template's sandbox.
+    allowed = {
+        "attnexport.errors",
+        "attnexport.contained_files",
+        "attnexport.runtime.chat_template",
+    }
     assert not {
         m for m in imported if m and m.split(".")[0] in ("torch", "attnexport") and m not in allowed
     }

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -242,6 +243,51 @@ def test_sigterm_finishes_running_streams_then_stops(chat_export):
             process.wait(timeout=30)
     stderr = process.stderr.read().decode()
     assert "Traceback" not in stderr, stderr
+
+
+def test_requests_past_the_shutdown_timeout_get_an_answer(chat_export):
+    """uvicorn cancels what outlives its graceful shutdown: a plain request got a text/plain
+    500 and a stream was cut with neither an error event nor [DONE]. They are aborted in the
+    engine first: an OpenAI-shaped 503, and an error event then [DONE]."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "attnexport.cli.main", "serve", str(chat_export[0])]
+    command += ["--port", str(port), "--shutdown-timeout", "0.5", "--log-level", "warning"]
+    command += ["--kv-cache-memory", str(KV_CACHE_BYTES / 2**30)]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    plain: dict = {}
+    try:
+        wait_for(lambda: _healthy(url), timeout=60, what="the server to start")
+
+        def post() -> None:
+            plain["response"] = httpx.post(f"{url}/v1/completions", json=LONG, timeout=120)
+
+        thread = threading.Thread(target=post)
+        thread.start()
+        with (
+            httpx.Client(timeout=120) as client,
+            client.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}) as stream,
+        ):
+            events = sse_events(stream.iter_lines())
+            next(events)
+            wait_for(lambda: metric(url, "attnexport_requests_running") == 2, what="both")
+            process.send_signal(signal.SIGTERM)
+            rest = list(events)
+        thread.join(120)
+        assert rest[-1] == "[DONE]", rest[-3:]
+        error = rest[-2]["error"]
+        assert error["type"] == "service_unavailable" and "shutting down" in error["message"]
+        response = plain["response"]
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["type"] == "service_unavailable"
+        assert process.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+    stderr = process.stderr.read().decode()
+    assert "Traceback" not in stderr and "Exception in ASGI" not in stderr, stderr
 
 
 def _healthy(url: str) -> bool:
