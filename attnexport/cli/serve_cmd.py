@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         ("--port", args.port, 0),
         ("--max-num-seqs", args.max_num_seqs, 1),
         ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
+        ("--max-model-len", args.max_model_len, 1),
         ("--max-queued-requests", args.max_queued_requests, 0),
     ):
         if value is not None and value < minimum:
