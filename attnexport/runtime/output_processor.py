@@ -80,10 +80,10 @@ class OutputProcessor:
             if request.error is not None:
                 continue  # another of its rows failed in this step
             try:
-                token = sample_token(logits[row], request.params, seq.generator, argmax[row])
+                token = sample_token(logits, row, request.params, seq.generator, argmax[row])
                 token = self._forced(seq, token)
                 if len(request.seqs) < request.params.n:
-                    self._fork(seq, logits[row], argmax[row], token)
+                    self._fork(seq, logits, row, argmax[row], token)
                 else:
                     self._append(seq, token)
             except Exception as error:
@@ -136,10 +136,12 @@ class OutputProcessor:
         if seq.finished:
             self.scheduler.free_finished_seq(seq)
 
-    def _fork(self, parent: SequenceState, row: np.ndarray, argmax: int, first: int) -> None:
+    def _fork(
+        self, parent: SequenceState, logits: np.ndarray, row: int, argmax: int, first: int
+    ) -> None:
         """The prompt of ``parent``'s request is computed: creates its other samples, each
-        sharing the prompt's blocks and drawing its first token from the same logits ``row``
-        (whose argmax is ``argmax``); ``parent`` takes ``first``."""
+        sharing the prompt's blocks and drawing its first token from the same ``row`` of
+        ``logits`` (whose argmax is ``argmax``); ``parent`` takes ``first``."""
         request = parent.request
         children = []
         for index in range(1, request.params.n):
@@ -148,5 +150,5 @@ class OutputProcessor:
             children.append(child)
         self._append(parent, first)
         for child in children:
-            token = sample_token(row, request.params, child.generator, argmax)
+            token = sample_token(logits, row, request.params, child.generator, argmax)
             self._append(child, self._forced(child, token))
