@@ -15,6 +15,9 @@ from attnexport.runtime.config import EncoderDecoderConfig, checked_max_model_le
 from attnexport.runtime.executors.base import Executor
 from attnexport.runtime.text import Tokenizer
 
+_MODEL_FILE_FAILURES = ("Load model from", "External data path")
+"""How onnxruntime's errors about the file itself begin (a protobuf without a graph, an invalid
+graph, external data outside the model's directory), as opposed to errors of the session."""
 AUTO = "auto"
 """The default executor and backend choice (``attnexport.artifact.EXECUTORS``' and
 ``attnexport.custom_ops.dispatch.AUTO``' name)."""
@@ -108,7 +111,7 @@ def load_executor(
                 f"backend: {backend!r} applies to the torch executor; onnxruntime runs the "
                 "model's own function bodies (use --executor torch to pick a backend)"
             )
-        from onnxruntime.capi.onnxruntime_pybind11_state import InvalidProtobuf
+        from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
         try:
             return OrtExecutor(
@@ -118,9 +121,19 @@ def load_executor(
                 max_model_len=max_model_len,
                 rope_switch_length=rope_switch_length,
             )
-        except InvalidProtobuf as error:
+        except (
+            ort_errors.InvalidProtobuf,
+            ort_errors.InvalidArgument,
+            ort_errors.InvalidGraph,
+            ort_errors.Fail,
+        ) as error:
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            if not isinstance(error, ort_errors.InvalidProtobuf) and not any(
+                cause in reason for cause in _MODEL_FILE_FAILURES
+            ):
+                raise
             raise ArtifactError(
-                f"{file}: not a valid ONNX model ({str(error).splitlines()[0]}); re-export it"
+                f"{file}: not a valid ONNX model ({reason}); re-export it"
             ) from None
     from attnexport.runtime.executors.torch_executor import TorchExecutor
 
