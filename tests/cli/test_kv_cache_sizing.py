@@ -27,8 +27,8 @@ def test_run_sizes_its_pool_from_its_requests(llama_export, engines, capsys):
     """It took max_num_seqs sequences of max_model_len (64 x 2048 tokens), at most a quarter
     of the machine's memory, and committed all of it (7.1 GB for one 16-token chat on a 135M
     model)."""
-    flags = "--prompt-ids 1,2,3 --prompt-ids 4,5,6,7,8 --max-tokens 14 --json".split()
-    code, _, err = run_cli(capsys, "run", llama_export, *flags)
+    prompts = ["--prompt-ids", "1,2,3", "--prompt-ids", "4,5,6,7,8"]
+    code, _, err = run_cli(capsys, "run", llama_export, *prompts, "--max-tokens", 14, "--json")
     assert code == 0, err
     (engine,) = engines
     block_size = engine.executor.cache_spec.block_size
