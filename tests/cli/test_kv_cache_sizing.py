@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import attnexport.runtime
-from tests.cli.helpers import assert_one_line_error, run_cli
+from tests.cli.helpers import assert_one_line_error, run_cli, stop_before_serving
 
 
 @pytest.fixture
@@ -63,11 +63,9 @@ def test_run_refuses_a_kv_cache_memory_that_cannot_work(llama_export, capsys, gi
 
 
 def test_serve_says_how_large_its_pool_is_at_start(llama_export, monkeypatch, capsys):
-    pytest.importorskip("uvicorn", reason="needs the serve extra")
-    import uvicorn
-
-    monkeypatch.setattr(uvicorn, "run", lambda app, **options: None)
+    pytest.importorskip("fastapi", reason="needs the serve extra")
+    stop_before_serving(monkeypatch)
     code, _, err = run_cli(capsys, "serve", llama_export, "--kv-cache-memory", 0.01)
-    assert code == 0, err
+    assert code == 130, err
     assert "KV cache: " in err and " blocks of 16 tokens (" in err and "MiB)" in err
     assert "max_model_len 2048" in err

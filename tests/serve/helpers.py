@@ -50,14 +50,6 @@ def running_server(artifact: Path, **options) -> Iterator[str]:
     ``load_served_model`` keywords and ``max_queued_requests``."""
     queued = options.pop("max_queued_requests", None)
     app = create_app(load_served_model(artifact, **options), max_queued_requests=queued)
-    with running_app(app) as url:
-        yield url
-
-
-@contextlib.contextmanager
-def running_app(app) -> Iterator[str]:
-    """Serves the ASGI ``app`` with uvicorn in a thread of this process on a free port;
-    yields its base URL and stops it (graceful shutdown) on exit."""
     config = uvicorn.Config(
         app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=10
     )

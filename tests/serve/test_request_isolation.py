@@ -13,11 +13,11 @@ openai = pytest.importorskip("openai", reason="needs the dev extra (the openai c
 from attnexport.errors import UserError  # noqa: E402
 from attnexport.runtime import CacheConfig, Engine, OrtExecutor  # noqa: E402
 from attnexport.runtime.text import Tokenizer  # noqa: E402
-from attnexport.serve.app import create_app  # noqa: E402
 from attnexport.serve.served_model import ServedModel, load_served_model  # noqa: E402
 from tests.runtime.poisoned import PoisonedRows  # noqa: E402
+from tests.serve import helpers  # noqa: E402
 from tests.serve.conftest import KV_CACHE_BYTES  # noqa: E402
-from tests.serve.helpers import running_app, running_server  # noqa: E402
+from tests.serve.helpers import running_server  # noqa: E402
 
 VICTIM_TOKENS = 1500
 
@@ -80,8 +80,10 @@ def poisoned_server(chat_export):
     executor = _PoisonedOrt(directory / "model.onnx")
     engine = Engine(executor, CacheConfig(memory_bytes=KV_CACHE_BYTES))
     model = ServedModel("export", engine, Tokenizer.from_directory(directory))
-    with running_app(create_app(model)) as url:
-        yield url, executor
+    with pytest.MonkeyPatch.context() as patch:  # the helper serves this model
+        patch.setattr(helpers, "load_served_model", lambda *args, **options: model)
+        with running_server(directory) as url:
+            yield url, executor
 
 
 def test_a_nan_logits_row_fails_its_request_alone_with_a_500(poisoned_server):
