@@ -145,8 +145,6 @@ class NumpyCachePool(CachePool):
         if not len(pairs):
             return
         src, dst = _mapping(pairs, len(sources[0]), len(destinations[0]))
-        if destinations is not self.cpu_caches:
-            self.touch(int(dst.max()) + 1)  # after, its zeros would overwrite the copies
         for source, destination in zip(sources, destinations, strict=True):
             destination[dst] = source[src]  # the gather copies first: overlaps are safe
 
