@@ -63,6 +63,7 @@ from attnexport.artifact.files import (
 )
 from attnexport.artifact.onnx_data import check_external_data, ort_checks_external_data
 from attnexport.contained_files import contained_file, read_json
+from attnexport.paged_inputs import MAX_SEQUENCE_LENGTH
 
 FORMAT = "attnexport-artifact"
 FORMAT_VERSION = 2
@@ -133,6 +134,39 @@ def _field_error(file: Path, name: str, expected: str, value) -> ArtifactError:
     return ArtifactError(f"{file}: field {name!r}: expected {expected}, got {value!r}")
 
 
+POSITION_KEYS = ("max_position_embeddings", "n_positions")
+"""The model config keys that give its trained positions (Llama family and most others;
+GPT-2)."""
+
+
+def manifest_max_model_len(manifest: dict, file: Path) -> int | None:
+    """The longest sequence a manifest declares: ``max_model_len``, else the positions of its
+    ``config`` (:data:`POSITION_KEYS`); None when it declares neither as an int.
+
+    Raises:
+        ArtifactError: ``max_model_len`` is longer than the config's positions (the model has
+            no embedding, or no training, for the positions past them) or than an int32.
+    """
+    config = manifest.get("config")
+    config = config if isinstance(config, dict) else {}
+    key = next((k for k in POSITION_KEYS if type(config.get(k)) is int), None)
+    positions = config[key] if key is not None else None
+    declared = manifest.get("max_model_len")
+    if type(declared) is not int:
+        return positions
+    if positions is not None and declared > positions:
+        raise ArtifactError(
+            f"{file}: field 'max_model_len': {declared} is longer than the model's "
+            f"{positions} positions (config.{key}); expected at most {positions}"
+        )
+    if declared > MAX_SEQUENCE_LENGTH:
+        raise ArtifactError(
+            f"{file}: field 'max_model_len': {declared} is longer than any sequence can be "
+            f"(sequence lengths are int32); expected at most {MAX_SEQUENCE_LENGTH}"
+        )
+    return declared
+
+
 def validate_manifest(manifest, file: Path) -> None:
     """Checks the keys the loaders read; ArtifactError naming ``file`` and the field."""
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -159,6 +193,7 @@ def validate_manifest(manifest, file: Path) -> None:
         value = manifest.get(key)
         if value is not None and (type(value) is not int or value < 1):
             raise _field_error(file, key, "a positive integer or null", value)
+    manifest_max_model_len(manifest, file)
     cache = manifest.get("cache")
     if manifest["kind"] != "encoder":
         keys = ("block_size", "num_layers", "num_kv_heads", "head_size")

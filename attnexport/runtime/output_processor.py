@@ -1,18 +1,30 @@
 """What a step's logits do to its sequences: a token sampled (or forced) per sampling row and
 appended, stop and length checks, the fork of a prompt into its ``n`` samples, and the
-release of what finishes."""
+release of what finishes.
+
+Each request's share of this work is its own: an exception while sampling or appending one
+request's tokens (a logits row that is NaN, a bug) fails that request alone, with its error
+set and its blocks freed; the step's other requests take their tokens as usual."""
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import numpy as np
 
 from attnexport.runtime.block_manager import BlockManager
-from attnexport.runtime.sampling import make_generator, sample
+from attnexport.runtime.sampling import (
+    greedy_tokens,
+    host_logits,
+    make_generator,
+    sample_token,
+)
 from attnexport.runtime.scheduler import Scheduler
-from attnexport.runtime.sequence import Request, SequenceState
+from attnexport.runtime.sequence import Request, SequenceState, Status
+
+logger = logging.getLogger("attnexport.runtime")
 
 
 class OutputProcessor:
@@ -56,24 +68,28 @@ class OutputProcessor:
         """Samples the next token of sequence ``batch_seqs[rows[i]]`` from row i of ``logits``
         ``[N, vocab]`` (a prompt that forks samples all of its n first tokens from the same
         row), appends it and finishes the requests that are done; adds their requests to
-        ``changed``."""
-        # One loop, not three comprehensions: this runs every step, on cold caches.
-        seqs, params, generators = [], [], []
-        for i in rows:
-            seq = batch_seqs[i]
-            seqs.append(seq)
-            params.append(seq.request.params)
-            generators.append(seq.generator)
-        tokens = sample(logits, params, generators)
+        ``changed``. A request whose row raises is failed (:meth:`_fail`), not the step."""
+        logits = host_logits(logits)
+        argmax = greedy_tokens(logits)
         now = time.perf_counter()
         ended = []
-        for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+        # One loop, on cold caches: this runs every step.
+        for row, i in enumerate(rows):
+            seq = batch_seqs[i]
             request = seq.request
-            token = self._forced(seq, token)
-            if len(request.seqs) < request.params.n:
-                self._fork(seq, logits[row], token)
-            else:
-                self._append(seq, token)
+            if request.error is not None:
+                continue  # another of its rows failed in this step
+            try:
+                token = sample_token(logits, row, request.params, seq.generator, argmax[row])
+                token = self._forced(seq, token)
+                if len(request.seqs) < request.params.n:
+                    self._fork(seq, logits, row, argmax[row], token)
+                else:
+                    self._append(seq, token)
+            except Exception as error:
+                self._fail(request, error, now)
+                changed.append(request)
+                continue
             if request.first_token_time is None:
                 request.first_token_time = now
             changed.append(request)
@@ -82,9 +98,23 @@ class OutputProcessor:
         # Only a request whose sequence just ended can be finished (in the order of ``seqs``).
         if ended:
             for request in dict.fromkeys(ended):
-                if request.finished:
+                if request.finished and request.status is not Status.FINISHED:
                     request.finish_time = now
                     self.scheduler.finish(request)
+
+    def _fail(self, request: Request, error: Exception, now: float) -> None:
+        logger.error(
+            "request %s failed while its tokens were taken", request.request_id, exc_info=error
+        )
+        self.fail(request, f"sampling failed: {type(error).__name__}: {error}", now)
+
+    def fail(self, request: Request, message: str, now: float) -> None:
+        """Finishes ``request`` with the error ``message``, the engine's fault (a server
+        answers 500), and frees its blocks (unless it finished already)."""
+        request.error, request.error_is_internal = message, True
+        if request.status is not Status.FINISHED:
+            request.finish_time = now
+            self.scheduler.finish(request)
 
     def _forced(self, seq: SequenceState, token: int) -> int:
         """``token``, or the token the request's params force as ``seq``'s next one."""
@@ -106,20 +136,19 @@ class OutputProcessor:
         if seq.finished:
             self.scheduler.free_finished_seq(seq)
 
-    def _fork(self, parent: SequenceState, row: np.ndarray, first_token: int) -> None:
+    def _fork(
+        self, parent: SequenceState, logits: np.ndarray, row: int, argmax: int, first: int
+    ) -> None:
         """The prompt of ``parent``'s request is computed: creates its other samples, each
-        sharing the prompt's blocks and drawing its first token from the same logits row."""
+        sharing the prompt's blocks and drawing its first token from the same ``row`` of
+        ``logits`` (whose argmax is ``argmax``); ``parent`` takes ``first``."""
         request = parent.request
         children = []
         for index in range(1, request.params.n):
             child = self.new_sequence(request, list(parent.token_ids), index)
             self.block_manager.fork(parent, child)
             children.append(child)
-        self._append(parent, first_token)
-        tokens = sample(
-            np.broadcast_to(row, (len(children), row.shape[-1])),
-            [request.params] * len(children),
-            [c.generator for c in children],
-        )
-        for child, token in zip(children, tokens, strict=True):
+        self._append(parent, first)
+        for child in children:
+            token = sample_token(logits, row, request.params, child.generator, argmax)
             self._append(child, self._forced(child, token))

@@ -5,11 +5,19 @@ Every sequence that samples at random owns a NumPy ``Generator`` seeded from its
 request therefore produces the same tokens whatever else is in the batch, however it was
 scheduled (chunked, preempted, recomputed), and on every executor that computes the same logits.
 
+A temperature below :data:`SAMPLING_EPS` samples greedily, as vLLM's does: logits divided by
+it overflow (1e-310 turns every logit into inf), and below it sampling is argmax but for logits
+closer than ~1e-4. Logits are shifted by their maximum before the division, so no temperature
+the sampler divides by can overflow. A row whose largest logit is not finite (NaN, +inf, or
+every token -inf) raises :class:`NonFiniteLogitsError`: the model's output is broken for that
+sequence, and no token drawn from it would mean anything.
+
 The sampler works on NumPy logits and imports no torch (the serving core runs without it).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,6 +25,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from attnexport.errors import UserError, UserTypeError
+
+SAMPLING_EPS = 1e-5
+"""Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``)."""
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """A sequence's logits row has no finite maximum (NaN, +inf, or all -inf): the model's
+    output, not the request, is at fault."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +47,8 @@ class SamplingParams:
     """Tokens generated per sample, at most (fewer when a stop token or the model's maximum
     length is reached)."""
     temperature: float = 0.0
-    """0 means greedy (argmax); otherwise logits are divided by it before sampling."""
+    """0 (or anything below :data:`SAMPLING_EPS`, 1e-5) means greedy (argmax); otherwise
+    logits are divided by it before sampling."""
     top_k: int = 0
     """Sample among the k most likely tokens; 0 or -1 disables."""
     top_p: float = 1.0
@@ -53,7 +70,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax decoding: a temperature below :data:`SAMPLING_EPS`."""
+        return self.temperature < SAMPLING_EPS
 
     def check(self) -> None:
         """Raises ValueError (TypeError for a wrong type) naming the first bad field."""
@@ -120,15 +138,47 @@ def sample(
 
     Returns:
         N token ids.
+
+    Raises:
+        NonFiniteLogitsError: a row without a finite maximum (the engine calls
+            :func:`sample_token` per row instead, to fail that row's request alone).
     """
     if not params:
         return []
     logits = host_logits(logits)
-    tokens = logits.argmax(axis=-1).tolist()  # the greedy rows' (first maximum or NaN)
-    for i, p in enumerate(params):
-        if not p.greedy:
-            tokens[i] = _sample_row(logits[i], p, generators[i])
-    return tokens
+    argmax = greedy_tokens(logits)
+    return [sample_token(logits, i, p, generators[i], argmax[i]) for i, p in enumerate(params)]
+
+
+def greedy_tokens(logits: np.ndarray) -> list[int]:
+    """The argmax of each row of ``logits`` ``[N, vocab]`` (the first maximum, or the first
+    NaN: :func:`sample_token` refuses that row)."""
+    return logits.argmax(axis=-1).tolist()
+
+
+def sample_token(
+    logits: np.ndarray,
+    row: int,
+    params: SamplingParams,
+    generator: np.random.Generator | None,
+    argmax: int,
+) -> int:
+    """The next token from row ``row`` of ``logits`` ``[N, vocab]``, whose argmax is
+    ``argmax`` (from :func:`greedy_tokens`): that token for greedy params, else a draw from
+    ``generator``.
+
+    Raises:
+        NonFiniteLogitsError: the row's maximum is NaN or infinite.
+    """
+    top = logits.item(row, argmax)  # (the cheapest read of one value: a step reads N)
+    if not math.isfinite(top):
+        raise NonFiniteLogitsError(
+            f"logits: the model's output row for this sequence is not finite (its maximum is "
+            f"{top}); no token can be sampled from it"
+        )
+    if params.greedy:
+        return argmax
+    return _sample_row(logits[row], top, params, generator)
 
 
 def host_logits(logits) -> np.ndarray:
@@ -142,14 +192,21 @@ def host_logits(logits) -> np.ndarray:
     return logits.numpy()
 
 
-def _sample_row(logits: np.ndarray, params: SamplingParams, generator: np.random.Generator) -> int:
-    """Inverse-CDF sampling over the tokens sorted by probability (one uniform per token)."""
-    scaled = logits.astype(np.float64) / params.temperature
+def _sample_row(
+    logits: np.ndarray, top: float, params: SamplingParams, generator: np.random.Generator
+) -> int:
+    """Inverse-CDF sampling over the tokens sorted by probability (one uniform per token);
+    ``top`` is the row's finite maximum."""
+    # Shifted first: every value is <= 0, so dividing by a temperature >= SAMPLING_EPS stays
+    # finite (-inf logits stay -inf and get probability 0).
+    scaled = logits.astype(np.float64)
+    scaled -= top
+    scaled /= params.temperature
     ids = np.argsort(-scaled, kind="stable")  # descending; ties keep the lower id first
     values = scaled[ids]
     if 0 < params.top_k < values.size:
         values, ids = values[: params.top_k], ids[: params.top_k]
-    probs = np.exp(values - values[0])
+    probs = np.exp(values)  # values[0] is 0: the top token has weight 1
     probs /= probs.sum()
     if params.top_p < 1.0:
         # Keep the shortest prefix whose mass reaches top_p (the first token always stays).

@@ -21,6 +21,7 @@ from attnexport.model_interface import (
     ENCODER_DECODER_INPUT_NAMES,
     CacheSpec,
 )
+from attnexport.runtime.config import checked_max_model_len
 from attnexport.runtime.executors.base import Executor
 from attnexport.runtime.executors.torch_cache_pool import TorchCachePool
 from attnexport.runtime.model_input import ModelInput, pack_decoder_step
@@ -60,7 +61,8 @@ class TorchExecutor(Executor):
         cache_spec, vocab_size, max_model_len: the model's cache geometry, output width and
             length limit. Found on the model when not given: a ``cache_spec`` attribute or
             method and ``config.vocab_size`` / ``config.max_position_embeddings`` of a module,
-            or the input and output shapes of an exported program.
+            or the input and output shapes of an exported program. A ``max_model_len`` above
+            the one found is refused (UserError).
         trust_pickle: load a ``.pt2`` path even when its archive holds entries that loading
             would unpickle (they can run code); see :func:`attnexport.artifact.load_pt2`.
         rope_switch_length: the LongRoPE switch length (see
@@ -118,7 +120,9 @@ class TorchExecutor(Executor):
         super().__init__(
             cache_spec,
             vocab_size,
-            max_model_len or found.get("max_model_len"),
+            checked_max_model_len(
+                max_model_len, found.get("max_model_len"), f"{self.source}'s config"
+            ),
             device,
             rope_switch_length or found.get("rope_switch_length"),
         )
