@@ -15,7 +15,6 @@ from attnexport.runtime import CacheConfig, Engine, OrtExecutor  # noqa: E402
 from attnexport.runtime.text import Tokenizer  # noqa: E402
 from attnexport.serve.served_model import ServedModel, load_served_model  # noqa: E402
 from tests.runtime.poisoned import PoisonedRows  # noqa: E402
-from tests.serve import helpers  # noqa: E402
 from tests.serve.conftest import KV_CACHE_BYTES  # noqa: E402
 from tests.serve.helpers import running_server  # noqa: E402
 
@@ -80,10 +79,8 @@ def poisoned_server(chat_export):
     executor = _PoisonedOrt(directory / "model.onnx")
     engine = Engine(executor, CacheConfig(memory_bytes=KV_CACHE_BYTES))
     model = ServedModel("export", engine, Tokenizer.from_directory(directory))
-    with pytest.MonkeyPatch.context() as patch:  # the helper serves this model
-        patch.setattr(helpers, "load_served_model", lambda *args, **options: model)
-        with running_server(directory) as url:
-            yield url, executor
+    with running_server(model) as url:
+        yield url, executor
 
 
 def test_a_nan_logits_row_fails_its_request_alone_with_a_500(poisoned_server):
