@@ -250,8 +250,10 @@ def main() -> None:
     for _ in range(args.repeats):
         for library, python in legs.items():
             runs[library].append(_leg(python, library, checkpoint))
-    print("library     version  case                   compile ms  mask us (med / p99)  "
-          "apply us  accept us")
+    print(
+        "library     version  case                   compile ms  mask us (med / p99)  "
+        "apply us  accept us"
+    )
     for library, results in runs.items():
         version = _version(legs[library], library)
         for case in CASES:

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 from pathlib import Path
 
 from attnexport.cli.errors import CliError
-from attnexport.cli.flags import add_executor_flag, add_kernel_flags, add_trust_flag
+from attnexport.cli.flags import (
+    add_executor_flag,
+    add_kernel_flags,
+    add_kv_cache_memory_flag,
+    add_trust_flag,
+    kv_cache_bytes,
+)
 from attnexport.cli.run_cmd import check_backend
 
 
@@ -69,13 +76,10 @@ def add_parser(commands) -> None:
         help="the largest request body; larger ones get HTTP 413 (default: 4 MiB, or 32 bytes "
         "per token of --max-model-len when that is more)",
     )
-    parser.add_argument(
-        "--kv-cache-memory",
-        type=float,
-        default=None,
-        metavar="GIB",
-        help="KV-cache pool size in GiB (default: --max-num-seqs sequences of the maximum "
-        "length, at most a quarter of the memory)",
+    add_kv_cache_memory_flag(
+        parser,
+        "--max-num-seqs sequences of the maximum length, at most a quarter of the memory; its "
+        "memory is committed as it is used",
     )
     parser.add_argument(
         "--shutdown-timeout",
@@ -127,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         ("--port", args.port, 0),
         ("--max-num-seqs", args.max_num_seqs, 1),
         ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
+        ("--max-model-len", args.max_model_len, 1),
         ("--max-queued-requests", args.max_queued_requests, 1),
         ("--max-request-bytes", args.max_request_bytes, 1),
     ):
@@ -136,8 +141,6 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--port: expected a port in [0, 65535], got {args.port}")
     if not args.shutdown_timeout >= 0:
         raise CliError(f"--shutdown-timeout: expected seconds >= 0, got {args.shutdown_timeout}")
-    if args.kv_cache_memory is not None and not args.kv_cache_memory > 0:
-        raise CliError(f"--kv-cache-memory: expected a size in GiB > 0, got {args.kv_cache_memory}")
     check_backend(args.backend, args.executor)
     options = {"num_threads": args.num_threads} if args.num_threads else {}
     template = None
@@ -151,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
-        kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
+        kv_cache_bytes=kv_cache_bytes(args),
         executor=args.executor,
         backend=args.backend,
         device=args.device,
@@ -160,6 +163,10 @@ def run(args: argparse.Namespace) -> int:
         tool_call_format=args.tool_call_parser,
         **options,
     )
+    if args.log_level in ("info", "debug"):
+        # The pool's size, the first thing to check when memory runs short (its pages are
+        # committed as they are used, so the process grows up to it under load).
+        print(f"attnexport serve: {model.engine.describe()}", file=sys.stderr, flush=True)
     app = create_app(
         model,
         max_queued_requests=args.max_queued_requests,

@@ -37,6 +37,7 @@ from attnexport.runtime.config import (
     CacheConfig,
     EncoderDecoderConfig,
     SchedulerConfig,
+    checked_max_model_len,
     resolve_num_blocks,
 )
 from attnexport.runtime.executors.base import Executor
@@ -129,7 +130,12 @@ class Engine:
             executor.rope_switch_length
         )
         self.max_model_len = (
-            self.scheduler_config.max_model_len or executor.max_model_len or DEFAULT_MAX_MODEL_LEN
+            checked_max_model_len(
+                self.scheduler_config.max_model_len,
+                executor.max_model_len,
+                "the positions it was trained for, as its export or config declares them",
+            )
+            or DEFAULT_MAX_MODEL_LEN
         )
         spec = executor.cache_spec
         self.num_blocks, self.num_cpu_blocks = resolve_num_blocks(
@@ -181,11 +187,17 @@ class Engine:
 
     def describe(self) -> str:
         """One line: the executor (device, threads, which kernels run the attnexport nodes and,
-        when the native onnxruntime kernels are unavailable, why) and the KV-cache blocks."""
+        when the native onnxruntime kernels are unavailable, why) and the KV-cache pool."""
+        return f"{self.executor.describe()}; {self.describe_kv_cache()}"
+
+    def describe_kv_cache(self) -> str:
+        """The device pool in one phrase: blocks, tokens, bytes, and the longest sequence."""
         spec = self.executor.cache_spec
+        size = self.num_blocks * spec.bytes_per_block
         return (
-            f"{self.executor.describe()}; {self.num_blocks} KV-cache blocks of "
-            f"{spec.block_size} tokens"
+            f"KV cache: {self.num_blocks} blocks of {spec.block_size} tokens "
+            f"({self.num_blocks * spec.block_size} tokens, {size / 2**20:.1f} MiB), "
+            f"max_model_len {self.max_model_len}"
         )
 
     # ------------------------------------------------------------------ requests

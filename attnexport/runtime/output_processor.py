@@ -93,11 +93,11 @@ class OutputProcessor:
             if request.error is not None:
                 continue  # another of its rows failed in this step
             try:
-                token = sample_token(logits[row], request.params, seq.generator, argmax[row])
+                token = sample_token(logits, row, request.params, seq.generator, argmax[row])
                 token = self._forced(seq, token)
                 logprob_row = raw.get(row) if raw else None
                 if len(request.seqs) < request.params.n:
-                    self._fork(seq, logits[row], argmax[row], token, logprob_row)
+                    self._fork(seq, logits, row, argmax[row], token, logprob_row)
                 else:
                     self._append(seq, token, logprob_row)
             except Exception as error:
@@ -226,15 +226,16 @@ class OutputProcessor:
     def _fork(
         self,
         parent: SequenceState,
-        row: np.ndarray,
+        logits: np.ndarray,
+        row: int,
         argmax: int,
         first: int,
         logprob_row: np.ndarray | None,
     ) -> None:
         """The prompt of ``parent``'s request is computed: creates its other samples, each
-        sharing the prompt's blocks and drawing its first token from the same logits ``row``
-        (whose argmax is ``argmax``; ``logprob_row`` its raw log-probabilities, when asked);
-        ``parent`` takes ``first``."""
+        sharing the prompt's blocks and drawing its first token from the same ``row`` of
+        ``logits`` (whose argmax is ``argmax``; ``logprob_row`` its raw log-probabilities, when
+        asked); ``parent`` takes ``first``."""
         request = parent.request
         children = []
         for index in range(1, request.params.n):
@@ -243,5 +244,5 @@ class OutputProcessor:
             children.append(child)
         self._append(parent, first, logprob_row)
         for child in children:
-            token = sample_token(row, request.params, child.generator, argmax)
+            token = sample_token(logits, row, request.params, child.generator, argmax)
             self._append(child, self._forced(child, token), logprob_row)

@@ -217,7 +217,7 @@ def sample(
         return []
     logits = host_logits(logits)
     argmax = greedy_tokens(logits)
-    return [sample_token(logits[i], p, generators[i], argmax[i]) for i, p in enumerate(params)]
+    return [sample_token(logits, i, p, generators[i], argmax[i]) for i, p in enumerate(params)]
 
 
 def greedy_tokens(logits: np.ndarray) -> list[int]:
@@ -227,18 +227,20 @@ def greedy_tokens(logits: np.ndarray) -> list[int]:
 
 
 def sample_token(
-    row: np.ndarray,
+    logits: np.ndarray,
+    row: int,
     params: SamplingParams,
     generator: np.random.Generator | None,
     argmax: int,
 ) -> int:
-    """The next token from one logits ``row`` ``[vocab]`` whose argmax is ``argmax`` (from
-    :func:`greedy_tokens`): that token for greedy params, else a draw from ``generator``.
+    """The next token from row ``row`` of ``logits`` ``[N, vocab]``, whose argmax is
+    ``argmax`` (from :func:`greedy_tokens`): that token for greedy params, else a draw from
+    ``generator``.
 
     Raises:
         NonFiniteLogitsError: the row's maximum is NaN or infinite.
     """
-    top = float(row[argmax])
+    top = logits.item(row, argmax)  # (the cheapest read of one value: a step reads N)
     if not math.isfinite(top):
         raise NonFiniteLogitsError(
             f"logits: the model's output row for this sequence is not finite (its maximum is "
@@ -246,7 +248,7 @@ def sample_token(
         )
     if params.greedy:
         return argmax
-    return _sample_row(row, top, params, generator)
+    return _sample_row(logits[row], top, params, generator)
 
 
 def host_logits(logits) -> np.ndarray:
@@ -267,7 +269,9 @@ def _sample_row(
     ``top`` is the row's finite maximum."""
     # Shifted first: every value is <= 0, so dividing by a temperature >= SAMPLING_EPS stays
     # finite (-inf logits stay -inf and get probability 0).
-    scaled = (logits.astype(np.float64) - top) / params.temperature
+    scaled = logits.astype(np.float64)
+    scaled -= top
+    scaled /= params.temperature
     ids = np.argsort(-scaled, kind="stable")  # descending; ties keep the lower id first
     values = scaled[ids]
     if 0 < params.top_k < values.size:

@@ -4,7 +4,8 @@ Encoding is ``AutoTokenizer(text, add_special_tokens=True)`` with padding and tr
 (a ``tokenizer.json`` may configure both; all-MiniLM's pads every prompt to 128 tokens), and
 decoding is ``tokenizer.decode(ids, skip_special_tokens=True)``. Transformers' tokenizer classes
 import without torch, so this module (used by the CLI and by :class:`Engine`) needs only
-``transformers`` and ``tokenizers``, and never imports torch itself.
+``transformers`` and ``tokenizers``, and never imports torch itself. Nothing outside the
+tokenizer's directory is read (:mod:`attnexport.contained_files`).
 
 :class:`IncrementalDetokenizer` turns a growing list of token ids into text deltas whose
 concatenation is always the full decode and which never end in a half-decoded character.
@@ -18,9 +19,16 @@ import logging
 import os
 import re
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING
 
+from attnexport.contained_files import (
+    RULE,
+    UnsafePathError,
+    check_entries,
+    contained_file,
+    read_json,
+)
 from attnexport.errors import UserError, require
 
 if TYPE_CHECKING:
@@ -55,10 +63,21 @@ class Tokenizer:
 
     @classmethod
     def from_directory(cls, directory: str | os.PathLike) -> Tokenizer:
-        """``AutoTokenizer.from_pretrained(directory)``; TokenizerError when the directory has
-        no tokenizer files, MissingDependencyError naming the extra when transformers is
-        missing."""
+        """``AutoTokenizer.from_pretrained(directory)``, reading nothing outside the directory.
+
+        transformers opens the files itself, so the directory is checked first: none of its
+        entries (nor those of ``additional_chat_templates/``) may be a link or a special file,
+        and a ``*_file`` argument of ``tokenizer_config.json`` (older transformers open the
+        path it holds; old configs hold stale absolute paths) is given as the file of that
+        name in the directory, or None.
+
+        Raises:
+            TokenizerError: no tokenizer files, or files transformers cannot read.
+            UnsafePathError: an entry that is a link or not a regular file.
+            MissingDependencyError: transformers is not installed (names the extra).
+        """
         directory = Path(directory)
+        overrides = _contained_file_arguments(directory)
         transformers_logger = logging.getLogger("transformers")
         transformers_logger.addFilter(_no_torch_advice)
         try:
@@ -66,8 +85,8 @@ class Tokenizer:
         finally:
             transformers_logger.removeFilter(_no_torch_advice)
         try:
-            hf = transformers.AutoTokenizer.from_pretrained(str(directory))
-        except (OSError, ValueError) as error:
+            hf = transformers.AutoTokenizer.from_pretrained(str(directory), **overrides)
+        except (OSError, ValueError, RecursionError) as error:
             raise TokenizerError(
                 f"{directory}: cannot load its tokenizer with transformers.AutoTokenizer: "
                 f"{' '.join(str(error).split())}"
@@ -169,6 +188,38 @@ class Tokenizer:
     def detokenizer(self) -> IncrementalDetokenizer:
         """A fresh incremental detokenizer for one generated sequence."""
         return IncrementalDetokenizer(self)
+
+
+CHAT_TEMPLATES_DIR = "additional_chat_templates"
+"""Where a tokenizer directory keeps named chat templates (``NAME.jinja``)."""
+
+
+def _contained_file_arguments(directory: Path) -> dict[str, str | None]:
+    """Checks the files transformers may open in ``directory``; returns, for each ``*_file``
+    key of its ``tokenizer_config.json``, the file of that name in the directory (None when
+    there is none) for ``from_pretrained`` to take instead of the path the key holds."""
+    check_entries(directory, (CHAT_TEMPLATES_DIR,))
+    config_file = contained_file(directory, "tokenizer_config.json")
+    if not config_file.is_file():
+        return {}
+    config = read_json(config_file, TokenizerError)
+    if not isinstance(config, dict):
+        raise TokenizerError(f"{config_file}: expected a JSON object")
+    names = config.get("fast_tokenizer_files", [])
+    if not isinstance(names, list) or any(
+        not isinstance(n, str) or PurePath(n).name != n for n in names
+    ):
+        raise UnsafePathError(
+            f"{config_file}: field 'fast_tokenizer_files': expected file names of the "
+            f"directory, got {names!r}; {RULE}"
+        )
+    overrides = {}
+    for key, value in config.items():
+        if key.endswith("_file") and isinstance(value, str):
+            name = PurePath(value).name
+            path = contained_file(directory, name) if name else None
+            overrides[key] = str(path) if path is not None and path.is_file() else None
+    return overrides
 
 
 def check_messages(messages: object, what: str = "messages") -> None:

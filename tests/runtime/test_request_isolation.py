@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from attnexport.errors import UserError
 from attnexport.runtime import CacheConfig, Engine, SamplingParams, SchedulerConfig, TorchExecutor
 from attnexport.runtime.text import Tokenizer
 from tests.runtime.echo_decoder import EchoDecoder, reference_tokens
@@ -131,4 +132,32 @@ def test_text_that_cannot_be_decoded_fails_its_request_alone(api, tmp_path):
     failed = outputs[1]
     assert failed.finish_reason == "error" and failed.error_is_internal
     assert f"decoding the text failed: RuntimeError: cannot decode token {refused}" in failed.error
+    _assert_released(engine)
+
+
+def test_a_max_model_len_longer_than_the_models_is_refused():
+    """The engine took a max_model_len above the executor's: a sequence crossing the model's
+    positions made the executor refuse the step, failing every request batched with it."""
+    with pytest.raises(UserError, match="max_model_len: 128 is longer than the model's maximum "):
+        Engine(
+            TorchExecutor(MODEL, cache_spec=MODEL.cache_spec(2)),
+            CacheConfig(num_blocks=128),
+            SchedulerConfig(max_model_len=128),
+        )
+    with pytest.raises(UserError, match=r"max_model_len: 65 .* \(EchoDecoder's config\)"):
+        TorchExecutor(MODEL, cache_spec=MODEL.cache_spec(2), max_model_len=65)
+    with pytest.raises(UserError, match="sequence lengths are int32"):
+        SchedulerConfig(max_model_len=2**31)
+
+
+def test_requests_reaching_max_model_len_end_alone():
+    """A prompt longer than max_model_len is refused on admission, one that grows to it ends
+    with "length"; the request batched with them completes."""
+    engine = _engine(poison=-1, max_model_len=16)
+    too_long, crossing = list(range(1, 18)), list(range(1, 13))
+    outputs = engine.generate([VICTIMS[0], too_long, crossing], SamplingParams(MAX_TOKENS))
+    assert outputs[0].token_ids == _solo(VICTIMS[0], max_len=16)
+    assert outputs[1].finish_reason == "error" and not outputs[1].error_is_internal
+    assert "prompt: 17 tokens is longer than the model's maximum length" in outputs[1].error
+    assert outputs[2].finish_reason == "length" and len(outputs[2].token_ids) == 4
     _assert_released(engine)

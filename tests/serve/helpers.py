@@ -16,7 +16,7 @@ import httpx
 from attnexport.cli.main import main
 from attnexport.serve.app import create_app
 from attnexport.serve.http_server import DrainingServer
-from attnexport.serve.served_model import load_served_model
+from attnexport.serve.served_model import ServedModel, load_served_model
 
 START_TIMEOUT = 60.0
 APP_OPTIONS = ("max_queued_requests", "max_request_bytes", "chat_template_seconds")
@@ -45,13 +45,16 @@ def export_chat_llama(path: Path, max_positions: int = 1024):
 
 
 @contextlib.contextmanager
-def running_server(artifact: Path, **options) -> Iterator[str]:
-    """Serves ``artifact`` as ``attnexport serve`` does (uvicorn, draining at shutdown) in a
-    thread of this process on a free port; yields its base URL and stops it (graceful
-    shutdown) on exit. ``options``: ``load_served_model`` keywords and the ``create_app``
-    keywords ``max_queued_requests``, ``max_request_bytes``, ``chat_template_seconds``."""
+def running_server(artifact: Path | ServedModel, **options) -> Iterator[str]:
+    """Serves ``artifact`` (an export, or a model already loaded) as ``attnexport serve`` does
+    (uvicorn, draining at shutdown) in a thread of this process on a free port; yields its base
+    URL and stops it (graceful shutdown) on exit. ``options``: ``load_served_model`` keywords
+    and the ``create_app`` keywords ``max_queued_requests``, ``max_request_bytes``,
+    ``chat_template_seconds``."""
     app_options = {key: options.pop(key) for key in APP_OPTIONS if key in options}
-    app = create_app(load_served_model(artifact, **options), **app_options)
+    if not isinstance(artifact, ServedModel):
+        artifact = load_served_model(artifact, **options)
+    app = create_app(artifact, **app_options)
     with running_app(app) as url:
         yield url
 

@@ -1,6 +1,7 @@
 """One request can never fail another, through the real server and the ``openai`` client: a
 request that goes wrong inside the engine's step (a sampling temperature that overflowed, a
-NaN logits row) gets its own answer while a streaming request batched with it completes."""
+NaN logits row) or reaches the length limit gets its own answer while a streaming request
+batched with it completes; a length limit above the model's positions is refused at start."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import pytest
 pytest.importorskip("fastapi", reason="needs the serve extra (fastapi, uvicorn)")
 openai = pytest.importorskip("openai", reason="needs the dev extra (the openai client)")
 
+from attnexport.errors import UserError  # noqa: E402
 from attnexport.runtime import CacheConfig, Engine, OrtExecutor  # noqa: E402
 from attnexport.runtime.text import Tokenizer  # noqa: E402
-from attnexport.serve.app import create_app  # noqa: E402
-from attnexport.serve.served_model import ServedModel  # noqa: E402
+from attnexport.serve.served_model import ServedModel, load_served_model  # noqa: E402
 from tests.runtime.poisoned import PoisonedRows  # noqa: E402
 from tests.serve.conftest import KV_CACHE_BYTES  # noqa: E402
-from tests.serve.helpers import running_app  # noqa: E402
+from tests.serve.helpers import running_server  # noqa: E402
 
 VICTIM_TOKENS = 1500
 
@@ -78,7 +79,7 @@ def poisoned_server(chat_export):
     executor = _PoisonedOrt(directory / "model.onnx")
     engine = Engine(executor, CacheConfig(memory_bytes=KV_CACHE_BYTES))
     model = ServedModel("export", engine, Tokenizer.from_directory(directory))
-    with running_app(create_app(model)) as url:
+    with running_server(model) as url:
         yield url, executor
 
 
@@ -98,3 +99,37 @@ def test_a_nan_logits_row_fails_its_request_alone_with_a_500(poisoned_server):
         client.completions.create(model="export", prompt=[5, executor.poison], max_tokens=4)
     ids, reason, _ = victim.finish()
     assert ids == solo and reason == "length"
+
+
+def test_serving_a_max_model_len_above_the_models_positions_is_refused(chat_export):
+    """It was served: the first request crossing the model's positions failed the
+    executor's step, and every request batched with it got a 500."""
+    with pytest.raises(UserError, match="max_model_len: 16385 is longer than the model's"):
+        load_served_model(chat_export[0], max_model_len=16385, kv_cache_bytes=KV_CACHE_BYTES)
+
+
+def test_requests_reaching_max_model_len_fail_or_end_alone(chat_export):
+    """Under --max-model-len 512: a longer prompt is a 400 on admission, a request growing to
+    the limit ends with "length", and the streaming request batched with them completes."""
+    with running_server(chat_export[0], max_model_len=512, kv_cache_bytes=KV_CACHE_BYTES) as url:
+        client = _client(url)
+        victim = client.completions.create(
+            model="export",
+            prompt="Hello world, hello",
+            max_tokens=400,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = [next(iter(victim))]
+        with pytest.raises(openai.BadRequestError, match="longer than the model's maximum"):
+            client.completions.create(model="export", prompt=[5] * 513, max_tokens=4)
+        crossing = client.completions.create(
+            model="export",
+            prompt=[5] * 500,
+            max_tokens=100,
+            extra_body={"ignore_eos": True},
+        )
+        assert crossing.choices[0].finish_reason == "length"
+        assert crossing.usage.completion_tokens == 12
+        chunks += list(victim)
+        assert chunks[-1].choices[0].finish_reason == "length"
