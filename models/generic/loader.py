@@ -131,6 +131,9 @@ def load_transformers_checkpoint(
             config=config,
             dtype=dtype,
             attn_implementation=ATTENTION,
+            # every expert on every token as batched matmuls: grouped_mm has no ONNX lowering and the
+            # eager loop over the routed experts is data-dependent (torch.export cannot trace it)
+            experts_implementation="batched_mm",
             output_loading_info=True,
         )
     _check_loading_info(info, str(directory))
@@ -147,6 +150,7 @@ def transformers_model_from_config(
     cls = _causal_lm_class(transformers, config, "config")
     register_attention()
     config._attn_implementation = ATTENTION
+    config._experts_implementation = "batched_mm"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         hf_model = cls._from_config(config, dtype=dtype)
