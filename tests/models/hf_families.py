@@ -89,7 +89,6 @@ FAMILIES: dict[str, Family] = {
         Family("seed_oss", "q/k/v biases, no o bias", default=False),
         Family("arcee", "a ReLU^2 MLP without a gate", default=False),
         Family("apertus", "xIELU activation, q/k norms", default=False),
-        Family("nemotron", "LayerNorm1P, a squared-ReLU MLP, partial RoPE", default=False),
         Family("persimmon", "q/k LayerNorm, partial RoPE, fused QKV", default=False),
         Family("gemma", "Gemma 1: scaled embeddings, (1 + w) RMSNorm, GeGLU"),
         Family("bitnet", "ternary weights, sub-norms inside the blocks", default=False),

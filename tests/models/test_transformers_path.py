@@ -105,6 +105,8 @@ REFUSED = {
         Family("blenderbot-small", "", {"d_model": 64, "decoder_layers": 1, "encoder_layers": 1}),
         r"logits differ from transformers' own",
     ),
+    # its attention layers drop the model's keyword arguments (the step cannot reach them)
+    "nemotron": (Family("nemotron", ""), r"does not pass its keyword arguments"),
     # differential attention calls the attention function twice per layer
     "diffllama": (Family("diffllama", ""), r"runs more than once per forward"),
 }
@@ -116,3 +118,32 @@ def test_unsupported_models_are_refused_with_the_reason(name, tmp_path):
     build_checkpoint(family, tmp_path)
     with pytest.raises(UnsupportedModelError, match=reason):
         load_checkpoint(tmp_path, impl="transformers")
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def test_export_picks_the_transformers_path_for_a_family_the_zoo_lacks(tmp_path, capsys):
+    """``attnexport export`` (``--impl auto``) exports an OLMo 2 checkpoint through the
+    transformers path, the manifest and ``inspect`` say so and name the rewrite rules that
+    fired, and ``run`` gives transformers' greedy tokens; ``--impl zoo`` refuses it by name."""
+    import json
+
+    from tests.cli.helpers import run_cli, run_json
+
+    hf_model = build_checkpoint(FAMILIES["olmo2"], tmp_path / "checkpoint")
+    out = tmp_path / "export"
+    code, _, err = run_cli(capsys, "export", tmp_path / "checkpoint", "--out", out)
+    assert code == 0, err
+    assert json.loads((out / "manifest.json").read_text())["impl"] == "transformers"
+    code, summary, _ = run_cli(capsys, "inspect", out, "--json")
+    summary = json.loads(summary)
+    assert summary["impl"] == "transformers" and summary["fusions"], summary["fusions"]
+    assert any("attnexport" in op for op in summary["custom_nodes"])
+    prompt = list(PROMPTS[0])
+    outputs = run_json(capsys, out, "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", 6)
+    assert outputs[0]["token_ids"] == greedy_generate(hf_model, prompt, 6)[0]
+    code, _, err = run_cli(
+        capsys, "export", tmp_path / "checkpoint", "--out", tmp_path / "zoo", "--impl", "zoo"
+    )
+    assert code == 2 and "olmo2" in err, err
