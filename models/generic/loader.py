@@ -131,8 +131,8 @@ def load_transformers_checkpoint(
             config=config,
             dtype=dtype,
             attn_implementation=ATTENTION,
-            # every expert on every token as batched matmuls: grouped_mm has no ONNX lowering and the
-            # eager loop over the routed experts is data-dependent (torch.export cannot trace it)
+            # routed experts as batched matmuls on gathered weights: grouped_mm has no ONNX
+            # lowering, the eager loop over experts is data-dependent (torch.export cannot trace it)
             experts_implementation="batched_mm",
             output_loading_info=True,
         )
