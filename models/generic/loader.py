@@ -124,6 +124,9 @@ def load_transformers_checkpoint(
     config = read_hf_config(directory)
     _refuse(config, str(directory))
     cls = _causal_lm_class(transformers, config, str(directory))
+    # Named errors before transformers opens anything: no weight file (transformers' OSError),
+    # a shard that is a link or a path out of the directory.
+    loader.weight_files(directory)
     register_attention()
     with _quiet_loading():
         hf_model, info = cls.from_pretrained(

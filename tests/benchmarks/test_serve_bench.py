@@ -23,7 +23,9 @@ def test_a_server_that_exits_at_startup_is_a_runtime_error_naming_its_log(tmp_pa
         spec.loader.exec_module(serve)
     finally:
         sys.path.remove(str(BENCHMARKS))
-    args = argparse.Namespace(work=tmp_path, threads=1, max_num_seqs=4, kv_cache_gib=0.1)
+    args = argparse.Namespace(
+        work=tmp_path, threads=1, max_num_seqs=4, kv_cache_gib=0.1, structured=False
+    )
     with pytest.raises(RuntimeError, match=r"attnexport: the server exited \(.*attnexport\.log\)"):
         serve.start_leg("attnexport", args)  # no model in tmp_path: `serve` exits with 2
     assert "model.onnx" in (tmp_path / "attnexport.log").read_text()
