@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kernel_api.h"
+#include "paged_attention_batch.h"
 #include "vector_math.h"
 
 namespace attnexport {
@@ -43,10 +44,6 @@ constexpr int64_t kChunkBytes = 256 << 10;
 // as whole blocks, where one head's rows lie one per slot, each on its own page for large
 // heads); a smaller one, read from the caches, is parallel over KV heads.
 constexpr int64_t kStreamBytes = 8 << 20;
-constexpr ONNXTensorElementDataType kFloat32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-constexpr ONNXTensorElementDataType kFloat16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
-constexpr ONNXTensorElementDataType kBFloat16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
-constexpr ONNXTensorElementDataType kInt8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
 
 enum Input : size_t {
   kQuery,
@@ -60,45 +57,6 @@ enum Input : size_t {
   kValueScales,
 };
 
-// Queries [first_query, first_query + num_queries) of sequence `seq` (indices within its
-// queries), heads of KV heads [kv_begin, kv_end), against the keys of blocks
-// [block_begin, block_end) of its table. partial < 0: the item writes its output rows; else it
-// is one split of a long decode context and leaves its running maximum, sum and unnormalised
-// output in Batch::partials slot `partial` (the rows of its heads) for combine_splits.
-struct WorkItem {
-  int64_t seq;
-  int64_t kv_begin, kv_end;
-  int64_t first_query;
-  int64_t num_queries;
-  int64_t block_begin, block_end;
-  int64_t partial;
-};
-
-// A split of one decode sequence's context: its items' partial slots [first, first + count).
-struct Split {
-  int64_t seq, first, count;
-};
-
-// Pointers into the inputs. The caches hold the cache type the kernel is instantiated for;
-// query and output hold `query_type` (float32, float16 or bfloat16).
-struct Batch {
-  const void* query;
-  ONNXTensorElementDataType query_type;
-  const void* key_cache;
-  const void* value_cache;
-  const float* key_scales;    // int8 caches: [num_blocks, block_size, num_kv_heads]; else null
-  const float* value_scales;
-  const int32_t* block_tables;
-  const int32_t* seq_lens;
-  const int32_t* query_start;
-  std::vector<float> slopes;  // empty: no ALiBi (all slopes zero)
-  int64_t max_blocks;
-  void* out;
-  int64_t multiply_adds;  // an upper bound for the whole batch
-  // Per partial slot: num_heads rows of [maximum, sum, W output lanes] (W = padded head size).
-  float* partials = nullptr;
-};
-
 namespace {
 
 OrtStatus* expect_shape(const Tensor& t, const char* name, const std::vector<int64_t>& dims,
@@ -110,19 +68,6 @@ OrtStatus* expect_shape(const Tensor& t, const char* name, const std::vector<int
 
 bool is_float_type(ONNXTensorElementDataType type) {
   return type == kFloat32 || type == kFloat16 || type == kBFloat16;
-}
-
-// Element i of a float32/float16/bfloat16 tensor (queries, slopes: read once per item).
-float load_element(const void* data, ONNXTensorElementDataType type, int64_t i) {
-  if (type == kFloat16) return to_float(static_cast<const Half*>(data)[i]);
-  if (type == kBFloat16) return to_float(static_cast<const BFloat16*>(data)[i]);
-  return static_cast<const float*>(data)[i];
-}
-
-void store_element(void* data, ONNXTensorElementDataType type, int64_t i, float x) {
-  if (type == kFloat16) static_cast<Half*>(data)[i] = from_float<Half>(x);
-  else if (type == kBFloat16) static_cast<BFloat16*>(data)[i] = from_float<BFloat16>(x);
-  else static_cast<float*>(data)[i] = x;
 }
 
 // Returns fn(C{}) for the cache element type C of `type` (checked by compute()).
@@ -251,7 +196,7 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
   if (std::any_of(slope_values.begin(), slope_values.end(), [](float s) { return s != 0.0f; }))
     batch.slopes = std::move(slope_values);
 
-  std::vector<WorkItem> items;
+  std::vector<WorkItem> tiles, items;  // prefill tiles, decode items
   std::vector<Split> splits_;
   std::vector<int64_t> decode_seqs;
   int64_t partial_slots = 0;
@@ -288,13 +233,24 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
     if (end - begin == 1) {
       decode_seqs.push_back(s);
     } else {
-      for (int64_t first = 0; first < end - begin; first += kQueryTile)
+      const int64_t tile = prefill_tile_tokens();
+      for (int64_t first = 0; first < end - begin; first += tile)
         for (int64_t h = 0; h < num_kv_heads; ++h)
-          items.push_back({s, h, h + 1, first, std::min(kQueryTile, end - begin - first), 0,
-                           max_blocks, -1});
+          tiles.push_back({s, h, h + 1, first, std::min(tile, end - begin - first), 0, max_blocks,
+                           -1});
     }
     previous_end = end;
   }
+  // onnxruntime's pool hands the items out in order: the tiles that see the most keys (the
+  // last of a causal prompt) go first, so that the last item to start is a short one.
+  auto tile_keys = [&](const WorkItem& t) {
+    const int64_t length = batch.seq_lens[t.seq];
+    const int64_t queries = batch.query_start[t.seq + 1] - batch.query_start[t.seq];
+    return causal ? length - queries + t.first_query + t.num_queries : length;
+  };
+  std::stable_sort(tiles.begin(), tiles.end(), [&](const WorkItem& a, const WorkItem& b) {
+    return tile_keys(a) * a.num_queries > tile_keys(b) * b.num_queries;
+  });
 
   // Decode queries: one item per KV head (or per sequence, see kStreamBytes), and a long
   // context of a small batch split across the thread pool (a partial softmax per split,
@@ -335,7 +291,7 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
   std::vector<float> partials(partial_slots * num_heads * (W + 2));
   batch.partials = partials.data();
   return with_cache_type(cache_type, [&](auto tag) -> OrtStatus* {
-    ATTNEXPORT_RETURN_IF_ERROR(run_all<decltype(tag)>(context, batch, items));
+    ATTNEXPORT_RETURN_IF_ERROR(run_all<decltype(tag)>(context, batch, tiles, items));
     for (const Split& split : splits_) combine_splits(batch, split);
     return nullptr;
   });
@@ -375,16 +331,21 @@ void PagedAttention::combine_splits(const Batch& batch, const Split& split) cons
 
 template <typename C>
 OrtStatus* PagedAttention::run_all(OrtKernelContext* context, const Batch& batch,
+                                   const std::vector<WorkItem>& tiles,
                                    const std::vector<WorkItem>& items) const {
+  const size_t total = tiles.size() + items.size();
   switch (padded_width() / 16) {
-#define ATTNEXPORT_CASE(NV)                                                   \
-  case NV: {                                                                 \
-    auto run = [&](size_t i) { attend<C, NV>(batch, items[i]); };            \
-    if (batch.multiply_adds < kParallelWork) {                               \
-      for (size_t i = 0; i < items.size(); ++i) run(i);                      \
-      return nullptr;                                                        \
-    }                                                                        \
-    return parallel_for(context, items.size(), run);                         \
+#define ATTNEXPORT_CASE(NV)                                                  \
+  case NV: {                                                                \
+    auto run = [&](size_t i) {                                              \
+      if (i < tiles.size()) attend_tiled<C>(batch, tiles[i]);               \
+      else attend<C, NV>(batch, items[i - tiles.size()]);                   \
+    };                                                                      \
+    if (batch.multiply_adds < kParallelWork) {                              \
+      for (size_t i = 0; i < total; ++i) run(i);                            \
+      return nullptr;                                                       \
+    }                                                                       \
+    return parallel_for(context, total, run);                               \
   }
     ATTNEXPORT_CASE(1)
     ATTNEXPORT_CASE(2)

@@ -24,12 +24,17 @@ struct PagedAttention {
 
  private:
   int64_t padded_width() const;
+  int64_t prefill_tile_tokens() const;  // query tokens per prefill tile
   void combine_splits(const Batch& batch, const Split& split) const;
   template <typename C>
   OrtStatus* run_all(OrtKernelContext* context, const Batch& batch,
-                     const std::vector<WorkItem>& items) const;
+                     const std::vector<WorkItem>& tiles, const std::vector<WorkItem>& items) const;
+  // A decode item (one query token per sequence; paged_attention.cc).
   template <typename C, int NV>
   void attend(const Batch& batch, const WorkItem& item) const;
+  // A prefill tile: one KV head, a tile of a sequence's query tokens (paged_prefill.cc).
+  template <typename C>
+  void attend_tiled(const Batch& batch, const WorkItem& item) const;
 };
 
 }  // namespace attnexport
