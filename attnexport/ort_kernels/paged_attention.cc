@@ -23,7 +23,6 @@
 namespace attnexport {
 
 constexpr int64_t kQueryTile = 16;
-constexpr int64_t kMaxHeadSize = 256;
 // Below this many multiply-adds (a few microseconds on one core) waking the thread pool costs
 // more than it saves. A decode step of one sequence over 190 keys (12/4/64 heads, ~290K
 // multiply-adds) is worth splitting: in a model its keys and values come from memory, not the
@@ -44,6 +43,9 @@ constexpr int64_t kChunkBytes = 256 << 10;
 // as whole blocks, where one head's rows lie one per slot, each on its own page for large
 // heads); a smaller one, read from the caches, is parallel over KV heads.
 constexpr int64_t kStreamBytes = 8 << 20;
+// Packed prefill keys up to this many floats (64 MiB: a 4096-token prompt of 8 KV heads of 128)
+// stay allocated for the calling thread's next call.
+constexpr size_t kKeptPackedFloats = size_t{16} << 20;
 
 enum Input : size_t {
   kQuery,
@@ -196,7 +198,8 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
   if (std::any_of(slope_values.begin(), slope_values.end(), [](float s) { return s != 0.0f; }))
     batch.slopes = std::move(slope_values);
 
-  std::vector<WorkItem> tiles, items;  // prefill tiles, decode items
+  PrefillPlan prefill;
+  std::vector<WorkItem> items;  // decode
   std::vector<Split> splits_;
   std::vector<int64_t> decode_seqs;
   int64_t partial_slots = 0;
@@ -233,24 +236,11 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
     if (end - begin == 1) {
       decode_seqs.push_back(s);
     } else {
-      const int64_t tile = prefill_tile_tokens();
-      for (int64_t first = 0; first < end - begin; first += tile)
-        for (int64_t h = 0; h < num_kv_heads; ++h)
-          tiles.push_back({s, h, h + 1, first, std::min(tile, end - begin - first), 0, max_blocks,
-                           -1});
+      plan_prefill(batch, s, &prefill);
     }
     previous_end = end;
   }
-  // onnxruntime's pool hands the items out in order: the tiles that see the most keys (the
-  // last of a causal prompt) go first, so that the last item to start is a short one.
-  auto tile_keys = [&](const WorkItem& t) {
-    const int64_t length = batch.seq_lens[t.seq];
-    const int64_t queries = batch.query_start[t.seq + 1] - batch.query_start[t.seq];
-    return causal ? length - queries + t.first_query + t.num_queries : length;
-  };
-  std::stable_sort(tiles.begin(), tiles.end(), [&](const WorkItem& a, const WorkItem& b) {
-    return tile_keys(a) * a.num_queries > tile_keys(b) * b.num_queries;
-  });
+  order_tiles(batch, &prefill);
 
   // Decode queries: one item per KV head (or per sequence, see kStreamBytes), and a long
   // context of a small batch split across the thread pool (a partial softmax per split,
@@ -290,11 +280,18 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
   const int64_t W = padded_width();
   std::vector<float> partials(partial_slots * num_heads * (W + 2));
   batch.partials = partials.data();
-  return with_cache_type(cache_type, [&](auto tag) -> OrtStatus* {
-    ATTNEXPORT_RETURN_IF_ERROR(run_all<decltype(tag)>(context, batch, tiles, items));
+  // The packed keys of prefills: memory kept by the calling thread for its next call (no page
+  // faults on a fresh allocation per layer), unless it is past kKeptPackedFloats.
+  thread_local std::vector<float> packed_keys;
+  packed_keys.resize(prefill.floats);
+  prefill.storage = packed_keys.data();
+  OrtStatus* status = with_cache_type(cache_type, [&](auto tag) -> OrtStatus* {
+    ATTNEXPORT_RETURN_IF_ERROR(run_all<decltype(tag)>(context, batch, prefill, items));
     for (const Split& split : splits_) combine_splits(batch, split);
     return nullptr;
   });
+  if (packed_keys.size() > kKeptPackedFloats) std::vector<float>().swap(packed_keys);
+  return status;
 }
 
 // Rows are held as NV vectors of 16 floats, zero padded: the smallest compiled NV that fits.
@@ -331,17 +328,24 @@ void PagedAttention::combine_splits(const Batch& batch, const Split& split) cons
 
 template <typename C>
 OrtStatus* PagedAttention::run_all(OrtKernelContext* context, const Batch& batch,
-                                   const std::vector<WorkItem>& tiles,
+                                   const PrefillPlan& prefill,
                                    const std::vector<WorkItem>& items) const {
+  const bool parallel = batch.multiply_adds >= kParallelWork;
+  auto pack = [&](size_t i) { pack_chunk<C>(batch, prefill, static_cast<int64_t>(i)); };
+  if (!parallel)
+    for (size_t i = 0; i < prefill.pack_jobs.size(); ++i) pack(i);
+  else if (!prefill.pack_jobs.empty())
+    ATTNEXPORT_RETURN_IF_ERROR(parallel_for(context, prefill.pack_jobs.size(), pack));
+  const std::vector<PrefillTile>& tiles = prefill.tiles;
   const size_t total = tiles.size() + items.size();
   switch (padded_width() / 16) {
 #define ATTNEXPORT_CASE(NV)                                                  \
   case NV: {                                                                \
     auto run = [&](size_t i) {                                              \
-      if (i < tiles.size()) attend_tiled<C>(batch, tiles[i]);               \
+      if (i < tiles.size()) attend_tile(batch, prefill, tiles[i]);          \
       else attend<C, NV>(batch, items[i - tiles.size()]);                   \
     };                                                                      \
-    if (batch.multiply_adds < kParallelWork) {                              \
+    if (!parallel) {                                                        \
       for (size_t i = 0; i < total; ++i) run(i);                            \
       return nullptr;                                                       \
     }                                                                       \

@@ -10,6 +10,8 @@ namespace attnexport {
 struct Batch;
 struct WorkItem;
 struct Split;
+struct PrefillPlan;
+struct PrefillTile;
 
 // The node's attributes; compute() reads the seven inputs (nine with int8 caches: the key and
 // value scale caches) and writes output [T, H, D] in the query's type (float32, float16 or
@@ -24,17 +26,21 @@ struct PagedAttention {
 
  private:
   int64_t padded_width() const;
-  int64_t prefill_tile_tokens() const;  // query tokens per prefill tile
   void combine_splits(const Batch& batch, const Split& split) const;
   template <typename C>
-  OrtStatus* run_all(OrtKernelContext* context, const Batch& batch,
-                     const std::vector<WorkItem>& tiles, const std::vector<WorkItem>& items) const;
+  OrtStatus* run_all(OrtKernelContext* context, const Batch& batch, const PrefillPlan& prefill,
+                     const std::vector<WorkItem>& items) const;
   // A decode item (one query token per sequence; paged_attention.cc).
   template <typename C, int NV>
   void attend(const Batch& batch, const WorkItem& item) const;
-  // A prefill tile: one KV head, a tile of a sequence's query tokens (paged_prefill.cc).
+  // The prefill path (paged_prefill.cc): the packed keys and tiles of sequence `seq` (more than
+  // one query), then, once every sequence is planned, the order of the tiles; packing one
+  // chunk of keys; one tile.
+  void plan_prefill(const Batch& batch, int64_t seq, PrefillPlan* plan) const;
+  void order_tiles(const Batch& batch, PrefillPlan* plan) const;
   template <typename C>
-  void attend_tiled(const Batch& batch, const WorkItem& item) const;
+  void pack_chunk(const Batch& batch, const PrefillPlan& plan, int64_t job) const;
+  void attend_tile(const Batch& batch, const PrefillPlan& plan, const PrefillTile& tile) const;
 };
 
 }  // namespace attnexport

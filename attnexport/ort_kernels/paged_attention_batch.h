@@ -6,12 +6,14 @@
 #include <onnxruntime_c_api.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "vector_math.h"
 
 namespace attnexport {
 
+constexpr int64_t kMaxHeadSize = 256;
 constexpr ONNXTensorElementDataType kFloat32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr ONNXTensorElementDataType kFloat16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 constexpr ONNXTensorElementDataType kBFloat16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
@@ -54,6 +56,30 @@ struct Batch {
   int64_t multiply_adds;  // an upper bound for the whole batch
   // Per partial slot: num_heads rows of [maximum, sum, W output lanes] (W = padded head size).
   float* partials = nullptr;
+};
+
+// The prefill path's plan (paged_prefill.cc). Every (sequence, KV head) of a sequence with more
+// than one query has the keys its queries can see, [first, first + count), packed once as
+// float32 into `storage`, a chunk of kPrefillChunkKeys keys at a time: the chunk's keys as a
+// transposed [head_size, kPrefillChunkKeys] panel at keys + chunk * head_size *
+// kPrefillChunkKeys, its values as rows of W floats at values + chunk * kPrefillChunkKeys * W.
+struct PackedKeys {
+  int64_t seq, head, first, count;
+  int64_t keys, values;  // offsets into PrefillPlan::storage
+};
+
+// Query tokens [first_query, first_query + num_queries) of a sequence (indices within its
+// queries), the heads of one KV head, against packed keys `packed`.
+struct PrefillTile {
+  int64_t seq, head, first_query, num_queries, packed;
+};
+
+struct PrefillPlan {
+  std::vector<PackedKeys> packed;
+  std::vector<std::pair<int64_t, int64_t>> pack_jobs;  // (packed index, chunk)
+  std::vector<PrefillTile> tiles;
+  int64_t floats = 0;  // of storage
+  float* storage = nullptr;
 };
 
 // Element i of a float32/float16/bfloat16 tensor (queries, slopes: read once per item).

@@ -1,15 +1,17 @@
 // The PagedAttention kernel's prefill path: the queries of a sequence with more than one query
-// token (a prompt, a prefill chunk) in tiles, flash-attention style. A work item is one KV head
-// and a tile of query tokens: its rows are the tile's tokens times the G query heads of the KV
-// head (row r = token j * G + head g). Over the visible keys, a chunk at a time, it
-//   1. packs the chunk's keys transposed (D rows of keys, widened to float32, int8 rows
-//      dequantized) and its values as float32 rows padded to W lanes,
-//   2. takes the scores of every row against every key of the chunk as one panel product,
-//   3. masks (causal bottom-right, sliding window), soft-caps, adds ALiBi and updates each
-//      row's running softmax (maximum, sum, the rescale of its output),
-//   4. adds the weights times the values to the outputs as a second panel product,
-// so that each key and value element loaded into a register serves kTileRows rows (the decode
-// path's dot products share a key among the G heads of one token). Semantics: docs/ops.md.
+// token (a prompt, a prefill chunk) in tiles, flash-attention style.
+//
+// First every (sequence, KV head) has the keys its queries can see packed once, a chunk of
+// kPrefillChunkKeys at a time (in parallel): keys transposed into [D, chunk] panels and values
+// as rows of W floats, widened to float32 (int8 rows dequantized). Then a work item is a tile:
+// one KV head and a tile of query tokens, whose rows are the tile's tokens times the G query
+// heads of the KV head (row r = token j * G + head g). Over its visible keys, a chunk at a time,
+// it takes the scores of every row against every key of the chunk as one panel product, masks
+// them (causal bottom-right, sliding window), soft-caps, adds ALiBi, updates each row's running
+// softmax (maximum, sum, the rescale of its output), and adds the weights times the values to
+// the outputs as a second panel product. Each key and value element loaded into a register
+// serves kTileRows rows (the decode path's dot products share a key among the G heads of one
+// token only). Semantics: docs/ops.md.
 
 #include <algorithm>
 #include <cmath>
@@ -28,65 +30,20 @@ namespace attnexport {
 namespace {
 
 // Keys per chunk: a chunk's packed keys and values (2 * 128 * D floats: 64 KiB at D = 64) and
-// the rows' scores stay in L2 between the two products.
+// the tile's scores stay in L2 between the two products.
 constexpr int64_t kPrefillChunkKeys = 128;
+// Rows per tile: 8 register tiles' worth (48 on AVX2, e.g. 16 tokens of a group of 3).
+constexpr int64_t kPrefillTileRows = 8 * kTileRows;
 
-// The D x n panel of keys [k0, k0 + n) of KV head `head`, transposed: kt[d * ldk + i] is
-// element d of key k0 + i, as float32 (int8: float(q) * scale, the contract's order). Columns
-// [n, ldk) are zeros.
+// A row of D elements of C as float32 (int8: float(q) * scale, the contract's order).
 template <typename C>
-void pack_keys(const C* cache, const float* scales, const int32_t* table, int64_t block_size,
-               int64_t num_kv_heads, int64_t head, int64_t D, int64_t k0, int64_t n, float* kt,
-               int64_t ldk) {
-  const int64_t slot_stride = num_kv_heads * D;
-  float widened[16 * 256];  // 16 keys' rows (D <= 256), then written out column by column
-  for (int64_t i0 = 0; i0 < ldk; i0 += 16) {
-    const int64_t count = std::min<int64_t>(16, n - i0);
-    for (int64_t i = 0; i < 16; ++i) {
-      float* row = widened + i * D;
-      if (i >= count) {
-        std::fill(row, row + D, 0.0f);
-        continue;
-      }
-      const int64_t k = k0 + i0 + i;
-      const int64_t slot = table[k / block_size] * block_size + k % block_size;
-      const C* src = cache + slot * slot_stride + head * D;
-      const float scale = scales != nullptr ? scales[slot * num_kv_heads + head] : 1.0f;
-      int64_t d = 0;
-      for (; d + 16 <= D; d += 16) {
-        const f32x16 x = load16_float(src + d);
-        store16(row + d, scales != nullptr ? x * splat16(scale) : x);
-      }
-      for (; d < D; ++d) row[d] = scales != nullptr ? to_float(src[d]) * scale : to_float(src[d]);
-    }
-    for (int64_t d = 0; d < D; ++d) {
-      f32x16 column;
-      for (int i = 0; i < 16; ++i) column[i] = widened[i * D + d];
-      store16(kt + d * ldk + i0, column);
-    }
+inline void widen(const C* src, int64_t D, const float* scale, float* dst) {
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    const f32x16 x = load16_float(src + d);
+    store16(dst + d, scale != nullptr ? x * splat16(*scale) : x);
   }
-}
-
-// Values [k0, k0 + n) of KV head `head` as n rows of W floats (zero padded past D).
-template <typename C>
-void pack_values(const C* cache, const float* scales, const int32_t* table, int64_t block_size,
-                 int64_t num_kv_heads, int64_t head, int64_t D, int64_t W, int64_t k0, int64_t n,
-                 float* vp) {
-  const int64_t slot_stride = num_kv_heads * D;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t k = k0 + i;
-    const int64_t slot = table[k / block_size] * block_size + k % block_size;
-    const C* src = cache + slot * slot_stride + head * D;
-    float* row = vp + i * W;
-    const float scale = scales != nullptr ? scales[slot * num_kv_heads + head] : 1.0f;
-    int64_t d = 0;
-    for (; d + 16 <= D; d += 16) {
-      const f32x16 x = load16_float(src + d);
-      store16(row + d, scales != nullptr ? x * splat16(scale) : x);
-    }
-    for (; d < D; ++d) row[d] = scales != nullptr ? to_float(src[d]) * scale : to_float(src[d]);
-    for (; d < W; ++d) row[d] = 0.0f;
-  }
+  for (; d < D; ++d) dst[d] = scale != nullptr ? to_float(src[d]) * *scale : to_float(src[d]);
 }
 
 // The maximum of x[a, e) (native-width vectors, as in panel_product.h).
@@ -126,21 +83,85 @@ float exponentiate(float* x, int64_t a, int64_t e, float max) {
 
 }  // namespace
 
-// Whole register tiles of rows where the group allows: 8 * kTileRows rows (48 on AVX2, e.g. 16
-// tokens of a group of 3), the packing of a chunk's keys and values shared by all of them.
-int64_t PagedAttention::prefill_tile_tokens() const {
-  return std::max<int64_t>(1, 8 * kTileRows / (num_heads / num_kv_heads));
+void PagedAttention::plan_prefill(const Batch& batch, int64_t seq, PrefillPlan* plan) const {
+  const int64_t group = num_heads / num_kv_heads, W = padded_width();
+  const int64_t length = batch.seq_lens[seq];
+  const int64_t queries = batch.query_start[seq + 1] - batch.query_start[seq];
+  // The first query (position length - queries) sees the earliest key; every key up to the
+  // end of the sequence is seen by some query.
+  const int64_t first =
+      sliding_window >= 0 ? std::max<int64_t>(0, length - queries - sliding_window + 1) : 0;
+  const int64_t count = std::max<int64_t>(0, length - first);
+  const int64_t chunks = (count + kPrefillChunkKeys - 1) / kPrefillChunkKeys;
+  const int64_t tile_tokens = std::max<int64_t>(1, kPrefillTileRows / group);
+  for (int64_t h = 0; h < num_kv_heads; ++h) {
+    const int64_t index = static_cast<int64_t>(plan->packed.size());
+    const int64_t keys = plan->floats, values = keys + chunks * head_size * kPrefillChunkKeys;
+    plan->floats = values + chunks * kPrefillChunkKeys * W;
+    plan->packed.push_back({seq, h, first, count, keys, values});
+    for (int64_t c = 0; c < chunks; ++c) plan->pack_jobs.emplace_back(index, c);
+    for (int64_t q = 0; q < queries; q += tile_tokens)
+      plan->tiles.push_back({seq, h, q, std::min(tile_tokens, queries - q), index});
+  }
+}
+
+// onnxruntime's pool hands the items out in order: the tiles that see the most keys (the last
+// of a causal prompt) go first, so that the last item to start is a short one.
+void PagedAttention::order_tiles(const Batch& batch, PrefillPlan* plan) const {
+  auto work = [&](const PrefillTile& t) {
+    const int64_t length = batch.seq_lens[t.seq];
+    const int64_t queries = batch.query_start[t.seq + 1] - batch.query_start[t.seq];
+    return t.num_queries * (causal ? length - queries + t.first_query + t.num_queries : length);
+  };
+  std::stable_sort(plan->tiles.begin(), plan->tiles.end(),
+                   [&](const PrefillTile& a, const PrefillTile& b) { return work(a) > work(b); });
 }
 
 template <typename C>
-void PagedAttention::attend_tiled(const Batch& batch, const WorkItem& item) const {
+void PagedAttention::pack_chunk(const Batch& batch, const PrefillPlan& plan, int64_t job) const {
+  const auto [index, chunk] = plan.pack_jobs[job];
+  const PackedKeys& packed = plan.packed[index];
+  const int64_t D = head_size, W = padded_width(), h = packed.head;
+  const int64_t k0 = packed.first + chunk * kPrefillChunkKeys;
+  const int64_t n = std::min(kPrefillChunkKeys, packed.first + packed.count - k0);
+  const int32_t* table = batch.block_tables + packed.seq * batch.max_blocks;
+  const C* key_cache = static_cast<const C*>(batch.key_cache);
+  const C* value_cache = static_cast<const C*>(batch.value_cache);
+  float* const keys = plan.storage + packed.keys + chunk * D * kPrefillChunkKeys;
+  float* const values = plan.storage + packed.values + chunk * kPrefillChunkKeys * W;
+  const int64_t slot_stride = num_kv_heads * D;
+  float rows[16 * kMaxHeadSize];  // 16 keys, widened, then written out column by column
+  for (int64_t i0 = 0; i0 < kPrefillChunkKeys; i0 += 16) {
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t k = k0 + i0 + i;
+      if (i0 + i >= n) {
+        std::fill(rows + i * D, rows + (i + 1) * D, 0.0f);  // (value rows past n are never read)
+        continue;
+      }
+      const int64_t slot = table[k / block_size] * block_size + k % block_size;
+      const float* key_scale =
+          batch.key_scales != nullptr ? batch.key_scales + slot * num_kv_heads + h : nullptr;
+      const float* value_scale =
+          batch.value_scales != nullptr ? batch.value_scales + slot * num_kv_heads + h : nullptr;
+      widen(key_cache + slot * slot_stride + h * D, D, key_scale, rows + i * D);
+      float* value_row = values + (i0 + i) * W;
+      widen(value_cache + slot * slot_stride + h * D, D, value_scale, value_row);
+      std::fill(value_row + D, value_row + W, 0.0f);
+    }
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t i = 0; i < 16; ++i) keys[d * kPrefillChunkKeys + i0 + i] = rows[i * D + d];
+  }
+}
+
+void PagedAttention::attend_tile(const Batch& batch, const PrefillPlan& plan,
+                                 const PrefillTile& tile) const {
   const int64_t group = num_heads / num_kv_heads, D = head_size, W = padded_width();
-  const int64_t h = item.kv_begin;
-  const int64_t length = batch.seq_lens[item.seq];
-  const int64_t seq_start = batch.query_start[item.seq];
-  const int64_t num_queries = batch.query_start[item.seq + 1] - seq_start;
-  const int64_t tokens = item.num_queries, rows = tokens * group;
-  const int32_t* table = batch.block_tables + item.seq * batch.max_blocks;
+  const PackedKeys& packed = plan.packed[tile.packed];
+  const int64_t h = tile.head;
+  const int64_t length = batch.seq_lens[tile.seq];
+  const int64_t seq_start = batch.query_start[tile.seq];
+  const int64_t num_queries = batch.query_start[tile.seq + 1] - seq_start;
+  const int64_t tokens = tile.num_queries, rows = tokens * group;
 
   // Visible keys of token j of the tile: [lo[j], hi[j]), its position p = length - q + j.
   thread_local std::vector<int64_t> bounds;
@@ -150,7 +171,7 @@ void PagedAttention::attend_tiled(const Batch& batch, const WorkItem& item) cons
   int64_t* const position = hi + tokens;
   int64_t first_key = length, end_key = 0;
   for (int64_t j = 0; j < tokens; ++j) {
-    const int64_t p = length - num_queries + item.first_query + j;
+    const int64_t p = length - num_queries + tile.first_query + j;
     position[j] = p;
     lo[j] = sliding_window >= 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
     hi[j] = causal ? std::min(length, p + 1) : length;
@@ -160,19 +181,17 @@ void PagedAttention::attend_tiled(const Batch& batch, const WorkItem& item) cons
     }
   }
 
-  const int64_t ldk = (kPrefillChunkKeys + 15) / 16 * 16;  // scores and packed keys per row
+  constexpr int64_t ldk = kPrefillChunkKeys;  // scores per row
   thread_local std::vector<float> scratch;
-  scratch.resize(rows * D + rows * W + 2 * rows + rows * ldk + D * ldk + kPrefillChunkKeys * W);
+  scratch.resize(rows * D + rows * W + 2 * rows + rows * ldk);
   float* const queries = scratch.data();     // [rows, D], scaled
   float* const outputs = queries + rows * D;  // [rows, W], unnormalised
   float* const maxes = outputs + rows * W;
   float* const sums = maxes + rows;
-  float* const scores = sums + rows;       // [rows, ldk]: scores, then softmax weights
-  float* const keys = scores + rows * ldk;  // [D, ldk]
-  float* const values = keys + D * ldk;     // [kPrefillChunkKeys, W]
+  float* const scores = sums + rows;  // [rows, ldk]: scores, then softmax weights
 
   for (int64_t j = 0; j < tokens; ++j) {
-    const int64_t src = ((seq_start + item.first_query + j) * num_heads + h * group) * D;
+    const int64_t src = ((seq_start + tile.first_query + j) * num_heads + h * group) * D;
     for (int64_t i = 0; i < group * D; ++i)
       queries[j * group * D + i] = scale * load_element(batch.query, batch.query_type, src + i);
   }
@@ -180,17 +199,16 @@ void PagedAttention::attend_tiled(const Batch& batch, const WorkItem& item) cons
   std::fill(maxes, maxes + rows, -std::numeric_limits<float>::infinity());
   std::fill(sums, sums + rows, 0.0f);
 
-  const C* key_cache = static_cast<const C*>(batch.key_cache);
-  const C* value_cache = static_cast<const C*>(batch.value_cache);
-  for (int64_t k0 = first_key; k0 < end_key; k0 += kPrefillChunkKeys) {
-    const int64_t n = std::min(kPrefillChunkKeys, end_key - k0);
-    const int64_t columns = (n + 15) / 16 * 16;
-    pack_keys(key_cache, batch.key_scales, table, block_size, num_kv_heads, h, D, k0, n, keys,
-              ldk);
-    pack_values(value_cache, batch.value_scales, table, block_size, num_kv_heads, h, D, W, k0, n,
-                values);
-    panel_product<false>(rows, columns, D, queries, D, keys, ldk, scores, ldk);
-
+  const int64_t first_chunk =
+      first_key < end_key ? (first_key - packed.first) / kPrefillChunkKeys : 0;
+  for (int64_t chunk = first_chunk;; ++chunk) {
+    const int64_t k0 = packed.first + chunk * kPrefillChunkKeys;
+    if (k0 >= end_key) break;
+    const int64_t n = std::min(kPrefillChunkKeys, end_key - k0);  // keys of the chunk it reads
+    const float* keys = plan.storage + packed.keys + chunk * D * kPrefillChunkKeys;
+    const float* values = plan.storage + packed.values + chunk * kPrefillChunkKeys * W;
+    panel_product<false>(rows, (n + 15) / 16 * 16, D, queries, D, keys, kPrefillChunkKeys, scores,
+                         ldk);
     for (int64_t j = 0; j < tokens; ++j) {
       // Visible keys of the chunk for token j: columns [a, e).
       const int64_t a = std::clamp(lo[j] - k0, int64_t{0}, n);
@@ -226,7 +244,7 @@ void PagedAttention::attend_tiled(const Batch& batch, const WorkItem& item) cons
 
   // A row that sees no key (sum 0) is zeros.
   for (int64_t j = 0; j < tokens; ++j) {
-    const int64_t dst = ((seq_start + item.first_query + j) * num_heads + h * group) * D;
+    const int64_t dst = ((seq_start + tile.first_query + j) * num_heads + h * group) * D;
     for (int64_t g = 0; g < group; ++g) {
       const int64_t r = j * group + g;
       const float inverse = sums[r] > 0.0f ? 1.0f / sums[r] : 0.0f;
@@ -236,9 +254,9 @@ void PagedAttention::attend_tiled(const Batch& batch, const WorkItem& item) cons
   }
 }
 
-template void PagedAttention::attend_tiled<float>(const Batch&, const WorkItem&) const;
-template void PagedAttention::attend_tiled<Half>(const Batch&, const WorkItem&) const;
-template void PagedAttention::attend_tiled<BFloat16>(const Batch&, const WorkItem&) const;
-template void PagedAttention::attend_tiled<int8_t>(const Batch&, const WorkItem&) const;
+template void PagedAttention::pack_chunk<float>(const Batch&, const PrefillPlan&, int64_t) const;
+template void PagedAttention::pack_chunk<Half>(const Batch&, const PrefillPlan&, int64_t) const;
+template void PagedAttention::pack_chunk<BFloat16>(const Batch&, const PrefillPlan&, int64_t) const;
+template void PagedAttention::pack_chunk<int8_t>(const Batch&, const PrefillPlan&, int64_t) const;
 
 }  // namespace attnexport
