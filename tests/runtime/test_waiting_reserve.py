@@ -13,8 +13,8 @@ import pytest
 from attnexport.models.llama import LlamaConfig, LlamaForCausalLM
 from attnexport.runtime import CacheConfig, Engine, SamplingParams, SchedulerConfig, TorchExecutor
 
-LONG, SHORT = 4096, 24
-BUDGET = 2048  # the default max_num_batched_tokens: the long prompt takes 2 chunks alone
+LONG, SHORT = 1024, 24
+BUDGET = 512  # the long prompt takes 2 chunks alone
 BLOCK_SIZE = 16
 
 
@@ -28,7 +28,7 @@ def model():
 def _engine(model, **scheduler) -> Engine:
     executor = TorchExecutor(model, block_size=BLOCK_SIZE)
     cache = CacheConfig(num_blocks=(LONG + 2 * SHORT) // BLOCK_SIZE + 8)
-    return Engine(executor, cache, SchedulerConfig(**scheduler))
+    return Engine(executor, cache, SchedulerConfig(max_num_batched_tokens=BUDGET, **scheduler))
 
 
 def _prompts() -> tuple[list[int], list[int]]:
