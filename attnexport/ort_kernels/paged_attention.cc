@@ -294,6 +294,24 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
   return status;
 }
 
+std::pair<int64_t, int64_t> PagedAttention::visible_keys(int64_t length, int64_t num_queries,
+                                                         int64_t first_query, int64_t count,
+                                                         int64_t* lo, int64_t* hi,
+                                                         int64_t* position) const {
+  int64_t first_key = length, end_key = 0;
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t p = length - num_queries + first_query + j;
+    position[j] = p;
+    lo[j] = sliding_window >= 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
+    hi[j] = causal ? std::min(length, p + 1) : length;
+    if (lo[j] < hi[j]) {
+      first_key = std::min(first_key, lo[j]);
+      end_key = std::max(end_key, hi[j]);
+    }
+  }
+  return {first_key, end_key};
+}
+
 // Rows are held as NV vectors of 16 floats, zero padded: the smallest compiled NV that fits.
 int64_t PagedAttention::padded_width() const {
   const int64_t needed = (head_size + 15) / 16;
@@ -584,19 +602,10 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
 
   // Visible keys of each query j of the tile: [lo[j], hi[j]); position p = length - q + j.
   int64_t lo[kQueryTile], hi[kQueryTile], position[kQueryTile];
-  int64_t first_key = length, end_key = 0;
-  for (int64_t j = 0; j < item.num_queries; ++j) {
-    const int64_t p = length - num_queries + item.first_query + j;
-    position[j] = p;
-    lo[j] = sliding_window >= 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
-    hi[j] = causal ? std::min(length, p + 1) : length;
-    if (lo[j] < hi[j]) {
-      first_key = std::min(first_key, lo[j]);
-      end_key = std::max(end_key, hi[j]);
-    }
-  }
-  first_key = std::max(first_key, item.block_begin * block_size);
-  end_key = std::min(end_key, item.block_end * block_size);
+  const std::pair<int64_t, int64_t> visible =
+      visible_keys(length, num_queries, item.first_query, item.num_queries, lo, hi, position);
+  const int64_t first_key = std::max(visible.first, item.block_begin * block_size);
+  const int64_t end_key = std::min(visible.second, item.block_end * block_size);
 
   // Row r = (h - kv_begin) * head_rows + j * group + g is head h * group + g of token
   // seq_start + first + j (the G heads of a token are adjacent), scaled, zero padded to W.

@@ -3,6 +3,7 @@
 #include <onnxruntime_c_api.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace attnexport {
@@ -26,6 +27,12 @@ struct PagedAttention {
 
  private:
   int64_t padded_width() const;
+  // Queries [first_query, first_query + count) of a sequence of `length` keys and `num_queries`
+  // queries (indices within its queries): each one's position and visible keys [lo[j], hi[j]).
+  // Returns the bounds of their union, {length, 0} when none sees a key.
+  std::pair<int64_t, int64_t> visible_keys(int64_t length, int64_t num_queries,
+                                           int64_t first_query, int64_t count, int64_t* lo,
+                                           int64_t* hi, int64_t* position) const;
   void combine_splits(const Batch& batch, const Split& split) const;
   template <typename C>
   OrtStatus* run_all(OrtKernelContext* context, const Batch& batch, const PrefillPlan& prefill,

@@ -169,17 +169,8 @@ void PagedAttention::attend_tile(const Batch& batch, const PrefillPlan& plan,
   int64_t* const lo = bounds.data();
   int64_t* const hi = lo + tokens;
   int64_t* const position = hi + tokens;
-  int64_t first_key = length, end_key = 0;
-  for (int64_t j = 0; j < tokens; ++j) {
-    const int64_t p = length - num_queries + tile.first_query + j;
-    position[j] = p;
-    lo[j] = sliding_window >= 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
-    hi[j] = causal ? std::min(length, p + 1) : length;
-    if (lo[j] < hi[j]) {
-      first_key = std::min(first_key, lo[j]);
-      end_key = std::max(end_key, hi[j]);
-    }
-  }
+  const auto [first_key, end_key] =
+      visible_keys(length, num_queries, tile.first_query, tokens, lo, hi, position);
 
   constexpr int64_t ldk = kPrefillChunkKeys;  // scores per row
   thread_local std::vector<float> scratch;
