@@ -17,12 +17,12 @@
 #include <vector>
 
 #include "kernel_api.h"
+#include "paged_attention_batch.h"
 #include "vector_math.h"
 
 namespace attnexport {
 
 constexpr int64_t kQueryTile = 16;
-constexpr int64_t kMaxHeadSize = 256;
 // Below this many multiply-adds (a few microseconds on one core) waking the thread pool costs
 // more than it saves. A decode step of one sequence over 190 keys (12/4/64 heads, ~290K
 // multiply-adds) is worth splitting: in a model its keys and values come from memory, not the
@@ -43,10 +43,9 @@ constexpr int64_t kChunkBytes = 256 << 10;
 // as whole blocks, where one head's rows lie one per slot, each on its own page for large
 // heads); a smaller one, read from the caches, is parallel over KV heads.
 constexpr int64_t kStreamBytes = 8 << 20;
-constexpr ONNXTensorElementDataType kFloat32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-constexpr ONNXTensorElementDataType kFloat16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
-constexpr ONNXTensorElementDataType kBFloat16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
-constexpr ONNXTensorElementDataType kInt8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+// Packed prefill keys up to this many floats (64 MiB: a 4096-token prompt of 8 KV heads of 128)
+// stay allocated for the calling thread's next call.
+constexpr size_t kKeptPackedFloats = size_t{16} << 20;
 
 enum Input : size_t {
   kQuery,
@@ -60,45 +59,6 @@ enum Input : size_t {
   kValueScales,
 };
 
-// Queries [first_query, first_query + num_queries) of sequence `seq` (indices within its
-// queries), heads of KV heads [kv_begin, kv_end), against the keys of blocks
-// [block_begin, block_end) of its table. partial < 0: the item writes its output rows; else it
-// is one split of a long decode context and leaves its running maximum, sum and unnormalised
-// output in Batch::partials slot `partial` (the rows of its heads) for combine_splits.
-struct WorkItem {
-  int64_t seq;
-  int64_t kv_begin, kv_end;
-  int64_t first_query;
-  int64_t num_queries;
-  int64_t block_begin, block_end;
-  int64_t partial;
-};
-
-// A split of one decode sequence's context: its items' partial slots [first, first + count).
-struct Split {
-  int64_t seq, first, count;
-};
-
-// Pointers into the inputs. The caches hold the cache type the kernel is instantiated for;
-// query and output hold `query_type` (float32, float16 or bfloat16).
-struct Batch {
-  const void* query;
-  ONNXTensorElementDataType query_type;
-  const void* key_cache;
-  const void* value_cache;
-  const float* key_scales;    // int8 caches: [num_blocks, block_size, num_kv_heads]; else null
-  const float* value_scales;
-  const int32_t* block_tables;
-  const int32_t* seq_lens;
-  const int32_t* query_start;
-  std::vector<float> slopes;  // empty: no ALiBi (all slopes zero)
-  int64_t max_blocks;
-  void* out;
-  int64_t multiply_adds;  // an upper bound for the whole batch
-  // Per partial slot: num_heads rows of [maximum, sum, W output lanes] (W = padded head size).
-  float* partials = nullptr;
-};
-
 namespace {
 
 OrtStatus* expect_shape(const Tensor& t, const char* name, const std::vector<int64_t>& dims,
@@ -110,19 +70,6 @@ OrtStatus* expect_shape(const Tensor& t, const char* name, const std::vector<int
 
 bool is_float_type(ONNXTensorElementDataType type) {
   return type == kFloat32 || type == kFloat16 || type == kBFloat16;
-}
-
-// Element i of a float32/float16/bfloat16 tensor (queries, slopes: read once per item).
-float load_element(const void* data, ONNXTensorElementDataType type, int64_t i) {
-  if (type == kFloat16) return to_float(static_cast<const Half*>(data)[i]);
-  if (type == kBFloat16) return to_float(static_cast<const BFloat16*>(data)[i]);
-  return static_cast<const float*>(data)[i];
-}
-
-void store_element(void* data, ONNXTensorElementDataType type, int64_t i, float x) {
-  if (type == kFloat16) static_cast<Half*>(data)[i] = from_float<Half>(x);
-  else if (type == kBFloat16) static_cast<BFloat16*>(data)[i] = from_float<BFloat16>(x);
-  else static_cast<float*>(data)[i] = x;
 }
 
 // Returns fn(C{}) for the cache element type C of `type` (checked by compute()).
@@ -251,7 +198,8 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
   if (std::any_of(slope_values.begin(), slope_values.end(), [](float s) { return s != 0.0f; }))
     batch.slopes = std::move(slope_values);
 
-  std::vector<WorkItem> items;
+  PrefillPlan prefill;
+  std::vector<WorkItem> items;  // decode
   std::vector<Split> splits_;
   std::vector<int64_t> decode_seqs;
   int64_t partial_slots = 0;
@@ -288,13 +236,11 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
     if (end - begin == 1) {
       decode_seqs.push_back(s);
     } else {
-      for (int64_t first = 0; first < end - begin; first += kQueryTile)
-        for (int64_t h = 0; h < num_kv_heads; ++h)
-          items.push_back({s, h, h + 1, first, std::min(kQueryTile, end - begin - first), 0,
-                           max_blocks, -1});
+      plan_prefill(batch, s, &prefill);
     }
     previous_end = end;
   }
+  order_tiles(batch, &prefill);
 
   // Decode queries: one item per KV head (or per sequence, see kStreamBytes), and a long
   // context of a small batch split across the thread pool (a partial softmax per split,
@@ -334,11 +280,36 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
   const int64_t W = padded_width();
   std::vector<float> partials(partial_slots * num_heads * (W + 2));
   batch.partials = partials.data();
-  return with_cache_type(cache_type, [&](auto tag) -> OrtStatus* {
-    ATTNEXPORT_RETURN_IF_ERROR(run_all<decltype(tag)>(context, batch, items));
+  // The packed keys of prefills: memory kept by the calling thread for its next call (no page
+  // faults on a fresh allocation per layer), unless it is past kKeptPackedFloats.
+  thread_local std::vector<float> packed_keys;
+  packed_keys.resize(prefill.floats);
+  prefill.storage = packed_keys.data();
+  OrtStatus* status = with_cache_type(cache_type, [&](auto tag) -> OrtStatus* {
+    ATTNEXPORT_RETURN_IF_ERROR(run_all<decltype(tag)>(context, batch, prefill, items));
     for (const Split& split : splits_) combine_splits(batch, split);
     return nullptr;
   });
+  if (packed_keys.size() > kKeptPackedFloats) std::vector<float>().swap(packed_keys);
+  return status;
+}
+
+std::pair<int64_t, int64_t> PagedAttention::visible_keys(int64_t length, int64_t num_queries,
+                                                         int64_t first_query, int64_t count,
+                                                         int64_t* lo, int64_t* hi,
+                                                         int64_t* position) const {
+  int64_t first_key = length, end_key = 0;
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t p = length - num_queries + first_query + j;
+    position[j] = p;
+    lo[j] = sliding_window >= 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
+    hi[j] = causal ? std::min(length, p + 1) : length;
+    if (lo[j] < hi[j]) {
+      first_key = std::min(first_key, lo[j]);
+      end_key = std::max(end_key, hi[j]);
+    }
+  }
+  return {first_key, end_key};
 }
 
 // Rows are held as NV vectors of 16 floats, zero padded: the smallest compiled NV that fits.
@@ -375,16 +346,28 @@ void PagedAttention::combine_splits(const Batch& batch, const Split& split) cons
 
 template <typename C>
 OrtStatus* PagedAttention::run_all(OrtKernelContext* context, const Batch& batch,
+                                   const PrefillPlan& prefill,
                                    const std::vector<WorkItem>& items) const {
+  const bool parallel = batch.multiply_adds >= kParallelWork;
+  auto pack = [&](size_t i) { pack_chunk<C>(batch, prefill, static_cast<int64_t>(i)); };
+  if (!parallel)
+    for (size_t i = 0; i < prefill.pack_jobs.size(); ++i) pack(i);
+  else if (!prefill.pack_jobs.empty())
+    ATTNEXPORT_RETURN_IF_ERROR(parallel_for(context, prefill.pack_jobs.size(), pack));
+  const std::vector<PrefillTile>& tiles = prefill.tiles;
+  const size_t total = tiles.size() + items.size();
   switch (padded_width() / 16) {
-#define ATTNEXPORT_CASE(NV)                                                   \
-  case NV: {                                                                 \
-    auto run = [&](size_t i) { attend<C, NV>(batch, items[i]); };            \
-    if (batch.multiply_adds < kParallelWork) {                               \
-      for (size_t i = 0; i < items.size(); ++i) run(i);                      \
-      return nullptr;                                                        \
-    }                                                                        \
-    return parallel_for(context, items.size(), run);                         \
+#define ATTNEXPORT_CASE(NV)                                                  \
+  case NV: {                                                                \
+    auto run = [&](size_t i) {                                              \
+      if (i < tiles.size()) attend_tile(batch, prefill, tiles[i]);          \
+      else attend<C, NV>(batch, items[i - tiles.size()]);                   \
+    };                                                                      \
+    if (!parallel) {                                                        \
+      for (size_t i = 0; i < total; ++i) run(i);                            \
+      return nullptr;                                                       \
+    }                                                                       \
+    return parallel_for(context, total, run);                               \
   }
     ATTNEXPORT_CASE(1)
     ATTNEXPORT_CASE(2)
@@ -619,19 +602,10 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
 
   // Visible keys of each query j of the tile: [lo[j], hi[j]); position p = length - q + j.
   int64_t lo[kQueryTile], hi[kQueryTile], position[kQueryTile];
-  int64_t first_key = length, end_key = 0;
-  for (int64_t j = 0; j < item.num_queries; ++j) {
-    const int64_t p = length - num_queries + item.first_query + j;
-    position[j] = p;
-    lo[j] = sliding_window >= 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
-    hi[j] = causal ? std::min(length, p + 1) : length;
-    if (lo[j] < hi[j]) {
-      first_key = std::min(first_key, lo[j]);
-      end_key = std::max(end_key, hi[j]);
-    }
-  }
-  first_key = std::max(first_key, item.block_begin * block_size);
-  end_key = std::min(end_key, item.block_end * block_size);
+  const std::pair<int64_t, int64_t> visible =
+      visible_keys(length, num_queries, item.first_query, item.num_queries, lo, hi, position);
+  const int64_t first_key = std::max(visible.first, item.block_begin * block_size);
+  const int64_t end_key = std::min(visible.second, item.block_end * block_size);
 
   // Row r = (h - kv_begin) * head_rows + j * group + g is head h * group + g of token
   // seq_start + first + j (the G heads of a token are adjacent), scaled, zero padded to W.

@@ -3,6 +3,7 @@
 #include <onnxruntime_c_api.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace attnexport {
@@ -10,6 +11,8 @@ namespace attnexport {
 struct Batch;
 struct WorkItem;
 struct Split;
+struct PrefillPlan;
+struct PrefillTile;
 
 // The node's attributes; compute() reads the seven inputs (nine with int8 caches: the key and
 // value scale caches) and writes output [T, H, D] in the query's type (float32, float16 or
@@ -24,12 +27,27 @@ struct PagedAttention {
 
  private:
   int64_t padded_width() const;
+  // Queries [first_query, first_query + count) of a sequence of `length` keys and `num_queries`
+  // queries (indices within its queries): each one's position and visible keys [lo[j], hi[j]).
+  // Returns the bounds of their union, {length, 0} when none sees a key.
+  std::pair<int64_t, int64_t> visible_keys(int64_t length, int64_t num_queries,
+                                           int64_t first_query, int64_t count, int64_t* lo,
+                                           int64_t* hi, int64_t* position) const;
   void combine_splits(const Batch& batch, const Split& split) const;
   template <typename C>
-  OrtStatus* run_all(OrtKernelContext* context, const Batch& batch,
+  OrtStatus* run_all(OrtKernelContext* context, const Batch& batch, const PrefillPlan& prefill,
                      const std::vector<WorkItem>& items) const;
+  // A decode item (one query token per sequence; paged_attention.cc).
   template <typename C, int NV>
   void attend(const Batch& batch, const WorkItem& item) const;
+  // The prefill path (paged_prefill.cc): the packed keys and tiles of sequence `seq` (more than
+  // one query), then, once every sequence is planned, the order of the tiles; packing one
+  // chunk of keys; one tile.
+  void plan_prefill(const Batch& batch, int64_t seq, PrefillPlan* plan) const;
+  void order_tiles(const Batch& batch, PrefillPlan* plan) const;
+  template <typename C>
+  void pack_chunk(const Batch& batch, const PrefillPlan& plan, int64_t job) const;
+  void attend_tile(const Batch& batch, const PrefillPlan& plan, const PrefillTile& tile) const;
 };
 
 }  // namespace attnexport

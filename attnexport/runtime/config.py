@@ -91,6 +91,12 @@ class SchedulerConfig:
     """How a sequence is evicted when the pool runs out: ``swap`` its blocks to the CPU pool, or
     free them and ``recompute`` its tokens later. Swap falls back to recompute when the CPU pool
     is full."""
+    waiting_reserve_tokens: int | None = None
+    """While requests wait to start, a running request's prompt chunk leaves this many tokens of
+    each step's budget to them, so that a short prompt arriving while a long one is prefilled
+    in chunks starts in the next step instead of after the long prompt's last chunk. None: half
+    of ``max_num_batched_tokens``; 0: a running prompt takes the whole budget. Must be less
+    than ``max_num_batched_tokens``."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -108,6 +114,18 @@ class SchedulerConfig:
                 f"{MAX_SEQUENCE_LENGTH}: sequence lengths are int32) or None, "
                 f"got {self.max_model_len!r}"
             )
+        reserve = self.waiting_reserve_tokens
+        if reserve is not None and (not isinstance(reserve, int) or reserve < 0):
+            raise UserError(
+                "SchedulerConfig.waiting_reserve_tokens: expected a non-negative int or None, "
+                f"got {reserve!r}"
+            )
+        budget = self.max_num_batched_tokens
+        if reserve is not None and budget is not None and reserve >= budget:
+            raise UserError(
+                f"SchedulerConfig.waiting_reserve_tokens: {reserve} leaves no token of the "
+                f"budget (max_num_batched_tokens = {budget}) to running prompts; give less"
+            )
         if self.preemption_mode not in ("swap", "recompute"):
             raise UserError(
                 "SchedulerConfig.preemption_mode: expected 'swap' or 'recompute', "
@@ -116,14 +134,19 @@ class SchedulerConfig:
 
     def resolved(self, rope_switch_length: int | None) -> SchedulerConfig:
         """This config with its token budget decided for a model whose LongRoPE switch length
-        is ``rope_switch_length`` (None: no switch). A budget given explicitly is kept (a
-        request it cannot schedule is refused when added)."""
-        if self.max_num_batched_tokens is not None:
-            return self
-        budget = DEFAULT_MAX_NUM_BATCHED_TOKENS
-        if rope_switch_length is not None:
-            budget = max(budget, rope_switch_length + 1)
-        return dataclasses.replace(self, max_num_batched_tokens=budget)
+        is ``rope_switch_length`` (None: no switch), and the waiting requests' reserve of it. A
+        budget given explicitly is kept (a request it cannot schedule is refused when added)."""
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if rope_switch_length is not None:
+                budget = max(budget, rope_switch_length + 1)
+        reserve = self.waiting_reserve_tokens
+        if reserve is None:
+            reserve = budget // 2
+        return dataclasses.replace(
+            self, max_num_batched_tokens=budget, waiting_reserve_tokens=min(reserve, budget - 1)
+        )
 
 
 @dataclass(frozen=True)

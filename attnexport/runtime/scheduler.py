@@ -4,9 +4,12 @@ Each step spends a budget of ``max_num_batched_tokens`` tokens over at most ``ma
 sequences, in this order:
 
 1. running requests, oldest first: one token per decoding sequence, the next chunk of a prompt
-   being prefilled (chunked prefill). When the device pool cannot hold a request's tokens, the
-   youngest running request is preempted (swapped to the CPU pool or freed for recomputation)
-   until it can, and a request that has to preempt itself waits;
+   being prefilled (chunked prefill). While requests wait to start, a prompt chunk leaves
+   ``waiting_reserve_tokens`` of the budget to them: a short prompt arriving while a long one
+   is prefilled starts in the next step, not after the long prompt's last chunk. When the device
+   pool cannot hold a request's tokens, the youngest running request is preempted (swapped to
+   the CPU pool or freed for recomputation) until it can, and a request that has to preempt
+   itself waits;
 2. if nothing was preempted: swapped requests, oldest first, when their blocks fit again;
 3. if nothing is swapped: waiting requests, oldest first (first the prefix-cache lookup, so a
    cached prefix costs neither tokens nor blocks).
@@ -138,13 +141,17 @@ class Scheduler:
         bm = self.block_manager
         switch = self.rope_switch_length
 
+        # Left to the waiting requests by the running prompts' chunks, when the oldest of them
+        # could start (nothing swapped comes first, a sequence slot is free).
+        waiting_first = self.waiting and not self.swapped and self._has_seq_slots(self.waiting[0])
+        reserve = self.config.waiting_reserve_tokens if waiting_first else 0
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             if switch is not None and self._crosses_switch(request, switch):
                 self._preempt(request, batch, regime_switch=True)
                 continue
-            plan, cost = self._plan(request, budget)
+            plan, cost = self._plan(request, budget, reserve)
             if not plan:
                 index += 1
                 continue
@@ -201,15 +208,19 @@ class Scheduler:
         self.block_manager.fork(leader, seq, shared // self.block_manager.block_size)
         return False
 
-    def _plan(self, request: Request, budget: int) -> tuple[list[tuple[SequenceState, int]], int]:
-        """(sequence, tokens) pairs for ``request`` within ``budget``, and their token total."""
+    def _plan(
+        self, request: Request, budget: int, reserve: int = 0
+    ) -> tuple[list[tuple[SequenceState, int]], int]:
+        """(sequence, tokens) pairs for ``request`` within ``budget``, and their token total; a
+        prompt chunk (more than one token) leaves ``reserve`` tokens of the budget unused."""
         plan, cost = [], 0
         switch = self.rope_switch_length
         for seq in request.seqs:  # not unfinished_seqs(): no list built for every request
             if seq.finished or (request.shared_prefix_len and self._waits_for_leader(request, seq)):
                 continue
             uncomputed = seq.num_uncomputed
-            count = min(uncomputed, budget - cost)
+            room = budget - cost - (reserve if uncomputed > 1 else 0)
+            count = min(uncomputed, room)
             if count <= 0:
                 break
             if count < uncomputed and not self.config.enable_chunked_prefill:

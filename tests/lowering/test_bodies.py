@@ -293,6 +293,34 @@ def test_native_paged_attention_splits_long_decode_contexts(case: AttentionCase)
     _check_paged_attention(case, "native")
 
 
+# Prompts and prefill chunks that span several tiles of query rows and several chunks of 128
+# keys of the native kernel's tiled prefill (paged_prefill.cc), beside decode rows.
+LONG_PREFILL = AttentionCase("long-prefill", (300, 1, 130), (0, 40, 0), head_size=64)
+
+
+@requires_ort_kernels
+@pytest.mark.parametrize(
+    "case",
+    [
+        LONG_PREFILL,
+        # SmolLM2's heads (groups of 3), prefill chunks over 260 and 129 cached keys
+        AttentionCase("chunk-over-context", (200, 77, 1), (260, 129, 500), 9, 3, 64),
+        # a window across chunk boundaries, ALiBi and soft-cap, a head size of 2.5 vectors
+        LONG_PREFILL.with_(sliding_window=100, alibi=True, logits_soft_cap=5.0, head_size=40),
+        # groups of 8 (6 tokens a tile on AVX2), a block size of 8
+        AttentionCase("long-chunked", (150, 140), (100, 0), 16, 2, 128, block_size=8),
+        AttentionCase("long-cross", (140, 5), (30, 200), 4, 4, 32, causal=False),
+        AttentionCase("long-cross", (140, 5), (30, 200), causal=False, sliding_window=70),
+        LONG_PREFILL.with_(dtype=torch.bfloat16, logits_soft_cap=30.0),
+        LONG_PREFILL.with_(dtype=torch.float16, alibi=True),
+    ],
+    ids=lambda c: c.id,
+)
+def test_native_paged_attention_tiles_long_prefills(case: AttentionCase):
+    """Prompts and prefill chunks of hundreds of tokens: the native kernel's tiled prefill."""
+    _check_paged_attention(case, "native")
+
+
 ROTARY_CASES = [
     ((1, 16, 64), torch.float32),
     ((9, 5, 80), torch.float32),

@@ -303,6 +303,8 @@ ATTENTION_CASES = [
     LONG.with_(alibi=True, num_heads=12, num_kv_heads=4),
     LONG.with_(sliding_window=300, head_size=40, logits_soft_cap=5.0),
     LONG.with_(num_heads=8, num_kv_heads=1, causal=False, block_size=8),
+    # the tiled prefill: a prompt and a prefill chunk over several tiles and chunks of keys
+    AttentionCase("long-prefill", (300, 1, 130), (0, 40, 150), 9, 3, 64, sliding_window=200),
     # past the kernel's kStreamBytes (8 MiB of decode rows, int8 included): one item per
     # sequence (split) reads every KV head of its chunks
     AttentionCase(

@@ -45,6 +45,23 @@ def test_chunked_prefill_fills_the_token_budget_after_decodes():
     assert _step(scheduler) == {"r0": 1, "r1": 1}
 
 
+def test_a_prompt_chunk_leaves_the_reserve_to_waiting_requests():
+    scheduler = _scheduler(max_num_batched_tokens=8)  # reserve: half of it
+    _add(scheduler, 20, 0)
+    assert _step(scheduler) == {"r0": 8}  # nothing waits: the whole budget
+    _add(scheduler, 3, 1)
+    assert _step(scheduler) == {"r0": 4, "r1": 3}
+    assert _step(scheduler) == {"r0": 8}  # nothing waits: the older request's chunk first
+
+
+def test_the_reserve_is_not_held_for_a_request_that_cannot_start():
+    scheduler = _scheduler(max_num_batched_tokens=8, max_num_seqs=1)
+    _add(scheduler, 20, 0)
+    _step(scheduler)
+    _add(scheduler, 3, 1)
+    assert _step(scheduler) == {"r0": 8}
+
+
 def test_without_chunking_a_prompt_waits_until_it_fits_whole():
     scheduler = _scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False)
     _add(scheduler, 6, 0)
@@ -100,6 +117,14 @@ def test_a_request_larger_than_the_pool_fails_alone():
         (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs: expected a positive int"),
         (lambda: SchedulerConfig(max_model_len=-4), "max_model_len: expected a positive int"),
         (lambda: SchedulerConfig(preemption_mode="drop"), "expected 'swap' or 'recompute'"),
+        (
+            lambda: SchedulerConfig(max_num_batched_tokens=64, waiting_reserve_tokens=64),
+            "waiting_reserve_tokens: 64 leaves no token",
+        ),
+        (
+            lambda: SchedulerConfig(waiting_reserve_tokens=-1),
+            "waiting_reserve_tokens: expected a non-negative int",
+        ),
         (lambda: CacheConfig(num_blocks=-1), "num_blocks: expected a non-negative int"),
         (lambda: CacheConfig(swap_space_bytes=1.5), "swap_space_bytes: expected a non-negative"),
     ],

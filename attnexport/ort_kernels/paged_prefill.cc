@@ -1,0 +1,253 @@
+// The PagedAttention kernel's prefill path: the queries of a sequence with more than one query
+// token (a prompt, a prefill chunk) in tiles, flash-attention style.
+//
+// First every (sequence, KV head) has the keys its queries can see packed once, a chunk of
+// kPrefillChunkKeys at a time (in parallel): keys transposed into [D, chunk] panels and values
+// as rows of W floats, widened to float32 (int8 rows dequantized). Then a work item is a tile:
+// one KV head and a tile of query tokens, whose rows are the tile's tokens times the G query
+// heads of the KV head (row r = token j * G + head g). Over its visible keys, a chunk at a time,
+// it takes the scores of every row against every key of the chunk as one panel product, masks
+// them (causal bottom-right, sliding window), soft-caps, adds ALiBi, updates each row's running
+// softmax (maximum, sum, the rescale of its output), and adds the weights times the values to
+// the outputs as a second panel product. Each key and value element loaded into a register
+// serves kTileRows rows (the decode path's dot products share a key among the G heads of one
+// token only). Semantics: docs/ops.md.
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "paged_attention.h"
+#include "paged_attention_batch.h"
+#include "panel_product.h"
+#include "vector_math.h"
+
+namespace attnexport {
+
+namespace {
+
+// Keys per chunk: a chunk's packed keys and values (2 * 128 * D floats: 64 KiB at D = 64) and
+// the tile's scores stay in L2 between the two products.
+constexpr int64_t kPrefillChunkKeys = 128;
+// Rows per tile: 8 register tiles' worth (48 on AVX2, e.g. 16 tokens of a group of 3).
+constexpr int64_t kPrefillTileRows = 8 * kTileRows;
+
+// A row of D elements of C as float32 (int8: float(q) * scale, the contract's order).
+template <typename C>
+inline void widen(const C* src, int64_t D, const float* scale, float* dst) {
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    const f32x16 x = load16_float(src + d);
+    store16(dst + d, scale != nullptr ? x * splat16(*scale) : x);
+  }
+  for (; d < D; ++d) dst[d] = scale != nullptr ? to_float(src[d]) * *scale : to_float(src[d]);
+}
+
+// The maximum of x[a, e) (native-width vectors, as in panel_product.h).
+float row_maximum(const float* x, int64_t a, int64_t e) {
+  float max = -std::numeric_limits<float>::infinity();
+  int64_t i = a;
+  if (e - a >= kLanes) {
+    lane_vector maxes = load_lanes(x + a);
+    for (i = a + kLanes; i + kLanes <= e; i += kLanes) {
+      const lane_vector y = load_lanes(x + i);
+      maxes = y > maxes ? y : maxes;
+    }
+    for (int l = 0; l < kLanes; ++l) max = std::max(max, maxes[l]);
+  }
+  for (; i < e; ++i) max = std::max(max, x[i]);
+  return max;
+}
+
+// x[i] = exp(x[i] - max) for i in [a, e); returns their sum.
+float exponentiate(float* x, int64_t a, int64_t e, float max) {
+  lane_vector sums{};
+  const lane_vector maxes = splat_lanes(max);
+  int64_t i = a;
+  for (; i + kLanes <= e; i += kLanes) {
+    const lane_vector w = exp_nonpositive<lane_vector, lane_int_vector>(load_lanes(x + i) - maxes);
+    store_lanes(x + i, w);
+    sums += w;
+  }
+  float sum = 0.0f;
+  for (int l = 0; l < kLanes; ++l) sum += sums[l];
+  for (; i < e; ++i) {
+    x[i] = exp_nonpositive<float, int32_t>(x[i] - max);
+    sum += x[i];
+  }
+  return sum;
+}
+
+}  // namespace
+
+void PagedAttention::plan_prefill(const Batch& batch, int64_t seq, PrefillPlan* plan) const {
+  const int64_t group = num_heads / num_kv_heads, W = padded_width();
+  const int64_t length = batch.seq_lens[seq];
+  const int64_t queries = batch.query_start[seq + 1] - batch.query_start[seq];
+  // The first query (position length - queries) sees the earliest key; every key up to the
+  // end of the sequence is seen by some query.
+  const int64_t first =
+      sliding_window >= 0 ? std::max<int64_t>(0, length - queries - sliding_window + 1) : 0;
+  const int64_t count = std::max<int64_t>(0, length - first);
+  const int64_t chunks = (count + kPrefillChunkKeys - 1) / kPrefillChunkKeys;
+  const int64_t tile_tokens = std::max<int64_t>(1, kPrefillTileRows / group);
+  for (int64_t h = 0; h < num_kv_heads; ++h) {
+    const int64_t index = static_cast<int64_t>(plan->packed.size());
+    const int64_t keys = plan->floats, values = keys + chunks * head_size * kPrefillChunkKeys;
+    plan->floats = values + chunks * kPrefillChunkKeys * W;
+    plan->packed.push_back({seq, h, first, count, keys, values});
+    for (int64_t c = 0; c < chunks; ++c) plan->pack_jobs.emplace_back(index, c);
+    for (int64_t q = 0; q < queries; q += tile_tokens)
+      plan->tiles.push_back({seq, h, q, std::min(tile_tokens, queries - q), index});
+  }
+}
+
+// onnxruntime's pool hands the items out in order: the tiles that see the most keys (the last
+// of a causal prompt) go first, so that the last item to start is a short one.
+void PagedAttention::order_tiles(const Batch& batch, PrefillPlan* plan) const {
+  auto work = [&](const PrefillTile& t) {
+    const int64_t length = batch.seq_lens[t.seq];
+    const int64_t queries = batch.query_start[t.seq + 1] - batch.query_start[t.seq];
+    return t.num_queries * (causal ? length - queries + t.first_query + t.num_queries : length);
+  };
+  std::stable_sort(plan->tiles.begin(), plan->tiles.end(),
+                   [&](const PrefillTile& a, const PrefillTile& b) { return work(a) > work(b); });
+}
+
+template <typename C>
+void PagedAttention::pack_chunk(const Batch& batch, const PrefillPlan& plan, int64_t job) const {
+  const auto [index, chunk] = plan.pack_jobs[job];
+  const PackedKeys& packed = plan.packed[index];
+  const int64_t D = head_size, W = padded_width(), h = packed.head;
+  const int64_t k0 = packed.first + chunk * kPrefillChunkKeys;
+  const int64_t n = std::min(kPrefillChunkKeys, packed.first + packed.count - k0);
+  const int32_t* table = batch.block_tables + packed.seq * batch.max_blocks;
+  const C* key_cache = static_cast<const C*>(batch.key_cache);
+  const C* value_cache = static_cast<const C*>(batch.value_cache);
+  float* const keys = plan.storage + packed.keys + chunk * D * kPrefillChunkKeys;
+  float* const values = plan.storage + packed.values + chunk * kPrefillChunkKeys * W;
+  const int64_t slot_stride = num_kv_heads * D;
+  float rows[16 * kMaxHeadSize];  // 16 keys, widened, then written out column by column
+  for (int64_t i0 = 0; i0 < kPrefillChunkKeys; i0 += 16) {
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t k = k0 + i0 + i;
+      if (i0 + i >= n) {
+        std::fill(rows + i * D, rows + (i + 1) * D, 0.0f);  // (value rows past n are never read)
+        continue;
+      }
+      const int64_t slot = table[k / block_size] * block_size + k % block_size;
+      const float* key_scale =
+          batch.key_scales != nullptr ? batch.key_scales + slot * num_kv_heads + h : nullptr;
+      const float* value_scale =
+          batch.value_scales != nullptr ? batch.value_scales + slot * num_kv_heads + h : nullptr;
+      widen(key_cache + slot * slot_stride + h * D, D, key_scale, rows + i * D);
+      float* value_row = values + (i0 + i) * W;
+      widen(value_cache + slot * slot_stride + h * D, D, value_scale, value_row);
+      std::fill(value_row + D, value_row + W, 0.0f);
+    }
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t i = 0; i < 16; ++i) keys[d * kPrefillChunkKeys + i0 + i] = rows[i * D + d];
+  }
+}
+
+void PagedAttention::attend_tile(const Batch& batch, const PrefillPlan& plan,
+                                 const PrefillTile& tile) const {
+  const int64_t group = num_heads / num_kv_heads, D = head_size, W = padded_width();
+  const PackedKeys& packed = plan.packed[tile.packed];
+  const int64_t h = tile.head;
+  const int64_t length = batch.seq_lens[tile.seq];
+  const int64_t seq_start = batch.query_start[tile.seq];
+  const int64_t num_queries = batch.query_start[tile.seq + 1] - seq_start;
+  const int64_t tokens = tile.num_queries, rows = tokens * group;
+
+  // Visible keys of token j of the tile: [lo[j], hi[j]), its position p = length - q + j.
+  thread_local std::vector<int64_t> bounds;
+  bounds.resize(3 * tokens);
+  int64_t* const lo = bounds.data();
+  int64_t* const hi = lo + tokens;
+  int64_t* const position = hi + tokens;
+  const auto [first_key, end_key] =
+      visible_keys(length, num_queries, tile.first_query, tokens, lo, hi, position);
+
+  constexpr int64_t ldk = kPrefillChunkKeys;  // scores per row
+  thread_local std::vector<float> scratch;
+  scratch.resize(rows * D + rows * W + 2 * rows + rows * ldk);
+  float* const queries = scratch.data();     // [rows, D], scaled
+  float* const outputs = queries + rows * D;  // [rows, W], unnormalised
+  float* const maxes = outputs + rows * W;
+  float* const sums = maxes + rows;
+  float* const scores = sums + rows;  // [rows, ldk]: scores, then softmax weights
+
+  for (int64_t j = 0; j < tokens; ++j) {
+    const int64_t src = ((seq_start + tile.first_query + j) * num_heads + h * group) * D;
+    for (int64_t i = 0; i < group * D; ++i)
+      queries[j * group * D + i] = scale * load_element(batch.query, batch.query_type, src + i);
+  }
+  std::fill(outputs, outputs + rows * W, 0.0f);
+  std::fill(maxes, maxes + rows, -std::numeric_limits<float>::infinity());
+  std::fill(sums, sums + rows, 0.0f);
+
+  const int64_t first_chunk =
+      first_key < end_key ? (first_key - packed.first) / kPrefillChunkKeys : 0;
+  for (int64_t chunk = first_chunk;; ++chunk) {
+    const int64_t k0 = packed.first + chunk * kPrefillChunkKeys;
+    if (k0 >= end_key) break;
+    const int64_t n = std::min(kPrefillChunkKeys, end_key - k0);  // keys of the chunk it reads
+    const float* keys = plan.storage + packed.keys + chunk * D * kPrefillChunkKeys;
+    const float* values = plan.storage + packed.values + chunk * kPrefillChunkKeys * W;
+    panel_product<false>(rows, (n + 15) / 16 * 16, D, queries, D, keys, kPrefillChunkKeys, scores,
+                         ldk);
+    for (int64_t j = 0; j < tokens; ++j) {
+      // Visible keys of the chunk for token j: columns [a, e).
+      const int64_t a = std::clamp(lo[j] - k0, int64_t{0}, n);
+      const int64_t e = std::clamp(hi[j] - k0, a, n);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = j * group + g;
+        float* s = scores + r * ldk;
+        std::fill(s, s + a, 0.0f);  // masked keys weigh exactly 0
+        std::fill(s + e, s + n, 0.0f);
+        if (a == e) continue;
+        if (soft_cap > 0.0f)
+          for (int64_t i = a; i < e; ++i) s[i] = soft_cap * std::tanh(s[i] / soft_cap);
+        if (!batch.slopes.empty()) {
+          const float slope = batch.slopes[h * group + g];
+          for (int64_t i = a; i < e; ++i)
+            s[i] += slope * static_cast<float>(k0 + i - position[j]);
+        }
+        const float previous = maxes[r];
+        const float max = std::max(previous, row_maximum(s, a, e));
+        // exp(previous - max) in [0, 1]; a row's first visible chunk rescales zeros.
+        const float rescale = previous == max ? 1.0f : exp_nonpositive<float, int32_t>(previous - max);
+        maxes[r] = max;
+        sums[r] = sums[r] * rescale + exponentiate(s, a, e, max);
+        if (rescale != 1.0f) {
+          const lane_vector factor = splat_lanes(rescale);
+          float* o = outputs + r * W;
+          for (int64_t d = 0; d < W; d += kLanes) store_lanes(o + d, load_lanes(o + d) * factor);
+        }
+      }
+    }
+    panel_product<true>(rows, W, n, scores, ldk, values, W, outputs, W);
+  }
+
+  // A row that sees no key (sum 0) is zeros.
+  for (int64_t j = 0; j < tokens; ++j) {
+    const int64_t dst = ((seq_start + tile.first_query + j) * num_heads + h * group) * D;
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = j * group + g;
+      const float inverse = sums[r] > 0.0f ? 1.0f / sums[r] : 0.0f;
+      for (int64_t d = 0; d < D; ++d)
+        store_element(batch.out, batch.query_type, dst + g * D + d, outputs[r * W + d] * inverse);
+    }
+  }
+}
+
+template void PagedAttention::pack_chunk<float>(const Batch&, const PrefillPlan&, int64_t) const;
+template void PagedAttention::pack_chunk<Half>(const Batch&, const PrefillPlan&, int64_t) const;
+template void PagedAttention::pack_chunk<BFloat16>(const Batch&, const PrefillPlan&, int64_t) const;
+template void PagedAttention::pack_chunk<int8_t>(const Batch&, const PrefillPlan&, int64_t) const;
+
+}  // namespace attnexport
