@@ -52,8 +52,9 @@ LEGS_SCRIPT = HERE / "peer_legs.py"
 # index's. The peers that convert checkpoints need torch; its CUDA build is ~3 GB more.
 TORCH = "torch==2.13.0"
 LLAMA_CPP = "llama-cpp-python==0.3.36"
-# Install and convert steps are long (a llama.cpp build from source is ~10 minutes on 2 cores).
-STEP_TIMEOUT_S = 3600
+# Install and convert steps are long: a llama.cpp build from source is ~10 minutes on 2 quiet
+# cores, and ran past an hour on 2 cores shared with ~20 busy processes.
+STEP_TIMEOUT_S = 3 * 3600
 
 
 class PeerUnavailable(RuntimeError):
@@ -281,7 +282,10 @@ def make_venv(name: str, *, retry: bool = False, log: Callable[[str], None] | No
                     failed = f"installed but `import {peer.probe}` fails: {tail}"
         state = {"recipe": recipe, "made": time.strftime("%Y-%m-%d %H:%M:%S")}
         if failed:
-            state["failed"] = f"{peer.title} cannot install here: {failed} (log: {logfile})"
+            state["failed"] = (
+                f"{peer.title} cannot install here: {failed} (log: {logfile}; to try again: "
+                f"python benchmarks/peers.py make {peer.name} --retry)"
+            )
         (directory / ".attnexport-peer.json").write_text(json.dumps(state, indent=1) + "\n")
         if failed:
             raise PeerUnavailable(state["failed"])

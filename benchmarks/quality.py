@@ -72,7 +72,25 @@ VARIANTS: dict[str, list[str]] = {
     "fp32, int8 KV cache": ["--kv-cache-dtype", "int8"],
     "int8 (default)": ["--weights", "int8"],
     "int8, accuracy level 1": ["--weights", "int8", "--weights-accuracy-level", "1"],
+    "int8, block 16": ["--weights", "int8", "--weights-block-size", "16"],
+    "int8, block 16, lm_head float": [
+        *("--weights", "int8", "--weights-block-size", "16", "--lm-head", "float")
+    ],
     "int8, block 128": ["--weights", "int8", "--weights-block-size", "128"],
+    "int8 rtn asym b32": [
+        "--weights",
+        "int8",
+        "--weights-asymmetric",
+        "--weights-block-size",
+        "32",
+    ],
+    "int8 hqq b32": [
+        *("--weights", "int8", "--weights-algorithm", "hqq", "--weights-asymmetric"),
+        *("--weights-block-size", "32"),
+    ],
+    "int8, accuracy level 1, lm_head float": [
+        *("--weights", "int8", "--weights-accuracy-level", "1", "--lm-head", "float")
+    ],
     "int8, lm_head float": ["--weights", "int8", "--lm-head", "float"],
     "int8, int8 KV cache": ["--weights", "int8", "--kv-cache-dtype", "int8"],
     "int4 (default)": _int4(),
@@ -80,11 +98,22 @@ VARIANTS: dict[str, list[str]] = {
     **{f"int4 rtn asym b{b}": _rtn(False, b) for b in (16, 32, 64, 128)},
     **{f"int4 k_quant b{b}": _fitted("k_quant", b) for b in (32, 64)},
     **{f"int4 hqq b{b}": _fitted("hqq", b) for b in (32, 64, 128)},
+    **{
+        f"int4 hqq b32, lm_head {head}": [*_fitted("hqq", 32), "--lm-head", head]
+        for head in ("float", "int8")
+    },
     "int4, lm_head float": _int4("--lm-head", "float"),
     "int4, lm_head int8": _int4("--lm-head", "int8"),
     "int4, lm_head int4": _int4("--lm-head", "int4"),
     "int4, accuracy level 1": _int4("--weights-accuracy-level", "1"),
     "int4, not batch-invariant": _int4("--no-weights-batch-invariant"),
+    "int4 rtn sym b32, lm_head int4, not batch-invariant": [
+        *_rtn(True, 32),
+        "--lm-head",
+        "int4",
+        "--no-weights-batch-invariant",
+    ],
+    "int8, not batch-invariant": ["--weights", "int8", "--no-weights-batch-invariant"],
     "int4, int8 KV cache": _int4("--kv-cache-dtype", "int8"),
 }
 # peer -> formats (benchmarks/peers.py names); the first of each precision class is its default.
@@ -205,7 +234,8 @@ def _export_args(flags: list[str]):
 def variant_dir(name: str, flags: list[str], checkpoint: Path, work: Path) -> Path:
     """The export directory of variant ``name``: the float export of its KV-cache dtype (made
     once, by the CLI), and for a ``--weights`` variant a copy of it quantized as the flags ask
-    (``attnexport.lowering.quantize_weights``, as ``export`` does); cached in ``work``."""
+    (``attnexport.artifact.quantize_export``: what ``export`` does after the lowering); cached
+    in ``work``."""
     from attnexport.cli import export_cmd
 
     args = _export_args(flags)
@@ -222,14 +252,15 @@ def variant_dir(name: str, flags: list[str], checkpoint: Path, work: Path) -> Pa
     expected = json.dumps(quantization.manifest_entry([], 0), sort_keys=True)
     if entry.exists() and json.loads(entry.read_text()).get("options") == expected:
         return out
-    from attnexport.lowering import quantize_weights
+    from attnexport.artifact import quantize_export
 
     shutil.rmtree(out, ignore_errors=True)
-    shutil.copytree(base, out)
     start = time.perf_counter()
-    weights = quantize_weights(out / "model.onnx", quantization)
+    manifest = quantize_export(base, out, quantization)
     seconds = time.perf_counter() - start
-    entry.write_text(json.dumps({"options": expected, "weights": weights, "seconds": seconds}))
+    entry.write_text(
+        json.dumps({"options": expected, "weights": manifest["weights"], "seconds": seconds})
+    )
     return out
 
 
@@ -324,7 +355,11 @@ import json, sys, numpy as np, onnxruntime as ort
 job = json.loads(sys.argv[1])
 options = ort.SessionOptions()
 options.intra_op_num_threads = job["threads"]
-session = ort.InferenceSession(job["model"] + "/model.onnx", options, providers=["CPUExecutionProvider"])
+session = ort.InferenceSession(
+    job["model"] + "/model.onnx", options, providers=["CPUExecutionProvider"]
+)
+decoder = json.load(open(job["model"] + "/genai_config.json"))["model"]["decoder"]
+kv_heads, head_size = decoder["num_key_value_heads"], decoder["head_size"]
 inputs = {i.name: i for i in session.get_inputs()}
 for name, ids in job["texts"].items():
     n = len(ids)
@@ -338,8 +373,7 @@ for name, ids in job["texts"].items():
             feeds[key] = np.arange(n, dtype=np.int64)[None]
         elif key.startswith("past_key_values"):
             dtype = np.float16 if "float16" in info.type else np.float32
-            shape = [1 if d == "batch_size" else 0 if not isinstance(d, int) else d for d in info.shape]
-            feeds[key] = np.zeros(shape, dtype)
+            feeds[key] = np.zeros((1, kv_heads, 0, head_size), dtype)
     logits = session.run(["logits"], feeds)[0][0]
     np.save(job["out"] + "/" + name + ".npy", logits.astype(np.float32))
 print(json.dumps({"done": True}))
@@ -462,7 +496,7 @@ def decode_speed(directories: dict[str, Path], threads: int, rounds: int) -> dic
                 params = SamplingParams(max_tokens=new)
                 outputs = engine.generate(prompts, params)
                 first = max(o.metrics.first_token_time for o in outputs)
-                end = max(o.metrics.finished_time for o in outputs)
+                end = max(o.metrics.finish_time for o in outputs)
                 times[name][batch].append(batch * (new - 1) / (end - first))
     return {
         name: {f"batch {b}": {"best": max(v), "median": float(np.median(v))} for b, v in t.items()}
@@ -506,12 +540,15 @@ def table(results: dict) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="NAME")
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), metavar="NAME")
     parser.add_argument("--peers", nargs="*", default=list(PEER_FORMATS), metavar="PEER")
     parser.add_argument("--max-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work", type=Path, default=ROOT / "out" / "bench_quality")
     parser.add_argument("--speed", action="store_true", help="also time greedy decoding")
+    parser.add_argument(
+        "--speed-only", action="store_true", help="only time greedy decoding of the variants"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of --speed")
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
@@ -523,6 +560,15 @@ def main() -> int:
     import numpy as np
 
     checkpoint = bench_module("smollm2").build_checkpoint()
+    if args.speed_only:
+        directories = {
+            name: variant_dir(name, VARIANTS[name], checkpoint, args.work) for name in args.variants
+        }
+        speed = decode_speed(directories, args.threads, args.rounds)
+        print(json.dumps(speed, indent=1))
+        if args.json:
+            args.json.write_text(json.dumps({"speed": speed}, indent=1))
+        return 0
     texts = load_texts(checkpoint, args.max_tokens)
     references = reference_logits(checkpoint, texts, args.work)
     reference_ppl = {}

@@ -43,3 +43,19 @@ def smollm2_fp32_artifact(smollm2_checkpoint, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("smollm2") / "fp32"
     assert main(["export", str(smollm2_checkpoint), "--out", str(out)]) == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_quantized_artifacts(smollm2_fp32_artifact, tmp_path_factory) -> dict[str, Path]:
+    """``{"int8": directory, "int4": directory}``: the float32 export quantized with each
+    format's defaults (``attnexport.artifact.quantize_export``: ``export --weights FORMAT``
+    without exporting again), once a session."""
+    from attnexport.artifact import quantize_export
+    from attnexport.lowering import WeightQuantization
+
+    root = tmp_path_factory.mktemp("smollm2_quantized")
+    exports = {}
+    for fmt in ("int8", "int4"):
+        quantize_export(smollm2_fp32_artifact, root / fmt, WeightQuantization(fmt))
+        exports[fmt] = root / fmt
+    return exports

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
         check_finite_weights,
         earlier_export,
         export_artifact,
+        quantize_export,
         remove_earlier_export,
     )
     from attnexport.artifact.pt2 import inspect_pt2, load_pt2, save_pt2
@@ -69,6 +70,7 @@ _LAZY = {
     "check_finite_weights": "export",
     "earlier_export": "export",
     "export_artifact": "export",
+    "quantize_export": "export",
     "remove_earlier_export": "export",
     "inspect_pt2": "pt2",
     "load_pt2": "pt2",
@@ -107,6 +109,7 @@ __all__ = [
     "load_pt2",
     "manifest_cache_spec",
     "model_file_digests",
+    "quantize_export",
     "read_manifest",
     "rebuild_eager_model",
     "remove_earlier_export",

@@ -189,6 +189,35 @@ def export_artifact(
     return manifest
 
 
+def quantize_export(source: Path, out: Path, weights: WeightQuantization) -> dict:
+    """Copies the float32 ONNX export ``source`` to the new directory ``out`` with its weights
+    quantized as ``weights`` asks: what ``export --weights`` does after the lowering, without
+    exporting again. Returns the new manifest (``weights`` recorded, digests renewed)."""
+    from attnexport import lowering
+
+    manifest = read_manifest(source)
+    if manifest is None or manifest.get("files", {}).get("onnx") is None:
+        raise ArtifactError(f"{source}: not an ONNX export (no manifest listing model.onnx)")
+    if manifest.get("weights") is not None or manifest["dtype"] != "float32":
+        raise ArtifactError(f"{source}: quantized exports are made from float32 weights")
+    if out.exists():
+        raise ArtifactError(f"--out: {out} exists")
+    shutil.copytree(source, out)
+    start = time.perf_counter()
+    try:
+        manifest["weights"] = lowering.quantize_weights(out / ONNX_FILE, weights)
+    except lowering.QuantizationError as error:
+        shutil.rmtree(out)
+        raise ArtifactError(str(error)) from None
+    manifest["export_seconds"] = {
+        **manifest.get("export_seconds", {}),
+        "quantize": round(time.perf_counter() - start, 3),
+    }
+    manifest["file_digests"] = model_file_digests(out, manifest["files"])
+    write_manifest(out, manifest)
+    return manifest
+
+
 def _kv_cache_dtype(options: ExportOptions) -> torch.dtype | None:
     """The KV cache dtype of ``options`` (None: the model's), refused where it cannot run."""
     from attnexport.model_interface import KV_CACHE_DTYPES

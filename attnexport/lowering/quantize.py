@@ -42,6 +42,8 @@ WEIGHT_FORMATS = {"float": None, "int4": 4, "int8": 8}
 """``export --weights``: the weight formats and their bits (``float``: not quantized)."""
 ALGORITHMS = ("rtn", "k_quant", "hqq")
 """``export --weights-algorithm``: onnxruntime's weight-only quantization algorithms."""
+FITTED = ("k_quant", "hqq")
+"""The algorithms that fit a zero point per block (asymmetric only)."""
 LM_HEAD_FORMATS = {"float": None, "int8": 8, "int4": 4}
 """``export --lm-head``: the logits projection's formats and their bits."""
 LM_HEAD = "lm_head"
@@ -50,10 +52,10 @@ ACCURACY_LEVELS = range(5)  # MatMulNBits: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 in
 DEFAULTS = {
     "int4": {
         "block_size": 32,
-        "symmetric": True,
+        "symmetric": False,
         "accuracy_level": 4,
-        "algorithm": "rtn",
-        "lm_head": "int4",
+        "algorithm": "hqq",
+        "lm_head": "int8",
     },
     "int8": {
         "block_size": 32,
@@ -103,7 +105,13 @@ class WeightQuantization:
             raise QuantizationError(
                 f"--weights: expected {' or '.join(formats)}, got {self.format!r}"
             )
-        for name, value in DEFAULTS[self.format].items():
+        defaults = dict(DEFAULTS[self.format])
+        # The fitted algorithms fit zero points; asking for symmetric blocks asks for rtn.
+        if self.algorithm in FITTED or (self.algorithm is None and defaults["algorithm"] in FITTED):
+            defaults["symmetric"] = False
+        if self.symmetric and self.algorithm is None:
+            defaults["algorithm"] = "rtn"
+        for name, value in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
         size = self.block_size
@@ -123,9 +131,7 @@ class WeightQuantization:
             raise QuantizationError(
                 f"--lm-head: expected {', '.join(LM_HEAD_FORMATS)}, got {self.lm_head!r}"
             )
-        if self.algorithm == "hqq" and self.bits != 4:
-            raise QuantizationError("--weights-algorithm hqq: int4 only (onnxruntime's HQQ)")
-        if self.algorithm in ("k_quant", "hqq") and self.symmetric:
+        if self.algorithm in FITTED and self.symmetric:
             raise QuantizationError(
                 f"--weights-algorithm {self.algorithm}: fits a zero point per block; "
                 "pass --weights-asymmetric"
@@ -225,7 +231,9 @@ def float_layers(layers: dict[str, str], quantization: WeightQuantization) -> li
 def _algorithm_config(nbits, quantization: WeightQuantization):
     """onnxruntime's config object of ``quantization.algorithm``."""
     if quantization.algorithm == "hqq":
-        return nbits.HQQWeightOnlyQuantConfig(block_size=quantization.block_size, bits=4)
+        return nbits.HQQWeightOnlyQuantConfig(
+            block_size=quantization.block_size, bits=quantization.bits
+        )
     if quantization.algorithm == "k_quant":
         return nbits.KQuantWeightOnlyQuantConfig()
     return nbits.DefaultWeightOnlyQuantConfig(
