@@ -344,9 +344,11 @@ print(json.dumps({"done": True}))
 import json, sys, numpy as np, torch
 from optimum.intel import OVModelForCausalLM
 job = json.loads(sys.argv[1])
-model = OVModelForCausalLM.from_pretrained(job["model"], ov_config={"INFERENCE_NUM_THREADS": str(job["threads"])})
+config = {"INFERENCE_NUM_THREADS": str(job["threads"])}
+model = OVModelForCausalLM.from_pretrained(job["model"], ov_config=config)
 for name, ids in job["texts"].items():
-    out = model(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    mask = torch.ones(1, len(ids), dtype=torch.long)
+    out = model(input_ids=torch.tensor([ids]), attention_mask=mask)
     np.save(job["out"] + "/" + name + ".npy", out.logits[0].float().numpy())
 print(json.dumps({"done": True}))
 """,

@@ -166,7 +166,7 @@ def _logits(runner, spec) -> torch.Tensor:
 def test_quantized_model_generates_close_to_the_float_eager_model(
     llama, float_onnx, tmp_path, fmt, kernels
 ):
-    path, entry = _quantized(float_onnx, tmp_path, WeightQuantization(fmt))
+    path, _ = _quantized(float_onnx, tmp_path, WeightQuantization(fmt))
     outputs = _engine(OrtExecutor(path, kernels=kernels, num_threads=1)).generate(
         PROMPTS, SamplingParams(max_tokens=6)
     )

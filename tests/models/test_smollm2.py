@@ -36,10 +36,11 @@ def tokenizer(smollm2_checkpoint):
 
 
 def _chat_prompt(tokenizer, message: str) -> list[int]:
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=True
+    """The token ids of ``message`` in the checkpoint's chat template (ChatML)."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False
     )
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def test_the_fp32_export_answers_chat_prompts_as_transformers_does(
