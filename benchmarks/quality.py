@@ -487,7 +487,9 @@ def decode_speed(directories: dict[str, Path], threads: int, rounds: int) -> dic
         engines[name] = Engine(
             executor,
             CacheConfig(num_blocks=8 * -(-(prompt + new) // BLOCK_SIZE) + 8),
-            SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8 * prompt),
+            SchedulerConfig(
+                max_num_seqs=8, max_num_batched_tokens=8 * prompt, max_model_len=prompt + new
+            ),
         )
     times: dict[str, dict[int, list[float]]] = {n: {1: [], 8: []} for n in engines}
     rng = np.random.default_rng(0)
