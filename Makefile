@@ -61,7 +61,8 @@ test-main: $(VENV)/.installed $(ORT_KERNELS)
 test-ipex: $(VENV_IPEX)/.installed $(ORT_KERNELS)
 	ATTNEXPORT_REQUIRE_IPEX=1 ATTNEXPORT_REQUIRE_ORT_KERNELS=1 $(VENV_IPEX)/bin/python -m pytest $(PYTEST_ARGS)
 
-# On a CUDA machine: the xformers GPU tests, the whole suite and the benchmark, logs in gpu-logs/.
+# On a CUDA machine: the xformers and ort-cuda GPU tests and the GPU benchmark, logs in gpu-logs/
+# (GPU_SUITE_ALL=1 adds the whole suite; scripts/gpu_suite.sh says how to bring wheels).
 test-gpu:
 	bash scripts/gpu_suite.sh
 

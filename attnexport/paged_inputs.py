@@ -60,6 +60,10 @@ INDEX_DTYPES = {
 """The dtype of each attention input (the names of :func:`attention_lists` and
 :func:`cross_attention_lists`)."""
 
+MAX_SEQUENCE_LENGTH = 2**31 - 1
+"""The longest sequence the inputs can describe: ``seq_lens`` and ``query_start_loc`` are
+int32."""
+
 BLOCK_TABLES = ("block_tables", "cross_block_tables")
 """The two-dimensional inputs: lists of rows of one width."""
 

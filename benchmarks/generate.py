@@ -201,6 +201,7 @@ def _engine_leg(args, executor) -> dict:
     return {
         **rates(args.batch, args.new_tokens, start, first, end),
         "describe": engine.executor.describe(),
+        "first_tokens": list(outputs[0].token_ids),
     }
 
 
@@ -216,7 +217,22 @@ def leg_ort(args, spin: bool = True, kernels: str = "native", weights: str = "")
     kv = args.kv_cache_dtype
     path = ours_dir(args, weights) / "model.onnx"
     executor = OrtExecutor(path, num_threads=args.threads, spin=spin, kernels=kernels)
-    return _engine_leg(args, executor) | {"kernels": executor.kernels, "kv_cache_dtype": kv}
+    result = _engine_leg(args, executor)
+    del result["first_tokens"]
+    return result | {"kernels": executor.kernels, "kv_cache_dtype": kv}
+
+
+def leg_ours(args) -> dict:
+    """Our OrtExecutor (its defaults) on the export directory ``args.artifact`` (the real
+    model's benchmark, benchmarks/generate_smollm2.py), with this process's peak RSS."""
+    import resource
+
+    from attnexport.runtime import OrtExecutor
+
+    executor = OrtExecutor(Path(args.artifact) / "model.onnx", num_threads=args.threads)
+    result = _engine_leg(args, executor)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return result | {"peak_rss_mb": peak}
 
 
 def leg_torch(args, backend: str) -> dict:
@@ -227,7 +243,9 @@ def leg_torch(args, backend: str) -> dict:
     if backend not in {b.name for b in registered_backends()}:
         return {"skipped": f"the {backend} backend is not registered in this build"}
     model = load_model(args.work / "ckpt")
-    return _engine_leg(args, TorchExecutor(model, backend=backend, block_size=BLOCK_SIZE))
+    result = _engine_leg(args, TorchExecutor(model, backend=backend, block_size=BLOCK_SIZE))
+    del result["first_tokens"]
+    return result
 
 
 def timed_hf_generate(model, prompts: list[list[int]], new: int, **kwargs) -> dict:
@@ -287,30 +305,17 @@ def leg_hf(args) -> dict:
 
 
 def leg_genai(args, name: str = "genai") -> dict:
-    import numpy as np
-    import onnxruntime_genai as og
-
-    model = og.Model(str(args.work / name))
-
-    def run(prompts, new):
-        params = og.GeneratorParams(model)
-        total = args.prompt_len + new
-        params.set_search_options(
-            max_length=total, min_length=total, do_sample=False, batch_size=args.batch
-        )
-        generator = og.Generator(model, params)
-        start = time.perf_counter()
-        generator.append_tokens(np.asarray(prompts, dtype=np.int32))
-        first = time.perf_counter()
-        while not generator.is_done():
-            generator.generate_next_token()
-        return rates(args.batch, new, start, first, time.perf_counter())
-
-    run(_prompts(args.batch, args.prompt_len, args.vocab, 1), 4)
-    return {
-        **run(_prompts(args.batch, args.prompt_len, args.vocab, 0), args.new_tokens),
-        "describe": f"onnxruntime-genai {og.__version__}",
+    """onnxruntime-genai's model ``name`` (built by build_genai): benchmarks/peer_legs.py's leg,
+    on this benchmark's prompts."""
+    request = {
+        "model": str(args.work / name),
+        "prompts": _prompts(args.batch, args.prompt_len, args.vocab, 0),
+        "warmup_prompts": _prompts(args.batch, args.prompt_len, args.vocab, 1),
+        "new_tokens": args.new_tokens,
     }
+    result = _bench_module("peer_legs").leg_genai(request)
+    del result["first_tokens"]
+    return result
 
 
 def leg_memory(args) -> dict:
@@ -360,6 +365,7 @@ def run_leg(args) -> dict:
         "genai": leg_genai,
         "genai-int4": lambda a: leg_genai(a, "genai-int4"),
         "memory": leg_memory,
+        "ours": leg_ours,
         "quality-hf": quality_hf,
         "quality-ort": quality_ort,
         "quality-ort-int4": lambda a: quality_ort(a, "int4"),
@@ -560,6 +566,26 @@ def _memory_lines(memory: dict) -> list[str]:
     ]
 
 
+def _genai_python() -> str:
+    peers = _bench_module("peers")
+    return (
+        str(peers.venv_python("genai")) if not peers.unavailable_reason("genai") else sys.executable
+    )
+
+
+def _bench_module(name: str):
+    """A sibling script of benchmarks/ as a module (benchmarks/ is not a package)."""
+    import importlib.util
+
+    key = f"attnexport_bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
 def write_docs(lines: list[str], title: str = "## Generation (CPU)") -> None:
     """Replaces (or appends) the section ``title`` of docs/benchmarks.md (up to the next
     ``## `` heading) with ``lines``."""
@@ -579,6 +605,13 @@ def main() -> int:
     from attnexport.model_interface import KV_CACHE_DTYPES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model",
+        choices=("llama125m", "smollm2"),
+        default="llama125m",
+        help="llama125m: the random-weight ~125M Llama (the legs above); smollm2: the real "
+        "SmolLM2-135M-Instruct against the CPU peers (benchmarks/generate_smollm2.py)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny model, batch 1 and 2")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -596,7 +629,12 @@ def main() -> int:
     parser.add_argument("--legs", nargs="+", default=list(LEGS), choices=LEGS)
     parser.add_argument("--work", type=Path, default=ROOT / "out" / "bench_generate")
     parser.add_argument("--ipex-python", default=str(ROOT / ".venv-ipex" / "bin" / "python"))
-    parser.add_argument("--genai-python", default=sys.executable)
+    parser.add_argument(
+        "--genai-python",
+        default=_genai_python(),
+        help="an interpreter with onnxruntime_genai (default: the genai environment of "
+        "benchmarks/peers.py when it is ready, else this one)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     parser.add_argument(
         "--quality", action="store_true", help="also compare the ONNX legs' logits with fp32"
@@ -605,9 +643,13 @@ def main() -> int:
     # Internal: run one leg in this process and print its JSON result.
     parser.add_argument("--leg", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--artifact", help=argparse.SUPPRESS)
     parser.add_argument(
         "--vocab", type=int, default=FULL_CONFIG["vocab_size"], help=argparse.SUPPRESS
     )
+    chosen, _ = parser.parse_known_args()
+    if chosen.model == "smollm2" and not chosen.leg:
+        return _bench_module("generate_smollm2").main(sys.argv[1:])
     args = parser.parse_args()
     kv_cache_dtypes, args.kv_cache_dtype = args.kv_cache_dtype, args.kv_cache_dtype[0]
     if args.leg:

@@ -127,7 +127,10 @@ PEERS: dict[str, Peer] = {
                     "nncf",
                 ],
             ),
-            probe="openvino_genai",
+            # PyPI's torchvision is built for the CUDA torch: beside the CPU build its operators
+            # do not register and transformers, which imports it when present, fails to load.
+            remove=("torchvision",),
+            probe="openvino_genai, optimum.intel, transformers.modeling_utils",
             formats={"fp32": "fp32", "8-bit": "int8", "4-bit": "int4"},
         ),
         Peer(

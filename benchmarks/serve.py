@@ -17,6 +17,13 @@ running requests hold, from the bytes per token). A leg at a rate is *sustained*
 TTFT stays under ``--ttft-slo`` seconds. Every front runs in its own process; the legs take
 turns on the machine. ``--quick`` is a smoke test on a tiny model.
 
+``--structured`` measures instead what log-probabilities and constrained decoding cost: the real
+SmolLM2-135M-Instruct export (``benchmarks/smollm2.py``; a grammar needs the tokenizer) served
+twice, ``attnexport`` with plain requests and ``attnexport+structured`` with ``logprobs: 1`` and
+a JSON schema (``STRUCTURED_SCHEMA``: an object whose array cannot close before 256 tokens, so
+every request runs to its ``max_tokens`` as the plain ones do) on every request; the two legs
+alternate ``--repeat`` times and the sustained rates of each repeat are reported side by side.
+
     python benchmarks/serve.py --genai-python /path/to/genai-venv/bin/python --write-docs
 """
 
@@ -37,6 +44,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 LEGS = ("attnexport", "genai", "transformers")
+STRUCTURED_LEGS = ("attnexport", "attnexport+structured")
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "notes": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 24},
+            "minItems": 128,
+        }
+    },
+    "required": ["notes"],
+}
 # The mixed distribution: (length, weight) of prompts and of outputs.
 PROMPT_LENGTHS = ((32, 3), (128, 4), (384, 2), (1024, 1))
 OUTPUT_LENGTHS = ((16, 3), (64, 4), (128, 2), (256, 1))
@@ -82,6 +101,7 @@ async def _one(client, url: str, request: dict, start: float, record: dict) -> N
         "stream": True,
         "ignore_eos": True,
         "return_token_ids": True,
+        **request.get("extra", {}),
     }
     sent = time.perf_counter()
     times: list[float] = []
@@ -183,10 +203,12 @@ def _free_port() -> int:
 def start_leg(leg: str, args) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
-    if leg == "attnexport":
+    if leg.startswith("attnexport"):
+        served = args.work / "smollm2" if args.structured else args.work / "ours" / "model.onnx"
         command = [
             sys.executable, "-m", "attnexport.cli.main", "serve",
-            str(args.work / "ours" / "model.onnx"), "--port", str(port),
+            str(served), "--port", str(port),
+            "--served-model-name", "bench",
             "--num-threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs),
             "--kv-cache-memory", str(args.kv_cache_gib), "--log-level", "warning",
         ]  # fmt: skip
@@ -220,7 +242,7 @@ def start_leg(leg: str, args) -> tuple[subprocess.Popen, str]:
 
 
 def kv_probe_for(leg: str, url: str):
-    if leg == "attnexport":
+    if leg.startswith("attnexport"):
 
         async def probe(client) -> float:
             text = (await client.get(f"{url}/metrics")).text
@@ -241,10 +263,10 @@ def run_leg(leg: str, args, rates: list[float]) -> dict[float, dict]:
     process, url = start_leg(leg, args)
     results = {}
     try:
-        warm = workload(4, 100.0, args.quick, args.vocab, seed=99)
+        warm = _extra(workload(4, 100.0, args.quick, args.vocab, seed=99), leg)
         asyncio.run(drive(url, warm, kv_probe_for(leg, url)))
         for i, rate in enumerate(rates):
-            requests = workload(args.requests, rate, args.quick, args.vocab, seed=i)
+            requests = _extra(workload(args.requests, rate, args.quick, args.vocab, seed=i), leg)
             results[rate] = asyncio.run(drive(url, requests, kv_probe_for(leg, url)))
             print(f"{leg} @ {rate} req/s: {results[rate]}", file=sys.stderr)
             seconds = results[rate]["seconds"]
@@ -259,6 +281,38 @@ def run_leg(leg: str, args, rates: list[float]) -> dict[float, dict]:
         except subprocess.TimeoutExpired:
             process.kill()
     return results
+
+
+def _extra(requests: list[dict], leg: str) -> list[dict]:
+    """The structured leg's requests: the same, with logprobs and the JSON schema."""
+    if leg.endswith("+structured"):
+        schema = {
+            "type": "json_schema",
+            "json_schema": {"name": "notes", "schema": STRUCTURED_SCHEMA},
+        }
+        for request in requests:
+            request["extra"] = {"logprobs": 1, "response_format": schema}
+    return requests
+
+
+def run_structured(args) -> dict:
+    """The plain and the structured leg on the SmolLM2 export, alternating ``--repeat``
+    times."""
+    import smollm2
+
+    served = args.work / "smollm2"
+    if not (served / "manifest.json").exists():
+        from attnexport.cli.main import main as cli
+
+        if cli(["export", str(smollm2.build_checkpoint()), "--out", str(served)]) != 0:
+            raise RuntimeError("the SmolLM2 export failed")
+    repeats = []
+    for repeat in range(args.repeat):
+        results = {leg: run_leg(leg, args, args.rates) for leg in STRUCTURED_LEGS}
+        best = sustained(results, args.ttft_slo)
+        print(f"repeat {repeat}: sustained {best}", file=sys.stderr)
+        repeats.append({"results": results, "sustained": best})
+    return repeats
 
 
 # ----------------------------------------------------------------------------- report
@@ -336,6 +390,12 @@ def main() -> int:
     )
     # Internal: run a baseline leg's HTTP front in this process.
     parser.add_argument("--front", choices=("genai", "transformers"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--structured",
+        action="store_true",
+        help="plain against logprobs + JSON-schema requests on the SmolLM2 export",
+    )
+    parser.add_argument("--repeat", type=int, default=2, help="--structured: alternations")
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -354,6 +414,21 @@ def main() -> int:
         args.rates, args.requests = [2.0, 8.0], 8
     config = generate.QUICK_CONFIG if args.quick else generate.FULL_CONFIG
     args.vocab = config["vocab_size"]
+    if args.structured:
+        args.vocab = 49152
+        args.work.mkdir(parents=True, exist_ok=True)
+        repeats = run_structured(args)
+        if args.json:
+            args.json.write_text(json.dumps(repeats, indent=1))
+        for i, repeat in enumerate(repeats):
+            print(f"repeat {i}:")
+            print("\n".join(table(repeat["results"], args.rates)))
+            plain, structured = (repeat["sustained"].get(leg, 0.0) for leg in STRUCTURED_LEGS)
+            ratio = structured / plain if plain else float("nan")
+            print(
+                f"sustained: plain {plain:g} req/s, structured {structured:g} req/s ({ratio:.2f}x)"
+            )
+        return 0
     args.work = args.work / ("quick" if args.quick else "full")
     checkpoint = args.work / "ckpt"
     if not (checkpoint / "config.json").exists():

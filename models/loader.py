@@ -2,17 +2,19 @@
 
 Weights come from ``model.safetensors``, a sharded ``model.safetensors.index.json``, any other
 ``*.safetensors`` files, or (when no safetensors file exists) ``pytorch_model.bin`` loaded with
-``weights_only=True``. Nothing here reaches a model hub.
+``weights_only=True``. Nothing here reaches a model hub, and nothing outside the checkpoint
+directory is read: a file that is a link out of it is refused (a hub cache snapshot's links
+into its ``blobs`` excepted; :mod:`attnexport.contained_files`).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
 
+from attnexport.contained_files import contained_file, read_json
 from attnexport.errors import require
 from attnexport.models.errors import CheckpointError
 
@@ -59,15 +61,19 @@ def checkpoint_dir(path: str | Path) -> Path:
 
 def read_config(path: str | Path) -> dict:
     """The parsed ``config.json`` of the checkpoint directory ``path``."""
-    config_path = checkpoint_dir(path) / "config.json"
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{config_path}: not valid JSON ({error})") from error
+    config_path = checkpoint_file(checkpoint_dir(path), "config.json")
+    config = read_json(config_path, CheckpointError)
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_path}: expected a JSON object")
     check_config_values(config, config_path)
     return config
+
+
+def checkpoint_file(directory: Path, name: str) -> Path:
+    """``directory / name``, refused (UnsafePathError) when it is a link out of the
+    checkpoint or not a regular file (a hub cache snapshot's links into its ``blobs`` are
+    read: :func:`attnexport.contained_files.contained_file`)."""
+    return contained_file(directory, name, hub_links=True)
 
 
 def check_config_values(config: dict, config_path: Path) -> None:
@@ -92,39 +98,31 @@ def check_config_values(config: dict, config_path: Path) -> None:
 def weight_files(path: str | Path) -> list[Path]:
     """The weight files of a checkpoint directory, in load order."""
     directory = checkpoint_dir(path)
-    index = directory / SAFETENSORS_INDEX
+    index = checkpoint_file(directory, SAFETENSORS_INDEX)
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
-            raise CheckpointError(
-                f"{index}: not a JSON object with a weight_map ({error})"
-            ) from None
+        weight_map = read_json(index, CheckpointError)
+        weight_map = weight_map.get("weight_map", {}) if isinstance(weight_map, dict) else None
         if not isinstance(weight_map, dict) or not all(
             isinstance(v, str) for v in weight_map.values()
         ):
             raise CheckpointError(f"{index}: weight_map: expected an object of file names")
         shards = sorted(set(weight_map.values()))
-        root = directory.resolve()
-        outside = [
-            s
-            for s in shards
-            if (directory / s).resolve().parent != root or not s.endswith(".safetensors")
-        ]
+        outside = [s for s in shards if Path(s).name != s or not s.endswith(".safetensors")]
         if outside:
             # a shard is a file of this directory: a path could read any file on the machine
             raise CheckpointError(
                 f"{index}: weight_map names files that are not *.safetensors files of the "
                 f"checkpoint directory: {outside[:3]}"
             )
-        missing = [s for s in shards if not (directory / s).is_file()]
+        files = [checkpoint_file(directory, s) for s in shards]
+        missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{index}: shard files missing from the directory: {missing}")
-        return [directory / s for s in shards]
-    files = sorted(directory.glob("*.safetensors"))
+        return files
+    files = [checkpoint_file(directory, f.name) for f in sorted(directory.glob("*.safetensors"))]
     if files:
         return files
-    legacy = directory / "pytorch_model.bin"
+    legacy = checkpoint_file(directory, "pytorch_model.bin")
     if legacy.is_file():
         return [legacy]
     raise CheckpointError(

@@ -10,9 +10,9 @@ Hugging Face model: mean pooling, no normalisation.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from attnexport.contained_files import contained_file, read_json
 from attnexport.models.errors import UnsupportedModelError
 
 _ST = "sentence_transformers.models."
@@ -28,9 +28,9 @@ DEFAULT_EMBEDDING = {"pooling": "mean", "normalize": False, "max_seq_length": No
 
 def _read_json(path: Path):
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise UnsupportedModelError(f"{path}: cannot read it as JSON ({error})") from None
+        return read_json(path, UnsupportedModelError)
+    except OSError as error:
+        raise UnsupportedModelError(f"{path}: cannot read it ({error})") from None
 
 
 def read_embedding_config(directory: str | Path) -> dict:
@@ -42,7 +42,7 @@ def read_embedding_config(directory: str | Path) -> dict:
             reproduce (``Dense``, max pooling, ...), named with its file.
     """
     directory = Path(directory)
-    modules_file = directory / "modules.json"
+    modules_file = contained_file(directory, "modules.json", hub_links=True)
     if not modules_file.is_file():
         return dict(DEFAULT_EMBEDDING)
     modules = _read_json(modules_file)
@@ -58,7 +58,8 @@ def read_embedding_config(directory: str | Path) -> dict:
     pooling_at = types.index("Pooling")
     if "Normalize" in types and types.index("Normalize") < pooling_at:
         raise UnsupportedModelError(f"{modules_file}: Normalize before Pooling is not supported")
-    pooling_file = directory / str(modules[pooling_at].get("path", "")) / "config.json"
+    pooling_dir = str(modules[pooling_at].get("path", ""))
+    pooling_file = contained_file(directory, Path(pooling_dir, "config.json"), hub_links=True)
     pooling = _read_json(pooling_file) if pooling_file.is_file() else {}
     if pooling.get("pooling_mode") is not None:  # sentence-transformers >= 3 may write this
         modes = [str(pooling["pooling_mode"])]
@@ -77,7 +78,7 @@ def read_embedding_config(directory: str | Path) -> dict:
             )
         modes = [_MODES[on[0]]]
     max_seq_length = None
-    bert_config = directory / "sentence_bert_config.json"
+    bert_config = contained_file(directory, "sentence_bert_config.json", hub_links=True)
     if bert_config.is_file():
         value = _read_json(bert_config).get("max_seq_length")
         max_seq_length = None if value is None else int(value)

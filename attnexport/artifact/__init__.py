@@ -5,6 +5,9 @@ reads; the CLI and ``attnexport.runtime.loading`` both use this package (it impo
 * :mod:`.manifest` — ``manifest.json``: its keys, building, writing, reading, validation, and
   the sizes and SHA-256 digests of the model files (no torch).
 * :mod:`.resolve` — which model file a path means (no torch).
+* :mod:`.onnx_data` — an ``.onnx`` file's external data stays in its directory (no torch).
+* :mod:`.staging` — an export is written into a staging directory and moved into place when
+  complete; an earlier export in the target (no torch).
 * :mod:`.pt2` — safe ``.pt2`` loading (the archive is inspected; nothing is unpickled).
 * :mod:`.eager` — what a manifest rebuilds in torch: dtypes, cache geometry, the eager model.
 * :mod:`.export` — writing an export directory (``attnexport export``).
@@ -18,7 +21,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from attnexport.artifact.errors import ArtifactError, UnsafeArtifactError
+from attnexport.artifact.errors import ArtifactError, IncompleteArtifactError, UnsafeArtifactError
 from attnexport.artifact.files import (
     EXECUTOR_FORMAT,
     EXECUTORS,
@@ -47,6 +50,7 @@ from attnexport.artifact.manifest import (
     write_manifest,
 )
 from attnexport.artifact.resolve import resolve_artifact
+from attnexport.artifact.staging import earlier_export
 
 if TYPE_CHECKING:
     from attnexport.artifact.eager import DTYPES, manifest_cache_spec, rebuild_eager_model
@@ -54,10 +58,8 @@ if TYPE_CHECKING:
         CPU_UNRUNNABLE,
         ExportOptions,
         check_finite_weights,
-        earlier_export,
         export_artifact,
         quantize_export,
-        remove_earlier_export,
     )
     from attnexport.artifact.pt2 import inspect_pt2, load_pt2, save_pt2
 
@@ -68,10 +70,8 @@ _LAZY = {
     "CPU_UNRUNNABLE": "export",
     "ExportOptions": "export",
     "check_finite_weights": "export",
-    "earlier_export": "export",
     "export_artifact": "export",
     "quantize_export": "export",
-    "remove_earlier_export": "export",
     "inspect_pt2": "pt2",
     "load_pt2": "pt2",
     "save_pt2": "pt2",
@@ -96,6 +96,7 @@ __all__ = [
     "TOKENIZER_FILES",
     "ArtifactError",
     "ExportOptions",
+    "IncompleteArtifactError",
     "UnsafeArtifactError",
     "artifact_dir",
     "check_finite_weights",
@@ -112,7 +113,6 @@ __all__ = [
     "quantize_export",
     "read_manifest",
     "rebuild_eager_model",
-    "remove_earlier_export",
     "resolve_artifact",
     "save_pt2",
     "validate_manifest",

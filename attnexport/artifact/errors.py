@@ -12,3 +12,9 @@ class ArtifactError(UserError):
 
 class UnsafeArtifactError(ArtifactError):
     """A ``.pt2`` archive with entries that loading would unpickle or execute."""
+
+
+class IncompleteArtifactError(ArtifactError):
+    """An export directory holding a model file but no ``manifest.json``: an interrupted or
+    hand-assembled export, which would otherwise load as whatever model file it holds (the
+    float model of an interrupted ``--weights int4`` export)."""

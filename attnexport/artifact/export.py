@@ -1,5 +1,6 @@
 """Writing an export directory: the model files, the tokenizer files and the manifest
-(``attnexport export``)."""
+(``attnexport export``), all into a staging directory moved into place when complete
+(:mod:`attnexport.artifact.staging`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from attnexport.artifact.errors import ArtifactError
-from attnexport.artifact.files import EXPORT_FILES, ONNX_FILE, PT2_FILE, TOKENIZER_FILES
+from attnexport.artifact.files import ONNX_FILE, PT2_FILE, TOKENIZER_FILES
 from attnexport.artifact.manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -26,6 +27,8 @@ from attnexport.artifact.manifest import (
     write_manifest,
 )
 from attnexport.artifact.pt2 import save_pt2
+from attnexport.artifact.staging import earlier_export, publish, staging_directory
+from attnexport.contained_files import contained_file
 
 if TYPE_CHECKING:
     from attnexport.lowering.quantize import WeightQuantization
@@ -62,7 +65,12 @@ def export_artifact(
     step: Callable[[str], None] = lambda _: None,
 ) -> dict:
     """Exports zoo model or checkpoint ``model_ref`` into directory ``out``; returns the
-    manifest. ``step(description)`` is called before each long step (for progress display)."""
+    manifest. ``step(description)`` is called before each long step (for progress display).
+
+    The files are written into a staging directory and moved into ``out`` only when all are
+    written (:mod:`attnexport.artifact.staging`): an export that fails or is interrupted
+    leaves ``out`` as it was. A checkpoint's files are read only when they are its own
+    (:mod:`attnexport.contained_files`)."""
     from attnexport import lowering
     from attnexport.models import load_checkpoint, load_zoo_model, resolve_model_ref
 
@@ -94,7 +102,7 @@ def export_artifact(
             "quantized exports are made from float32 models"
         )
     kv_cache_dtype = _kv_cache_dtype(options)
-    earlier = earlier_export(out, overwrite=options.overwrite)
+    earlier_export(out, overwrite=options.overwrite)
     kind, ref = resolve_model_ref(model_ref)
     source = ref if kind == "checkpoint" else None
     step(f"loading {'checkpoint ' + str(ref) if source else 'zoo model ' + str(ref)}")
@@ -109,9 +117,50 @@ def export_artifact(
         from attnexport.models.sentence import DEFAULT_EMBEDDING, read_embedding_config
 
         embedding = read_embedding_config(source) if source else dict(DEFAULT_EMBEDDING)
-    if earlier:
-        remove_earlier_export(out)
-    out.mkdir(parents=True, exist_ok=True)
+    generation = generation_defaults(source, model)
+    # checked before the long steps: a link out of the checkpoint is refused, never copied
+    tokenizer_files = {
+        name: path
+        for name in (TOKENIZER_FILES if source is not None else ())
+        if (path := contained_file(source, name, hub_links=True)).is_file()
+    }
+    with staging_directory(out) as stage:
+        written = _write_export(model, stage, options, kv_cache_dtype, step)
+        for name, path in tokenizer_files.items():
+            shutil.copy2(path, stage / name)
+        timings = written.pop("export_seconds")
+        source_entry = (
+            {"kind": "checkpoint", "path": str(source.resolve())}
+            if source is not None
+            else {"kind": "zoo", "name": str(ref), "seed": options.seed}
+        )
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "architecture": model.zoo_name,
+            "kind": model.kind,
+            "source": source_entry,
+            **written,  # dtypes, config, cache, target, files, weights, digests, inputs
+            "vocab_size": getattr(model.config, "vocab_size", None),
+            "max_model_len": model.max_model_len,
+            "rope_switch_length": model.rope_switch_length,
+            "generation": generation,
+            **({"embedding": embedding} if embedding is not None else {}),
+            "tokenizer_files": [n for n in tokenizer_files if n != "generation_config.json"],
+            "versions": library_versions(),
+            "export_seconds": timings,
+        }
+        write_manifest(stage, manifest)
+        publish(stage, out)
+    return manifest
+
+
+def _write_export(
+    model, stage: Path, options: ExportOptions, kv_cache_dtype, step: Callable[[str], None]
+) -> dict:
+    """Writes the model files of ``model`` into ``stage``; returns the manifest's entries
+    about them (dtypes, config, cache, target, files, weights, digests, inputs, export times)."""
+    from attnexport import lowering
 
     sample = model.export_sample(options.block_size, kv_cache_dtype)
     cache_spec = (
@@ -125,7 +174,7 @@ def export_artifact(
     files = {}
     if "pt2" in options.formats:
         step("saving model.pt2")
-        save_pt2(program, out / PT2_FILE)
+        save_pt2(program, stage / PT2_FILE)
         files["pt2"] = PT2_FILE
     if "onnx" in options.formats:
         step(f"lowering to ONNX (target {options.target})")
@@ -133,7 +182,7 @@ def export_artifact(
         lowering.to_onnx(
             program,
             sample.args,
-            out / ONNX_FILE,
+            stage / ONNX_FILE,
             target=options.target,
             cache_spec=cache_spec,
             metadata={"architecture": model.zoo_name, "kind": model.kind},
@@ -145,28 +194,11 @@ def export_artifact(
         step(f"quantizing the weights ({options.weights.format})")
         start = time.perf_counter()
         try:
-            weights = lowering.quantize_weights(out / ONNX_FILE, options.weights)
+            weights = lowering.quantize_weights(stage / ONNX_FILE, options.weights)
         except lowering.QuantizationError as error:
-            (out / ONNX_FILE).unlink(missing_ok=True)  # no float model left behind as if done
             raise ArtifactError(str(error)) from None
         timings["quantize"] = round(time.perf_counter() - start, 3)
-
-    tokenizer_files = []
-    if source is not None:
-        for name in TOKENIZER_FILES:
-            if (source / name).is_file():
-                shutil.copy2(source / name, out / name)
-                tokenizer_files.append(name)
-    manifest = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "architecture": model.zoo_name,
-        "kind": model.kind,
-        "source": (
-            {"kind": "checkpoint", "path": str(source.resolve())}
-            if source is not None
-            else {"kind": "zoo", "name": str(ref), "seed": options.seed}
-        ),
+    return {
         "dtype": dtype_name(options.dtype),
         "kv_cache_dtype": dtype_name(kv_cache_dtype or options.dtype),
         "config": model.config.to_dict(),
@@ -174,25 +206,17 @@ def export_artifact(
         "target": options.target if "onnx" in options.formats else None,
         "files": files,
         **({"weights": weights} if weights is not None else {}),
-        "file_digests": model_file_digests(out, files),
+        "file_digests": model_file_digests(stage, files),
         "input_names": list(sample.input_names),
-        "vocab_size": getattr(model.config, "vocab_size", None),
-        "max_model_len": model.max_model_len,
-        "rope_switch_length": model.rope_switch_length,
-        "generation": generation_defaults(source, model),
-        **({"embedding": embedding} if embedding is not None else {}),
-        "tokenizer_files": [n for n in tokenizer_files if n != "generation_config.json"],
-        "versions": library_versions(),
         "export_seconds": timings,
     }
-    write_manifest(out, manifest)
-    return manifest
 
 
 def quantize_export(source: Path, out: Path, weights: WeightQuantization) -> dict:
     """Copies the float32 ONNX export ``source`` to the new directory ``out`` with its weights
     quantized as ``weights`` asks: what ``export --weights`` does after the lowering, without
-    exporting again. Returns the new manifest (``weights`` recorded, digests renewed)."""
+    exporting again; staged and moved in when complete, as an export. Returns the new manifest
+    (``weights`` recorded, digests renewed)."""
     from attnexport import lowering
 
     manifest = read_manifest(source)
@@ -202,19 +226,20 @@ def quantize_export(source: Path, out: Path, weights: WeightQuantization) -> dic
         raise ArtifactError(f"{source}: quantized exports are made from float32 weights")
     if out.exists():
         raise ArtifactError(f"--out: {out} exists")
-    shutil.copytree(source, out)
-    start = time.perf_counter()
-    try:
-        manifest["weights"] = lowering.quantize_weights(out / ONNX_FILE, weights)
-    except lowering.QuantizationError as error:
-        shutil.rmtree(out)
-        raise ArtifactError(str(error)) from None
-    manifest["export_seconds"] = {
-        **manifest.get("export_seconds", {}),
-        "quantize": round(time.perf_counter() - start, 3),
-    }
-    manifest["file_digests"] = model_file_digests(out, manifest["files"])
-    write_manifest(out, manifest)
+    with staging_directory(out) as stage:
+        shutil.copytree(source, stage, dirs_exist_ok=True)
+        start = time.perf_counter()
+        try:
+            manifest["weights"] = lowering.quantize_weights(stage / ONNX_FILE, weights)
+        except lowering.QuantizationError as error:
+            raise ArtifactError(str(error)) from None
+        manifest["export_seconds"] = {
+            **manifest.get("export_seconds", {}),
+            "quantize": round(time.perf_counter() - start, 3),
+        }
+        manifest["file_digests"] = model_file_digests(stage, manifest["files"])
+        write_manifest(stage, manifest)
+        publish(stage, out)
     return manifest
 
 
@@ -245,38 +270,3 @@ def check_finite_weights(model: torch.nn.Module, model_ref: str) -> None:
             raise ArtifactError(
                 f"{model_ref}: weight {name!r} holds NaN or infinite values; fix the checkpoint"
             )
-
-
-def earlier_export(out: Path, *, overwrite: bool) -> list[Path]:
-    """The files of an earlier export in ``out`` (its manifest and model files); refuses them
-    unless ``overwrite``. Called before anything is loaded, so a refusal costs nothing."""
-    if out.exists() and not out.is_dir():
-        raise ArtifactError(f"--out: {out} exists and is not a directory")
-    earlier = [out / n for n in EXPORT_FILES]
-    earlier = [p for p in earlier if p.exists() or p.is_symlink()]
-    if earlier and not overwrite:
-        raise ArtifactError(
-            f"--out: {out} holds an earlier export ({', '.join(p.name for p in earlier)}); "
-            "pass --overwrite to replace it, or choose another directory"
-        )
-    return earlier
-
-
-def remove_earlier_export(out: Path) -> None:
-    """Removes the files of the earlier export in ``out``: its manifest, model files and the
-    tokenizer files it copied (every name an export copies when its manifest is missing or
-    damaged), so that none of them outlives it. Other files are kept."""
-    try:
-        manifest = read_manifest(out)
-    except ArtifactError:
-        manifest = None
-    copied = (
-        TOKENIZER_FILES
-        if manifest is None
-        else [*(manifest.get("tokenizer_files") or []), "generation_config.json"]
-    )
-    owned = (*TOKENIZER_FILES, *EXPORT_FILES)
-    for name in {*EXPORT_FILES, *copied}:
-        path = out / name
-        if name in owned and (path.is_file() or path.is_symlink()):
-            path.unlink()

@@ -38,6 +38,11 @@ ONNX model (``export --weights int4|int8``, :mod:`attnexport.lowering.quantize`)
 Since format version 2 ``file_digests`` records the size and SHA-256 of every model file it
 lists (``model.onnx``, its external data ``model.onnx.data`` when there is one, ``model.pt2``);
 loading a file whose size or digest differs is an :class:`ArtifactError`.
+
+Every file is read through :mod:`attnexport.contained_files`: a manifest or model file that is
+a symbolic link, or not a regular file, is refused (:class:`UnsafePathError`); so is a
+directory that holds a model file but no manifest (:class:`IncompleteArtifactError`: an export
+writes its manifest last).
 """
 
 from __future__ import annotations
@@ -48,8 +53,17 @@ import os
 import platform
 from pathlib import Path
 
-from attnexport.artifact.errors import ArtifactError
-from attnexport.artifact.files import MANIFEST, MODEL_FILES, ONNX_DATA_FILE, artifact_dir
+from attnexport.artifact.errors import ArtifactError, IncompleteArtifactError
+from attnexport.artifact.files import (
+    MANIFEST,
+    MODEL_FILES,
+    ONNX_DATA_FILE,
+    TOKENIZER_FILES,
+    artifact_dir,
+)
+from attnexport.artifact.onnx_data import check_external_data, ort_checks_external_data
+from attnexport.contained_files import contained_file, read_json
+from attnexport.paged_inputs import MAX_SEQUENCE_LENGTH
 
 FORMAT = "attnexport-artifact"
 FORMAT_VERSION = 2
@@ -64,6 +78,9 @@ GENERATION_TOKENS = (
     "forced_eos_token_id",
 )
 """Single-token generation defaults recorded in the manifest (``attnexport run`` uses them)."""
+MAX_MANIFEST_BYTES = 16 << 20
+"""The largest ``manifest.json`` read (an export writes a few kilobytes)."""
+REEXPORT = "; re-export the model (attnexport export ... --overwrite)"
 
 
 # ----------------------------------------------------------------------------- reading
@@ -75,26 +92,37 @@ def read_manifest(path: str | os.PathLike, *, plain_ok: bool = False) -> dict | 
 
     With ``plain_ok``, a JSON object without a ``format`` key (a hand-written manifest with,
     say, ``config.max_position_embeddings``, which the runtime reads) is returned as it is: it
-    lists no model files, so the loaders treat the directory as one without a manifest.
+    lists no model files, so the loaders take the ones present.
 
     Raises:
         ArtifactError: ``manifest.json`` is not JSON, not an attnexport manifest, or a field
             has the wrong type (the message names the file and the field).
+        IncompleteArtifactError: ``path`` is a directory holding a model file but no manifest.
+        UnsafePathError: ``manifest.json`` is a symbolic link or not a regular file.
     """
-    file = artifact_dir(path) / MANIFEST
+    path = Path(path)
+    file = contained_file(artifact_dir(path), MANIFEST)
     if not file.is_file():
+        if path.is_dir():
+            refuse_model_without_manifest(path)
         return None
-    try:
-        manifest = json.loads(file.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ArtifactError(
-            f"{file}: not valid JSON ({error}); re-export the model (attnexport export ... "
-            "--overwrite)"
-        ) from None
+    manifest = read_json(file, ArtifactError, max_bytes=MAX_MANIFEST_BYTES, hint=REEXPORT)
     if plain_ok and isinstance(manifest, dict) and "format" not in manifest:
         return manifest
     validate_manifest(manifest, file)
     return manifest
+
+
+def refuse_model_without_manifest(directory: Path) -> None:
+    """IncompleteArtifactError when ``directory`` holds a model file (``model.onnx``, its
+    external data, ``model.pt2``) but no manifest."""
+    names = [n for n in (*MODEL_FILES.values(), ONNX_DATA_FILE) if os.path.lexists(directory / n)]
+    if names and not os.path.lexists(directory / MANIFEST):
+        raise IncompleteArtifactError(
+            f"artifact: {directory} holds {', '.join(names)} but no {MANIFEST}: an interrupted "
+            "or unfinished export (an export writes its manifest last); export it again "
+            "(attnexport export MODEL --out DIR --overwrite)"
+        )
 
 
 def is_export_manifest(manifest: dict | None) -> bool:
@@ -104,6 +132,39 @@ def is_export_manifest(manifest: dict | None) -> bool:
 
 def _field_error(file: Path, name: str, expected: str, value) -> ArtifactError:
     return ArtifactError(f"{file}: field {name!r}: expected {expected}, got {value!r}")
+
+
+POSITION_KEYS = ("max_position_embeddings", "n_positions")
+"""The model config keys that give its trained positions (Llama family and most others;
+GPT-2)."""
+
+
+def manifest_max_model_len(manifest: dict, file: Path) -> int | None:
+    """The longest sequence a manifest declares: ``max_model_len``, else the positions of its
+    ``config`` (:data:`POSITION_KEYS`); None when it declares neither as an int.
+
+    Raises:
+        ArtifactError: ``max_model_len`` is longer than the config's positions (the model has
+            no embedding, or no training, for the positions past them) or than an int32.
+    """
+    config = manifest.get("config")
+    config = config if isinstance(config, dict) else {}
+    key = next((k for k in POSITION_KEYS if type(config.get(k)) is int), None)
+    positions = config[key] if key is not None else None
+    declared = manifest.get("max_model_len")
+    if type(declared) is not int:
+        return positions
+    if positions is not None and declared > positions:
+        raise ArtifactError(
+            f"{file}: field 'max_model_len': {declared} is longer than the model's "
+            f"{positions} positions (config.{key}); expected at most {positions}"
+        )
+    if declared > MAX_SEQUENCE_LENGTH:
+        raise ArtifactError(
+            f"{file}: field 'max_model_len': {declared} is longer than any sequence can be "
+            f"(sequence lengths are int32); expected at most {MAX_SEQUENCE_LENGTH}"
+        )
+    return declared
 
 
 def validate_manifest(manifest, file: Path) -> None:
@@ -132,6 +193,7 @@ def validate_manifest(manifest, file: Path) -> None:
         value = manifest.get(key)
         if value is not None and (type(value) is not int or value < 1):
             raise _field_error(file, key, "a positive integer or null", value)
+    manifest_max_model_len(manifest, file)
     cache = manifest.get("cache")
     if manifest["kind"] != "encoder":
         keys = ("block_size", "num_layers", "num_kv_heads", "head_size")
@@ -169,9 +231,10 @@ def validate_manifest(manifest, file: Path) -> None:
             "{pooling: mean | cls, normalize, max_seq_length} or absent",
             embedding,
         )
-    generation = manifest.get("generation", {})
-    if not isinstance(generation, dict):
-        raise _field_error(file, "generation", "an object", generation)
+    _validate_generation(manifest, file)
+    names = manifest.get("tokenizer_files", [])
+    if not isinstance(names, list) or not all(n in TOKENIZER_FILES for n in names):
+        raise _field_error(file, "tokenizer_files", f"names among {TOKENIZER_FILES}", names)
     if version >= 2:
         digests = manifest.get("file_digests")
         if not isinstance(digests, dict) or not set(files.values()) <= set(digests):
@@ -183,6 +246,27 @@ def validate_manifest(manifest, file: Path) -> None:
                 and isinstance(digest.get("sha256"), str)
             ):
                 raise _field_error(file, f"file_digests.{name}", "{bytes, sha256}", digest)
+
+
+def _is_token(value, vocab_size: int | None) -> bool:
+    return type(value) is int and value >= 0 and (vocab_size is None or value < vocab_size)
+
+
+def _validate_generation(manifest: dict, file: Path) -> None:
+    """The generation defaults every request takes: token ids of the vocabulary (a bad one
+    would make the engine refuse every request, so it is refused here, at load)."""
+    generation = manifest.get("generation", {})
+    if not isinstance(generation, dict):
+        raise _field_error(file, "generation", "an object", generation)
+    vocab = manifest.get("vocab_size")
+    ids = f"token ids in [0, {vocab})" if vocab else "token ids >= 0"
+    eos = generation.get("eos_token_ids", [])
+    if not isinstance(eos, list) or not all(_is_token(t, vocab) for t in eos):
+        raise _field_error(file, "generation.eos_token_ids", f"a list of {ids}", eos)
+    for key in GENERATION_TOKENS:
+        value = generation.get(key)
+        if value is not None and not _is_token(value, vocab):
+            raise _field_error(file, f"generation.{key}", f"null or one of the {ids}", value)
 
 
 # ----------------------------------------------------------------------------- integrity
@@ -225,9 +309,10 @@ def check_model_file(manifest: dict, directory: Path, fmt: str) -> Path:
     if fmt == "onnx" and ONNX_DATA_FILE in manifest.get("file_digests", {}):
         names.append(ONNX_DATA_FILE)
     for each in names:
-        path = directory / each
+        path = contained_file(directory, each)
         if not path.is_file():
             raise ArtifactError(f"{path}: listed in {manifest_file} but missing; re-export")
+        require_model_bytes(path)
         expected = manifest.get("file_digests", {}).get(each)
         if expected is None:
             continue  # format version 1: no digests recorded
@@ -236,7 +321,16 @@ def check_model_file(manifest: dict, directory: Path, fmt: str) -> Path:
                 f"{path}: size or SHA-256 differs from the one {manifest_file} records "
                 "(the file was replaced or damaged after export); re-export the model"
             )
+    if fmt == "onnx" and not ort_checks_external_data():
+        check_external_data(directory / name)
     return directory / name
+
+
+def require_model_bytes(path: Path) -> None:
+    """ArtifactError when the model file ``path`` is empty (no model has 0 bytes; onnxruntime
+    would report a protobuf without a graph)."""
+    if path.stat().st_size == 0:
+        raise ArtifactError(f"{path}: empty (0 bytes), not a model{REEXPORT}")
 
 
 # ----------------------------------------------------------------------------- writing
@@ -268,33 +362,54 @@ def cache_entry(cache_spec) -> dict | None:
     }
 
 
-def _as_list(value) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+def _token_ids(value, path: Path, key: str, vocab_size: int | None) -> list[int]:
+    """The token ids of a checkpoint's ``key`` (one id or a list of ids); ArtifactError naming
+    the file and the key for anything else, or an id outside the model's vocabulary."""
+    values = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(_is_token(v, vocab_size) for v in values):
+        ids = f"token ids in [0, {vocab_size})" if vocab_size else "token ids >= 0"
+        raise ArtifactError(f"{path}: field {key!r}: expected {ids} or null, got {value!r}")
+    return values
+
+
+def _single_token(values: dict, key: str, path: Path, vocab_size: int | None) -> int | None:
+    if isinstance(values[key], list):
+        raise ArtifactError(f"{path}: field {key!r}: expected one token id or null")
+    return (_token_ids(values[key], path, key, vocab_size) or [None])[0]
 
 
 def generation_defaults(source: Path | None, model) -> dict:
     """End-of-sequence tokens, decoder start and forced first/last tokens, as
     ``transformers.generate`` would take them: ``generation_config.json`` first, then
-    ``config.json``. A zoo model has its config's decoder start token and nothing else."""
+    ``config.json``. A zoo model has its config's decoder start token and nothing else.
+
+    Raises:
+        ArtifactError: a value that is not a token id of the model's vocabulary (every request
+            would be refused), naming the file and the key.
+        UnsafePathError: one of the files is a link out of the checkpoint.
+    """
     config = getattr(model, "config", None)
+    vocab_size = getattr(config, "vocab_size", None)
     defaults = {"eos_token_ids": [], **dict.fromkeys(GENERATION_TOKENS)}
     defaults["decoder_start_token_id"] = getattr(config, "decoder_start_token_id", None)
     if source is None:
         return defaults
     bos = None
     for name in ("config.json", "generation_config.json"):  # the later file wins
-        path = source / name
+        path = contained_file(source, name, hub_links=True)
         if not path.is_file():
             continue
-        values = json.loads(path.read_text())
+        values = read_json(path, ArtifactError)
+        if not isinstance(values, dict):
+            raise ArtifactError(f"{path}: expected a JSON object")
         if "eos_token_id" in values:
-            defaults["eos_token_ids"] = _as_list(values["eos_token_id"])
-        bos = values.get("bos_token_id", bos)
+            eos = _token_ids(values["eos_token_id"], path, "eos_token_id", vocab_size)
+            defaults["eos_token_ids"] = list(dict.fromkeys(eos))
         for key in GENERATION_TOKENS:
             if key in values:
-                defaults[key] = None if values[key] is None else int(values[key])
+                defaults[key] = _single_token(values, key, path, vocab_size)
+        if "bos_token_id" in values and model.kind == "encoder-decoder":
+            bos = _single_token(values, "bos_token_id", path, vocab_size)
     if defaults["decoder_start_token_id"] is None and model.kind == "encoder-decoder":
         # transformers starts the decoder from the BOS token when no start token is set.
         defaults["decoder_start_token_id"] = bos

@@ -160,10 +160,55 @@ def load_pt2(
 
 def save_pt2(program: torch.export.ExportedProgram, path: Path) -> None:
     """``torch.export.save`` without the sample inputs, the one entry torch would otherwise
-    pickle (the loaders never need them)."""
+    pickle (the loaders never need them).
+
+    Raises:
+        OSError: a write failed (a full disk, the file size limit), as Python raised it.
+    """
     example_inputs = program._example_inputs
     program._example_inputs = None
     try:
-        torch.export.save(program, path)
+        with path.open("wb") as handle:
+            sink = _FirstWriteError(handle)
+            torch.export.save(program, sink)
+        if sink.error is not None:
+            raise sink.error
     finally:
         program._example_inputs = example_inputs
+
+
+class _FirstWriteError(io.RawIOBase):
+    """A file for torch's archive writer that keeps the first failed write's OSError and
+    swallows the writes after it. torch turns a failed write into a RuntimeError and then,
+    in the writer's destructor, into a C++ exception that aborts the process; with every write
+    succeeding the archive is finished (unusable) and the OSError raised after."""
+
+    def __init__(self, handle) -> None:
+        super().__init__()
+        self.handle = handle
+        self.error: OSError | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        size = len(memoryview(data))
+        if self.error is None:
+            try:
+                self.handle.write(data)
+            except OSError as error:
+                self.error = error
+        return size
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return offset if self.error is not None else self.handle.seek(offset, whence)
+
+    def flush(self) -> None:
+        if self.error is None:
+            try:
+                self.handle.flush()
+            except OSError as error:
+                self.error = error

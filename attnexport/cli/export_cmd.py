@@ -4,7 +4,10 @@ export directory (``model.onnx`` and/or ``model.pt2``, ``manifest.json``, tokeni
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
+import threading
 from pathlib import Path
 
 from attnexport.artifact import ArtifactError
@@ -126,7 +129,7 @@ def add_parser(commands) -> None:
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace an earlier export in DIR (its files are removed first)",
+        help="replace an earlier export in DIR (once the new one is complete)",
     )
     parser.add_argument("--json", action="store_true", help="print the manifest as JSON")
     parser.set_defaults(run=run)
@@ -163,6 +166,21 @@ def export_artifact(model: str, out: Path, options, step) -> dict:
     return export(model, out, options, step=step)
 
 
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """SIGTERM interrupts the export as Ctrl-C does (KeyboardInterrupt), so its staging
+    directory is removed and ``--out`` left as it was (the default action would end the
+    process where it stands)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run(args: argparse.Namespace) -> int:
     require("torch", "export", "attnexport export")
     from attnexport.artifact import DTYPES, ExportOptions
@@ -177,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         weights=_weights(args),
     )
-    with steps(quiet=args.json) as step:
+    with steps(quiet=args.json) as step, _sigterm_interrupts():
         manifest = export_artifact(args.model, args.out, options, step=step)
     if args.json:
         print(json.dumps(manifest, indent=2))

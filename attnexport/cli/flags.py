@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from attnexport.cli import choices
+from attnexport.cli.errors import CliError
 
 
 def add_trust_flag(parser) -> None:
@@ -37,3 +38,25 @@ def add_kernel_flags(parser) -> None:
         help="attention backend of the torch executor: %(choices)s (default: auto)",
     )
     parser.add_argument("--device", choices=choices.devices(), default="cpu")
+
+
+def add_kv_cache_memory_flag(parser, default: str) -> None:
+    """``--kv-cache-memory GIB`` of the commands that generate (``default`` says what the
+    pool is without it)."""
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help=f"KV-cache pool size in GiB (default: {default})",
+    )
+
+
+def kv_cache_bytes(args) -> int | None:
+    """``--kv-cache-memory`` in bytes (None when not given); CliError unless it is > 0."""
+    gib = args.kv_cache_memory
+    if gib is None:
+        return None
+    if not gib > 0 or gib == float("inf"):
+        raise CliError(f"--kv-cache-memory: expected a size in GiB > 0, got {gib}")
+    return int(gib * 2**30)

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from attnexport.artifact import ONNX_FILE, ArtifactError, check_model_file, read_manifest
+from attnexport.artifact.manifest import require_model_bytes
 from attnexport.cli.errors import CliError
 
 
@@ -44,6 +45,7 @@ def inspect_onnx(path: Path) -> dict:
         raise CliError(
             f"{path}: no such ONNX file (export one with: attnexport export MODEL --out DIR)"
         )
+    require_model_bytes(path)
     try:
         model = onnx.load(str(path), load_external_data=False)
     except DecodeError as error:

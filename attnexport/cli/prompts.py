@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from attnexport.cli.errors import CliError
+from attnexport.runtime.chat_template import ChatTemplateError
 from attnexport.runtime.sampling import SamplingParams
 from attnexport.runtime.text import Tokenizer, TokenizerError, check_messages
 
@@ -45,7 +46,7 @@ class PromptSpec:
             if self.messages is not None:
                 return tokenizer.apply_chat_template(self.messages)
             return tokenizer.encode(self.text)
-        except TokenizerError as error:
+        except (TokenizerError, ChatTemplateError) as error:
             raise CliError(f"{self.where}: {error}") from None
 
 

@@ -10,7 +10,13 @@ from pathlib import Path
 
 from attnexport.artifact import artifact_dir, read_manifest
 from attnexport.cli.errors import CliError
-from attnexport.cli.flags import add_executor_flag, add_kernel_flags, add_trust_flag
+from attnexport.cli.flags import (
+    add_executor_flag,
+    add_kernel_flags,
+    add_kv_cache_memory_flag,
+    add_trust_flag,
+    kv_cache_bytes,
+)
 from attnexport.cli.prompts import PromptSpec, chat_messages, read_prompts_file
 
 
@@ -90,6 +96,11 @@ def add_parser(commands) -> None:
     )
     add_executor_flag(parser)
     add_kernel_flags(parser)
+    add_kv_cache_memory_flag(
+        parser,
+        "what the requests need: each sample's prompt + --max-tokens tokens, at most a quarter "
+        "of the memory",
+    )
     add_trust_flag(parser)
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
     parser.set_defaults(run=run)
@@ -189,8 +200,9 @@ def _encoder_decoder(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnexport.runtime import SamplingParams, engine_from_path
+    from attnexport.runtime import CacheConfig, SamplingParams, engine_from_path
 
+    memory_bytes = kv_cache_bytes(args)
     specs = collect_prompts(args)
     if not args.artifact.exists():
         raise CliError(
@@ -230,8 +242,21 @@ def run(args: argparse.Namespace) -> int:
     )
     params.check()  # a bad flag is a user error for every prompt
     params_list = [dataclasses.replace(params, **spec.sampling) for spec in specs]
+    for i, request_params in enumerate(params_list):
+        try:
+            request_params.check()
+        except (TypeError, ValueError) as error:
+            raise CliError(f"prompt {i} ({specs[i].where}): {error}") from None
+    # The pool holds what these requests need at once, not a server's worst case; an
+    # explicit --kv-cache-memory wins. (Upper bounds: forks share their prompt's blocks.)
+    lengths = [
+        len(prompt) + request_params.max_tokens
+        for prompt, request_params in zip(prompts, params_list, strict=True)
+        for _ in range(request_params.n)
+    ]
     engine = engine_from_path(
         args.artifact,
+        cache_config=CacheConfig(memory_bytes=memory_bytes, sequence_tokens=lengths),
         executor=args.executor,
         backend=args.backend,
         device=args.device,

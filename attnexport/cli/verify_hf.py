@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from attnexport.artifact import DTYPES
+from attnexport.contained_files import check_entries
 
 GREEDY_TOKENS = 8
 """New tokens per prompt of the greedy comparison."""
@@ -31,7 +32,8 @@ def unavailable_reason(manifest: dict) -> str | None:
 
 
 def load_hf_model(manifest: dict):
-    """The checkpoint as transformers loads it, in the artifact's dtype, eval mode."""
+    """The checkpoint as transformers loads it, in the artifact's dtype, eval mode; none of its
+    entries may be a link out of it (UnsafePathError)."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # verify has its own progress lines
@@ -40,7 +42,9 @@ def load_hf_model(manifest: dict):
         if manifest["kind"] == "encoder-decoder"
         else transformers.AutoModelForCausalLM
     )
-    return auto.from_pretrained(manifest["source"]["path"], dtype=DTYPES[manifest["dtype"]]).eval()
+    source = manifest["source"]["path"]
+    check_entries(source, hub_links=True)  # transformers opens the files itself
+    return auto.from_pretrained(source, dtype=DTYPES[manifest["dtype"]]).eval()
 
 
 def teacher_forced_logits(

@@ -14,12 +14,16 @@ maps onto it::
       -> output [T, H*D], key_cache_out, value_cache_out   (the caches, aliased in place)
 
 with attributes ``num_heads``, ``kv_num_heads``, ``scale``, ``softcap`` = logits_soft_cap,
-``is_causal`` = causal and ``local_window_size`` = sliding_window - 1 (onnxruntime's window
-covers keys with p - k <= local_window_size; ours p - k < sliding_window).
+``is_causal`` = causal and ``local_window_size`` = sliding_window: the contrib op's window is
+the same count of keys as ours (p - k < window), unlike GroupQueryAttention's
+``local_window_size`` (p - k <= w). Measured on onnxruntime 1.31.1's CUDA kernel (H200): with
+``sliding_window - 1`` every sequence longer than the window differed from the reference; with
+``sliding_window`` every context length 1..130 matched, for windows 7 and 40.
 
 A node is left as an attnexport node (running its standard-op body, also on the CUDA EP) when
 the contrib op cannot express it: fp32/fp64 dtypes (it takes fp16/bf16), ALiBi (no slope
-input), a read-only attention (it always writes), a window of 1, non-static head counts, or a
+input), a read-only attention (it always writes), a window of 1, non-static head counts, a block
+size that is not a power of two of at least 16 (the CUDA kernel refuses it at run time), or a
 write whose tokens are not the query tokens. The reasons are returned as notes.
 
 The mapping is one onnxscript rewrite rule: the pattern (write -> attention), the check (what
@@ -74,7 +78,12 @@ def _why_not(attention: ir.Node, write: ir.Node | None) -> str | None:
     if not _is_zero(attention.inputs[6] if len(attention.inputs) > 6 else None):
         return "ALiBi (com.microsoft.PagedAttention has no slope input)"
     if _attribute(attention, "sliding_window", -1) == 1:
-        return "sliding_window=1 (has no unambiguous local_window_size)"
+        return "sliding_window=1 (a one-key window was not checked against the CUDA kernel)"
+    block_size = _static(attention.inputs[1], 1)
+    if block_size is None or block_size < 16 or block_size & (block_size - 1):
+        # onnxruntime 1.31's CUDA kernel refuses the run otherwise ("block_size must be a
+        # power of two and at least 16"), measured on an H200.
+        return f"block_size={block_size} (com.microsoft.PagedAttention needs a power of two >= 16)"
     key = write.inputs[0]
     if key.shape is None or query.shape is None or key.shape[0] != query.shape[0]:
         return "the written tokens are not known to be the query tokens"
@@ -177,7 +186,7 @@ def _contrib_attention(op, query, key, value, key_cache, value_cache, output, **
         scale=float(_attribute(attention, "scale", 1.0)),
         softcap=float(_attribute(attention, "logits_soft_cap", 0.0)),
         is_causal=int(_attribute(attention, "causal", 1)),
-        local_window_size=window - 1 if window >= 0 else -1,
+        local_window_size=window,
         _domain=MS_DOMAIN,
         _outputs=3,
     )

@@ -464,12 +464,27 @@ struct RowStep {
 // Query rows of a group that share each loaded (and widened) key and value vector: their
 // HG * NV query vectors stay in registers up to 16 (4 rows at NV = 8, their queries read from
 // memory, measured 0.8x of 2 rows there).
-constexpr int rows_per_step(int NV) { return NV <= 4 ? 4 : NV <= 8 ? 2 : 1; }
+//
+// With AVX2 a 16-float vector takes two of only 16 registers: the AVX-512 blocking (3 rows of
+// 4 query vectors, 16 keys' products held for one transposing sum) spilled most of the loop
+// to the stack (perf: the hottest instructions were stack loads and stores), and a decode step
+// of the 135M model (9/3/64 heads, batch 8, 32 keys, one thread) took 3-10x the time of
+// onnxruntime's GroupQueryAttention. There one row at a time keeps its query in registers and
+// each key's products are summed alone.
+#ifdef __AVX512F__
+constexpr bool kWideRegisters = true;
+#else
+constexpr bool kWideRegisters = false;
+#endif
+constexpr int rows_per_step(int NV) {
+  return !kWideRegisters ? 1 : NV <= 4 ? 4 : NV <= 8 ? 2 : 1;
+}
 // Vectors of a value row accumulated per pass over the keys: HG * VB accumulators stay in
-// registers (at most 16 of the 32), VB a divisor of NV.
+// registers (at most 16 of the 32; 4 with AVX2's 16 half-width ones), VB a divisor of NV.
 constexpr int value_block(int NV, int HG) {
+  const int most = kWideRegisters ? 16 : 4;
   int block = NV;
-  while (block * HG > 16 || NV % block != 0) --block;
+  while (block > 1 && (block * HG > most || NV % block != 0)) --block;
   return block;
 }
 
@@ -497,7 +512,7 @@ void step_rows(const RowStep& p) {
     }
   };
   int64_t k = p.a;
-  for (; k + 16 <= p.e; k += 16) {  // 16 keys' products, summed together
+  for (; kWideRegisters && k + 16 <= p.e; k += 16) {  // 16 keys' products, summed together
     f32x16 products[HG][16];
     for (int i = 0; i < 16; ++i) {
       f32x16 acc[HG];

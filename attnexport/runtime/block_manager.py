@@ -21,7 +21,7 @@ swapped out keeps them on the device.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable
 
 from attnexport.runtime.config import blocks_for_tokens
@@ -42,13 +42,21 @@ def _first_predecessor(seq: SequenceState, long_rope: bool = False) -> int:
 
 
 class BlockPool:
-    """The blocks of one pool (device or CPU): free list, reference counts, cache index."""
+    """The blocks of one pool (device or CPU): free list, reference counts, cache index.
+
+    A freed block is handed out again before a block never used (the most recently freed
+    first), and never-used blocks go in id order: the blocks ever used are ``[0,
+    high_water)``, as few as the peak load needed, so a pool whose memory is committed as it
+    is first written (:class:`~attnexport.runtime.executors.cache_pool.NumpyCachePool`)
+    grows with the load rather than cycling through all its memory."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self.high_water = 0
+        """Blocks ``[0, high_water)`` have been handed out at least once."""
+        self._free: list[int] = []  # freed blocks, reused last-freed first
         # Cached blocks nobody references, oldest first: reusable, and evicted in this order.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._key_of: dict[int, BlockKey] = {}
@@ -56,8 +64,8 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        """Blocks an allocation can take (never-used or evictable cached blocks)."""
-        return len(self._free) + len(self._evictable)
+        """Blocks an allocation can take (free, never-used or evictable cached blocks)."""
+        return len(self._free) + self.num_blocks - self.high_water + len(self._evictable)
 
     @property
     def num_cached(self) -> int:
@@ -66,7 +74,10 @@ class BlockPool:
     def allocate(self) -> int:
         """A block with one reference; evicts the least recently freed cached block if needed."""
         if self._free:
-            block = self._free.popleft()
+            block = self._free.pop()
+        elif self.high_water < self.num_blocks:
+            block = self.high_water
+            self.high_water += 1
         elif self._evictable:
             block, _ = self._evictable.popitem(last=False)
             del self._block_of[self._key_of.pop(block)]

@@ -13,6 +13,7 @@ from typing import Literal
 
 from attnexport.errors import UserError
 from attnexport.model_interface import CacheSpec
+from attnexport.paged_inputs import MAX_SEQUENCE_LENGTH
 
 PreemptionMode = Literal["swap", "recompute"]
 
@@ -26,14 +27,20 @@ class CacheConfig:
     """The paged KV-cache pools.
 
     Give ``num_blocks`` or ``memory_bytes`` (a budget divided by ``CacheSpec.bytes_per_block``),
-    or neither: then the pool holds ``max_num_seqs`` sequences of ``max_model_len`` tokens,
-    capped at a quarter of the memory available on the device.
+    or neither: then the pool holds the ``sequence_tokens`` when they are given, else
+    ``max_num_seqs`` sequences of ``max_model_len`` tokens, capped at a quarter of the memory
+    available on the device. A pool larger than the memory available is refused.
     """
 
     num_blocks: int | None = None
     """Blocks in the device pool (each holds ``block_size`` tokens of every layer)."""
     memory_bytes: int | None = None
     """Budget for the device pool in bytes (used when ``num_blocks`` is None)."""
+    sequence_tokens: tuple[int, ...] | None = None
+    """The length (prompt + generated tokens) of every sequence the engine will run, when they
+    are known before it starts (``attnexport run``: each request's prompt + ``max_tokens``, once
+    per sample). The default pool then holds them all at once (at most the default size), and
+    need only hold the longest of them rather than one of ``max_model_len`` tokens."""
     swap_space_bytes: int = 256 * 2**20
     """Budget of the CPU pool that preempted sequences are swapped to."""
     num_cpu_blocks: int | None = None
@@ -46,6 +53,15 @@ class CacheConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise UserError(f"CacheConfig.{name}: expected a non-negative int, got {value!r}")
+        if self.sequence_tokens is not None:
+            self.sequence_tokens = tuple(self.sequence_tokens)
+            if not self.sequence_tokens or not all(
+                isinstance(t, int) and t > 0 for t in self.sequence_tokens
+            ):
+                raise UserError(
+                    "CacheConfig.sequence_tokens: expected positive ints, got "
+                    f"{self.sequence_tokens[:8]!r}"
+                )
         if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
             raise UserError(
                 "CacheConfig.swap_space_bytes: expected a non-negative int, "
@@ -84,10 +100,12 @@ class SchedulerConfig:
             if not isinstance(value, int) or value < 1:
                 raise UserError(f"SchedulerConfig.{name}: expected a positive int, got {value!r}")
         if self.max_model_len is not None and (
-            not isinstance(self.max_model_len, int) or self.max_model_len < 1
+            not isinstance(self.max_model_len, int)
+            or not 1 <= self.max_model_len <= MAX_SEQUENCE_LENGTH
         ):
             raise UserError(
-                f"SchedulerConfig.max_model_len: expected a positive int or None, "
+                f"SchedulerConfig.max_model_len: expected a positive int (at most "
+                f"{MAX_SEQUENCE_LENGTH}: sequence lengths are int32) or None, "
                 f"got {self.max_model_len!r}"
             )
         if self.preemption_mode not in ("swap", "recompute"):
@@ -146,6 +164,23 @@ def available_memory_bytes(device_type: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def checked_max_model_len(requested: int | None, limit: int | None, declared_by: str) -> int | None:
+    """The length limit to run with: ``requested`` (None: ``limit``), refused above ``limit``,
+    the model's own (the positions it was trained for, as ``declared_by`` declares them).
+
+    A longer limit would let one request run positions the model has no embedding for, or
+    was never trained on; the executor refuses such a step, which would fail every request
+    batched with it. So it is refused here, before anything runs."""
+    if requested is None:
+        return limit
+    if limit is not None and requested > limit:
+        raise UserError(
+            f"max_model_len: {requested} is longer than the model's maximum length {limit} "
+            f"({declared_by}); use at most {limit}"
+        )
+    return requested
+
+
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     """Blocks needed to hold ``num_tokens`` tokens."""
     return -(-num_tokens // block_size)
@@ -161,24 +196,43 @@ def resolve_num_blocks(
     """The (device, CPU) pool sizes in blocks for ``cache_config``.
 
     Raises ValueError if the device pool cannot hold one sequence of ``max_model_len`` tokens
-    (no request of that length could ever finish).
+    (or the longest of ``cache_config.sequence_tokens``: no request of that length could ever
+    finish), or if it needs more than the memory available on the device.
     """
     per_block = spec.bytes_per_block
-    min_blocks = blocks_for_tokens(max_model_len, spec.block_size)
+    lengths = cache_config.sequence_tokens
+    longest = max_model_len if lengths is None else min(max(lengths), max_model_len)
+    min_blocks = blocks_for_tokens(longest, spec.block_size)
+    available = available_memory_bytes(device_type)
     if cache_config.num_blocks is not None:
         num_blocks = cache_config.num_blocks
     elif cache_config.memory_bytes is not None:
         num_blocks = cache_config.memory_bytes // per_block
     else:
-        wanted = max_num_seqs * min_blocks
-        cap = int(available_memory_bytes(device_type) * _DEFAULT_MEMORY_FRACTION) // per_block
+        if lengths is None:
+            wanted = max_num_seqs * min_blocks
+        else:
+            wanted = sum(blocks_for_tokens(min(t, max_model_len), spec.block_size) for t in lengths)
+        cap = int(available * _DEFAULT_MEMORY_FRACTION) // per_block
         num_blocks = max(min(wanted, cap), min_blocks)
+    what = f"max_model_len={max_model_len}" if lengths is None else f"{longest} (its longest)"
     if num_blocks < min_blocks:
         raise UserError(
             f"CacheConfig: a pool of {num_blocks} blocks ({num_blocks * per_block} bytes) cannot "
-            f"hold one sequence of max_model_len={max_model_len} tokens; expected at least "
+            f"hold one sequence of {what} tokens; expected at least "
             f"{min_blocks} blocks ({min_blocks * per_block} bytes at {per_block} bytes per block)"
             " or a smaller max_model_len"
+        )
+    if num_blocks * per_block > available:
+        hint = (
+            f"a pool that holds one sequence of {what} tokens; use a smaller max_model_len"
+            if num_blocks == min_blocks
+            else "use a smaller pool (num_blocks, memory_bytes, --kv-cache-memory)"
+        )
+        raise UserError(
+            f"CacheConfig: a KV-cache pool of {num_blocks} blocks needs "
+            f"{_gib(num_blocks * per_block)}, more than the {_gib(available)} of memory "
+            f"available on {device_type} ({hint})"
         )
     if cache_config.num_cpu_blocks is not None:
         num_cpu_blocks = cache_config.num_cpu_blocks
@@ -187,3 +241,7 @@ def resolve_num_blocks(
         self_only = dataclasses.replace(spec, num_cross_layers=0)
         num_cpu_blocks = cache_config.swap_space_bytes // self_only.bytes_per_block
     return num_blocks, num_cpu_blocks
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.3g} GiB"

@@ -12,15 +12,19 @@ the prompt is the encoder input, every sample's decoder starts from
 
 ``generate`` and ``stream`` never raise for one bad request: that request comes back with
 ``error`` set and finish reason ``"error"`` while the others run. ``add_request`` (the low-level
-API, with ``step``) raises ValueError/TypeError for a bad request instead. An exception from the
-executor is raised on, after the requests of its step are finished with ``error`` set and their
-blocks freed (``generate`` and ``stream`` abort their other requests as they unwind): the
+API, with ``step``) raises ValueError/TypeError for a bad request instead. What goes wrong with
+one request after it was admitted (its logits row is NaN, its text cannot be decoded) fails
+that request alone (``error`` set, ``error_is_internal`` True, its blocks freed) while the step
+goes on. Only an exception from the executor (the model run, the block moves) fails a whole
+step: it is raised on, after the requests of its step are finished with ``error`` set and
+their blocks freed (``generate`` and ``stream`` abort their other requests as they unwind): the
 engine stays usable.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -33,10 +37,12 @@ from attnexport.runtime.config import (
     CacheConfig,
     EncoderDecoderConfig,
     SchedulerConfig,
+    checked_max_model_len,
     resolve_num_blocks,
 )
 from attnexport.runtime.executors.base import Executor
 from attnexport.runtime.loading import encoder_decoder_config, load_executor
+from attnexport.runtime.logits_processing import RequestLogits
 from attnexport.runtime.model_input import ModelInput
 from attnexport.runtime.output_processor import OutputProcessor
 from attnexport.runtime.outputs import RequestOutput, snapshot
@@ -45,7 +51,10 @@ from attnexport.runtime.sampling import SamplingParams
 from attnexport.runtime.scheduler import ScheduledBatch, Scheduler
 from attnexport.runtime.sequence import EncoderInput, Request, Status
 from attnexport.runtime.step_packing import pack_decoder_batch, pack_encoder_decoder_batch
+from attnexport.runtime.structured_output import GrammarCompiler
 from attnexport.runtime.text import Tokenizer
+
+logger = logging.getLogger("attnexport.runtime")
 
 
 @dataclass
@@ -84,6 +93,9 @@ class Engine:
             (default: the start token the executor found on the model); ignored otherwise.
         tokenizer: a :class:`~attnexport.runtime.text.Tokenizer`: prompts may then be text,
             and outputs carry ``text`` / ``text_delta`` (default: token ids only).
+        grammars: compiles the grammars of requests with ``SamplingParams.structured``
+            (:class:`~attnexport.runtime.structured_output.GrammarCompiler`, over the model's
+            tokenizer); without it such requests are refused.
     """
 
     def __init__(
@@ -93,9 +105,11 @@ class Engine:
         scheduler_config: SchedulerConfig | None = None,
         encoder_decoder: EncoderDecoderConfig | None = None,
         tokenizer: Tokenizer | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.executor = executor
         self.tokenizer = tokenizer
+        self.grammars = grammars
         self.encoder_decoder = None
         if executor.cache_spec.num_cross_layers:
             start = executor.decoder_start_token_id
@@ -116,7 +130,12 @@ class Engine:
             executor.rope_switch_length
         )
         self.max_model_len = (
-            self.scheduler_config.max_model_len or executor.max_model_len or DEFAULT_MAX_MODEL_LEN
+            checked_max_model_len(
+                self.scheduler_config.max_model_len,
+                executor.max_model_len,
+                "the positions it was trained for, as its export or config declares them",
+            )
+            or DEFAULT_MAX_MODEL_LEN
         )
         spec = executor.cache_spec
         self.num_blocks, self.num_cpu_blocks = resolve_num_blocks(
@@ -168,11 +187,17 @@ class Engine:
 
     def describe(self) -> str:
         """One line: the executor (device, threads, which kernels run the attnexport nodes and,
-        when the native onnxruntime kernels are unavailable, why) and the KV-cache blocks."""
+        when the native onnxruntime kernels are unavailable, why) and the KV-cache pool."""
+        return f"{self.executor.describe()}; {self.describe_kv_cache()}"
+
+    def describe_kv_cache(self) -> str:
+        """The device pool in one phrase: blocks, tokens, bytes, and the longest sequence."""
         spec = self.executor.cache_spec
+        size = self.num_blocks * spec.bytes_per_block
         return (
-            f"{self.executor.describe()}; {self.num_blocks} KV-cache blocks of "
-            f"{spec.block_size} tokens"
+            f"KV cache: {self.num_blocks} blocks of {spec.block_size} tokens "
+            f"({self.num_blocks * spec.block_size} tokens, {size / 2**20:.1f} MiB), "
+            f"max_model_len {self.max_model_len}"
         )
 
     # ------------------------------------------------------------------ requests
@@ -197,10 +222,24 @@ class Engine:
         """Queues a request; returns its id. Raises like :meth:`check_request`."""
         params = params or SamplingParams()
         tokens = self.check_request(prompt, params)
+        grammar = None
+        if params.structured is not None:
+            if self.grammars is None:
+                raise UserError(
+                    "structured: this engine has no grammar compiler (it needs the model's "
+                    "tokenizer and the structured extra: pip install 'attnexport[structured]')"
+                )
+            grammar = self.grammars.compile(params.structured)
         request = self._new_request(tokens, params, request_id)
         if self.encoder_decoder is not None:
             request.encoder = EncoderInput(list(tokens))
             request.prompt = [self.encoder_decoder.decoder_start_token_id]
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        if params.processes_logits:
+            request.logits_plan = RequestLogits(
+                params, request.user_prompt, self.executor.vocab_size, grammar
+            )
         self.outputs.new_sequence(request, list(request.prompt), 0)
         self.scheduler.add(request)
         return request.request_id
@@ -231,7 +270,26 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def get_output(self, request_id: str) -> RequestOutput:
-        return snapshot(self._requests[request_id], tokenizer=self.tokenizer)
+        return self._output(self._requests[request_id])
+
+    def _output(
+        self, request: Request, sent: dict | None = None, texts: dict | None = None
+    ) -> RequestOutput:
+        """:func:`~attnexport.runtime.outputs.snapshot` of ``request`` with the engine's
+        tokenizer. Text that cannot be decoded fails that request (its error set, its blocks
+        freed), not the call: its output comes back without text."""
+        try:
+            return snapshot(request, sent, self.tokenizer, texts)
+        except Exception as error:
+            if self.tokenizer is None:
+                raise
+            if request.error is None:
+                logger.error(
+                    "request %s: decoding its text failed", request.request_id, exc_info=True
+                )
+                message = f"decoding the text failed: {type(error).__name__}: {error}"
+                self.outputs.fail(request, message, time.perf_counter())
+            return snapshot(request, sent)
 
     def release(self, request_id: str) -> None:
         """Forgets a finished request (its output can no longer be fetched)."""
@@ -243,7 +301,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduler step and the model; returns the outputs of the requests that
         changed (new tokens, finished or failed)."""
-        return [snapshot(request, tokenizer=self.tokenizer) for request in self._step()]
+        return [self._output(request) for request in self._step()]
 
     def kv_cache_usage(self) -> dict[str, int]:
         """The device pool now: ``num_blocks``, ``blocks_in_use``, ``bytes_in_use`` and
@@ -267,10 +325,11 @@ class Engine:
         """One step; returns the requests it changed, each once, and puts them in the inboxes
         of the streams that deliver them.
 
-        An exception from the block moves, the model or the sampler fails the step's requests
+        An exception from the block moves or the model fails the step's requests
         (:meth:`_fail_step`: they finish with ``error`` set and their blocks freed; the queued
         requests are untouched) and is raised on: the caller sees its type and traceback (the
-        CLI tells a user's mistake from a bug by them) and the engine stays usable."""
+        CLI tells a user's mistake from a bug by them) and the engine stays usable. One
+        request's sampling failing fails that request only (:class:`OutputProcessor`)."""
         batch = self.scheduler.schedule()
         changed: list[Request] = []
         if batch.failed:
@@ -291,6 +350,8 @@ class Engine:
                 self._mark_computed(batch, start)
                 if model_input.sampling_seqs:
                     rows = model_input.sampling_seqs
+                    if model_input.sample_rows is not None:  # some rows score prompts
+                        logits, rows = self.outputs.score_prompts(batch.seqs, model_input, logits)
                     self.outputs.take_tokens(batch.seqs, rows, logits, changed)
         except BaseException as error:
             self._fail_step(batch, moved, error, changed)
@@ -316,9 +377,7 @@ class Engine:
         for request in requests:
             if request.status is Status.FINISHED:
                 continue  # it finished in this step before the error
-            request.error, request.error_is_internal = message, True
-            request.finish_time = now
-            self.scheduler.finish(request)
+            self.outputs.fail(request, message, now)
             changed.append(request)
 
     def _notify(self, changed: list[Request]) -> None:
@@ -439,7 +498,7 @@ class Engine:
             for request in requests:
                 if request.error is not None:
                     rid = request.request_id
-                    yield snapshot(request, sent[rid], self.tokenizer, texts[rid])
+                    yield self._output(request, sent[rid], texts[rid])
             while undelivered:
                 if not inbox:
                     self._step()
@@ -450,7 +509,7 @@ class Engine:
                 request = next(iter(inbox))
                 del inbox[request]
                 rid = request.request_id
-                output = snapshot(request, sent[rid], self.tokenizer, texts[rid])
+                output = self._output(request, sent[rid], texts[rid])
                 if request.finished:
                     if request not in undelivered:
                         continue  # its finished output is out
@@ -482,7 +541,7 @@ class Engine:
             for request in requests:  # requests never become unfinished again
                 while not request.finished:
                     self._step()
-            return [snapshot(r, tokenizer=self.tokenizer) for r in requests]
+            return [self._output(r) for r in requests]
         finally:
             for request in requests:
                 self.abort(request.request_id)
@@ -499,6 +558,7 @@ def engine_from_path(
     scheduler_config: SchedulerConfig | None = None,
     encoder_decoder: EncoderDecoderConfig | None = None,
     tokenizer: Tokenizer | None = None,
+    grammars: GrammarCompiler | None = None,
     **executor_options,
 ) -> Engine:
     """An :class:`Engine` over :func:`~attnexport.runtime.loading.load_executor` ``(path,
@@ -509,4 +569,4 @@ def engine_from_path(
     executor = load_executor(path, **executor_options)
     if encoder_decoder is None and executor.cache_spec.num_cross_layers:
         encoder_decoder = encoder_decoder_config(path)
-    return Engine(executor, cache_config, scheduler_config, encoder_decoder, tokenizer)
+    return Engine(executor, cache_config, scheduler_config, encoder_decoder, tokenizer, grammars)

@@ -11,10 +11,13 @@ import os
 from pathlib import Path
 
 from attnexport.errors import UserError
-from attnexport.runtime.config import EncoderDecoderConfig
+from attnexport.runtime.config import EncoderDecoderConfig, checked_max_model_len
 from attnexport.runtime.executors.base import Executor
 from attnexport.runtime.text import Tokenizer
 
+_MODEL_FILE_FAILURES = ("Load model from", "External data path")
+"""How onnxruntime's errors about the file itself begin (a protobuf without a graph, an invalid
+graph, external data outside the model's directory), as opposed to errors of the session."""
 AUTO = "auto"
 """The default executor and backend choice (``attnexport.artifact.EXECUTORS``' and
 ``attnexport.custom_ops.dispatch.AUTO``' name)."""
@@ -50,17 +53,13 @@ def encoder_decoder_config(path: str | os.PathLike) -> EncoderDecoderConfig | No
     return None if start is None else EncoderDecoderConfig(start)
 
 
-def _manifest_max_len(directory: Path) -> int | None:
-    """``max_model_len`` from a manifest: its own key, else the model config's
-    ``max_position_embeddings``."""
-    manifest = _manifest(directory)
-    for value in (
-        manifest.get("max_model_len"),
-        (manifest.get("config") or {}).get("max_position_embeddings"),
-    ):
-        if isinstance(value, int):
-            return value
-    return None
+def _manifest_max_len(path: Path) -> int | None:
+    """The longest sequence the manifest of an export directory or of the directory holding a
+    model file declares (:func:`attnexport.artifact.manifest.manifest_max_model_len`)."""
+    from attnexport.artifact import MANIFEST, artifact_dir
+    from attnexport.artifact.manifest import manifest_max_model_len
+
+    return manifest_max_model_len(_manifest(path), artifact_dir(path) / MANIFEST)
 
 
 def _manifest_rope_switch(path: Path) -> int | None:
@@ -87,7 +86,8 @@ def load_executor(
         backend: attention backend of the torch executor (``auto``, ``sdpa``, ``ipex``, ...).
         device: ``cpu`` or ``cuda``.
         num_threads: onnxruntime intra-op threads (default: torch's thread count).
-        max_model_len: overrides the length limit found in the file or the manifest.
+        max_model_len: a shorter length limit than the one found in the manifest or the file
+            (a longer one is refused: UserError).
         trust_pickle: load a ``.pt2`` even when it holds pickled entries that can run code
             (see :func:`attnexport.artifact.load_pt2`); only for files you trust.
 
@@ -99,8 +99,9 @@ def load_executor(
     from attnexport.artifact import ArtifactError, resolve_artifact
 
     kind, file = resolve_artifact(path, executor)
-    if max_model_len is None and Path(path).is_dir():
-        max_model_len = _manifest_max_len(Path(path))
+    max_model_len = checked_max_model_len(
+        max_model_len, _manifest_max_len(Path(path)), "its export manifest's max_model_len"
+    )
     rope_switch_length = _manifest_rope_switch(Path(path))
     if kind == "ort":
         from attnexport.runtime.executors.ort_executor import OrtExecutor
@@ -110,7 +111,7 @@ def load_executor(
                 f"backend: {backend!r} applies to the torch executor; onnxruntime runs the "
                 "model's own function bodies (use --executor torch to pick a backend)"
             )
-        from onnxruntime.capi.onnxruntime_pybind11_state import InvalidProtobuf
+        from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
         try:
             return OrtExecutor(
@@ -120,9 +121,19 @@ def load_executor(
                 max_model_len=max_model_len,
                 rope_switch_length=rope_switch_length,
             )
-        except InvalidProtobuf as error:
+        except (
+            ort_errors.InvalidProtobuf,
+            ort_errors.InvalidArgument,
+            ort_errors.InvalidGraph,
+            ort_errors.Fail,
+        ) as error:
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            if not isinstance(error, ort_errors.InvalidProtobuf) and not any(
+                cause in reason for cause in _MODEL_FILE_FAILURES
+            ):
+                raise
             raise ArtifactError(
-                f"{file}: not a valid ONNX model ({str(error).splitlines()[0]}); re-export it"
+                f"{file}: not a valid ONNX model ({reason}); re-export it"
             ) from None
     from attnexport.runtime.executors.torch_executor import TorchExecutor
 

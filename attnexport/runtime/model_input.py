@@ -67,14 +67,23 @@ class ModelInput:
         values: the inputs by forward input name (:attr:`input_names`): lists of ints, rows of
             one width for a block table.
         sampling_seqs: for each logits row, the batch index of its sequence.
+        sample_rows: the logits rows that sample, when not all do (a sequence that scores
+            its prompt asks for the rows of every prompt token).
     """
 
-    def __init__(self, values: dict[str, list], sampling_seqs: list[int]) -> None:
+    def __init__(
+        self,
+        values: dict[str, list],
+        sampling_seqs: list[int],
+        sample_rows: list[int] | None = None,
+    ) -> None:
         self.values = values
         """The inputs by name, as lists (never changed after packing)."""
         self.sampling_seqs = sampling_seqs
         """For each logits row, the batch index of its sequence (empty when the row is a dummy
         asked for because no sequence samples)."""
+        self.sample_rows = sample_rows
+        """The logits rows a token is sampled from, in order; None when every row is one."""
         self.shapes = {name: list_shape(name, value) for name, value in values.items()}
         """The array shape of each input: what an executor binds."""
         self._arrays: dict[str, np.ndarray] | None = None
@@ -147,11 +156,13 @@ def pack_decoder_step(
     token_ids: Sequence[Sequence[int]],
     num_logits: Sequence[int],
     block_size: int,
+    samples: Sequence[bool] | None = None,
 ) -> ModelInput:
     """The decoder inputs of one step, sequences in the given order: sequence i computes its
     tokens ``[num_cached[i], num_cached[i] + num_new[i])`` of ``token_ids[i]`` into its blocks
     ``block_ids[i]`` and asks for ``num_logits[i]`` logits rows (0, 1 for its last new token,
-    or up to ``num_new[i]`` for its last ones).
+    or up to ``num_new[i]`` for its last ones). With ``samples``, only the last row of a
+    sequence with ``samples[i]`` samples (:attr:`ModelInput.sample_rows`); without, every row.
 
     Raises ValueError like :func:`attnexport.custom_ops.build_attention_metadata`.
     """
@@ -160,6 +171,7 @@ def pack_decoder_step(
     positions: list[int] = []
     logits_indices: list[int] = []
     sampling_seqs: list[int] = []
+    sample_rows: list[int] = []
     for i, (start, count, ids, rows) in enumerate(
         zip(num_cached, num_new, token_ids, num_logits, strict=True)
     ):
@@ -170,12 +182,14 @@ def pack_decoder_step(
             rows = min(rows, count)
             logits_indices += range(len(tokens) - rows, len(tokens))
             sampling_seqs += [i] * rows
+            if samples is not None and samples[i]:
+                sample_rows.append(len(sampling_seqs) - 1)
     if not logits_indices:
         logits_indices.append(len(tokens) - 1)
     values["input_ids"] = tokens
     values["positions"] = positions
     values["logits_indices"] = logits_indices
-    return ModelInput(values, sampling_seqs)
+    return ModelInput(values, sampling_seqs, sample_rows if samples is not None else None)
 
 
 def pack_step(sequences: Sequence[StepSequence], block_size: int) -> ModelInput:

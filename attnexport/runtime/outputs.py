@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from attnexport.runtime.logprobs import TokenLogprobs
 from attnexport.runtime.sequence import Request
 from attnexport.runtime.text import IncrementalDetokenizer, Tokenizer
 
@@ -31,6 +32,9 @@ class CompletionOutput:
     """Text added since the previous output of this request (streaming; all of ``text``
     otherwise): never a broken multi-byte character, and the deltas of a sample concatenate
     to its final ``text``."""
+    logprobs: list[TokenLogprobs] | None = None
+    """With ``SamplingParams.logprobs``: one entry per token of ``token_ids`` (those of
+    ``new_token_ids`` are the last ones)."""
 
 
 @dataclass
@@ -80,6 +84,9 @@ class RequestOutput:
     error_is_internal: bool = False
     """``error`` is the engine's (its executor failed, it stopped), not a fault of the request
     (e.g. larger than the KV pool): a server answers it with 500, not 400."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``: one entry per prompt token (None for the
+    first), once the prompt is computed (None before)."""
 
     @property
     def token_ids(self) -> list[int]:
@@ -124,10 +131,13 @@ def snapshot(
         if request.error is not None:
             reason = "error"
         output = CompletionOutput(seq.sample_index, tokens, reason, tokens[start:])
+        if seq.logprobs is not None:
+            output.logprobs = seq.logprobs[:]
         if tokenizer is not None:
             _add_text(output, tokenizer, texts)
         outputs.append(output)
     outputs.sort(key=lambda o: o.index)
+    scores = request.prompt_logprobs
     return RequestOutput(
         request_id=request.request_id,
         prompt_token_ids=list(request.user_prompt),
@@ -135,6 +145,7 @@ def snapshot(
         finished=request.finished,
         error=request.error,
         error_is_internal=request.error_is_internal,
+        prompt_logprobs=scores[:] if scores is not None and not request.scores_prompt else None,
         metrics=RequestMetrics(
             arrival_time=request.arrival_time,
             first_scheduled_time=request.first_scheduled_time,

@@ -35,7 +35,7 @@ class RequestLimits:
             TypeError: a prompt that is not a sequence of ints, or params that are not
                 SamplingParams.
             ValueError: an empty prompt, a prompt longer than ``max_model_len``, a token id
-                (prompt or forced) outside ``[0, vocab_size)``, bad sampling parameters, or
+                (prompt, forced or stop) outside ``[0, vocab_size)``, bad sampling parameters, or
                 (LongRoPE) a request that grows past the RoPE switch length when
                 ``max_num_batched_tokens`` cannot hold the recomputation.
         """
@@ -62,6 +62,23 @@ class RequestLimits:
                 raise UserError(
                     f"{name}: token id {forced} is outside the vocabulary; expected [0, {vocab})"
                 )
+        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise UserError(
+                f"logit_bias: token id {bad} is outside the vocabulary; expected ids in "
+                f"[0, {vocab})"
+            )
+        if params.prompt_logprobs is not None and self.encoder_decoder:
+            raise UserError(
+                "prompt_logprobs: an encoder-decoder's prompt is its encoder input, which the "
+                "decoder does not predict"
+            )
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise UserError(
+                f"stop_token_ids: token id {bad} is outside the vocabulary; expected ids in "
+                f"[0, {vocab})"
+            )
         self._check_scheduling(len(tokens), params)
         return tokens
 

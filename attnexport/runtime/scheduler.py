@@ -266,7 +266,8 @@ class Scheduler:
             if not self._has_seq_slots(request):
                 break
             seqs = [s for s in request.unfinished_seqs() if not self._waits_for_leader(request, s)]
-            hits = [bm.match_prefix(seq) for seq in seqs]
+            # A request scoring its prompt computes every prompt token (its logits are asked).
+            hits = [[] if request.scores_prompt else bm.match_prefix(seq) for seq in seqs]
             encoder = request.encoder
             encoder_cost = encoder.num_tokens if encoder and not encoder.encoded else 0
             plan, cost = [], encoder_cost

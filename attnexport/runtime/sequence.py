@@ -14,10 +14,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from attnexport.runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from attnexport.runtime.logits_processing import RequestLogits, SampleLogits
+    from attnexport.runtime.logprobs import TokenLogprobs
 
 
 class Status(enum.Enum):
@@ -68,6 +73,10 @@ class SequenceState:
     """LongRoPE models: the cached keys were computed past the RoPE switch length (with the
     long factors); reset when the blocks are freed."""
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    """One entry per generated token when the request asks for ``logprobs``."""
+    logits_state: SampleLogits | None = None
+    """Output counts and grammar position, when the request's parameters change its logits."""
 
     @property
     def prompt_len(self) -> int:
@@ -119,6 +128,18 @@ class Request:
     """The error is the engine's (its executor failed), not the request's."""
     encoder: EncoderInput | None = None
     """Encoder-decoder requests only."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """With ``params.prompt_logprobs``: the entries of the prompt tokens computed so far
+    (the first is None: nothing predicts it)."""
+    logits_plan: RequestLogits | None = None
+    """What its parameters do to its logits (None when they change nothing)."""
+
+    @property
+    def scores_prompt(self) -> bool:
+        """It asks for prompt log-probabilities that are not all computed yet (its prompt
+        rows are then returned by the model, and it takes no prefix-cache hit)."""
+        scores = self.prompt_logprobs
+        return scores is not None and len(scores) < len(self.prompt)
 
     @property
     def user_prompt(self) -> list[int]:

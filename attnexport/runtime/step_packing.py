@@ -10,15 +10,28 @@ from attnexport.runtime.scheduler import ScheduledBatch
 
 
 def pack_decoder_batch(batch: ScheduledBatch, block_size: int) -> ModelInput:
-    """The inputs of a decoder's step."""
-    starts, block_ids, token_ids, samples = [], [], [], []
+    """The inputs of a decoder's step. A sequence whose request scores its prompt
+    (``prompt_logprobs``) asks for the logits of every token of its chunk; only its last row
+    samples, when the chunk ends the sequence."""
+    starts, block_ids, token_ids, rows = [], [], [], []
+    scoring = False
     for seq, count in zip(batch.seqs, batch.num_new_tokens, strict=True):
         starts.append(seq.num_computed)
         block_ids.append(seq.block_ids)
         token_ids.append(seq.token_ids)
-        samples.append(int(seq.num_computed + count == len(seq.token_ids)))
+        if seq.request.prompt_logprobs is not None and seq.request.scores_prompt:
+            rows.append(count)
+            scoring = True
+        else:
+            rows.append(int(seq.num_computed + count == len(seq.token_ids)))
     counts = batch.num_new_tokens
-    return pack_decoder_step(starts, counts, block_ids, token_ids, samples, block_size)
+    samples = None
+    if scoring:
+        samples = [
+            seq.num_computed + count == len(seq.token_ids)
+            for seq, count in zip(batch.seqs, counts, strict=True)
+        ]
+    return pack_decoder_step(starts, counts, block_ids, token_ids, rows, block_size, samples)
 
 
 def pack_encoder_decoder_batch(batch: ScheduledBatch, block_size: int) -> tuple[ModelInput, int]:

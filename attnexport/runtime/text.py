@@ -4,7 +4,8 @@ Encoding is ``AutoTokenizer(text, add_special_tokens=True)`` with padding and tr
 (a ``tokenizer.json`` may configure both; all-MiniLM's pads every prompt to 128 tokens), and
 decoding is ``tokenizer.decode(ids, skip_special_tokens=True)``. Transformers' tokenizer classes
 import without torch, so this module (used by the CLI and by :class:`Engine`) needs only
-``transformers`` and ``tokenizers``, and never imports torch itself.
+``transformers`` and ``tokenizers``, and never imports torch itself. Nothing outside the
+tokenizer's directory is read (:mod:`attnexport.contained_files`).
 
 :class:`IncrementalDetokenizer` turns a growing list of token ids into text deltas whose
 concatenation is always the full decode and which never end in a half-decoded character.
@@ -18,9 +19,20 @@ import logging
 import os
 import re
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePath
+from typing import TYPE_CHECKING
 
+from attnexport.contained_files import (
+    RULE,
+    UnsafePathError,
+    check_entries,
+    contained_file,
+    read_json,
+)
 from attnexport.errors import UserError, require
+
+if TYPE_CHECKING:
+    from attnexport.runtime.chat_template import ChatTemplate, TemplateLimits
 
 REPLACEMENT_CHARACTER = "\ufffd"
 
@@ -51,10 +63,21 @@ class Tokenizer:
 
     @classmethod
     def from_directory(cls, directory: str | os.PathLike) -> Tokenizer:
-        """``AutoTokenizer.from_pretrained(directory)``; TokenizerError when the directory has
-        no tokenizer files, MissingDependencyError naming the extra when transformers is
-        missing."""
+        """``AutoTokenizer.from_pretrained(directory)``, reading nothing outside the directory.
+
+        transformers opens the files itself, so the directory is checked first: none of its
+        entries (nor those of ``additional_chat_templates/``) may be a link or a special file,
+        and a ``*_file`` argument of ``tokenizer_config.json`` (older transformers open the
+        path it holds; old configs hold stale absolute paths) is given as the file of that
+        name in the directory, or None.
+
+        Raises:
+            TokenizerError: no tokenizer files, or files transformers cannot read.
+            UnsafePathError: an entry that is a link or not a regular file.
+            MissingDependencyError: transformers is not installed (names the extra).
+        """
         directory = Path(directory)
+        overrides = _contained_file_arguments(directory)
         transformers_logger = logging.getLogger("transformers")
         transformers_logger.addFilter(_no_torch_advice)
         try:
@@ -62,8 +85,8 @@ class Tokenizer:
         finally:
             transformers_logger.removeFilter(_no_torch_advice)
         try:
-            hf = transformers.AutoTokenizer.from_pretrained(str(directory))
-        except (OSError, ValueError) as error:
+            hf = transformers.AutoTokenizer.from_pretrained(str(directory), **overrides)
+        except (OSError, ValueError, RecursionError) as error:
             raise TokenizerError(
                 f"{directory}: cannot load its tokenizer with transformers.AutoTokenizer: "
                 f"{' '.join(str(error).split())}"
@@ -88,22 +111,54 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
-        """Chat messages (``[{"role": "user", "content": "..."}, ...]``) -> prompt ids, with
-        the assistant's generation prompt appended (``add_generation_prompt=True``)."""
+    @functools.cached_property
+    def chat_template(self) -> ChatTemplate:
+        """The tokenizer's chat template, compiled once in attnexport's bounded sandbox
+        (:mod:`attnexport.runtime.chat_template`). TokenizerError when there is none or it
+        does not compile."""
+        from attnexport.runtime.chat_template import ChatTemplate
+
         if not self.has_chat_template:
             raise TokenizerError(
                 f"{self.source}: this tokenizer has no chat template (tokenizer_config.json "
                 "has no 'chat_template' and there is no chat_template.jinja); give the "
                 "conversation as a plain text prompt instead"
             )
+        return ChatTemplate(self.hf.get_chat_template())
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict],
+        limits: TemplateLimits | None = None,
+        tools: Sequence[dict] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Chat messages (``[{"role": "user", "content": "..."}, ...]``) -> prompt ids, with
+        the assistant's generation prompt appended: what transformers'
+        ``apply_chat_template(messages, tools=tools, add_generation_prompt=True)`` returns
+        (``tools``: OpenAI's ``{"type": "function", "function": {...}}`` objects, as
+        transformers passes them to the template), rendered within ``limits`` (default
+        :class:`~attnexport.runtime.chat_template.TemplateLimits`).
+
+        Raises:
+            TokenizerError: no chat template, or malformed messages.
+            ChatTemplateError: the template does not compile, failed, or went past ``limits``
+                (:class:`~attnexport.runtime.chat_template.TemplateLimitError`).
+        """
+        from attnexport.runtime.chat_template import TemplateLimits
+
+        template = self.chat_template
         check_messages(messages)
-        ids = self.hf.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+        text = template.render(
+            limits or TemplateLimits(),
+            messages=[dict(message) for message in messages],
+            tools=[dict(tool) for tool in tools] if tools else None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **self.hf.special_tokens_map,
         )
-        if hasattr(ids, "keys"):  # some transformers versions return a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
+        encoded = self.hf(text, add_special_tokens=False, padding=False, truncation=False)
+        return list(encoded["input_ids"])
 
     @functools.cached_property
     def cleans_up_spaces(self) -> bool:
@@ -133,6 +188,38 @@ class Tokenizer:
     def detokenizer(self) -> IncrementalDetokenizer:
         """A fresh incremental detokenizer for one generated sequence."""
         return IncrementalDetokenizer(self)
+
+
+CHAT_TEMPLATES_DIR = "additional_chat_templates"
+"""Where a tokenizer directory keeps named chat templates (``NAME.jinja``)."""
+
+
+def _contained_file_arguments(directory: Path) -> dict[str, str | None]:
+    """Checks the files transformers may open in ``directory``; returns, for each ``*_file``
+    key of its ``tokenizer_config.json``, the file of that name in the directory (None when
+    there is none) for ``from_pretrained`` to take instead of the path the key holds."""
+    check_entries(directory, (CHAT_TEMPLATES_DIR,))
+    config_file = contained_file(directory, "tokenizer_config.json")
+    if not config_file.is_file():
+        return {}
+    config = read_json(config_file, TokenizerError)
+    if not isinstance(config, dict):
+        raise TokenizerError(f"{config_file}: expected a JSON object")
+    names = config.get("fast_tokenizer_files", [])
+    if not isinstance(names, list) or any(
+        not isinstance(n, str) or PurePath(n).name != n for n in names
+    ):
+        raise UnsafePathError(
+            f"{config_file}: field 'fast_tokenizer_files': expected file names of the "
+            f"directory, got {names!r}; {RULE}"
+        )
+    overrides = {}
+    for key, value in config.items():
+        if key.endswith("_file") and isinstance(value, str):
+            name = PurePath(value).name
+            path = contained_file(directory, name) if name else None
+            overrides[key] = str(path) if path is not None and path.is_file() else None
+    return overrides
 
 
 def check_messages(messages: object, what: str = "messages") -> None:

@@ -4,11 +4,16 @@ Prometheus metrics, over one :class:`~attnexport.serve.async_engine.AsyncEngine`
     app = create_app(load_served_model("export/"), max_queued_requests=256)
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-Text: prompts are encoded and outputs decoded on the event loop with the artifact's tokenizer
-(its one user, so no lock), each sample through an incremental detokenizer, so streamed deltas
-never split a character and concatenate to the full text, then through the request's stop
-strings. Responses follow OpenAI's shapes; ``stream: true`` sends server-sent events ending
-with ``data: [DONE]``.
+A request's body is read up to ``max_request_bytes`` (413 past it); parsing, validation,
+tokenization and the chat template run in a worker thread (at most ``PREPARE_THREADS`` at
+once), not on the event loop (but for token-id completions of at most
+``INLINE_BODY_BYTES``, whose work is small), and the chat template within a CPU-time and size
+limit
+(:mod:`attnexport.runtime.chat_template`). The event loop only queues the checked prompts and
+turns the engine's outputs into responses: each sample through an incremental detokenizer,
+so streamed deltas never split a character and concatenate to the full text, then through the
+request's stop strings. Responses follow OpenAI's shapes; ``stream: true`` sends server-sent
+events ending with ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -18,18 +23,21 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from attnexport._version import __version__
+from attnexport.errors import UserError
+from attnexport.runtime.chat_template import ChatTemplateError, TemplateLimitError, TemplateLimits
+from attnexport.runtime.logprobs import TokenLogprobs
 from attnexport.runtime.outputs import CompletionOutput, RequestOutput
 from attnexport.runtime.sampling import SamplingParams
 from attnexport.runtime.text import TokenizerError
@@ -39,7 +47,21 @@ from attnexport.serve.async_engine import (
     QueueFullError,
     RequestGroup,
 )
-from attnexport.serve.errors import APIError, InvalidRequest, server_error, unavailable
+from attnexport.serve.common_routes import RouteContext, add_common_routes
+from attnexport.serve.embeddings import create_embedding_app
+from attnexport.serve.errors import (
+    APIError,
+    InvalidRequest,
+    model_not_found,
+    server_error,
+    unavailable,
+)
+from attnexport.serve.logprob_format import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
+)
 from attnexport.serve.metrics import ServerMetrics
 from attnexport.serve.protocol import (
     AssistantMessage,
@@ -53,37 +75,74 @@ from attnexport.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    FunctionCallOut,
     ModelCard,
     ModelList,
+    ToolCallDelta,
+    ToolCallOut,
     Usage,
 )
-from attnexport.serve.served_model import ServedModel
+from attnexport.serve.request_body import default_max_request_bytes, parse_body, read_body
+from attnexport.serve.request_params import ToolUse, sampling_extras
+from attnexport.serve.served_model import ServedEncoder, ServedModel
 from attnexport.serve.stop import StopStrings
+from attnexport.serve.tool_calls import CallStream, ParsedCall, parse_calls
 
 logger = logging.getLogger("attnexport.serve")
 
+PREPARE_THREADS = 4
+"""Requests parsed, tokenized and templated at once (worker threads; more wait their turn)."""
+INLINE_BODY_BYTES = 8 << 10
+"""A completion of token ids with a body this small is parsed and checked on the event loop (a
+millisecond at most): under load, the hand-offs to a worker thread and back each wait for the
+GIL and cost more than the work. Text (tokenization) and chat (the template, the artifact's
+code) always go to a thread."""
+CHAT_TEMPLATE_SECONDS = 2.0
+"""CPU seconds one chat template render may take."""
+CHAT_TEMPLATE_CHARS_PER_BYTE = 8
+CHAT_TEMPLATE_MIN_CHARS = 1 << 20
+"""A render may produce ``1 Mi + 8 * (the request body's bytes)`` characters in all (its
+output, and every string it makes on the way): work proportional to the request."""
+
+T = TypeVar("T")
+
 
 def create_app(
-    model: ServedModel,
+    model: ServedModel | ServedEncoder,
     *,
     max_queued_requests: int | None = None,
     shutdown_timeout: float = 10.0,
+    max_request_bytes: int | None = None,
+    chat_template_seconds: float = CHAT_TEMPLATE_SECONDS,
 ) -> FastAPI:
     """The server's ASGI app. Its lifespan starts the engine's driver thread and, at shutdown
     (after uvicorn stopped accepting connections and let the open ones finish), aborts what is
     left and stops the driver.
 
     Args:
-        model: what to serve (:func:`~attnexport.serve.served_model.load_served_model`).
+        model: what to serve (:func:`~attnexport.serve.served_model.load_served_model`); an
+            encoder is served for its embeddings
+            (:func:`~attnexport.serve.embeddings.create_embedding_app`).
         max_queued_requests: requests that may wait for a slot before new ones get a 503
-            (None: no limit).
+            (None: no limit); a request with more prompts than this is a 400.
         shutdown_timeout: seconds to wait for the driver's last step at shutdown.
+        max_request_bytes: the largest request body (413 past it); default
+            :func:`~attnexport.serve.request_body.default_max_request_bytes`.
+        chat_template_seconds: CPU seconds one chat template render may take (a 400 past
+            them).
     """
+    if isinstance(model, ServedEncoder):
+        return create_embedding_app(
+            model, max_request_bytes=max_request_bytes, template_seconds=chat_template_seconds
+        )
     metrics = ServerMetrics(model.name)
     metrics.bytes_per_block = model.engine.executor.cache_spec.bytes_per_block
     engine = AsyncEngine(model.engine, max_queued_requests, on_step=metrics.on_step)
     metrics.on_step(engine.state, None)
-    server = _Server(model, engine, metrics)
+    if max_request_bytes is None:
+        max_request_bytes = default_max_request_bytes(model.max_model_len)
+    _check_chat_template(model, chat_template_seconds)
+    server = _Server(model, engine, metrics, max_request_bytes, chat_template_seconds)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -96,14 +155,10 @@ def create_app(
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
-        if error.status == 400:
-            metrics.rejected.labels(model.name, "400").inc()
+        if error.status in (400, 404, 413):
+            metrics.rejected.labels(model.name, str(error.status)).inc()
         headers = {"Retry-After": "1"} if error.status == 503 else None
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-        return await api_error(request, _validation_error(error))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -132,32 +187,57 @@ def create_app(
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    add_common_routes(
+        app,
+        RouteContext(
+            model.name,
+            model.tokenizer,
+            model.max_model_len,
+            max_request_bytes,
+            chat_template_seconds,
+            model.engine.executor.vocab_size,
+        ),
+    )
+
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await server.completions(body, request)
+    async def completions(request: Request) -> Response:
+        return await server.completions(request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await server.chat(body, request)
+    async def chat_completions(request: Request) -> Response:
+        return await server.chat(request)
 
     return app
 
 
-def _validation_error(error: RequestValidationError) -> InvalidRequest:
-    """FastAPI's validation errors (and malformed JSON) as one 400: ``param`` is the top-level
-    field, the message names the whole path (``stop_token_ids.0: ...``)."""
-    first = error.errors()[0] if error.errors() else {}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    # pydantic adds the union member it tried ("str", "list[int]") to the location.
-    names = [part for part in loc if not any(c in part for c in "[]") and part not in _TYPES]
-    path = ".".join(names)
-    message = first.get("msg", "invalid request")
-    if first.get("type") == "json_invalid":
-        message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}"
-    return InvalidRequest(f"{path}: {message}" if path else message, names[0] if names else None)
+def _is_token_ids(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    """A completion whose prompts need no tokenizer (and no grammar to compile, no prompt to
+    decode for ``echo``)."""
+    prompt = getattr(body, "prompt", None)
+    if prompt is None or isinstance(prompt, str) or body.echo:
+        return False
+    if body.response_format is not None and body.response_format.type != "text":
+        return False
+    return not prompt or not isinstance(prompt[0], str)
 
 
-_TYPES = frozenset({"str", "int", "float", "bool", "list", "dict", "function-after"})
+def _check_chat_template(model: ServedModel, seconds: float) -> None:
+    """Refuses a chat template that cannot render a one-message conversation within the
+    server's limits: every chat request would fail. (A template that refuses the message, as
+    one requiring a system message does, is its business.)"""
+    tokenizer = model.tokenizer
+    if tokenizer is None or not tokenizer.has_chat_template:
+        return
+    limits = TemplateLimits(cpu_seconds=seconds, max_chars=CHAT_TEMPLATE_MIN_CHARS)
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], limits)
+    except TemplateLimitError as error:
+        raise UserError(
+            f"{model.name}: its chat template cannot render a one-message conversation "
+            f"within the server's limits: {error}"
+        ) from None
+    except (TokenizerError, ChatTemplateError):
+        pass
 
 
 # ---------------------------------------------------------------------- choices
@@ -172,15 +252,27 @@ class _Choice:
     finish_reason: str | None = None
     new_ids: list[int] = field(default_factory=list)
     """The tokens the last :meth:`update` took."""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """One entry per token of ``token_ids`` when the request asked for logprobs."""
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    calls: CallStream | None = None
+    """Chat with tools: the text that may hold tool calls."""
+    offset: int = 0
+    """Completions streams: characters of token text sent (logprobs' text offsets)."""
+    echoed: bool = False
+    """A completions stream sent its prompt's echo."""
 
     def update(self, sample: CompletionOutput) -> str:
         """Takes the sample's new tokens; returns the text they add (maybe empty: a partial
         character or word is held back)."""
-        self.new_ids = []
+        self.new_ids, self.new_logprobs = [], []
         if self.finish_reason is not None:
             return ""
         self.new_ids = list(sample.new_token_ids)
         self.token_ids += self.new_ids
+        if sample.logprobs is not None and self.new_ids:
+            self.new_logprobs = sample.logprobs[len(sample.logprobs) - len(self.new_ids) :]
+            self.logprobs += self.new_logprobs
         final = sample.finish_reason is not None
         delta = ""
         if self.detokenizer is not None:
@@ -204,36 +296,115 @@ class _Prompt:
     choices: list[_Choice]
     error: APIError | None = None
     """What the request answers when the engine failed this prompt."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+
+
+@dataclass
+class _Prepared:
+    """A request parsed and checked in a worker thread, ready to queue."""
+
+    body: CompletionRequest | ChatCompletionRequest
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    arrival: float
+    chat: bool
+    tools: ToolUse | None = None
+    """How the answer is read for tool calls (chat with tools)."""
+    echo: list[str] | None = None
+    """Completions with ``echo``: each prompt's text."""
 
 
 class _Server:
     """The routes' work: requests to engine prompts and parameters, outputs to responses."""
 
-    def __init__(self, model: ServedModel, engine: AsyncEngine, metrics: ServerMetrics):
+    def __init__(
+        self,
+        model: ServedModel,
+        engine: AsyncEngine,
+        metrics: ServerMetrics,
+        max_request_bytes: int,
+        chat_template_seconds: float,
+    ):
         self.model = model
         self.engine = engine
         self.metrics = metrics
+        self.max_request_bytes = max_request_bytes
+        self.chat_template_seconds = chat_template_seconds
+        self._limiter = None  # an anyio CapacityLimiter, made on the event loop
+        self.texts = TokenTexts(model.tokenizer)
+        """Token texts of log-probabilities (decoded once per id, on the event loop)."""
         # Which server answered (replicas behind a load balancer or Ray Serve).
         self.fingerprint = f"attnexport-{__version__}-{uuid.uuid4().hex[:12]}"
 
     # ------------------------------------------------------------------ routes
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        if body.logprobs is not None:
-            raise InvalidRequest("logprobs: not supported by this server", "logprobs")
-        if body.echo:
-            raise InvalidRequest("echo: not supported by this server", "echo")
-        prompts = self._completion_prompts(body.prompt)
-        run = self._start(body, prompts, body.max_tokens, chat=False)
-        if body.stream:
-            return self._sse(run, self._completion_chunks(body, run), request)
-        await _unless_disconnected(request, run.drain(self), run)
-        return JSONResponse(self._completion_response(body, run).model_dump(exclude_none=True))
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(
+            request,
+            CompletionRequest,
+            self._prepare_completion,
+            self._completion_chunks,
+            self._completion_response,
+        )
 
-    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        if body.logprobs or body.top_logprobs:
-            raise InvalidRequest("logprobs: not supported by this server", "logprobs")
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(
+            request,
+            ChatCompletionRequest,
+            self._prepare_chat,
+            self._chat_chunks,
+            self._chat_response,
+        )
+
+    async def _serve(self, request: Request, model, prepare, chunks, respond) -> Response:
+        """Reads the body (of type ``model``), prepares it (``prepare``, off the event loop but
+        for small token-id requests), queues it, and answers with ``respond`` (the whole
+        response) or a stream of ``chunks``."""
+        import anyio.to_thread
+
+        arrival = time.perf_counter()
+        raw = await read_body(request, self.max_request_bytes)
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(PREPARE_THREADS)
+
+        def in_thread(function: Callable[[], T]) -> Awaitable[T]:
+            return anyio.to_thread.run_sync(function, limiter=self._limiter)
+
+        if len(raw) <= INLINE_BODY_BYTES:
+            body = parse_body(raw, model)
+            if _is_token_ids(body):
+                prepared = prepare(body, len(raw), arrival)
+            else:
+                prepared = await in_thread(lambda: prepare(body, len(raw), arrival))
+        else:
+            prepared = await in_thread(lambda: prepare(parse_body(raw, model), len(raw), arrival))
+        body = prepared.body
+        run = self._start(prepared)
+        if body.stream:
+            return self._sse(run, chunks(body, run), request)
+        await _unless_disconnected(request, run.drain(self), run)
+        return JSONResponse(respond(body, run).model_dump(exclude_none=True))
+
+    # ------------------------------------------------------------------ worker threads
+    def _prepare_completion(self, body: CompletionRequest, size: int, arrival: float) -> _Prepared:
+        self._check_model(body)
+        prompts = self._completion_prompts(body.prompt)
+        prepared = self._checked(body, prompts, body.max_tokens, arrival, chat=False)
+        if body.echo:
+            texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+            if not all(isinstance(t, str) for t in texts):
+                texts = [self._decode(p) for p in prepared.prompts]
+            prepared.echo = texts
+        return prepared
+
+    def _decode(self, ids: list[int]) -> str:
+        tokenizer = self.model.tokenizer
+        return tokenizer.decode(ids) if tokenizer is not None else ""
+
+    def _prepare_chat(self, body: ChatCompletionRequest, size: int, arrival: float) -> _Prepared:
+        """``size``: the body's bytes (the chat template's budget grows with them)."""
+        self._check_model(body)
         tokenizer = self.model.tokenizer
         if tokenizer is None:
             raise InvalidRequest(
@@ -241,26 +412,33 @@ class _Server:
                 "holds none), so it takes token-id prompts on /v1/completions only",
                 "messages",
             )
+        limits = TemplateLimits(
+            cpu_seconds=self.chat_template_seconds,
+            max_chars=CHAT_TEMPLATE_MIN_CHARS + CHAT_TEMPLATE_CHARS_PER_BYTE * size,
+        )
+        messages = [m.as_template_message() for m in body.messages]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         try:
-            ids = tokenizer.apply_chat_template([m.as_template_message() for m in body.messages])
-        except TokenizerError as error:
-            raise InvalidRequest(str(error), "messages") from None
-        except Exception as error:  # the template's own checks (jinja's raise_exception)
-            raise InvalidRequest(
-                f"messages: the chat template refused them: {type(error).__name__}: {error}",
-                "messages",
-            ) from None
+            ids = tokenizer.apply_chat_template(messages, limits, tools)
+        except (TokenizerError, ChatTemplateError) as error:
+            message = str(error)
+            message = message if message.startswith("messages") else f"messages: {message}"
+            raise InvalidRequest(message, "messages") from None
         limit = body.max_completion_tokens or body.max_tokens
-        run = self._start(body, [ids], limit, chat=True)
-        if body.stream:
-            return self._sse(run, self._chat_chunks(body, run), request)
-        await _unless_disconnected(request, run.drain(self), run)
-        return JSONResponse(self._chat_response(body, run).model_dump(exclude_none=True))
+        return self._checked(body, [ids], limit, arrival, chat=True)
 
-    # ------------------------------------------------------------------ requests
+    def _check_model(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        if body.model is not None and body.model != self.model.name:
+            raise model_not_found(body.model, self.model.name)
+
     def _completion_prompts(self, prompt) -> list[list[int]]:
         """The ``prompt`` field as token-id lists: a string, a list of strings, a list of ids
         or a list of id lists."""
+        if prompt and not isinstance(prompt, str) and not isinstance(prompt[0], int):
+            try:  # before any is encoded
+                self.engine.check_count(len(prompt))
+            except ValueError as error:
+                raise InvalidRequest(str(error)) from None
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
             texts = [prompt] if isinstance(prompt, str) else prompt
             tokenizer = self.model.tokenizer
@@ -274,16 +452,13 @@ class _Server:
         if not prompt:
             raise InvalidRequest("prompt: expected at least one token, got an empty prompt")
         if isinstance(prompt[0], int):
-            return [list(prompt)]
-        return [list(p) for p in prompt]
+            return [prompt]
+        return prompt
 
-    def _params(self, body, prompt_len: int, max_tokens: int | None) -> SamplingParams:
+    def _params(self, body, prompt_len: int, max_tokens: int | None, extras) -> SamplingParams:
         model = self.model
         if body.stop and self.model.tokenizer is None:
             raise InvalidRequest("stop: stop strings need the model's tokenizer", "stop")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(body, name):
-                raise InvalidRequest(f"{name}: not supported by this server", name)
         if max_tokens is None:  # what is left of the model's length
             max_tokens = max(1, model.max_model_len - prompt_len)
         stops = () if body.ignore_eos else model.eos_token_ids
@@ -293,19 +468,30 @@ class _Server:
             top_k=body.top_k or 0,
             top_p=1.0 if body.top_p is None else float(body.top_p),
             seed=body.seed,
-            stop_token_ids=tuple(dict.fromkeys([*stops, *(body.stop_token_ids or ())])),
+            # a set: the engine checks every generated token against it
+            stop_token_ids=frozenset((*stops, *(body.stop_token_ids or ()))),
             n=body.n,
             forced_bos_token_id=model.forced_bos_token_id,
             forced_eos_token_id=model.forced_eos_token_id,
+            **extras,
         )
 
-    def _start(self, body, prompts: list[list[int]], max_tokens, chat: bool) -> _Run:
-        params = [self._params(body, len(p), max_tokens) for p in prompts]
+    def _checked(self, body, prompts, max_tokens, arrival: float, chat: bool) -> _Prepared:
+        """Sampling parameters for each prompt, and every prompt checked by the engine."""
+        extras, tools = sampling_extras(body, self.model)
+        params = [self._params(body, len(p), max_tokens, extras) for p in prompts]
         try:
-            group = self.engine.submit(prompts, params)
+            tokens = self.engine.check_all(prompts, params)
         except (TypeError, ValueError) as error:
             param = "messages" if chat and str(error).startswith("prompt:") else None
             raise InvalidRequest(str(error), param) from None
+        return _Prepared(body, tokens, params, arrival, chat, tools=tools)
+
+    # ------------------------------------------------------------------ event loop
+    def _start(self, prepared: _Prepared) -> _Run:
+        body = prepared.body
+        try:
+            group = self.engine.enqueue(prepared.prompts, prepared.params)
         except QueueFullError as error:
             self.metrics.rejected.labels(self.model.name, "503").inc()
             raise unavailable(str(error)) from None
@@ -321,12 +507,17 @@ class _Server:
                     for _ in range(body.n)
                 ],
             )
-            for ids in prompts
+            for ids in prepared.prompts
         ]
-        for ids in prompts:
+        for ids in prepared.prompts:
             self.metrics.prompt_tokens.inc(len(ids))
-        prefix = "chatcmpl" if chat else "cmpl"
-        return _Run(f"{prefix}-{uuid.uuid4().hex}", group, runs, time.perf_counter())
+        prefix = "chatcmpl" if prepared.chat else "cmpl"
+        run = _Run(f"{prefix}-{uuid.uuid4().hex}", group, runs, prepared.arrival)
+        run.tools, run.echo = prepared.tools, prepared.echo
+        if run.tools is not None:
+            for choice in run.choices():
+                choice.calls = CallStream(run.tools.format, run.tools.forced)
+        return run
 
     # ------------------------------------------------------------------ outputs
     def take(self, run: _Run, index: int, output: RequestOutput) -> list[tuple[int, str]]:
@@ -346,6 +537,8 @@ class _Server:
             prompt.last_token_time = now
         if output.error is not None:
             prompt.error = _engine_error(output.error, output.error_is_internal)
+        if output.prompt_logprobs is not None and prompt.prompt_logprobs is None:
+            prompt.prompt_logprobs = output.prompt_logprobs
         changed = []
         n = len(prompt.choices)
         for sample in output.outputs:
@@ -379,15 +572,29 @@ class _Server:
 
     def _completion_response(self, body: CompletionRequest, run: _Run) -> CompletionResponse:
         self._check_failed(run)
-        choices = [
-            CompletionChoice(
-                index=i,
-                text=choice.text,
-                finish_reason=choice.finish_reason,
-                token_ids=choice.token_ids if body.return_token_ids else None,
+        choices = []
+        n = len(run.prompts[0].choices)
+        for i, choice in enumerate(run.choices()):
+            prompt = run.prompts[i // n]
+            text, ids, entries = choice.text, choice.token_ids, choice.logprobs
+            if run.echo is not None:
+                text = run.echo[i // n] + text
+                if body.logprobs is not None:
+                    ids, entries = prompt.token_ids + ids, prompt.prompt_logprobs + entries
+            choices.append(
+                CompletionChoice(
+                    index=i,
+                    text=text,
+                    finish_reason=choice.finish_reason,
+                    token_ids=choice.token_ids if body.return_token_ids else None,
+                    logprobs=(
+                        completion_logprobs(entries, ids, self.texts)
+                        if body.logprobs is not None
+                        else None
+                    ),
+                    prompt_logprobs=self._prompt_logprobs(body, prompt),
+                )
             )
-            for i, choice in enumerate(run.choices())
-        ]
         return CompletionResponse(
             id=run.id,
             model=self.model.name,
@@ -397,17 +604,27 @@ class _Server:
             prompt_token_ids=[p.token_ids for p in run.prompts] if body.return_token_ids else None,
         )
 
+    def _prompt_logprobs(self, body, prompt: _Prompt):
+        if body.prompt_logprobs is None:
+            return None
+        return prompt_logprobs(prompt.prompt_logprobs, self.texts)
+
     def _chat_response(self, body: ChatCompletionRequest, run: _Run) -> ChatCompletionResponse:
         self._check_failed(run)
-        choices = [
-            ChatChoice(
-                index=i,
-                message=AssistantMessage(content=choice.text),
-                finish_reason=choice.finish_reason,
-                token_ids=choice.token_ids if body.return_token_ids else None,
+        choices = []
+        for i, choice in enumerate(run.choices()):
+            content, calls = choice.text, []
+            if run.tools is not None:
+                content, calls = parse_calls(choice.text, run.tools.format)
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=AssistantMessage(content=content, tool_calls=_calls_out(calls)),
+                    finish_reason=_finish_reason(choice, calls),
+                    token_ids=choice.token_ids if body.return_token_ids else None,
+                    logprobs=chat_logprobs(choice.logprobs, self.texts) if body.logprobs else None,
+                )
             )
-            for i, choice in enumerate(run.choices())
-        ]
         return ChatCompletionResponse(
             id=run.id,
             model=self.model.name,
@@ -415,14 +632,28 @@ class _Server:
             choices=choices,
             usage=self._usage(run),
             prompt_token_ids=run.prompts[0].token_ids if body.return_token_ids else None,
+            prompt_logprobs=self._prompt_logprobs(body, run.prompts[0]),
         )
 
     # ------------------------------------------------------------------ streaming
     async def _completion_chunks(self, body: CompletionRequest, run: _Run) -> AsyncIterator[str]:
         created = int(time.time())
+        n = len(run.prompts[0].choices)
         async for index, output in run.group:
             for i, delta in self.take(run, index, output):
                 choice = run.choice(i)
+                prompt = run.prompts[i // n]
+                ids, entries = choice.new_ids, choice.new_logprobs
+                first = run.echo is not None and not choice.echoed
+                if first:  # the prompt goes before the first generated text
+                    choice.echoed = True
+                    delta = run.echo[i // n] + delta
+                    if body.logprobs is not None:
+                        ids, entries = prompt.token_ids + ids, prompt.prompt_logprobs + entries
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = completion_logprobs(entries, ids, self.texts, choice.offset)
+                    choice.offset += sum(len(token) for token in logprobs.tokens)
                 chunk = CompletionChunk(
                     id=run.id,
                     created=created,
@@ -434,6 +665,8 @@ class _Server:
                             text=delta,
                             finish_reason=choice.finish_reason,
                             token_ids=choice.new_ids if body.return_token_ids else None,
+                            logprobs=logprobs,
+                            prompt_logprobs=self._prompt_logprobs(body, prompt) if first else None,
                         )
                     ],
                 )
@@ -445,14 +678,16 @@ class _Server:
     async def _chat_chunks(self, body: ChatCompletionRequest, run: _Run) -> AsyncIterator[str]:
         created = int(time.time())
 
-        def chunk(i: int, delta: DeltaMessage, reason: str | None, ids=None) -> str:
+        def chunk(i: int, delta: DeltaMessage, reason: str | None, ids=None, logprobs=None) -> str:
             value = ChatCompletionChunk(
                 id=run.id,
                 created=created,
                 model=self.model.name,
                 system_fingerprint=self.fingerprint,
                 choices=[
-                    ChatChunkChoice(index=i, delta=delta, finish_reason=reason, token_ids=ids)
+                    ChatChunkChoice(
+                        index=i, delta=delta, finish_reason=reason, token_ids=ids, logprobs=logprobs
+                    )
                 ],
             )
             return _choice_event(value, reason)
@@ -463,7 +698,29 @@ class _Server:
             for i, delta in self.take(run, index, output):
                 choice = run.choice(i)
                 ids = choice.new_ids if body.return_token_ids else None
-                yield chunk(i, DeltaMessage(content=delta), choice.finish_reason, ids)
+                logprobs = chat_logprobs(choice.new_logprobs, self.texts) if body.logprobs else None
+                reason, calls = choice.finish_reason, []
+                if choice.calls is not None:
+                    delta = choice.calls.push(delta)
+                    if reason is not None:
+                        rest, calls = choice.calls.finish()
+                        delta += rest
+                        reason = _finish_reason(choice, calls)
+                if calls:
+                    if delta or logprobs is not None:
+                        yield chunk(i, DeltaMessage(content=delta), None, ids, logprobs)
+                    tool_calls = [
+                        ToolCallDelta(
+                            index=k,
+                            id=call.id,
+                            type="function",
+                            function=FunctionCallOut(name=call.name, arguments=call.arguments),
+                        )
+                        for k, call in enumerate(calls)
+                    ]
+                    yield chunk(i, DeltaMessage(tool_calls=tool_calls), reason)
+                elif delta or reason is not None or choice.calls is None:
+                    yield chunk(i, DeltaMessage(content=delta), reason, ids, logprobs)
         self._check_failed(run)
         if body.stream_options is not None and body.stream_options.include_usage:
             yield self._usage_event(ChatCompletionChunk, run, created)
@@ -513,6 +770,8 @@ class _Run:
     prompts: list[_Prompt]
     arrival: float
     done: set[int] = field(default_factory=set)
+    tools: ToolUse | None = None
+    echo: list[str] | None = None
 
     def choices(self) -> list[_Choice]:
         return [c for p in self.prompts for c in p.choices]
@@ -525,6 +784,20 @@ class _Run:
         """Consumes every output (non-streaming responses)."""
         async for index, output in self.group:
             server.take(self, index, output)
+
+
+def _calls_out(calls: list[ParsedCall]) -> list[ToolCallOut] | None:
+    if not calls:
+        return None
+    return [
+        ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+        for c in calls
+    ]
+
+
+def _finish_reason(choice: _Choice, calls: list[ParsedCall]) -> str | None:
+    """``tool_calls`` for a sample that ended by itself (not by length) with calls."""
+    return "tool_calls" if calls and choice.finish_reason == "stop" else choice.finish_reason
 
 
 def _engine_error(message: str, internal: bool) -> APIError:

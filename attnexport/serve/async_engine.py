@@ -141,8 +141,8 @@ class AsyncEngine:
     Args:
         engine: the engine (built without a tokenizer: outputs are token ids; text is the
             caller's, see :mod:`attnexport.serve.app`).
-        max_queued_requests: requests that may wait for a running slot; one more is refused
-            with :class:`QueueFullError` (None: no limit).
+        max_queued_requests: requests that may wait for a running slot (>= 1); one more is
+            refused with :class:`QueueFullError` (None: no limit).
         on_step: called in the driver thread after each iteration with the engine state and
             the outputs (metrics).
     """
@@ -153,8 +153,8 @@ class AsyncEngine:
         max_queued_requests: int | None = None,
         on_step: StepListener | None = None,
     ) -> None:
-        if max_queued_requests is not None and max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests: expected >= 0, got {max_queued_requests}")
+        if max_queued_requests is not None and max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests: expected >= 1, got {max_queued_requests}")
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.on_step = on_step
@@ -186,11 +186,17 @@ class AsyncEngine:
         """The driver is up and accepting requests."""
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
-    async def shutdown(self, timeout: float = 10.0) -> None:
-        """Aborts every request, stops the driver and waits for it (at most ``timeout`` s)."""
+    def stop(self) -> None:
+        """Stops accepting requests and aborts every one the driver holds: each ends with
+        ``"aborted"`` (its consumer answers that the server is shutting down); the driver
+        then exits. Safe from any thread."""
         with self._lock:
             self._stopping = True
         self._wake.set()
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """:meth:`stop`, then waits for the driver (at most ``timeout`` s)."""
+        self.stop()
         thread = self._thread
         if thread is not None:
             await asyncio.to_thread(thread.join, timeout)
@@ -213,14 +219,46 @@ class AsyncEngine:
         self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
     ) -> RequestGroup:
         """Queues the prompts (one request each); returns the async stream of their outputs.
-        Every prompt is checked before any is queued.
+        Every prompt is checked before any is queued (:meth:`check_all`, then
+        :meth:`enqueue`).
 
         Raises:
             TypeError, ValueError: a bad prompt or parameters (the message names the field).
             QueueFullError: the waiting queue is full.
             EngineStoppedError: the engine is shutting down or its driver died.
         """
-        tokens = [self.check(p, q) for p, q in zip(prompts, params, strict=True)]
+        return self.enqueue(self.check_all(prompts, params), params)
+
+    def check_all(
+        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
+    ) -> list[list[int]]:
+        """Validates the prompts of one submission; returns them as lists of ints. Safe from
+        any thread (it reads only fixed limits), so a server runs it off its event loop.
+
+        Raises:
+            TypeError, ValueError: a bad prompt or parameters, or more prompts than
+                ``max_queued_requests`` (such a submission could never be queued).
+        """
+        self.check_count(len(prompts))
+        return [self.check(p, q) for p, q in zip(prompts, params, strict=True)]
+
+    def check_count(self, num_prompts: int) -> None:
+        """ValueError unless ``num_prompts`` prompts can ever be queued at once."""
+        limit = self.max_queued_requests
+        if limit is not None and num_prompts > limit:
+            raise ValueError(
+                f"prompt: {num_prompts} prompts are more than the server can ever queue at "
+                f"once (--max-queued-requests {limit}); send at most {limit} per request"
+            )
+
+    def enqueue(self, tokens: list[list[int]], params: Sequence[SamplingParams]) -> RequestGroup:
+        """Queues prompts that :meth:`check_all` returned; the event loop's side of
+        :meth:`submit`.
+
+        Raises:
+            QueueFullError: the waiting queue is full.
+            EngineStoppedError: the engine is shutting down or its driver died.
+        """
         if not self.running:
             raise EngineStoppedError(self._stopped_reason())
         limit = self.max_queued_requests

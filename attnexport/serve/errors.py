@@ -43,6 +43,16 @@ def field_of(message: str) -> str | None:
     return match.group(1) if match else None
 
 
+def model_not_found(name: str, served: str) -> APIError:
+    """OpenAI's 404 for a model it does not serve."""
+    return APIError(
+        404,
+        f"The model `{name}` does not exist: this server serves `{served}` (GET /v1/models)",
+        "invalid_request_error",
+        code="model_not_found",
+    )
+
+
 def server_error(message: str) -> APIError:
     return APIError(500, message, "server_error")
 

@@ -363,3 +363,113 @@ def test_zoo_model_through_the_ops_on_cuda(name, dtype, tmp_path, operators):
         ours = torch.cat(collected[seq])
         expected = causal_lm_logits(hf_model, driver.sequences[seq].tokens)[: len(ours)]
         torch.testing.assert_close(ours, expected, atol=atol, rtol=0.05 if atol > 1e-2 else 0)
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+ENGINE_PROMPTS = ([5, 17, 3, 99, 42, 8, 1] * 19, [7, *range(20, 43)], [11, 2], [*range(1, 70)])
+"""Ragged prompts: 133 tokens (past the Mistral window of 40 and two 64-token blocks), 24, 2,
+69; with a 64-token budget the long ones prefill in chunks beside the others' decode steps."""
+
+
+def _greedy_choices_hold(hf_model, prompts, outputs, dtype) -> list[str]:
+    """Where the GPU engine chose a token that is not a greedy choice of transformers' fp32
+    forward within ``dtype``'s rounding (teacher-forced on the GPU's own tokens)."""
+    from tests.models.hf_reference import causal_lm_logits
+
+    slack = 1e-4 if dtype == torch.float32 else 0.1
+    bad = []
+    for i, (prompt, tokens) in enumerate(zip(prompts, outputs, strict=True)):
+        logits = causal_lm_logits(hf_model, [*prompt, *tokens])[len(prompt) - 1 : -1]
+        for j, (row, token) in enumerate(zip(logits, tokens, strict=True)):
+            best = float(row.max())
+            if float(row[token]) < best - slack - 0.05 * abs(best):
+                bad.append(
+                    f"sequence {i} step {j}: {token} at {float(row[token]):.4f}, max {best:.4f}"
+                )
+    return bad
+
+
+def _engine_tokens(model, device: str, backend: str) -> list[list[int]]:
+    from attnexport.runtime import (
+        CacheConfig,
+        Engine,
+        SamplingParams,
+        SchedulerConfig,
+        TorchExecutor,
+    )
+
+    engine = Engine(
+        TorchExecutor(model, block_size=64, backend=backend, device=device),
+        CacheConfig(num_blocks=24),
+        SchedulerConfig(max_model_len=256, max_num_batched_tokens=64),
+    )
+    return [o.token_ids for o in engine.generate(ENGINE_PROMPTS, SamplingParams(max_tokens=12))]
+
+
+@pytest.mark.parametrize("name", ZOO)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_engine_on_cuda_generates_the_cpu_tokens(name, dtype, tmp_path, operators):
+    """The engine on the GPU (``auto``: xformers where it runs, sdpa where it refuses) with
+    chunked prefill beside decodes: in fp32 its greedy tokens are the CPU engine's; in bf16 each
+    token it picks is a greedy choice of transformers' fp32 logits within bf16 rounding."""
+    from attnexport.models import load_model
+    from tests.models.hf_reference import build_checkpoint
+
+    hf_class, config = _zoo_configs()[name]
+    hf_model = build_checkpoint(hf_class, config, tmp_path)
+    gpu = _engine_tokens(load_model(tmp_path, dtype=dtype), DEVICE, "auto")
+    assert operators, "xformers ran no kernel"
+    if dtype == torch.float32:
+        assert gpu == _engine_tokens(load_model(tmp_path), "cpu", "sdpa")
+    assert not _greedy_choices_hold(hf_model, ENGINE_PROMPTS, gpu, dtype)
+
+
+# --------------------------------------------------------------------------- ort-cuda
+
+
+def _ort_cuda_unavailable() -> str | None:
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (onnxruntime-gpu)"
+    return None
+
+
+@pytest.mark.parametrize(
+    ("name", "target"),
+    [("llama-gqa", "ort-cuda"), ("mistral-window", "ort-cuda"), ("mistral-window", "attnexport")],
+)
+def test_onnx_artifact_generates_on_the_gpu(name, target, tmp_path):
+    """``export --dtype float16`` run by onnxruntime's CUDA execution provider through the
+    engine (caches in place under IO binding). ``--target ort-cuda``: the cache write and the
+    attention are one ``com.microsoft.PagedAttention`` per layer; ``attnexport``: the
+    attnexport nodes' standard-op bodies. Each token is a greedy choice of transformers' fp32
+    logits within fp16 rounding."""
+    reason = _ort_cuda_unavailable()
+    if reason:
+        pytest.skip(reason)
+    import onnx
+
+    from attnexport.artifact.export import ExportOptions, export_artifact
+    from attnexport.runtime import CacheConfig, Engine, SamplingParams, SchedulerConfig
+    from tests.models.hf_reference import build_checkpoint
+
+    hf_class, config = _zoo_configs()[name]
+    hf_model = build_checkpoint(hf_class, config, tmp_path / "ckpt")
+    out = tmp_path / "out"
+    export_artifact(str(tmp_path / "ckpt"), out, ExportOptions(target=target, dtype=torch.float16))
+    graph = onnx.load(out / "model.onnx", load_external_data=False).graph
+    contrib = [
+        n for n in graph.node if n.domain == "com.microsoft" and n.op_type == "PagedAttention"
+    ]
+    assert len(contrib) == (config.num_hidden_layers if target == "ort-cuda" else 0)
+    engine = Engine.from_path(
+        out,
+        device="cuda",
+        cache_config=CacheConfig(num_blocks=48),
+        scheduler_config=SchedulerConfig(max_model_len=256, max_num_batched_tokens=64),
+    )
+    tokens = [o.token_ids for o in engine.generate(ENGINE_PROMPTS, SamplingParams(max_tokens=12))]
+    assert not _greedy_choices_hold(hf_model, ENGINE_PROMPTS, tokens, torch.float16)

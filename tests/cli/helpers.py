@@ -38,3 +38,14 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, len(prompt) :].tolist()
+
+
+def stop_before_serving(monkeypatch) -> None:
+    """``attnexport serve`` in this process stops (exit code 130, as on Ctrl-C) where it would
+    build its app: what it refuses or prints before serving can be tested without a server."""
+    import attnexport.serve.app
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(attnexport.serve.app, "create_app", interrupted)

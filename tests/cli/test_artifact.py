@@ -4,7 +4,9 @@ zoo-name vs checkpoint-directory ambiguity."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -112,11 +114,11 @@ def test_a_truncated_model_file_is_a_named_error(name, export_copy, capsys):
 
 @pytest.mark.parametrize("name", ["model.onnx", "model.pt2"])
 def test_a_corrupt_model_file_without_manifest_is_a_named_error(name, export_copy, capsys):
-    """No manifest to check against: the parser's failure is reported as the file's."""
+    """No manifest to check against (the file named directly): the parser's failure is
+    reported as the file's."""
     (export_copy / "manifest.json").unlink()
     (export_copy / name).write_bytes(b"\x00not a model\x00" * 50)
-    executor = "ort" if name.endswith("onnx") else "torch"
-    code, _, err = run_cli(capsys, "run", export_copy, "--prompt-ids", "1", "--executor", executor)
+    code, _, err = run_cli(capsys, "run", export_copy / name, "--prompt-ids", "1")
     assert code == 2
     assert_one_line_error(err, "run", str(export_copy / name))
     if name == "model.onnx":
@@ -131,7 +133,9 @@ def test_a_corrupt_model_file_without_manifest_is_a_named_error(name, export_cop
         ("{not json", "not valid JSON"),
         ('{"format": "attnexport-artifact"}', "format_version"),
         ("[1, 2]", "not an attnexport manifest"),
+        ("[" * 100_000 + "]" * 100_000, "nested deeper"),  # was a RecursionError, exit 1
     ],
+    ids=["not-json", "no-version", "not-an-object", "nested"],
 )
 def test_a_bad_manifest_is_a_named_error(text, field, export_copy, capsys):
     (export_copy / "manifest.json").write_text(text)
@@ -148,6 +152,106 @@ def test_a_bad_manifest_field_is_named(export_copy, capsys):
     code, _, err = run_cli(capsys, "run", export_copy, "--prompt-ids", "1")
     assert code == 2
     assert_one_line_error(err, "run", "manifest.json", "'files'")
+
+
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        ({"eos_token_ids": [2, 256]}, "generation.eos_token_ids"),  # the vocabulary is 256
+        ({"eos_token_ids": 2}, "generation.eos_token_ids"),
+        ({"eos_token_ids": ["2"]}, "generation.eos_token_ids"),
+        ({"forced_bos_token_id": 10**9}, "generation.forced_bos_token_id"),
+        ({"forced_eos_token_id": -1}, "generation.forced_eos_token_id"),
+        ({"decoder_start_token_id": True}, "generation.decoder_start_token_id"),
+    ],
+    ids=lambda v: json.dumps(v) if isinstance(v, dict) else None,
+)
+def test_generation_defaults_are_checked_at_load(changes, field, export_copy, capsys):
+    """Every request takes them: a bad one started the server, then refused every request."""
+    manifest = json.loads((export_copy / "manifest.json").read_text())
+    manifest["generation"].update(changes)
+    (export_copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=re.escape(field)):
+        read_manifest(export_copy)  # what run, serve, verify and embed read first
+    code, _, err = run_cli(capsys, "run", export_copy, "--prompt-ids", "1", "--max-tokens", 1)
+    assert code == 2
+    assert_one_line_error(err, "run", str(export_copy / "manifest.json"), field)
+
+
+def test_tokenizer_files_must_be_tokenizer_file_names(export_copy):
+    manifest = json.loads((export_copy / "manifest.json").read_text())
+    manifest["tokenizer_files"] = ["../../etc/passwd"]
+    (export_copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="field 'tokenizer_files'"):
+        read_manifest(export_copy)
+
+
+def test_an_empty_model_file_is_a_named_error(export_copy, tmp_path, capsys):
+    """Even with a manifest whose digest says so (onnxruntime: "no graph", exit 1)."""
+    (export_copy / "model.onnx").write_bytes(b"")
+    manifest = json.loads((export_copy / "manifest.json").read_text())
+    manifest["file_digests"]["model.onnx"] = {"bytes": 0, "sha256": hashlib.sha256().hexdigest()}
+    (export_copy / "manifest.json").write_text(json.dumps(manifest))
+    bare = tmp_path / "bare" / "model.onnx"
+    bare.parent.mkdir()
+    bare.write_bytes(b"")
+    for argv in (
+        ("run", export_copy, "--prompt-ids", "1"),
+        ("run", export_copy / "model.onnx", "--prompt-ids", "1"),
+        ("run", bare, "--prompt-ids", "1"),
+        ("verify", export_copy),
+        ("inspect", export_copy),
+        ("inspect", bare),
+    ):
+        code, _, err = run_cli(capsys, *argv)
+        assert code == 2, argv
+        assert_one_line_error(err, argv[0], "model.onnx: empty (0 bytes)")
+
+
+def test_an_onnx_file_without_a_graph_is_a_named_error(tmp_path, capsys):
+    """onnxruntime's InvalidArgument about the file (it was an internal error, exit 1)."""
+    bare = tmp_path / "model.onnx"
+    bare.write_bytes(b"\x08\x07")  # a ModelProto with an IR version and nothing else
+    code, _, err = run_cli(capsys, "run", bare, "--prompt-ids", "1")
+    assert code == 2
+    assert_one_line_error(err, "run", f"{bare}: not a valid ONNX model", "No graph")
+
+
+def _onnx_with_external_data(directory: Path, location: str) -> Path:
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = numpy_helper.from_array(np.ones((1, 4), np.float32), "w")
+    weight.ClearField("raw_data")
+    weight.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", "0"), ("length", "16")):
+        weight.external_data.add(key=key, value=value)
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 4]) for n in "xy"]
+    graph = helper.make_graph([helper.make_node("Add", ["x", "w"], ["y"])], "g", io[:1], io[1:])
+    graph.initializer.append(weight)
+    path = directory / "model.onnx"
+    onnx.save(helper.make_model(graph), path)
+    return path
+
+
+def test_external_data_out_of_the_directory_is_refused(tmp_path):
+    """onnxruntime < 1.24 (the newest for Python 3.10) reads whatever ``location`` names;
+    those releases get this check before a model is loaded."""
+    from attnexport.artifact.onnx_data import check_external_data
+    from attnexport.contained_files import UnsafePathError
+
+    directory = tmp_path / "artifact"
+    directory.mkdir()
+    (tmp_path / "secret.bin").write_bytes(bytes(16))
+    (directory / "weights.bin").write_bytes(bytes(16))
+    (directory / "linked.bin").symlink_to(tmp_path / "secret.bin")
+    check_external_data(_onnx_with_external_data(directory, "weights.bin"))
+    for location in ("../secret.bin", str(tmp_path / "secret.bin"), "linked.bin"):
+        with pytest.raises(UnsafePathError):
+            check_external_data(_onnx_with_external_data(directory, location))
+    with pytest.raises(ArtifactError, match="is not a file of"):
+        check_external_data(_onnx_with_external_data(directory, "missing.bin"))
 
 
 def test_only_listed_model_files_are_loaded(tmp_path, llama_export, capsys):

@@ -41,6 +41,10 @@ def _with_config(checkpoint, tmp_path, **changes):
         ({"rms_norm_eps": -1e-6}, "rms_norm_eps"),
         ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
         ({"rope_parameters": {"rope_theta": "fast", "rope_type": "default"}}, "config.json"),
+        # every request would be refused: an id outside the vocabulary (or not an id)
+        ({"eos_token_id": [2, 10**9]}, "eos_token_id"),
+        ({"eos_token_id": "2"}, "eos_token_id"),
+        ({"forced_eos_token_id": -1}, "forced_eos_token_id"),
     ],
     ids=lambda v: json.dumps(v) if isinstance(v, dict) else None,
 )
@@ -89,7 +93,56 @@ def test_shard_symlinked_outside_the_checkpoint_is_refused(checkpoint, tmp_path,
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     code, _, err = run_cli(capsys, "export", path, "--out", tmp_path / "out")
     assert code == 2
-    assert_one_line_error(err, "export", "model.safetensors.index.json", "model-00001.safetensors")
+    assert_one_line_error(err, "export", str(path / "model-00001.safetensors"), "symbolic link")
+
+
+def test_bad_generation_config_values_exit_2(checkpoint, tmp_path, capsys):
+    path = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
+    code, _, err = run_cli(capsys, "export", path, "--out", tmp_path / "out")
+    assert code == 2
+    assert_one_line_error(err, "export", str(path / "generation_config.json"), "eos_token_id")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "name", ["config.json", "model.safetensors", "generation_config.json", "tokenizer.json"]
+)
+def test_a_checkpoint_file_linked_outside_is_refused(name, checkpoint, tmp_path, capsys):
+    """Neither read nor copied into the export: the link leads to a file export would take
+    without complaint (a tokenizer file would land in the artifact, to be served)."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, path)
+    outside = tmp_path / "elsewhere" / name
+    outside.parent.mkdir()
+    if (path / name).exists():
+        shutil.move(path / name, outside)
+    else:
+        outside.write_text("{}")
+    (path / name).symlink_to(outside)
+    code, _, err = run_cli(capsys, "export", path, "--out", tmp_path / "out")
+    assert code == 2
+    assert_one_line_error(err, "export", f"{path / name}: a symbolic link")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_hub_cache_snapshot_exports(checkpoint, tmp_path, capsys):
+    """huggingface_hub's cache: ``snapshots/<rev>/<file>`` links to ``blobs/<hash>``."""
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    for i, file in enumerate(sorted(checkpoint.iterdir())):
+        shutil.copy2(file, repo / "blobs" / f"blob{i}")
+        (snapshot / file.name).symlink_to(f"../../blobs/blob{i}")
+    (repo / "blobs" / "tokenizer").write_text("{}")
+    (snapshot / "tokenizer.json").symlink_to("../../blobs/tokenizer")
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "export", snapshot, "--out", out, "--format", "pt2")
+    assert code == 0, err
+    copied = out / "tokenizer.json"
+    assert copied.read_text() == "{}" and not copied.is_symlink()
 
 
 def test_missing_optional_dependency_names_the_extra(checkpoint, tmp_path, monkeypatch, capsys):

@@ -21,21 +21,30 @@ from tests.lowering.modules import (
 )
 
 BLOCK_SIZE = 4
+ORT_CUDA_BLOCK_SIZE = 16
+"""com.microsoft.PagedAttention's CUDA kernel needs a power of two >= 16."""
 WINDOW, SOFT_CAP, SCALE = 7, 4.0, 0.3
 
 
-def _inputs(dtype, num_blocks=8, plan=None, padding=1, seed=0) -> dict:
-    step = StepPlanner(num_blocks, BLOCK_SIZE, seed=seed).step(plan or {0: 3, 1: 6}, padding)
+def _inputs(dtype, num_blocks=8, plan=None, padding=1, seed=0, block_size=BLOCK_SIZE) -> dict:
+    step = StepPlanner(num_blocks, block_size, seed=seed).step(plan or {0: 3, 1: 6}, padding)
     return attention_inputs(step, padding, head_size=16, dtype=dtype, seed=seed)
 
 
-def _program(dtype, shared_tokens: bool = False, model: torch.nn.Module | None = None):
+def _program(
+    dtype,
+    shared_tokens: bool = False,
+    model: torch.nn.Module | None = None,
+    block_size: int = BLOCK_SIZE,
+):
     """The ops module (or ``model``, with its inputs) exported; ``shared_tokens``: one token
     dimension for queries and keys (no padding rows), as in a model whose q, k and v come from
     the same hidden states."""
     model = model or PagedAttentionOnly(SCALE, sliding_window=WINDOW, soft_cap=SOFT_CAP)
-    caches = [torch.zeros(8, BLOCK_SIZE, 2, 16, dtype=dtype) for _ in range(2)]
-    inputs = _inputs(dtype, padding=0 if shared_tokens else 1)
+    caches = [torch.zeros(8, block_size, 2, 16, dtype=dtype) for _ in range(2)]
+    # sample sequences of 1 and 2 blocks (a dynamic dimension must be >= 2 in the sample)
+    plan = {0: 3, 1: block_size + 2}
+    inputs = _inputs(dtype, plan=plan, padding=0 if shared_tokens else 1, block_size=block_size)
     shapes = None
     if shared_tokens:
         dim = torch.export.Dim
@@ -105,7 +114,8 @@ def test_standard_target_has_only_standard_ops(fp32_program, tmp_path):
 @pytest.fixture(scope="module")
 def ort_cuda_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("ort_cuda") / "m.onnx"
-    return to_onnx(_program(torch.float16, shared_tokens=True), (), path, target="ort-cuda"), path
+    program = _program(torch.float16, shared_tokens=True, block_size=ORT_CUDA_BLOCK_SIZE)
+    return to_onnx(program, (), path, target="ort-cuda"), path
 
 
 def test_ort_cuda_maps_write_and_attention_to_one_contrib_node(ort_cuda_model):
@@ -120,7 +130,9 @@ def test_ort_cuda_maps_write_and_attention_to_one_contrib_node(ort_cuda_model):
         "scale": pytest.approx(SCALE),
         "softcap": pytest.approx(SOFT_CAP),
         "is_causal": 1,
-        "local_window_size": WINDOW - 1,  # onnxruntime: p - k <= w; attnexport: p - k < w
+        # the contrib op's window counts keys as ours does: p - k < w (measured on the CUDA
+        # kernel; GroupQueryAttention's local_window_size is p - k <= w)
+        "local_window_size": WINDOW,
     }
     producers = {out: n for n in model.graph.node for out in n.output}
     inputs = list(node.input)
@@ -158,13 +170,25 @@ def test_ort_cuda_slot_mapping_past_int32_fails_instead_of_wrapping(ort_cuda_mod
             session.run(None, {"slot_mapping": np.array([1, bad], dtype=np.int64)})
 
 
-def test_ort_cuda_keeps_what_the_contrib_op_cannot_compute(tmp_path):
-    """fp32 (the contrib op is fp16/bf16 only): the nodes keep their bodies, with a note."""
-    model = to_onnx(_program(torch.float32), (), tmp_path / "m.onnx", target="ort-cuda")
+@pytest.mark.parametrize(
+    ("dtype", "block_size", "reason"),
+    [
+        # the contrib op is fp16/bf16 only
+        (torch.float32, ORT_CUDA_BLOCK_SIZE, "dtype"),
+        # its CUDA kernel refuses such a run ("block_size must be a power of two and at least
+        # 16", onnxruntime 1.31.1 on an H200): mapped, the model failed at its first step
+        (torch.float16, 4, "block_size=4 (com.microsoft.PagedAttention needs a power of two"),
+        (torch.float16, 24, "block_size=24"),
+    ],
+)
+def test_ort_cuda_keeps_what_the_contrib_op_cannot_compute(dtype, block_size, reason, tmp_path):
+    """The nodes keep their bodies, with a note saying why."""
+    program = _program(dtype, shared_tokens=True, block_size=block_size)
+    model = to_onnx(program, (), tmp_path / "m.onnx", target="ort-cuda")
     assert "com.microsoft" not in _domains(model)
     assert sorted(f.name for f in model.functions) == ["PagedAttention", "ReshapeAndCache"]
     notes = read_contract(model).extra["target_notes"]
-    assert "kept with its body: dtype" in notes
+    assert f"kept with its body: {reason}" in notes
 
 
 class _TwoReadersOfOneWrite(torch.nn.Module):
@@ -179,7 +203,12 @@ class _TwoReadersOfOneWrite(torch.nn.Module):
 
 
 def test_ort_cuda_maps_one_attention_per_write(tmp_path):
-    program = _program(torch.float16, shared_tokens=True, model=_TwoReadersOfOneWrite())
+    program = _program(
+        torch.float16,
+        shared_tokens=True,
+        model=_TwoReadersOfOneWrite(),
+        block_size=ORT_CUDA_BLOCK_SIZE,
+    )
     model = to_onnx(program, (), tmp_path / "m.onnx", target="ort-cuda")
     (contrib,) = [n for n in model.graph.node if n.domain == "com.microsoft"]
     (kept,) = [n for n in model.graph.node if n.domain == DOMAIN]
@@ -208,14 +237,77 @@ def test_ort_cuda_parity_on_gpu(ort_cuda_model):
     _, path = ort_cuda_model
     session = PagedOrtSession(path, providers=["CUDAExecutionProvider"])
     model = PagedAttentionOnly(SCALE, sliding_window=WINDOW, soft_cap=SOFT_CAP)
-    step = _inputs(torch.float16, 32, {0: 9, 1: 1}, padding=0, seed=2)
+    step = _inputs(
+        torch.float16, 32, {0: 9, 1: 1}, padding=0, seed=2, block_size=ORT_CUDA_BLOCK_SIZE
+    )
     inputs = {k: v.cuda() for k, v in step.items()}
-    caches = [torch.randn(32, BLOCK_SIZE, 2, 16, dtype=torch.float16).cuda() for _ in range(2)]
+    shape = (32, ORT_CUDA_BLOCK_SIZE, 2, 16)
+    caches = [torch.randn(shape, dtype=torch.float16).cuda() for _ in range(2)]
     expected_caches = [c.clone() for c in caches]
     expected = model(*inputs.values(), *expected_caches)
     got = session.run({**inputs, "key_cache": caches[0], "value_cache": caches[1]})["output"]
     torch.testing.assert_close(got.cuda(), expected, atol=5e-3, rtol=5e-3)
     torch.testing.assert_close(caches, expected_caches, atol=0, rtol=0)
+
+
+SWEEP_WINDOW = 40
+
+
+@pytest.fixture(scope="module")
+def ort_cuda_sweep_models(tmp_path_factory):
+    """ort-cuda files of the ops module with and without a sliding window (block size 16)."""
+    paths = {}
+    for window in (-1, SWEEP_WINDOW):
+        module = PagedAttentionOnly(SCALE, sliding_window=window)
+        program = _program(
+            torch.float16, shared_tokens=True, model=module, block_size=ORT_CUDA_BLOCK_SIZE
+        )
+        paths[window] = tmp_path_factory.mktemp("ort_cuda_sweep") / "m.onnx"
+        to_onnx(program, (), paths[window], target="ort-cuda")
+    return paths
+
+
+@pytest.mark.parametrize("window", [-1, SWEEP_WINDOW], ids=["full", "window"])
+def test_ort_cuda_lengths_sweep_on_gpu(ort_cuda_sweep_models, window):
+    """The contrib op over every context length 1..130 (a prefill of all but the last token in
+    chunks of up to 48, then one decode step per sequence) against the sdpa backend on the same
+    GPU; the failure names the steps and lengths that differ."""
+    reason = _cuda_ep_available()
+    if reason:
+        pytest.skip(f"ort-cuda parity needs the CUDA EP: {reason}")
+    from attnexport.custom_ops import use_backend
+
+    session = PagedOrtSession(ort_cuda_sweep_models[window], providers=["CUDAExecutionProvider"])
+    model = PagedAttentionOnly(SCALE, sliding_window=window)
+    lengths = list(range(1, 131))
+    planner = StepPlanner(1200, ORT_CUDA_BLOCK_SIZE, seed=5)
+    shape = (1200, ORT_CUDA_BLOCK_SIZE, 2, 16)
+    caches = [torch.zeros(shape, dtype=torch.float16).cuda() for _ in range(2)]
+    expected_caches = [c.clone() for c in caches]
+    done = dict.fromkeys(range(len(lengths)), 0)
+    plans = []
+    while any(done[i] < n - 1 for i, n in enumerate(lengths)):
+        plan = {i: min(48, n - 1 - done[i]) for i, n in enumerate(lengths) if done[i] < n - 1}
+        for i, count in plan.items():
+            done[i] += count
+        plans.append(plan)
+    plans.append(dict.fromkeys(range(len(lengths)), 1))
+    wrong = []
+    for number, plan in enumerate(plans):
+        step = planner.step(plan)
+        inputs = attention_inputs(step, head_size=16, dtype=torch.float16, seed=number)
+        inputs = {k: v.cuda() for k, v in inputs.items()}
+        with use_backend("sdpa"), torch.no_grad():
+            expected = model(*inputs.values(), *expected_caches)
+        got = session.run({**inputs, "key_cache": caches[0], "value_cache": caches[1]})["output"]
+        error = (got.cuda().float() - expected.float()).abs().amax(dim=(1, 2))
+        starts = inputs["query_start_loc"].tolist()
+        for row, seq in enumerate(plan):
+            worst = float(error[starts[row] : starts[row + 1]].max())
+            if worst > 1e-2:
+                kind = "decode" if number == len(plans) - 1 else f"chunk {number}"
+                wrong.append(f"{kind} of length {lengths[seq]}: {worst:.3f}")
+    assert not wrong, f"{len(wrong)} sequences differ: " + "; ".join(wrong[:40])
 
 
 def test_metadata_records_the_caches(ort_cuda_model):

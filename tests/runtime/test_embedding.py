@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from attnexport.artifact.export import ExportOptions, export_artifact
 from attnexport.cli.main import main
 from attnexport.runtime.embedding import (
     EmbeddingConfig,
@@ -33,10 +32,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("minilm")
-    export_artifact(str(minilm_dir()), out, ExportOptions(formats=("onnx", "pt2")))
-    return out
+def artifact(minilm_artifact) -> Path:
+    return minilm_artifact
 
 
 @pytest.fixture(scope="module")

@@ -132,6 +132,7 @@ def test_bad_requests_fail_alone_and_the_others_complete(model, alone):
         ([1, 2], SamplingParams(max_tokens=0), "max_tokens: expected an int >= 1"),
         ([1, vocab], SamplingParams(), rf"token id {vocab} is outside the vocabulary"),
         ([1, -3], SamplingParams(), "token id -3 is outside the vocabulary"),
+        ([1, 2], SamplingParams(stop_token_ids=(2, vocab)), rf"stop_token_ids: token id {vocab}"),
         ([1, 2.5], SamplingParams(), "prompt: expected int token ids"),
     ]
     prompts = [PROMPTS[0]] + [c[0] for c in cases] + [PROMPTS[1]]

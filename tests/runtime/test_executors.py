@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import shutil
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from attnexport import ort_kernels
 from attnexport.custom_ops import registered_backends
+from attnexport.errors import UserError
 from attnexport.models import load_model
 from attnexport.runtime import (
     CacheConfig,
@@ -221,18 +223,46 @@ def test_loaded_pt2_matches_eager(pt2_path, model, eager_tokens):
     assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == eager_tokens
 
 
-@pytest.mark.parametrize("name", ["ipex", "xformers"])
-def test_other_backends_match_sdpa(name, model, eager_tokens):
+def _available_backend(name: str):
     backend = next((b for b in registered_backends() if b.name == name), None)
     if backend is None:
         pytest.skip(f"{name}: backend not registered in this build")
     reason = backend.unavailable_reason()
     if reason is not None:
         pytest.skip(f"{name}: {reason}")
+    return backend
+
+
+@pytest.mark.parametrize("name", ["ipex", "xformers"])
+def test_other_backends_match_sdpa(name, model, eager_tokens):
+    """IPEX runs every step of this model; xFormers has no paged decode for a float32 cache of
+    4-token blocks, so on CUDA it runs under ``auto`` (xFormers where it can, sdpa for the
+    rest)."""
+    backend = _available_backend(name)
     device = "cpu" if "cpu" in backend.capabilities.devices else "cuda"
-    executor = TorchExecutor(model, block_size=BLOCK_SIZE, backend=name, device=device)
+    choice = name if device == "cpu" else "auto"
+    executor = TorchExecutor(model, block_size=BLOCK_SIZE, backend=choice, device=device)
     engine = Engine(executor, CACHE, LIMITS)
     assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == eager_tokens
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        # IPEX 2.8's kernels take a cache of the queries' dtype only
+        ("ipex", {"kv_cache_dtype": torch.bfloat16}),
+        # no xFormers operator reads a float32 cache of 4-token blocks in a decode batch
+        ("xformers", {"device": "cuda"}),
+    ],
+    ids=["ipex-bf16-cache", "xformers-fp32-decode"],
+)
+def test_backend_that_cannot_run_the_model_is_refused_when_chosen(name, options, model):
+    """A backend chosen by name that cannot run some step of the model is refused when the
+    executor is made, naming the backend's reasons; it used to fail the first such step of a
+    running engine, with every request in it."""
+    _available_backend(name)
+    with pytest.raises(UserError, match=rf"backend: '{name}' cannot run this model's steps"):
+        TorchExecutor(model, block_size=BLOCK_SIZE, backend=name, **options)
 
 
 def test_executor_arguments_are_checked(model):
@@ -262,7 +292,7 @@ def test_executor_arguments_are_checked(model):
 def test_engine_from_an_export_directory(pt2_path, eager_tokens, tmp_path):
     directory = tmp_path / "export"
     directory.mkdir()
-    (directory / "model.pt2").symlink_to(pt2_path)
+    shutil.copyfile(pt2_path, directory / "model.pt2")  # a link in it would be refused
     (directory / "manifest.json").write_text('{"config": {"max_position_embeddings": 128}}')
     engine = Engine.from_path(directory, cache_config=CACHE, scheduler_config=SchedulerConfig())
     assert engine.max_model_len == 128 and engine.executor.name == "torch"
@@ -358,11 +388,10 @@ def _stale_executor(kind: str, model, onnx_path):
         from attnexport.runtime import OrtExecutor
 
         return OrtExecutor(onnx_path, num_threads=1, kernels=kind.removeprefix("ort-"))
-    backend = next((b for b in registered_backends() if b.name == kind), None)
-    if backend is None or backend.unavailable_reason() is not None:
-        pytest.skip(f"{kind}: {backend.unavailable_reason() if backend else 'not registered'}")
+    backend = _available_backend(kind)
     device = "cpu" if "cpu" in backend.capabilities.devices else "cuda"
-    return TorchExecutor(model, block_size=BLOCK_SIZE, backend=kind, device=device)
+    choice = kind if device == "cpu" else "auto"  # as in test_other_backends_match_sdpa
+    return TorchExecutor(model, block_size=BLOCK_SIZE, backend=choice, device=device)
 
 
 @pytest.mark.parametrize("fill", [float("nan"), float("inf"), float("-inf")], ids=str)

@@ -1,11 +1,18 @@
-"""The sampler: greedy, temperature, top-k, top-p, and per-request seeded streams."""
+"""The sampler: greedy, temperature, top-k, top-p, per-request seeded streams, temperatures
+below the epsilon, and logits that are not finite."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from attnexport.runtime.sampling import SamplingParams, make_generator, sample
+from attnexport.runtime.sampling import (
+    SAMPLING_EPS,
+    NonFiniteLogitsError,
+    SamplingParams,
+    make_generator,
+    sample,
+)
 
 
 def _logits(rows: int = 3, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -93,3 +100,37 @@ def test_forced_tokens_first_and_last_eos_wins():
     assert params.forced_token(3, is_last=True) == 9
     assert params.forced_token(0, is_last=True) == 9
     assert SamplingParams().forced_token(0, is_last=True) is None
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-310, 1e-300, 1e-6])
+@pytest.mark.parametrize("top_p", [0.9, 1.0])
+def test_a_temperature_below_the_epsilon_is_greedy(temperature, top_p):
+    """logits / 1e-310 overflowed to inf: with top_p < 1 the CDF was empty (IndexError, which
+    failed the whole engine step), with top_p 1 every token had the same weight and the draw
+    returned an arbitrary, usually unlikely, token."""
+    logits = _logits(rows=4, vocab=200) * 10
+    params = SamplingParams(temperature=temperature, top_p=top_p, seed=3)
+    assert params.greedy and make_generator(params, 0) is None
+    assert sample(logits, [params] * 4, [None] * 4) == logits.argmax(dim=-1).tolist()
+
+
+def test_the_smallest_sampled_temperature_cannot_overflow():
+    """Logits at float32's limits divided by a temperature just above the epsilon: the
+    shift by the maximum keeps every value finite, so the draw is the top token."""
+    logits = torch.tensor([[-3e38, 3e38, 3.3e38, 0.0, float("-inf")]])
+    params = SamplingParams(temperature=SAMPLING_EPS, top_p=0.9, seed=0)
+    assert not params.greedy
+    generator = make_generator(params, 0)
+    assert {sample(logits, [params], [generator])[0] for _ in range(20)} == {2}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, seed=1)])
+def test_a_non_finite_row_raises_for_greedy_and_random_sampling(bad, params):
+    logits = _logits(rows=1)
+    logits[0, 9] = bad
+    with pytest.raises(NonFiniteLogitsError, match="not finite"):
+        sample(logits, [params], [make_generator(params, 0)])
+    everything_impossible = torch.full((1, 50), float("-inf"))
+    with pytest.raises(NonFiniteLogitsError, match="its maximum is -inf"):
+        sample(everything_impossible, [params], [make_generator(params, 0)])

@@ -5,6 +5,8 @@ detokenization."""
 from __future__ import annotations
 
 import ast
+import json
+import re
 import sys
 from pathlib import Path
 
@@ -13,6 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from attnexport.contained_files import UnsafePathError
+from attnexport.runtime import chat_template as chat_template_module
 from attnexport.runtime import text as text_module
 from attnexport.runtime.text import REPLACEMENT_CHARACTER, Tokenizer, TokenizerError
 from tests.text_tokenizers import BUILDERS, CORPUS, byte_level_bpe
@@ -140,17 +144,24 @@ def test_a_directory_without_a_tokenizer_is_a_named_error(tmp_path):
         Tokenizer.from_directory(tmp_path)
 
 
-def test_module_imports_neither_torch_nor_the_rest_of_attnexport():
+@pytest.mark.parametrize("module", [text_module, chat_template_module])
+def test_module_imports_neither_torch_nor_the_rest_of_attnexport(module):
     """A torch-free deployment (numpy, onnxruntime, the tokenizer library) can import it."""
-    tree = ast.parse(Path(text_module.__file__).read_text())
+    tree = ast.parse(Path(module.__file__).read_text())
     imported = {
         alias.name
         for node in ast.walk(tree)
         if isinstance(node, ast.Import)
         for alias in node.names
     } | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    # attnexport.errors is a leaf module without imports (the errors every layer raises).
-    allowed = {"attnexport.errors"}
+    # attnexport.errors is a leaf module without imports (the errors every layer raises);
+    # attnexport.contained_files (the check of what a loader may read) imports only it; the
+    # text module renders with the chat template's sandbox.
+    allowed = {
+        "attnexport.errors",
+        "attnexport.contained_files",
+        "attnexport.runtime.chat_template",
+    }
     assert not {
         m for m in imported if m and m.split(".")[0] in ("torch", "attnexport") and m not in allowed
     }
@@ -160,4 +171,93 @@ def test_without_transformers_the_error_names_the_extra(tmp_path, monkeypatch):
     directory = byte_level_bpe(tmp_path)
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
     with pytest.raises(ModuleNotFoundError, match=r'pip install "attnexport\[hf\]"'):
+        Tokenizer.from_directory(directory)
+
+
+# ----------------------------------------------------------------------------- contained files
+
+SECRET = "root:x:0:0:SECRET-LINE"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "chat_template.jinja",
+        "additional_chat_templates/tool_use.jinja",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ],
+)
+def test_a_linked_tokenizer_file_is_refused_not_read(name, tmp_path):
+    """A link in the directory could make transformers read any file of the machine: a
+    chat_template.jinja linked to /etc/passwd is rendered into every chat prompt. Each link
+    here leads to a file transformers would load without complaint."""
+    directory = byte_level_bpe(tmp_path / "tokenizer", chat_template=False)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    source = directory / name
+    if source.is_file():
+        source.rename(elsewhere / source.name)
+    else:
+        (elsewhere / source.name).write_text(SECRET)
+    source.parent.mkdir(exist_ok=True)
+    source.symlink_to(elsewhere / source.name)
+    with pytest.raises(UnsafePathError, match=rf"{re.escape(str(source))}: a symbolic link"):
+        Tokenizer.from_directory(directory)
+
+
+def test_a_linked_chat_templates_directory_is_refused(tmp_path):
+    directory = byte_level_bpe(tmp_path / "tokenizer", chat_template=False)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "default.jinja").write_text(SECRET)
+    (directory / "additional_chat_templates").symlink_to(elsewhere)
+    with pytest.raises(UnsafePathError, match="additional_chat_templates: a symbolic link"):
+        Tokenizer.from_directory(directory)
+
+
+def _outside_tokenizer(tmp_path, directory, name: str) -> Path:
+    """A copy of ``directory``'s tokenizer.json outside it, with one more token."""
+    data = json.loads((directory / "tokenizer.json").read_text())
+    data["added_tokens"].append(
+        {"id": 400, "content": "SECRET_TOKEN", "special": True, "single_word": False,
+         "lstrip": False, "rstrip": False, "normalized": False}
+    )  # fmt: skip
+    outside = tmp_path / "elsewhere" / name
+    outside.parent.mkdir()
+    outside.write_text(json.dumps(data))
+    return outside
+
+
+def test_fast_tokenizer_files_may_not_name_a_file_outside(tmp_path):
+    """transformers joins these names to the directory: ``../`` read another tokenizer."""
+    directory = byte_level_bpe(tmp_path / "tokenizer")
+    outside = _outside_tokenizer(tmp_path, directory, "tokenizer.4.0.json")
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["fast_tokenizer_files"] = [f"../{outside.parent.name}/{outside.name}"]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsafePathError, match="fast_tokenizer_files"):
+        Tokenizer.from_directory(directory)
+
+
+def test_file_arguments_of_the_config_are_the_directory_own(tmp_path):
+    """Older transformers open a ``tokenizer_file`` / ``vocab_file`` path the config holds
+    (old configs hold stale absolute paths): the directory's file of that name is taken."""
+    directory = byte_level_bpe(tmp_path / "tokenizer")
+    outside = _outside_tokenizer(tmp_path, directory, "tokenizer.json")
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config.update(tokenizer_file=str(outside), vocab_file=str(tmp_path / "elsewhere" / "v.txt"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer.from_directory(directory)
+    assert "SECRET_TOKEN" not in tokenizer.hf.get_vocab() and len(tokenizer.hf) == 400
+    assert (
+        tokenizer.encode("Paris")
+        == AutoTokenizer.from_pretrained(str(directory))("Paris")["input_ids"]
+    )
+
+
+def test_a_tokenizer_config_nested_too_deep_is_a_named_error(tmp_path):
+    directory = byte_level_bpe(tmp_path / "tokenizer")
+    (directory / "tokenizer_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(TokenizerError, match=r"tokenizer_config\.json: not valid JSON"):
         Tokenizer.from_directory(directory)

@@ -40,6 +40,9 @@ SERVING_CORE = [
     "attnexport.runtime.executors.cache_pool",
     "attnexport.runtime.executors.ort_executor",
     "attnexport.runtime.embedding",
+    "attnexport.runtime.logprobs",
+    "attnexport.runtime.logits_processing",
+    "attnexport.runtime.structured_output",
 ]
 FORBIDDEN = ("torch", "attnexport.custom_ops", "attnexport.lowering", "onnx")
 

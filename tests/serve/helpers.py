@@ -12,13 +12,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import uvicorn
 
 from attnexport.cli.main import main
 from attnexport.serve.app import create_app
-from attnexport.serve.served_model import load_served_model
+from attnexport.serve.http_server import DrainingServer
+from attnexport.serve.served_model import ServedModel, load_served_model
 
 START_TIMEOUT = 60.0
+APP_OPTIONS = ("max_queued_requests", "max_request_bytes", "chat_template_seconds")
 
 
 def export_chat_llama(path: Path, max_positions: int = 1024):
@@ -44,16 +45,25 @@ def export_chat_llama(path: Path, max_positions: int = 1024):
 
 
 @contextlib.contextmanager
-def running_server(artifact: Path, **options) -> Iterator[str]:
-    """Serves ``artifact`` with uvicorn in a thread of this process on a free port; yields
-    its base URL and stops it (graceful shutdown) on exit. ``options``:
-    ``load_served_model`` keywords and ``max_queued_requests``."""
-    queued = options.pop("max_queued_requests", None)
-    app = create_app(load_served_model(artifact, **options), max_queued_requests=queued)
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=10
-    )
-    server = uvicorn.Server(config)
+def running_server(artifact: Path | ServedModel, **options) -> Iterator[str]:
+    """Serves ``artifact`` (an export, or a model already loaded) as ``attnexport serve`` does
+    (uvicorn, draining at shutdown) in a thread of this process on a free port; yields its base
+    URL and stops it (graceful shutdown) on exit. ``options``: ``load_served_model`` keywords
+    and the ``create_app`` keywords ``max_queued_requests``, ``max_request_bytes``,
+    ``chat_template_seconds``."""
+    app_options = {key: options.pop(key) for key in APP_OPTIONS if key in options}
+    if not isinstance(artifact, ServedModel):
+        artifact = load_served_model(artifact, **options)
+    app = create_app(artifact, **app_options)
+    with running_app(app) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def running_app(app) -> Iterator[str]:
+    """Serves the ASGI ``app`` (draining at shutdown) in a thread of this process on a free
+    port; yields its base URL and stops it (graceful shutdown) on exit."""
+    server = DrainingServer(app, shutdown_timeout=10, host="127.0.0.1", port=0, log_level="warning")
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + START_TIMEOUT

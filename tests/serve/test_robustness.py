@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -99,7 +100,7 @@ FIELDS = {
     "stop": st.one_of(st.just(3), st.just([1, 2])),
     "stop_token_ids": st.one_of(st.just([-1]), st.just(["a"]), st.just(7)),
     "stream": st.one_of(st.just("yes"), st.just(2)),
-    "logprobs": st.just(1),
+    "logprobs": st.sampled_from([21, -1, True, "1"]),
 }
 # Fields whose values of any other JSON type are refused too; each with what it accepts.
 VALID = {
@@ -168,7 +169,8 @@ def test_garbage_bodies_get_a_400(server, body, route):
         ({"messages": [{"content": "hi"}]}, "messages"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages"),
         ({"messages": [{"role": "user", "content": "x" * 20000}]}, "messages"),
-        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
         ({"messages": "hi"}, "messages"),
     ],
 )
@@ -242,6 +244,51 @@ def test_sigterm_finishes_running_streams_then_stops(chat_export):
             process.wait(timeout=30)
     stderr = process.stderr.read().decode()
     assert "Traceback" not in stderr, stderr
+
+
+def test_requests_past_the_shutdown_timeout_get_an_answer(chat_export):
+    """uvicorn cancels what outlives its graceful shutdown: a plain request got a text/plain
+    500 and a stream was cut with neither an error event nor [DONE]. They are aborted in the
+    engine first: an OpenAI-shaped 503, and an error event then [DONE]."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "attnexport.cli.main", "serve", str(chat_export[0])]
+    command += ["--port", str(port), "--shutdown-timeout", "0.5", "--log-level", "warning"]
+    command += ["--kv-cache-memory", str(KV_CACHE_BYTES / 2**30)]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    plain: dict = {}
+    try:
+        wait_for(lambda: _healthy(url), timeout=60, what="the server to start")
+
+        def post() -> None:
+            plain["response"] = httpx.post(f"{url}/v1/completions", json=LONG, timeout=120)
+
+        thread = threading.Thread(target=post)
+        thread.start()
+        with (
+            httpx.Client(timeout=120) as client,
+            client.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}) as stream,
+        ):
+            events = sse_events(stream.iter_lines())
+            next(events)
+            wait_for(lambda: metric(url, "attnexport_requests_running") == 2, what="both")
+            process.send_signal(signal.SIGTERM)
+            rest = list(events)
+        thread.join(120)
+        assert rest[-1] == "[DONE]", rest[-3:]
+        error = rest[-2]["error"]
+        assert error["type"] == "service_unavailable" and "shutting down" in error["message"]
+        response = plain["response"]
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["type"] == "service_unavailable"
+        assert process.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+    stderr = process.stderr.read().decode()
+    assert "Traceback" not in stderr and "Exception in ASGI" not in stderr, stderr
 
 
 def _healthy(url: str) -> bool:

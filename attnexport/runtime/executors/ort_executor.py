@@ -30,6 +30,7 @@ from attnexport.model_interface import (
     CacheSpec,
 )
 from attnexport.paged_inputs import to_array
+from attnexport.runtime.config import checked_max_model_len
 from attnexport.runtime.executors.base import Device, Executor
 from attnexport.runtime.executors.cache_pool import CachePool, NumpyCachePool, numpy_dtype
 from attnexport.runtime.model_input import ModelInput
@@ -92,7 +93,8 @@ class OrtExecutor(Executor):
         spin: let idle worker threads spin (see :func:`default_session_options`).
         session_options: an ``onnxruntime.SessionOptions`` replacing
             :func:`default_session_options`.
-        max_model_len: the model's maximum length when its metadata does not give one.
+        max_model_len: the model's maximum length when its metadata does not give one (at
+            most the metadata's when it does).
         kernels: how the attnexport nodes run: ``native``, the C++ CPU kernels of
             :mod:`attnexport.ort_kernels` (an error if that library is not built or
             the device is cuda); ``bodies``, their standard-op function bodies; ``auto``
@@ -199,7 +201,7 @@ class OrtExecutor(Executor):
         super().__init__(
             spec,
             vocab_size,
-            max_model_len or found,
+            checked_max_model_len(max_model_len, found, f"the metadata of {path}"),
             device,
             rope_switch_length or meta.rope_switch_length,
         )
@@ -259,6 +261,7 @@ class OrtExecutor(Executor):
         if self._binding is None:
             raise RuntimeError("OrtExecutor.execute: initialize_cache must run first")
         model_input.check_rows(self.vocab_size, self.max_model_len)
+        self._touch_blocks(model_input.values)
         self._bind_inputs(model_input)
         logits = self._logits.next(model_input.num_logits)
         if self._logits.rebind:
@@ -267,6 +270,17 @@ class OrtExecutor(Executor):
             )
         self.session.run_with_iobinding(self._binding)
         return logits
+
+    def _touch_blocks(self, values: dict[str, list]) -> None:
+        """Commits the cache memory of every block the step writes (the pool is filled as it
+        is used: :meth:`NumpyCachePool.touch`); a max over the step's slots."""
+        block_size = self.cache_spec.block_size
+        slots = values["slot_mapping"]
+        cross = values.get("cross_slot_mapping")
+        self.cache_pool.touch(
+            max(slots, default=-1) // block_size + 1,
+            max(cross, default=-1) // block_size + 1 if cross else 0,
+        )
 
     def _bind_inputs(self, model_input: ModelInput) -> None:
         """Copies the inputs into host buffers bound to the session: a buffer of an unchanged

@@ -8,7 +8,12 @@ import os
 import torch
 
 from attnexport.artifact import load_pt2
-from attnexport.custom_ops.dispatch import AUTO, get_backend, use_backend
+from attnexport.custom_ops.dispatch import (
+    AUTO,
+    BackendUnsupportedError,
+    get_backend,
+    use_backend,
+)
 from attnexport.custom_ops.planning import step_plan
 from attnexport.errors import UserError
 from attnexport.model_interface import (
@@ -16,9 +21,10 @@ from attnexport.model_interface import (
     ENCODER_DECODER_INPUT_NAMES,
     CacheSpec,
 )
+from attnexport.runtime.config import checked_max_model_len
 from attnexport.runtime.executors.base import Executor
 from attnexport.runtime.executors.torch_cache_pool import TorchCachePool
-from attnexport.runtime.model_input import ModelInput
+from attnexport.runtime.model_input import ModelInput, pack_decoder_step
 from attnexport.runtime.torch_inputs import StepTensors
 
 
@@ -55,7 +61,8 @@ class TorchExecutor(Executor):
         cache_spec, vocab_size, max_model_len: the model's cache geometry, output width and
             length limit. Found on the model when not given: a ``cache_spec`` attribute or
             method and ``config.vocab_size`` / ``config.max_position_embeddings`` of a module,
-            or the input and output shapes of an exported program.
+            or the input and output shapes of an exported program. A ``max_model_len`` above
+            the one found is refused (UserError).
         trust_pickle: load a ``.pt2`` path even when its archive holds entries that loading
             would unpickle (they can run code); see :func:`attnexport.artifact.load_pt2`.
         rope_switch_length: the LongRoPE switch length (see
@@ -113,7 +120,9 @@ class TorchExecutor(Executor):
         super().__init__(
             cache_spec,
             vocab_size,
-            max_model_len or found.get("max_model_len"),
+            checked_max_model_len(
+                max_model_len, found.get("max_model_len"), f"{self.source}'s config"
+            ),
             device,
             rope_switch_length or found.get("rope_switch_length"),
         )
@@ -123,6 +132,29 @@ class TorchExecutor(Executor):
             module = module.to(device)
         self.module = module
         self.decoder_start_token_id = found.get("decoder_start_token_id")
+        if self.backend != AUTO and not cache_spec.num_cross_layers:
+            self._check_backend_runs_the_model()
+
+    def _check_backend_runs_the_model(self) -> None:
+        """Runs a two-token prefill and a one-token decode of the model on scratch caches under
+        the chosen backend, so that a backend that cannot run this model's steps (a decode batch
+        no xFormers operator reads from this cache, a cache dtype IPEX refuses, ...) is refused
+        here with its reasons, instead of failing every request of the first such step."""
+        block_size = self.cache_spec.block_size
+        tokens = [0, 0, 0]
+        blocks = list(range(-(-len(tokens) // block_size)))
+        caches = TorchCachePool(self.cache_spec, len(blocks), 0, self.device).kv_caches
+        try:
+            for start, count in ((0, 2), (2, 1)):
+                step = pack_decoder_step([start], [count], [blocks], [tokens], [1], block_size)
+                args = StepTensors(step, self.device).index_args()
+                with use_backend(self.backend), torch.no_grad(), step_plan(args):
+                    self.module(*args, caches)
+        except BackendUnsupportedError as error:
+            raise UserError(
+                f"backend: {self.backend!r} cannot run this model's steps ({error}); "
+                f"use backend 'auto', which runs each call on the best backend that can"
+            ) from error
 
     def _make_cache_pool(self, num_blocks: int, num_cpu_blocks: int) -> TorchCachePool:
         return TorchCachePool(self.cache_spec, num_blocks, num_cpu_blocks, self.device)
