@@ -97,7 +97,7 @@ def add_parser(commands) -> None:
         choices=choices.weight_algorithms(),
         metavar="ALGORITHM",
         help="onnxruntime's quantization algorithm, one of %(choices)s: round to nearest, "
-        "llama.cpp-style k-quant search, half-quadratic (float zero points: slow on the CPU)",
+        "llama.cpp-style k-quant search, half-quadratic (a float zero point per block)",
     )
     quant.add_argument(
         "--weights-accuracy-level",

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from attnexport.lowering.quantize import QuantizationError
+from attnexport.lowering.quantization_error import QuantizationError
 
 
 class LmHeadError(QuantizationError):

@@ -9,7 +9,8 @@
   squared error (``KQuantWeightOnlyQuantConfig``, after llama.cpp's k-quants);
 * ``hqq``: half-quadratic quantization (``HQQWeightOnlyQuantConfig``), a float zero point per
   block fitted to the weights: onnxruntime's CPU kernel has no packed path for float zero
-  points and dequantizes the weights on every call, so it is slow (int4 only).
+  points and dequantizes the weights on every call, so they are moved onto the packed
+  kernels (:mod:`attnexport.lowering.float_zero_points`).
 
 A *layer* is named after its weight: ``model.layers.0.mlp.down_proj`` for the MatMul on
 ``model.layers.0.mlp.down_proj.weight``; the projection whose output is the model's logits
@@ -36,6 +37,7 @@ from pathlib import Path
 import onnx
 
 from attnexport.lowering.onnx_export import EXTERNAL_DATA_BYTES
+from attnexport.lowering.quantization_error import QuantizationError
 from attnexport.lowering.quiet import quieted
 
 WEIGHT_FORMATS = {"float": None, "int4": 4, "int8": 8}
@@ -66,10 +68,6 @@ DEFAULTS = {
     },
 }
 """The defaults of each format (docs/quantization.md says why)."""
-
-
-class QuantizationError(ValueError):
-    """A bad quantization option or a model the quantizer cannot rewrite as asked."""
 
 
 @dataclass(frozen=True)

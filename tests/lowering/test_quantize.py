@@ -79,8 +79,11 @@ def test_the_float_export_has_matmuls_on_constant_weights_and_no_gemm(float_onnx
 def test_every_projection_becomes_matmulnbits(float_onnx, tmp_path, fmt, bits):
     path, entry = _quantized(float_onnx, tmp_path, WeightQuantization(fmt))
     ops = _ops(path)
-    assert ops["MatMulNBits"] == LAYERS and ops["MatMul"] == 0
     defaults = DEFAULTS[fmt]
+    # hqq's float zero points become one float32 offset MatMul per layer (float_zero_points);
+    # the logits projection is round to nearest.
+    offsets = LAYERS - 1 if defaults["algorithm"] == "hqq" else 0
+    assert ops["MatMulNBits"] == LAYERS and ops["MatMul"] == offsets
     assert entry == {
         "format": fmt,
         "bits": bits,
@@ -111,7 +114,8 @@ def test_keep_float_and_lm_head(float_onnx, tmp_path):
         "lm_head",
     ]
     ops = _ops(path)
-    assert ops["MatMulNBits"] == LAYERS - 5 and ops["MatMul"] == 5
+    # 5 float layers, and an hqq offset MatMul (float_zero_points) per quantized layer
+    assert ops["MatMulNBits"] == LAYERS - 5 and ops["MatMul"] == 5 + LAYERS - 5
     assert entry["quantized_layers"] == LAYERS - 5
 
 
@@ -126,8 +130,6 @@ def test_bad_options_are_named(float_onnx, tmp_path):
         WeightQuantization("int4", algorithm="gptq")
     with pytest.raises(QuantizationError, match="--lm-head: expected float, int8, int4"):
         WeightQuantization("int4", lm_head="int2")
-    with pytest.raises(QuantizationError, match="hqq: int4 only"):
-        WeightQuantization("int8", algorithm="hqq", symmetric=False)
     with pytest.raises(QuantizationError, match="pass --weights-asymmetric"):
         WeightQuantization("int4", algorithm="k_quant", symmetric=True)
     with pytest.raises(QuantizationError, match=r"'model\.layer\.\*' matches no layer"):
