@@ -201,7 +201,7 @@ def _text_tokens(manifest: dict, directory: Path) -> list[int] | None:
     from attnexport.cli.verify_text import TEXT
     from attnexport.runtime.loading import artifact_tokenizer
 
-    tokenizer = artifact_tokenizer(directory)
+    tokenizer = artifact_tokenizer(directory, manifest)
     ids = tokenizer.encode(TEXT)
     if max(o + n for o, n in TEXT_PROMPTS) + TEXT_DECODE_STEPS > len(ids):
         return None
