@@ -88,13 +88,16 @@ def logit_quality(
 
 # What `attnexport verify` accepts of a model with quantized weights against its float eager
 # model, per logit_quality over every logits row of verify's batch (its English text, or random
-# tokens without a tokenizer), and the max abs error of the KV caches. Measured on
-# SmolLM2-135M-Instruct (`python benchmarks/quality.py`, verify's own batch): see
-# docs/quantization.md, "verify's bounds", for the figures of every option; each bound is about
-# twice the worst option's figure, so that any option passes and a broken export (KL of nats,
-# most tokens flipped) does not.
+# tokens without a tokenizer). Measured with `attnexport verify --json` on SmolLM2-135M-Instruct
+# (docs/quantization.md, "verify's bounds", has the figures), onnx / onnx[native] legs:
+#   int8 default (its worst option):  KL 0.0062 / 0.0074, ppl +-0.7%, confident flips 0
+#   int4 default (hqq, lm_head int8): KL 0.0069 / 0.0061, ppl -0.9% / -0.4%, flips 0
+#   int4 worst (rtn sym, block 128, lm_head int4): KL 0.77 / 0.76, ppl +53%, flips 18%
+# int4's bounds are ~2x its worst option, so any option passes and a broken export (KL of nats,
+# most confident tokens flipped) does not; int8's leave ~7x. The KV caches' error follows the
+# weights' and is reported, not bounded ("cache": no bound).
 _QUANTIZED_BOUNDS = {
-    "int4": {"kl": 1.0, "ppl_increase": 1.5, "confident_flips": 0.4, "cache": 1e9},
+    "int4": {"kl": 1.5, "ppl_increase": 1.5, "confident_flips": 0.4, "cache": 1e9},
     "int8": {"kl": 0.05, "ppl_increase": 0.05, "confident_flips": 0.05, "cache": 1e9},
 }
 
