@@ -384,16 +384,11 @@ print(json.dumps({"done": True}))
 
 
 def bench_module(name: str):
-    """``benchmarks/<name>.py`` as a module (benchmarks/ is not a package)."""
-    import importlib.util
+    """``benchmarks/<name>.py`` as a module, by generate.py's loader (benchmarks/ is not a
+    package; this script's directory is on ``sys.path`` when it runs)."""
+    import generate
 
-    key = f"attnexport_bench_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, ROOT / "benchmarks" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
+    return generate._bench_module(name)
 
 
 def peer_bytes_per_token(peer: str, model: Path) -> int | None:

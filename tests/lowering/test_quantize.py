@@ -18,10 +18,8 @@ from attnexport.lowering import (
     QuantizationError,
     WeightQuantization,
     quantize_weights,
-    to_onnx,
 )
 from attnexport.lowering.quantize import DEFAULTS, quantizable_layers
-from attnexport.models import load_zoo_model
 from attnexport.runtime import (
     CacheConfig,
     Engine,
@@ -39,22 +37,13 @@ TINY_BOUNDS = {"int4": {"max_abs": 0.3, "kl": 1e-3}, "int8": {"max_abs": 0.025, 
 
 
 @pytest.fixture(scope="module")
-def llama():
-    return load_zoo_model("llama", seed=0)
+def llama(zoo_float_onnx):
+    return zoo_float_onnx("llama")[0]
 
 
 @pytest.fixture(scope="module")
-def float_onnx(llama, tmp_path_factory):
-    path = tmp_path_factory.mktemp("float") / "model.onnx"
-    sample = llama.export_sample(16)
-    to_onnx(
-        llama,
-        sample.args,
-        path,
-        dynamic_shapes=sample.dynamic_shapes,
-        cache_spec=llama.cache_spec(16),
-    )
-    return path
+def float_onnx(zoo_float_onnx):
+    return zoo_float_onnx("llama")[2]
 
 
 def _quantized(float_onnx, tmp_path, quantization: WeightQuantization):

@@ -14,38 +14,23 @@ import pytest
 import torch
 
 from attnexport import ort_kernels
-from attnexport.lowering import PagedOrtSession, WeightQuantization, quantize_weights, to_onnx
+from attnexport.lowering import PagedOrtSession, WeightQuantization, quantize_weights
 from attnexport.lowering.float_zero_points import split_float_zero_points
 from attnexport.lowering.quantize import _quantize_layers
-from attnexport.models import load_zoo_model
 from attnexport.runtime.step_driver import PagedDriver
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 61], [200, 1, 33, 7], list(range(10, 40))]
 
 
-def _export(name: str, directory):
-    model = load_zoo_model(name, seed=0)
-    sample = model.export_sample(16)
-    path = directory / "model.onnx"
-    to_onnx(
-        model,
-        sample.args,
-        path,
-        dynamic_shapes=sample.dynamic_shapes,
-        cache_spec=model.cache_spec(16),
-    )
-    return model, sample.input_names, path
-
-
 @pytest.fixture(scope="module")
-def gpt2(tmp_path_factory):
+def gpt2(zoo_float_onnx):
     """Tiny GPT-2 (tied embedding): (model, input names, float ONNX path)."""
-    return _export("gpt2", tmp_path_factory.mktemp("gpt2"))
+    return zoo_float_onnx("gpt2")
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return _export("llama", tmp_path_factory.mktemp("llama"))
+def llama(zoo_float_onnx):
+    return zoo_float_onnx("llama")
 
 
 def _quantized(exported, tmp_path, quantization: WeightQuantization):

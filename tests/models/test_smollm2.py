@@ -22,7 +22,7 @@ CHATS = (
     "Write a haiku about the sea.",
     "How do I reverse a list in Python?",
 )
-NEW_TOKENS = 32
+NEW_TOKENS = 20
 # What the defaults may cost on the verify text (first 256 tokens), against the float32 export:
 # measured int8 / int4 (docs/quantization.md), with room for another CPU's kernels.
 BOUNDS = {
