@@ -24,6 +24,8 @@ Keys (all values are strings; lists and maps are JSON):
 ``cache_outputs``            JSON object ``{cache input: its output}`` for written caches,
                              always ``{"X": "X_out"}``
 ``outputs``                  JSON list of the non-cache graph outputs, in order
+``fusions``                 JSON object ``{rewrite rule: times it fired}`` of the rules of
+                             ``attnexport.lowering.fusions`` that fired (absent: none)
 ``rope_switch_length``       LongRoPE models only: the sequence length past which keys are
                              rotated with the long factors (the engine recomputes a
                              sequence crossing it); absent: no such switch
@@ -73,6 +75,8 @@ class GraphContract:
     float32 scale caches among ``cache_inputs``."""
     rope_switch_length: int | None = None
     """The model's ``rope_switch_length`` (LongRoPE), or None."""
+    fusions: dict[str, int] = field(default_factory=dict)
+    """The rewrite rules that fired at export and how often (``attnexport.lowering.fusions``)."""
     attnexport_version: str = __version__
     extra: dict[str, str] = field(default_factory=dict)
     """Caller-supplied keys (e.g. ``architecture``)."""
@@ -102,6 +106,8 @@ class GraphContract:
                     props[key] = str(value)
         if self.rope_switch_length is not None:
             props["rope_switch_length"] = str(self.rope_switch_length)
+        if self.fusions:
+            props["fusions"] = json.dumps(self.fusions)
         clash = sorted(set(props) & set(self.extra))
         if clash:
             raise ValueError(f"metadata: keys {clash} are written by attnexport itself")
@@ -125,6 +131,7 @@ class GraphContract:
             "cache_outputs",
             "outputs",
             "rope_switch_length",
+            "fusions",
         }
         extra = {k: v for k, v in props.items() if k not in ours}
 
@@ -144,6 +151,7 @@ class GraphContract:
             dtype=props.get("dtype"),
             kv_cache_dtype=props.get("kv_cache_dtype"),
             rope_switch_length=integer("rope_switch_length"),
+            fusions=dict(json.loads(props.get("fusions", "{}"))),
             attnexport_version=props["attnexport_version"],
             extra=extra,
         )

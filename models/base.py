@@ -82,6 +82,11 @@ class PagedModel(nn.Module):
     kind: ClassVar[str] = "decoder"
     """``decoder``, ``encoder`` or ``encoder-decoder``."""
     zoo_name: ClassVar[str]
+    impl: ClassVar[str] = "zoo"
+    """``zoo`` (a network of this zoo) or ``transformers`` (:mod:`attnexport.models.generic`)."""
+    zoo_refusal: str | None = None
+    """Why the zoo did not load a checkpoint the transformers path then loaded (``impl``
+    ``auto``); None otherwise."""
     hf_model_types: ClassVar[tuple[str, ...]] = ()
     hf_architectures: ClassVar[tuple[str, ...]] = ()
     """Accepted ``architectures`` entries of config.json (others are refused)."""

@@ -129,19 +129,57 @@ def load_zoo_model(name: str, *, dtype: torch.dtype = torch.float32, seed: int =
     return model_class(name).from_config(dtype=dtype, seed=seed)
 
 
-def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32) -> PagedModel:
-    """The local Hugging Face checkpoint directory ``path``, in ``dtype`` and eval mode."""
-    cls = class_for_hf_config(loader.read_config(path))
-    return cls.from_pretrained(path, dtype=dtype)
+IMPLS = ("auto", "zoo", "transformers")
+"""How a checkpoint is loaded: ``zoo`` (the zoo's own network), ``transformers`` (transformers'
+model with its attention on the paged ops, :mod:`attnexport.models.generic`), or ``auto``: the
+zoo when it implements the family and the config's options, else transformers."""
+
+
+def load_checkpoint(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, impl: str = "auto"
+) -> PagedModel:
+    """The local Hugging Face checkpoint directory ``path``, in ``dtype`` and eval mode, by
+    ``impl`` (one of :data:`IMPLS`); the model's ``impl`` says which loaded it.
+
+    Raises:
+        UnsupportedModelError: neither implementation can load it (``auto``: the message gives
+            both reasons), or the chosen one cannot.
+    """
+    if impl not in IMPLS:
+        raise ModelRefError(f"impl: expected one of {', '.join(IMPLS)}, got {impl!r}")
+    if impl == "transformers":
+        return _load_transformers(path, dtype)
+    try:
+        cls = class_for_hf_config(loader.read_config(path))
+        model = cls.from_pretrained(path, dtype=dtype)
+    except UnsupportedModelError as zoo_refusal:
+        if impl == "zoo":
+            raise
+        try:
+            model = _load_transformers(path, dtype)
+        except UnsupportedModelError as refusal:
+            raise UnsupportedModelError(f"{refusal} (the zoo: {zoo_refusal})") from None
+        model.zoo_refusal = str(zoo_refusal)
+    return model
+
+
+def _load_transformers(path: str | Path, dtype: torch.dtype) -> PagedModel:
+    from attnexport.models.generic import load_transformers_checkpoint
+
+    return load_transformers_checkpoint(path, dtype=dtype)
 
 
 def load_model(
-    name_or_path: str | Path, *, dtype: torch.dtype = torch.float32, seed: int = 0
+    name_or_path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    impl: str = "auto",
 ) -> PagedModel:
     """A zoo model by name (tiny config, weights seeded with ``seed``) or a local Hugging Face
-    checkpoint directory, in ``dtype`` and eval mode; see :func:`resolve_model_ref` for how a
-    reference is read."""
+    checkpoint directory (loaded by ``impl``, see :func:`load_checkpoint`), in ``dtype`` and
+    eval mode; see :func:`resolve_model_ref` for how a reference is read."""
     kind, ref = resolve_model_ref(name_or_path)
     if kind == "checkpoint":
-        return load_checkpoint(ref, dtype=dtype)
+        return load_checkpoint(ref, dtype=dtype, impl=impl)
     return load_zoo_model(str(ref), dtype=dtype, seed=seed)

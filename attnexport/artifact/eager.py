@@ -23,7 +23,7 @@ def rebuild_eager_model(manifest: dict):
     if source["kind"] == "zoo":
         return load_zoo_model(source["name"], dtype=dtype, seed=source.get("seed", 0))
     if Path(source["path"]).is_dir():
-        return load_checkpoint(source["path"], dtype=dtype)
+        return load_checkpoint(source["path"], dtype=dtype, impl=manifest.get("impl", "zoo"))
     return None
 
 

@@ -55,6 +55,10 @@ class ExportOptions:
     overwrite: bool = False
     weights: WeightQuantization | None = None
     """Weight-only quantization of the ONNX model (None: float weights)."""
+    impl: str = "auto"
+    """How a checkpoint is loaded (``attnexport.models.registry.IMPLS``): the zoo's network,
+    transformers' with its attention on the paged ops, or ``auto`` (the zoo where it has the
+    family, else transformers)."""
 
 
 def export_artifact(
@@ -105,9 +109,14 @@ def export_artifact(
     earlier_export(out, overwrite=options.overwrite)
     kind, ref = resolve_model_ref(model_ref)
     source = ref if kind == "checkpoint" else None
+    if source is None and options.impl == "transformers":
+        raise ArtifactError(
+            f"--impl transformers: {model_ref} is a zoo name; the transformers path exports a "
+            "checkpoint directory"
+        )
     step(f"loading {'checkpoint ' + str(ref) if source else 'zoo model ' + str(ref)}")
     model = (
-        load_checkpoint(ref, dtype=options.dtype)
+        load_checkpoint(ref, dtype=options.dtype, impl=options.impl)
         if source
         else load_zoo_model(str(ref), dtype=options.dtype, seed=options.seed)
     )
@@ -139,6 +148,8 @@ def export_artifact(
             "format_version": FORMAT_VERSION,
             "architecture": model.zoo_name,
             "kind": model.kind,
+            "impl": model.impl,
+            **({"impl_note": model.zoo_refusal} if model.zoo_refusal else {}),
             "source": source_entry,
             **written,  # dtypes, config, cache, target, files, weights, digests, inputs
             "vocab_size": getattr(model.config, "vocab_size", None),
@@ -185,7 +196,7 @@ def _write_export(
             stage / ONNX_FILE,
             target=options.target,
             cache_spec=cache_spec,
-            metadata={"architecture": model.zoo_name, "kind": model.kind},
+            metadata={"architecture": model.zoo_name, "kind": model.kind, "impl": model.impl},
         )
         timings["onnx"] = round(time.perf_counter() - start, 3)
         files["onnx"] = ONNX_FILE

@@ -5,7 +5,7 @@ model files it lists; no torch.
 
     {
       "format": "attnexport-artifact", "format_version": 2,
-      "architecture": "llama", "kind": "decoder",
+      "architecture": "llama", "kind": "decoder", "impl": "zoo",
       "source": {"kind": "zoo", "name": "llama", "seed": 0} | {"kind": "checkpoint", "path": ...},
       "dtype": "float32", "kv_cache_dtype": "float32", "config": {...the zoo config...},
       "cache": {"block_size": 16, "num_layers": 2, "num_cross_layers": 0, "num_kv_heads": 2,
@@ -27,6 +27,11 @@ model files it lists; no torch.
 ``kv_cache_dtype`` (optional; absent = ``dtype``, as in manifests written before it existed)
 is the KV caches' dtype (``export --kv-cache-dtype``): ``float32``, ``bfloat16``, ``float16``
 or ``int8`` (with float32 scale caches); ``cache.dtype`` repeats it.
+
+``impl`` (optional; absent = ``zoo``, as in manifests written before it existed): how the
+checkpoint was loaded, ``zoo`` (the zoo's network) or ``transformers`` (transformers' model
+with its attention on the paged ops); ``impl_note`` (optional) says why the zoo did not load it
+when ``export --impl auto`` fell back to transformers.
 
 ``rope_switch_length`` (optional; absent or null = none): a LongRoPE model's
 ``original_max_position_embeddings``, past which the engine recomputes a sequence (the
@@ -70,6 +75,8 @@ FORMAT_VERSION = 2
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 """The model dtypes an export is made in (``attnexport export --dtype``)."""
 KINDS = ("decoder", "encoder", "encoder-decoder")
+IMPLS = ("zoo", "transformers")
+"""How an export loaded its model (the manifest's ``impl``)."""
 SOURCE_KINDS = ("zoo", "checkpoint")
 CACHE_LAYOUT = "num_blocks,block_size,num_kv_heads,head_size"
 GENERATION_TOKENS = (
@@ -176,6 +183,8 @@ def validate_manifest(manifest, file: Path) -> None:
         raise _field_error(file, "format_version", f"1 or {FORMAT_VERSION}", version)
     if manifest.get("kind") not in KINDS:
         raise _field_error(file, "kind", " or ".join(KINDS), manifest.get("kind"))
+    if manifest.get("impl", "zoo") not in IMPLS:
+        raise _field_error(file, "impl", " or ".join(IMPLS), manifest.get("impl"))
     if manifest.get("dtype") not in DTYPE_NAMES:
         raise _field_error(file, "dtype", " or ".join(DTYPE_NAMES), manifest.get("dtype"))
     cache_dtypes = (*DTYPE_NAMES, "int8")

@@ -23,7 +23,8 @@ import torch
 
 from attnexport.backends import ipex_kernels, ipex_plan
 from attnexport.custom_ops import attention
-from attnexport.custom_ops.dispatch import OPS, AttentionBackend, AttentionCall, BackendCapabilities
+from attnexport.custom_ops.backend import AttentionBackend
+from attnexport.custom_ops.dispatch import OPS, AttentionCall, BackendCapabilities
 from attnexport.custom_ops.paged_attention import PagedAttentionCall
 from attnexport.custom_ops.reshape_and_cache import CacheWriteCall
 from attnexport.custom_ops.varlen_attention import VarlenAttentionCall

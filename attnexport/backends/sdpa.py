@@ -27,7 +27,8 @@ import torch
 
 from attnexport.custom_ops import attention
 from attnexport.custom_ops.attention import AttentionOptions
-from attnexport.custom_ops.dispatch import AttentionBackend, BackendCapabilities
+from attnexport.custom_ops.backend import AttentionBackend
+from attnexport.custom_ops.dispatch import BackendCapabilities
 from attnexport.custom_ops.kv_cache_dtype import CACHE_DTYPES, dequantize_rows, quantize_rows
 from attnexport.custom_ops.paged_attention import PagedAttentionCall
 from attnexport.custom_ops.planning import memoised

@@ -33,7 +33,8 @@ import torch
 from attnexport.backends import xformers_choice as choice
 from attnexport.backends import xformers_masks as masks
 from attnexport.backends.sdpa import write_cache
-from attnexport.custom_ops.dispatch import AttentionBackend, AttentionCall, BackendCapabilities
+from attnexport.custom_ops.backend import AttentionBackend
+from attnexport.custom_ops.dispatch import AttentionCall, BackendCapabilities
 from attnexport.custom_ops.paged_attention import PagedAttentionCall
 from attnexport.custom_ops.planning import memoised
 from attnexport.custom_ops.reshape_and_cache import CacheWriteCall

@@ -96,6 +96,18 @@ def lm_head_formats() -> Sequence[str]:
     return RegistryChoices(read)
 
 
+def model_impls() -> Sequence[str]:
+    """``export --impl``: how a checkpoint is loaded, the zoo's network or transformers' (read
+    on first use: the models' registry imports torch)."""
+
+    def read() -> Sequence[str]:
+        from attnexport.models.registry import IMPLS
+
+        return IMPLS
+
+    return RegistryChoices(read)
+
+
 def zoo_models() -> tuple[str, ...]:
     """The zoo's model names (``export MODEL``, ``demo --model``; not a closed choice: ``export``
     also takes checkpoint directories and ``zoo:NAME``)."""

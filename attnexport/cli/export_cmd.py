@@ -44,6 +44,15 @@ def add_parser(commands) -> None:
         "(default), standard ops only, or com.microsoft.PagedAttention for onnxruntime's "
         "CUDA EP",
     )
+    parser.add_argument(
+        "--impl",
+        choices=choices.model_impls(),
+        default="auto",
+        metavar="IMPL",
+        help="how a checkpoint is loaded, one of %(choices)s: the zoo's network where it has the "
+        "family, else transformers' model with its attention on the paged ops (default auto); "
+        "zoo or transformers to choose",
+    )
     parser.add_argument("--dtype", choices=choices.model_dtypes(), default="float32")
     parser.add_argument(
         "--kv-cache-dtype",
@@ -192,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
         seed=args.seed,
+        impl=args.impl,
         overwrite=args.overwrite,
         weights=_weights(args),
     )
@@ -217,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
     seconds = sum(manifest["export_seconds"].values())
     Console().print(
         f"[green]exported[/] {manifest['architecture']} ({manifest['kind']}, "
+        f"{manifest.get('impl', 'zoo')}, "
         f"{manifest['dtype']}{weights}) from {escape(origin)} to {escape(str(args.out))}: {files}, "
         "manifest.json"
         + (

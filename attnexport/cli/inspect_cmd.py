@@ -77,6 +77,10 @@ def inspect_onnx(path: Path) -> dict:
         "kv_cache_dtype": metadata.get("kv_cache_dtype", metadata.get("dtype"))
         if "cache_layout" in metadata
         else None,
+        # How the model was written (export --impl: zoo or transformers) and the rewrite rules
+        # of attnexport.lowering.fusions that fired on its graph, with their counts.
+        "impl": (manifest or {}).get("impl", metadata.get("impl")),
+        "fusions": json.loads(metadata.get("fusions", "{}")),
     }
 
 
@@ -112,6 +116,9 @@ def run(args: argparse.Namespace) -> int:
     weights = summary["weights"]
     if weights:
         console.print(escape(weights_line(weights)))
+    if summary["impl"]:
+        fired = ", ".join(f"{rule} x{count}" for rule, count in summary["fusions"].items())
+        console.print(f"impl: {summary['impl']}; rewrite rules fired: {fired or 'none'}")
     cache_dtype = summary["kv_cache_dtype"]
     if cache_dtype is not None:
         scales = ", with float32 scale caches" if cache_dtype == "int8" else ""

@@ -9,11 +9,9 @@ registries below are built by iterating :data:`~.slices.OP_SLICES`.
 
 from __future__ import annotations
 
-import importlib
-
+from attnexport.custom_ops.backend import AttentionBackend
 from attnexport.custom_ops.dispatch import (
     OPS,
-    AttentionBackend,
     AttentionCall,
     BackendCapabilities,
     BackendUnsupportedError,
@@ -31,20 +29,9 @@ from attnexport.custom_ops.metadata import (
     build_attention_metadata,
 )
 from attnexport.custom_ops.planning import StepPlan, step_plan
+from attnexport.custom_ops.registry import CACHE_ARGUMENTS, OP_SPECS
 from attnexport.custom_ops.slices import OP_SLICES
 from attnexport.custom_ops.spec import OpSpec
-
-OP_SPECS: dict[str, OpSpec] = {
-    spec.name: spec
-    for name in OP_SLICES
-    for spec in importlib.import_module(f"{__name__}.{name}").SPECS
-}
-"""Every ``attnexport::`` op by name, in slice order."""
-
-CACHE_ARGUMENTS: dict[str, tuple[tuple[int, str], ...]] = {
-    name: spec.cache_argument_positions() for name, spec in OP_SPECS.items() if spec.cache_arguments
-}
-"""Op name -> ``(argument index, argument name)`` of each KV-cache argument."""
 
 __all__ = [
     "CACHE_ARGUMENTS",

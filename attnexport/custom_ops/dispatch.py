@@ -3,10 +3,12 @@
 The ops that run on a backend (the ``OPS``) describe each call as an :class:`AttentionCall`,
 ask :func:`select_backend` for a backend that can run it, and hand it the call's arguments as
 one typed call (:class:`~.reshape_and_cache.CacheWriteCall`,
-:class:`~.paged_attention.PagedAttentionCall`, :class:`~.varlen_attention.VarlenAttentionCall`).
-Concrete backends (``sdpa``, ``ipex``, ``xformers``) live in :mod:`attnexport.backends` and
-register themselves here (``import attnexport`` imports them), so the ops layer never imports
-them.
+:class:`~.paged_attention.PagedAttentionCall`, :class:`~.varlen_attention.VarlenAttentionCall`;
+the backend interface that takes them is :class:`~.backend.AttentionBackend`). Concrete
+backends (``sdpa``, ``ipex``, ``xformers``) live in :mod:`attnexport.backends` and register
+themselves here (``import attnexport`` imports them), so the ops layer never imports them.
+This module imports no op slice: the slices import it (``tests/test_layering.py`` checks, type
+annotations included).
 
 Selection: ``use_backend(name)`` (a context manager) beats ``set_default_backend(name)``, which
 beats the ``ATTNEXPORT_BACKEND`` environment variable read at import; the default is ``auto``.
@@ -16,22 +18,16 @@ A named backend that cannot run a call raises :class:`BackendUnsupportedError` l
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import contextvars
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
 from attnexport.errors import UserError
-
-if TYPE_CHECKING:
-    from attnexport.custom_ops.paged_attention import PagedAttentionCall
-    from attnexport.custom_ops.reshape_and_cache import CacheWriteCall
-    from attnexport.custom_ops.varlen_attention import VarlenAttentionCall
 
 AUTO = "auto"
 OPS = ("reshape_and_cache", "paged_attention", "varlen_attention")
@@ -168,63 +164,43 @@ class BackendCapabilities:
         ]
 
 
-class AttentionBackend(abc.ABC):
-    """A set of kernels for the attnexport ops over the standard cache layout.
+class KernelBackend(Protocol):
+    """What the registry and selection read of a backend: its name, its priority and the
+    reasons it cannot run a call. The kernels themselves (one method per op, each taking the
+    op's typed call) are :class:`~attnexport.custom_ops.backend.AttentionBackend`'s, which every
+    registered backend subclasses; this module imports none of the op slices that define the
+    typed calls (they import :func:`select_backend` from here)."""
 
-    Subclasses set ``name``, ``priority`` (higher is preferred by ``auto``) and
-    ``capabilities``, and implement the three kernels, each taking the op's typed call. Inputs
-    reach a kernel already validated.
-    """
+    name: str
+    priority: int
 
-    name: ClassVar[str]
-    priority: ClassVar[int] = 0
-    capabilities: ClassVar[BackendCapabilities]
+    def not_supported_reasons(self, call: AttentionCall) -> list[str]: ...
 
-    def unavailable_reason(self) -> str | None:
-        """Why the backend cannot run on this machine at all (missing package, no GPU)."""
-        return None
+    def reshape_and_cache(self, call) -> None: ...
 
-    def is_available(self) -> bool:
-        return self.unavailable_reason() is None
+    def paged_attention(self, call) -> torch.Tensor: ...
 
-    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
-        """Every reason this backend cannot run ``call``; empty when it can."""
-        unavailable = self.unavailable_reason()
-        if unavailable is not None:
-            return [unavailable]
-        return self.capabilities.reasons(call)
-
-    @abc.abstractmethod
-    def reshape_and_cache(self, call: CacheWriteCall) -> None:
-        """Writes key/value [T, Hkv, D] into the caches at ``slot_mapping``; negative skips."""
-
-    @abc.abstractmethod
-    def paged_attention(self, call: PagedAttentionCall) -> torch.Tensor:
-        """Attention of query [T, H, D] over the paged caches; returns [T, H, D]."""
-
-    @abc.abstractmethod
-    def varlen_attention(self, call: VarlenAttentionCall) -> torch.Tensor:
-        """Attention over packed ragged sequences without a cache; returns [Tq, H, D]."""
+    def varlen_attention(self, call) -> torch.Tensor: ...
 
 
-_REGISTRY: dict[str, AttentionBackend] = {}
+_REGISTRY: dict[str, KernelBackend] = {}
 _selected: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "attnexport_backend", default=None
 )
 _default_name: str = os.environ.get("ATTNEXPORT_BACKEND", AUTO).strip().lower() or AUTO
 # Selection depends only on (name, call) while the registry is unchanged, and models repeat the
 # same call in every layer, so successful selections are remembered.
-_selection_cache: dict[tuple[str, AttentionCall], AttentionBackend] = {}
+_selection_cache: dict[tuple[str, AttentionCall], KernelBackend] = {}
 
 
-def register_backend(backend: AttentionBackend) -> AttentionBackend:
+def register_backend(backend: KernelBackend) -> KernelBackend:
     """Adds ``backend`` to the registry under ``backend.name`` (replacing one of that name)."""
     _REGISTRY[backend.name] = backend
     _selection_cache.clear()
     return backend
 
 
-def registered_backends() -> list[AttentionBackend]:
+def registered_backends() -> list[KernelBackend]:
     """All registered backends, highest priority first."""
     return sorted(_REGISTRY.values(), key=lambda b: -b.priority)
 
@@ -237,7 +213,7 @@ def _check_name(name: str) -> str:
     return name
 
 
-def get_backend(name: str) -> AttentionBackend:
+def get_backend(name: str) -> KernelBackend:
     """The registered backend called ``name``."""
     name = _check_name(name)
     if name == AUTO:
@@ -277,7 +253,7 @@ def _describe(call: AttentionCall) -> str:
     return f"{call.op}({', '.join(parts)})"
 
 
-def select_backend(call: AttentionCall) -> AttentionBackend:
+def select_backend(call: AttentionCall) -> KernelBackend:
     """The backend that runs ``call`` under the current selection; raises with reasons if none."""
     name = current_backend_name()
     cached = _selection_cache.get((name, call))
@@ -288,7 +264,7 @@ def select_backend(call: AttentionCall) -> AttentionBackend:
     return backend
 
 
-def _select_uncached(name: str, call: AttentionCall) -> AttentionBackend:
+def _select_uncached(name: str, call: AttentionCall) -> KernelBackend:
     name = _check_name(name)  # the environment's name is only checked here, once
     if name != AUTO:
         backend = _REGISTRY[name]

@@ -69,7 +69,7 @@ def __getattr__(name: str) -> Callable:
     """``reference.<op>``: the reference of op ``<op>``, from the op registry."""
     if name.startswith("__"):  # import machinery probes (__path__, ...): never an op
         raise AttributeError(name)
-    from attnexport.custom_ops import OP_SPECS
+    from attnexport.custom_ops.registry import OP_SPECS
 
     spec = OP_SPECS.get(name)
     if spec is None:

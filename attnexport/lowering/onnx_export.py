@@ -8,9 +8,12 @@ Pipeline (each step answers a trap of docs/traps.md)::
     drop_absent_scale_outputs float-cache writes keep their two cache outputs only
     connect_caches_directly   drop torch's no-op copies between caches and their users
     expose_cache_writes       last write of cache input X -> graph output X_out
+    transpose_weights         Transpose(W) of a Linear weight -> the initializer W.T (names kept)
     optimize_ir               onnxscript's optimizer (after exposing, so nothing is dropped)
     gemm_to_matmul            nn.Linear's Gemm -> MatMul on a constant [in, out] weight (what
                               onnxruntime's weight quantizer rewrites)
+    fusions.fuse              rewrite rules: transformers' standard-op patterns -> the fused
+                              attnexport nodes (the transformers path's graphs)
     rename_dims, name_outputs readable dimension and output names
     apply_target              attach bodies / inline them / map to com.microsoft
     graph contract, IR 10     metadata_props; then save, full onnx.checker, in-place check
@@ -30,7 +33,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
-from attnexport.lowering import naming, onnx_passes
+from attnexport.lowering import fusions, naming, onnx_passes
 from attnexport.lowering.export import DIM_NAMES_META, export_program
 from attnexport.lowering.model_contract import GraphContract, cache_geometry
 from attnexport.lowering.passes import check_program, functionalize_cache_writes
@@ -105,6 +108,7 @@ def to_onnx(
     metadata: Mapping[str, str] | None = None,
     cache_spec: CacheSpec | None = None,
     opset_version: int = DEFAULT_OPSET,
+    fuse: bool = True,
 ) -> onnx.ModelProto:
     """Exports a model on the attnexport ops to an ONNX file that stock onnxruntime runs.
 
@@ -128,6 +132,9 @@ def to_onnx(
             (``num_layers``/``num_cross_layers`` are otherwise inferred from the cache count).
             A module's ``rope_switch_length`` (LongRoPE) is recorded too.
         opset_version: standard ONNX opset (>= 18).
+        fuse: apply the rewrite rules of :mod:`attnexport.lowering.fusions` (standard-op
+            patterns of transformers' modeling code -> the fused attnexport nodes); the graph
+            contract records which fired (``fusions``).
 
     Returns:
         The saved ``onnx.ModelProto`` (without its weights when they went to external data).
@@ -177,8 +184,10 @@ def to_onnx(
 
     import onnxscript.optimizer
 
+    onnx_passes.transpose_weights(model)
     onnxscript.optimizer.optimize_ir(model)
     onnx_passes.gemm_to_matmul(model)
+    fired = fusions.fuse(model) if fuse else {}
     naming.rename_dims(
         model, naming.input_dim_names(program), program.graph_module.meta.get(DIM_NAMES_META, {})
     )
@@ -194,6 +203,7 @@ def to_onnx(
         outputs=tuple(v.name for v in model.graph.outputs if v.name not in cache_outputs.values()),
         extra=dict(metadata or {}),
         rope_switch_length=getattr(module_or_program, "rope_switch_length", None),
+        fusions=fired,
         **geometry,
     )
     model.metadata_props.update(contract.to_props())

@@ -250,17 +250,7 @@ def gemm_to_matmul(model: ir.Model) -> int:
             or (_attr(node, "transB", 0) and len(weight.uses()) > 1)
         ):
             continue
-        if _attr(node, "transB", 0):
-            array = np.ascontiguousarray(weight.const_value.numpy().T)
-            matrix = ir.Value(
-                name=f"{weight.name}.T",
-                shape=ir.Shape(array.shape),
-                type=weight.type,
-                const_value=ir.tensor(array, name=f"{weight.name}.T"),
-            )
-            graph.register_initializer(matrix)
-        else:
-            matrix = weight
+        matrix = _transposed(graph, weight) if _attr(node, "transB", 0) else weight
         matmul = ir.Node("", "MatMul", [node.inputs[0], matrix], name=node.name)
         nodes = [matmul]
         result = matmul.outputs[0]
@@ -281,3 +271,47 @@ def gemm_to_matmul(model: ir.Model) -> int:
             graph.initializers.pop(weight.name)
         rewritten += 1
     return rewritten
+
+
+def _transposed(graph: ir.Graph, weight: ir.Value) -> ir.Value:
+    """A new initializer ``<weight>.T``: the constant 2-D ``weight`` transposed."""
+    array = np.ascontiguousarray(weight.const_value.numpy().T)
+    matrix = ir.Value(
+        name=f"{weight.name}.T",
+        shape=ir.Shape(array.shape),
+        type=weight.type,
+        const_value=ir.tensor(array, name=f"{weight.name}.T"),
+    )
+    graph.register_initializer(matrix)
+    return matrix
+
+
+def transpose_weights(model: ir.Model) -> int:
+    """Replaces each ``Transpose(W)`` of a constant 2-D initializer ``W`` (torch.onnx's lowering
+    of ``nn.Linear`` on 3-D inputs: ``MatMul(x, Transpose(W))``) by the initializer
+    ``<W>.T``, so that the weight keeps its module's name (``model.layers.0.mlp.down_proj``
+    for the quantizer's layer names and the fusions') where the optimizer's constant folding
+    would name it ``val_N``. ``W`` stays when other nodes read it (a tied embedding). Returns
+    the number of Transpose nodes replaced."""
+    graph = model.graph
+    replaced = 0
+    for node in list(graph):
+        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+            continue
+        weight = node.inputs[0]
+        if (
+            weight is None
+            or not weight.is_initializer()
+            or weight.const_value is None
+            or len(weight.const_value.shape) != 2
+            or tuple(_attr(node, "perm", (1, 0))) != (1, 0)
+            or node.outputs[0].is_graph_output()
+        ):
+            continue
+        matrix = _transposed(graph, weight)
+        ir.convenience.replace_all_uses_with(node.outputs[0], matrix)
+        graph.remove(node, safe=True)
+        if not weight.uses() and not weight.is_graph_input():
+            graph.initializers.pop(weight.name)
+        replaced += 1
+    return replaced

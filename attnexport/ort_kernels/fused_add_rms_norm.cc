@@ -52,7 +52,7 @@ void norm_rows(const T* x, const T* residual, const T* weight, T* out, T* total,
 template <typename T>
 OrtStatus* run(OrtKernelContext* context, const Tensor& x, const Tensor& residual,
                const Tensor& weight, Tensor& out, Tensor& total, float epsilon) {
-  const int64_t rows = x.dims[0], hidden = x.dims[1];
+  const int64_t hidden = x.dims.back(), rows = hidden ? x.numel() / hidden : 0;
   const auto* xs = static_cast<const T*>(x.data);
   const auto* rs = static_cast<const T*>(residual.data);
   const auto* ws = static_cast<const T*>(weight.data);
@@ -74,12 +74,12 @@ OrtStatus* FusedAddRMSNorm::compute(OrtKernelContext* context) const {
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 0, &x));
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 1, &residual));
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 2, &weight));
-  if (x.dims.size() != 2)
-    return invalid("FusedAddRMSNorm: x: expected [num_tokens, hidden], got " + x.shape());
+  if (x.dims.size() < 2)
+    return invalid("FusedAddRMSNorm: x: expected [..., num_tokens, hidden], got " + x.shape());
   if (residual.dims != x.dims)
     return invalid("FusedAddRMSNorm: residual: expected " + x.shape() + " (the shape of x), got " +
                    residual.shape());
-  const std::vector<int64_t> weight_dims{x.dims[1]};
+  const std::vector<int64_t> weight_dims{x.dims.back()};
   if (weight.dims != weight_dims)
     return invalid("FusedAddRMSNorm: weight: expected " + format_dims(weight_dims) +
                    " ([hidden] of x), got " + weight.shape());

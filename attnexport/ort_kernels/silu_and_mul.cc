@@ -38,7 +38,7 @@ void silu_and_mul_rows(const T* x, T* out, int64_t first_row, int64_t end_row, i
 
 template <typename T>
 OrtStatus* run(OrtKernelContext* context, const Tensor& x, Tensor& out) {
-  const int64_t rows = x.dims[0], d = x.dims[1] / 2;
+  const int64_t d = x.dims.back() / 2, rows = d ? x.numel() / (2 * d) : 0;
   const auto* xs = static_cast<const T*>(x.data);
   auto* dst = static_cast<T*>(out.data);
   return for_row_ranges(context, rows, 2 * d, [&](int64_t first, int64_t end) {
@@ -51,13 +51,15 @@ OrtStatus* run(OrtKernelContext* context, const Tensor& x, Tensor& out) {
 OrtStatus* SiluAndMul::compute(OrtKernelContext* context) const {
   Tensor x;
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 0, &x));
-  if (x.dims.size() != 2 || x.dims[1] % 2 != 0)
-    return invalid("SiluAndMul: x: expected [num_tokens, 2 * d] (an even last dim), got " +
+  if (x.dims.size() < 2 || x.dims.back() % 2 != 0)
+    return invalid("SiluAndMul: x: expected [..., num_tokens, 2 * d] (an even last dim), got " +
                    x.shape());
   if (element_size(x.type) == 0)
     return invalid("SiluAndMul: x: expected float32, float16 or bfloat16");
   Tensor out;
-  ATTNEXPORT_RETURN_IF_ERROR(make_output(context, 0, {x.dims[0], x.dims[1] / 2}, &out));
+  std::vector<int64_t> out_dims = x.dims;
+  out_dims.back() /= 2;
+  ATTNEXPORT_RETURN_IF_ERROR(make_output(context, 0, out_dims, &out));
   return with_float_type(x.type, [&](auto tag) {
     return run<decltype(tag)>(context, x, out);
   });

@@ -21,11 +21,12 @@ def _randn(*shape: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def _norm_inputs(tokens: int, hidden: int, dtype=torch.float32):
+def _norm_inputs(*shape: int, dtype=torch.float32):
+    """x and residual ``shape`` (``[..., tokens, hidden]``), weight ``[hidden]``."""
     return (
-        _randn(tokens, hidden, dtype=dtype, seed=1),
-        _randn(tokens, hidden, dtype=dtype, seed=2),
-        _randn(hidden, dtype=dtype, seed=3),
+        _randn(*shape, dtype=dtype, seed=1),
+        _randn(*shape, dtype=dtype, seed=2),
+        _randn(shape[-1], dtype=dtype, seed=3),
     )
 
 
@@ -41,8 +42,9 @@ def test_silu_and_mul_matches_reference(shape, dtype):
     assert_close_to_reference(out, reference.silu_and_mul(x))
 
 
-def test_silu_and_mul_is_the_gated_product_it_replaces():
-    x = _randn(5, 64)
+@pytest.mark.parametrize("shape", [(5, 64), (1, 5, 64)], ids=["2-D", "batch-1 rows"])
+def test_silu_and_mul_is_the_gated_product_it_replaces(shape):
+    x = _randn(*shape)
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(attnexport.silu_and_mul(x), F.silu(gate) * up, atol=0, rtol=0)
 
@@ -56,10 +58,10 @@ def test_silu_and_mul_opcheck(dtype):
     "x,error,message",
     [
         (torch.ones(3, 4, dtype=torch.int64), TypeError, "x: expected a floating-point"),
-        (torch.ones(2, 3, 4), ValueError, "x: expected a 2-D tensor [num_tokens, 2 * d]"),
+        (torch.ones(4), ValueError, "x: expected [..., num_tokens, 2 * d] (2-D or more)"),
         (torch.ones(3, 5), ValueError, "x: expected an even last dim (gate and up halves)"),
     ],
-    ids=["integer", "3-D", "odd"],
+    ids=["integer", "1-D", "odd"],
 )
 def test_silu_and_mul_rejects(x, error, message):
     with pytest.raises(error, match=re.escape(message)):
@@ -71,7 +73,7 @@ def test_silu_and_mul_rejects(x, error, message):
 
 # float64 is normalized in float32 too (as transformers' LlamaRMSNorm does): float32 accuracy.
 @pytest.mark.parametrize("dtype", DTYPES[:3], ids=str)
-@pytest.mark.parametrize("shape", [(1, 1), (1, 768), (9, 40), (0, 16)], ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (1, 768), (9, 40), (0, 16), (1, 3, 40)], ids=str)
 def test_fused_add_rms_norm_matches_reference(shape, dtype):
     x, residual, weight = _norm_inputs(*shape, dtype=dtype)
     normed, total = attnexport.fused_add_rms_norm(x, residual, weight, EPSILON)
@@ -106,7 +108,7 @@ def test_fused_add_rms_norm_opcheck(dtype):
 
 NORM_ERRORS = {
     "integer x": (lambda x, r, w: (x.long(), r, w), TypeError, "x: expected a floating-point"),
-    "1-D x": (lambda x, r, w: (x[0], r[0], w), ValueError, "x: expected a 2-D tensor"),
+    "1-D x": (lambda x, r, w: (x[0], r[0], w), ValueError, "x: expected [..., num_tokens, hidden]"),
     "residual dtype": (
         lambda x, r, w: (x, r.double(), w),
         TypeError,

@@ -377,6 +377,7 @@ MLP_CASES = [
     ((4, 64), torch.float16),
     ((4, 64), torch.bfloat16),
     ((0, 16), torch.float32),
+    ((1, 5, 40), torch.float32),  # the batch-1 rows of a transformers model (the fusions')
 ]
 _MLP_IDS = [f"{'x'.join(map(str, s))}-{d}" for s, d in MLP_CASES]
 
@@ -388,7 +389,7 @@ def _seeded(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("shape,dtype", MLP_CASES, ids=_MLP_IDS)
 def test_silu_and_mul_matches_reference(shape, dtype, kernels: str):
     x = _seeded(*shape, dtype=dtype, seed=0) * 4
-    half = x[:, : shape[1] // 2]
+    half = x[..., : shape[-1] // 2]
     out = single_node_session("SiluAndMul", {"x": x}, {"output": half}, kernels).run({"x": x})
     assert out["output"].shape == half.shape and out["output"].dtype == dtype
     assert_close_to_reference(out["output"], reference.silu_and_mul(x))
@@ -401,7 +402,7 @@ def test_fused_add_rms_norm_matches_torch_op(shape, dtype, kernels: str):
     inputs = {
         "x": _seeded(*shape, dtype=dtype, seed=1),
         "residual": _seeded(*shape, dtype=dtype, seed=2),
-        "weight": _seeded(shape[1], dtype=dtype, seed=3),
+        "weight": _seeded(shape[-1], dtype=dtype, seed=3),
     }
     outputs = {"output": inputs["x"], "total": inputs["x"]}
     session = single_node_session("FusedAddRMSNorm", inputs, outputs, kernels, epsilon=1e-5)
@@ -430,7 +431,7 @@ def test_native_qkv_rotary_embedding_refuses_a_wrong_width():
 def test_native_mlp_kernels_refuse_bad_inputs():
     x = torch.ones(3, 5)
     session = single_node_session("SiluAndMul", {"x": x}, {"output": x}, "native")
-    with pytest.raises(Exception, match=re.escape("expected [num_tokens, 2 * d] (an even")):
+    with pytest.raises(Exception, match=re.escape("expected [..., num_tokens, 2 * d] (an even")):
         session.run({"x": x})
     inputs = {"x": torch.ones(3, 8), "residual": torch.ones(3, 8), "weight": torch.ones(4)}
     outputs = {"output": inputs["x"], "total": inputs["x"]}

@@ -14,11 +14,14 @@ SCHEMA = "(Tensor x, Tensor residual, Tensor weight, float epsilon) -> (Tensor, 
 def check(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
     """Validates a fused_add_rms_norm call (shapes, dtypes and devices)."""
     checks.expect_floating("x", x)
-    checks.expect_rank("x", x, 2, "[num_tokens, hidden]")
+    checks.expect(
+        x.dim() >= 2,
+        lambda: f"x: expected [..., num_tokens, hidden] (2-D or more), got shape {tuple(x.shape)}",
+    )
     checks.expect_like("dtype", "x", x, residual=residual, weight=weight)
     for name, tensor, shape in (
         ("residual", residual, tuple(x.shape)),
-        ("weight", weight, (x.shape[1],)),
+        ("weight", weight, (x.shape[-1],)),
     ):
         if tuple(tensor.shape) != shape:  # a plain bool (a symbolic size is guarded)
             raise ValueError(
@@ -34,13 +37,14 @@ def fused_add_rms_norm(
     without its in-place writes): one node of an exported graph instead of an Add and a norm.
 
     Args:
-        x: ``[T, hidden]`` floating point, the block's output.
-        residual: ``[T, hidden]`` in the dtype of x, the residual stream.
+        x: ``[T, hidden]`` floating point, the block's output (leading dims allowed:
+            ``[..., T, hidden]``, the batch-1 rows of a transformers model).
+        residual: the shape and dtype of x, the residual stream.
         weight: ``[hidden]`` in the dtype of x.
         epsilon: added to the mean square.
 
     Returns:
-        ``(normed, total)``, both ``[T, hidden]`` in the dtype of x: ``total = x + residual``
+        ``(normed, total)``, both of the shape and dtype of x: ``total = x + residual``
         (rounded to that dtype) and ``normed = weight * (t / sqrt(mean(t^2) + epsilon))`` with
         ``t`` = total in float32 (float64 too), the quotient rounded to the dtype before the
         weight is applied (transformers' LlamaRMSNorm).

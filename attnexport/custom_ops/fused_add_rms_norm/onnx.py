@@ -47,13 +47,13 @@ ONNX_OPS = (
         ),
         summary="Residual add, then RMSNorm.",
         inputs=(
-            Port("x", "T", "[num_tokens, hidden] the block's output"),
-            Port("residual", "T", "[num_tokens, hidden] the residual stream"),
+            Port("x", "T", "[..., num_tokens, hidden] the block's output"),
+            Port("residual", "T", "[..., num_tokens, hidden] the residual stream"),
             Port("weight", "T", "[hidden] the norm's scale"),
         ),
         outputs=(
-            Port("output", "T", "[num_tokens, hidden] the normalized sum"),
-            Port("residual_out", "T", "[num_tokens, hidden] x + residual"),
+            Port("output", "T", "[..., num_tokens, hidden] the normalized sum"),
+            Port("residual_out", "T", "[..., num_tokens, hidden] x + residual"),
         ),
         type_constraints=(("T", FLOAT_TYPES, "Input and output dtype."),),
         attributes=(Attribute("epsilon", "float", "Added to the mean square."),),

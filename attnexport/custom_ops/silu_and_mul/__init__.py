@@ -12,11 +12,15 @@ SCHEMA = "(Tensor x) -> Tensor"
 
 
 def check(x: torch.Tensor) -> None:
-    """Validates a silu_and_mul call: a 2-D float tensor whose last dim holds two halves."""
+    """Validates a silu_and_mul call: a float tensor of 2 or more dims whose last dim holds two
+    halves."""
     checks.expect_floating("x", x)
-    checks.expect_rank("x", x, 2, "[num_tokens, 2 * d]")
     checks.expect(
-        x.shape[1] % 2 == 0,
+        x.dim() >= 2,
+        lambda: f"x: expected [..., num_tokens, 2 * d] (2-D or more), got shape {tuple(x.shape)}",
+    )
+    checks.expect(
+        x.shape[-1] % 2 == 0,
         lambda: f"x: expected an even last dim (gate and up halves), got shape {tuple(x.shape)}",
     )
 
@@ -28,10 +32,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     as one kernel (the native onnxruntime kernels do), like vLLM's op of the same name.
 
     Args:
-        x: ``[T, 2 * d]`` floating point.
+        x: ``[T, 2 * d]`` floating point (leading dims allowed: ``[..., T, 2 * d]``).
 
     Returns:
-        ``[T, d]`` in the dtype of x (silu, then the product, each rounded to that dtype).
+        ``[T, d]`` (``[..., T, d]``) in the dtype of x (silu, then the product, each rounded
+        to that dtype).
     """
     check(x)
     gate, up = x.chunk(2, dim=-1)
@@ -40,7 +45,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def _fake(x):
     check(x)
-    return x.new_empty(x.shape[0], x.shape[1] // 2)
+    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
 
 
 def reference(x: torch.Tensor, compute_dtype: torch.dtype = torch.float64) -> torch.Tensor:

@@ -21,12 +21,12 @@ ONNX_OPS = (
     OnnxOp(
         node="SiluAndMul",
         doc=(
-            "SwiGLU's gate of a fused gate/up projection: output = silu(x[:, :d]) * x[:, d:] with "
-            "silu(g) = g * sigmoid(g)."
+            "SwiGLU's gate of a fused gate/up projection: output = silu(x[..., :d]) * "
+            "x[..., d:] with silu(g) = g * sigmoid(g)."
         ),
-        summary="silu(x[:, :d]) * x[:, d:].",
-        inputs=(Port("x", "T", "[num_tokens, 2 * d]: the gate half, then the up half"),),
-        outputs=(Port("output", "T", "[num_tokens, d]"),),
+        summary="silu(x[..., :d]) * x[..., d:].",
+        inputs=(Port("x", "T", "[..., num_tokens, 2 * d]: the gate half, then the up half"),),
+        outputs=(Port("output", "T", "[..., num_tokens, d]"),),
         type_constraints=(("T", FLOAT_TYPES, "Input and output dtype."),),
         attributes=(),
         torch_op="silu_and_mul",

@@ -1,0 +1,174 @@
+"""The attention function the transformers path registers with transformers'
+``AttentionInterface``: every attention layer of a transformers model loaded with
+``attn_implementation=ATTENTION`` calls it with its query, key and value heads (after the
+model's own RoPE and q/k norms) and the model's keyword arguments, among them the step
+(:data:`STEP_KWARG`): the paged metadata and the layer's caches. It writes the new keys and
+values with ``attnexport::reshape_and_cache`` and attends with ``attnexport::paged_attention``;
+scaling, sliding window and soft-cap come from the layer's own arguments.
+
+No dense mask is built: transformers skips mask creation for an attention implementation that
+has no mask function (``AttentionMaskInterface``), and the causal and window masking are the
+op's (``seq_lens``, ``query_start_loc``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from attnexport.models.errors import UnsupportedModelError
+from attnexport.models.layers import LayerCache, PagedAttention, PagedMetadata
+
+ATTENTION = "attnexport_paged"
+"""The name of the attention implementation (``config._attn_implementation``)."""
+STEP_KWARG = "attnexport_step"
+"""The model keyword argument that carries the :class:`PagedStep` to every attention call."""
+SLOT_ATTRIBUTE = "_attnexport_cache_slot"
+"""Set on each attention module by the probe: the index of its caches in ``kv_caches``."""
+
+# Keyword arguments of transformers' attention calls that ask for something paged_attention
+# does not compute; a layer passing one of them (not None) is refused.
+_UNSUPPORTED_ARGUMENTS = {
+    "s_aux": "attention sinks (a learned logit per head added to the softmax)",
+    "sinks": "attention sinks (a learned logit per head added to the softmax)",
+    "position_bias": "a relative position bias added to the attention scores",
+    "block_indices": "block-sparse attention (indices of the attended key blocks)",
+    "indices": "sparse attention (indices of the attended keys)",
+}
+
+
+@dataclass(frozen=True)
+class LayerCall:
+    """What the probe learns of one attention call: the geometry of its heads and options."""
+
+    module: torch.nn.Module
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    value_head_size: int
+    dtype: torch.dtype
+    scale: float
+    sliding_window: int
+    logits_soft_cap: float
+    refusals: tuple[str, ...] = ()
+    """Why this call cannot run on the paged ops (empty: it can)."""
+
+
+@dataclass
+class PagedStep:
+    """One forward's paged state, handed to every attention call through the model's keyword
+    arguments (:data:`STEP_KWARG`).
+
+    With ``caches`` None the step only records each call (:class:`LayerCall`) and returns zeros
+    of the attention output's shape: the probe that learns a model's cache geometry before any
+    cache exists.
+    """
+
+    metadata: PagedMetadata | None = None
+    caches: list[tuple[LayerCache, LayerCache]] | None = None
+    """Per cache slot, the (key cache, value cache) of the layer (int8: ScaledCache)."""
+    recorded: list[LayerCall] = field(default_factory=list)
+
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        options: dict,
+    ) -> torch.Tensor:
+        """query ``[1, H, T, D]``, key/value ``[1, Hkv, T, D]`` -> ``[1, T, H, D]``."""
+        if query.shape[0] != 1:
+            raise UnsupportedModelError(
+                f"attention: expected the packed batch as one row, got batch {query.shape[0]}"
+            )
+        call = _layer_call(module, query, key, value, options)
+        if self.caches is None:
+            self.recorded.append(call)
+            return query.new_zeros(1, query.shape[2], call.num_heads, call.value_head_size)
+        slot = getattr(module, SLOT_ATTRIBUTE, None)
+        if slot is None or call.refusals:
+            raise UnsupportedModelError(
+                f"{type(module).__name__}: "
+                + ("; ".join(call.refusals) or "an attention module the probe did not see")
+            )
+        key_cache, value_cache = self.caches[slot]
+        attention = PagedAttention(
+            call.num_heads,
+            call.num_kv_heads,
+            call.head_size,
+            call.scale,
+            sliding_window=call.sliding_window,
+            logits_soft_cap=call.logits_soft_cap,
+        )
+        # transpose then reshape (not [0]): the ONNX layout rules fold these into the inverse
+        # transpose and reshape of the model's own code, leaving [T, heads, D] straight from
+        # the projection (attnexport.lowering.fusions)
+        heads = [x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (query, key, value)]
+        out = attention(*heads, key_cache, value_cache, self.metadata)
+        return out.reshape(1, -1, call.num_heads, call.head_size)
+
+
+def _layer_call(module, query, key, value, options: dict) -> LayerCall:
+    refusals = [
+        f"{name}: {why}"
+        for name, why in _UNSUPPORTED_ARGUMENTS.items()
+        if options.get(name) is not None
+    ]
+    if options.get("is_causal", getattr(module, "is_causal", True)) is False:
+        refusals.append("is_causal=False: bidirectional attention (an encoder layer)")
+    if key.shape[-1] != value.shape[-1]:
+        refusals.append(
+            f"key head size {key.shape[-1]} != value head size {value.shape[-1]} (the paged "
+            "cache holds one head size)"
+        )
+    if key.shape[-1] != query.shape[-1]:
+        refusals.append(f"query head size {query.shape[-1]} != key head size {key.shape[-1]}")
+    if query.shape[1] % key.shape[1]:
+        refusals.append(f"{key.shape[1]} KV heads do not divide {query.shape[1]} query heads")
+    scaling = options.get("scaling")
+    if scaling is None:
+        scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+    window = options.get("sliding_window")
+    cap = options.get("softcap")
+    return LayerCall(
+        module=module,
+        num_heads=int(query.shape[1]),
+        num_kv_heads=int(key.shape[1]),
+        head_size=int(key.shape[-1]),
+        value_head_size=int(value.shape[-1]),
+        dtype=query.dtype,
+        scale=float(scaling),
+        sliding_window=int(window) if window else -1,
+        logits_soft_cap=float(cap) if cap else 0.0,
+        refusals=tuple(refusals),
+    )
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: ``[1, H, T, D]`` heads in, ``([1, T, H, D],
+    None)`` out (no attention weights). ``attention_mask`` is None (no mask is built) and
+    ignored; the step comes in ``kwargs[STEP_KWARG]``."""
+    step = kwargs.get(STEP_KWARG)
+    if not isinstance(step, PagedStep):
+        raise UnsupportedModelError(
+            f"{type(module).__name__}: the model does not pass its keyword arguments on to its "
+            "attention function, so the paged caches cannot reach it"
+        )
+    return step.attend(module, query, key, value, kwargs), None
+
+
+def register_attention() -> None:
+    """Registers :func:`paged_attention_forward` as ``ATTENTION`` with transformers (once;
+    registering again replaces it with itself)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, paged_attention_forward)
