@@ -7,6 +7,7 @@ installs it."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -56,3 +57,48 @@ def minilm_artifact(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("minilm")
     export_artifact(str(minilm_dir()), out, ExportOptions(formats=("onnx", "pt2")))
     return out
+
+
+SLOW_TESTS = os.environ.get("ATTNEXPORT_SLOW_TESTS") == "1"
+"""Opt-in heavy cases (``ATTNEXPORT_SLOW_TESTS=1``; docs/testing.md)."""
+QUANTIZATIONS = {
+    "int8": {},
+    "int4": {},
+    # Round to nearest, symmetric: the same MatMulNBits kernels as the int4 default (whose
+    # float zero points become a float32 MatMul beside them), quantized in seconds.
+    "int4-rtn": {"algorithm": "rtn", "symmetric": True},
+}
+"""The quantized SmolLM2 exports of ``smollm2_quantized``: ``WeightQuantization`` keywords of
+the format in the name (``int8``, ``int4``: the formats' defaults)."""
+
+
+HQQ_SECONDS = "the int4 default's HQQ fit takes over a minute (~75 s on two cores)"
+
+
+def slow_param(value, reason: str):
+    """``value`` as a pytest param that runs only with ``ATTNEXPORT_SLOW_TESTS=1`` (``reason``:
+    why it is slow, or what covers it in the default run)."""
+    marks = () if SLOW_TESTS else (pytest.mark.skip(reason=f"{reason}: ATTNEXPORT_SLOW_TESTS=1"),)
+    return pytest.param(value, marks=marks)
+
+
+@pytest.fixture(scope="session")
+def smollm2_quantized(smollm2_fp32_artifact, tmp_path_factory):
+    """``quantized(name) -> directory``: the float32 export quantized as ``export --weights``
+    does with :data:`QUANTIZATIONS` ``[name]`` (``attnexport.artifact.quantize_export``, without
+    exporting again), each once a session and only when asked for."""
+    from attnexport.artifact import quantize_export
+    from attnexport.lowering import WeightQuantization
+
+    root = tmp_path_factory.mktemp("smollm2_quantized")
+    exports: dict[str, Path] = {}
+
+    def quantized(name: str) -> Path:
+        if name not in exports:
+            fmt = name.split("-")[0]
+            weights = WeightQuantization(fmt, **QUANTIZATIONS[name])
+            quantize_export(smollm2_fp32_artifact, root / name, weights)
+            exports[name] = root / name
+        return exports[name]
+
+    return quantized

@@ -59,6 +59,7 @@ if TYPE_CHECKING:
         ExportOptions,
         check_finite_weights,
         export_artifact,
+        quantize_export,
     )
     from attnexport.artifact.pt2 import inspect_pt2, load_pt2, save_pt2
 
@@ -70,6 +71,7 @@ _LAZY = {
     "ExportOptions": "export",
     "check_finite_weights": "export",
     "export_artifact": "export",
+    "quantize_export": "export",
     "inspect_pt2": "pt2",
     "load_pt2": "pt2",
     "save_pt2": "pt2",
@@ -108,6 +110,7 @@ __all__ = [
     "load_pt2",
     "manifest_cache_spec",
     "model_file_digests",
+    "quantize_export",
     "read_manifest",
     "rebuild_eager_model",
     "resolve_artifact",

@@ -23,6 +23,7 @@ from attnexport.artifact.manifest import (
     generation_defaults,
     library_versions,
     model_file_digests,
+    read_manifest,
     write_manifest,
 )
 from attnexport.artifact.pt2 import save_pt2
@@ -220,6 +221,37 @@ def _write_export(
         "input_names": list(sample.input_names),
         "export_seconds": timings,
     }
+
+
+def quantize_export(source: Path, out: Path, weights: WeightQuantization) -> dict:
+    """Copies the float32 ONNX export ``source`` to the new directory ``out`` with its weights
+    quantized as ``weights`` asks: what ``export --weights`` does after the lowering, without
+    exporting again; staged and moved in when complete, as an export. Returns the new manifest
+    (``weights`` recorded, digests renewed)."""
+    from attnexport import lowering
+
+    manifest = read_manifest(source)
+    if manifest is None or manifest.get("files", {}).get("onnx") is None:
+        raise ArtifactError(f"{source}: not an ONNX export (no manifest listing model.onnx)")
+    if manifest.get("weights") is not None or manifest["dtype"] != "float32":
+        raise ArtifactError(f"{source}: quantized exports are made from float32 weights")
+    if out.exists():
+        raise ArtifactError(f"--out: {out} exists")
+    with staging_directory(out) as stage:
+        shutil.copytree(source, stage, dirs_exist_ok=True)
+        start = time.perf_counter()
+        try:
+            manifest["weights"] = lowering.quantize_weights(stage / ONNX_FILE, weights)
+        except lowering.QuantizationError as error:
+            raise ArtifactError(str(error)) from None
+        manifest["export_seconds"] = {
+            **manifest.get("export_seconds", {}),
+            "quantize": round(time.perf_counter() - start, 3),
+        }
+        manifest["file_digests"] = model_file_digests(stage, manifest["files"])
+        write_manifest(stage, manifest)
+        publish(stage, out)
+    return manifest
 
 
 def _kv_cache_dtype(options: ExportOptions) -> torch.dtype | None:

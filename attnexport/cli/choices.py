@@ -73,6 +73,29 @@ def weight_formats() -> Sequence[str]:
     return RegistryChoices(read)
 
 
+def weight_algorithms() -> Sequence[str]:
+    """``export --weights-algorithm``: onnxruntime's quantization algorithms the lowering
+    drives (read on first use)."""
+
+    def read() -> Sequence[str]:
+        from attnexport.lowering import ALGORITHMS
+
+        return ALGORITHMS
+
+    return RegistryChoices(read)
+
+
+def lm_head_formats() -> Sequence[str]:
+    """``export --lm-head``: the logits projection's formats (read on first use)."""
+
+    def read() -> Sequence[str]:
+        from attnexport.lowering import LM_HEAD_FORMATS
+
+        return tuple(LM_HEAD_FORMATS)
+
+    return RegistryChoices(read)
+
+
 def model_impls() -> Sequence[str]:
     """``export --impl``: how a checkpoint is loaded, the zoo's network or transformers' (read
     on first use: the models' registry imports torch)."""

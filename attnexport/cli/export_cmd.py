@@ -71,7 +71,7 @@ def add_parser(commands) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="weights seed of zoo models")
     quant = parser.add_argument_group(
-        "weight quantization (ONNX; onnxruntime's MatMulNBits quantizer, round-to-nearest)"
+        "weight quantization (ONNX; onnxruntime's MatMulNBits quantizer; docs/quantization.md)"
     )
     quant.add_argument(
         "--weights",
@@ -84,32 +84,56 @@ def add_parser(commands) -> None:
         "--weights-block-size",
         type=int,
         metavar="N",
-        help="weights per scale, a power of 2 >= 16 (default 32)",
+        help="weights per scale, a power of 2 >= 16 (default: the format's, docs/quantization.md)",
+    )
+    symmetry = quant.add_mutually_exclusive_group()
+    symmetry.add_argument(
+        "--weights-symmetric",
+        dest="weights_symmetric",
+        action="store_const",
+        const=True,
+        help="no zero points",
+    )
+    symmetry.add_argument(
+        "--weights-asymmetric",
+        dest="weights_symmetric",
+        action="store_const",
+        const=False,
+        help="a zero point per block",
     )
     quant.add_argument(
-        "--weights-asymmetric",
-        action="store_true",
-        help="a zero point per block (default: symmetric, no zero points)",
+        "--weights-algorithm",
+        choices=choices.weight_algorithms(),
+        metavar="ALGORITHM",
+        help="onnxruntime's quantization algorithm, one of %(choices)s: round to nearest, "
+        "llama.cpp-style k-quant search, half-quadratic (a float zero point per block)",
     )
     quant.add_argument(
         "--weights-accuracy-level",
         type=int,
         metavar="L",
-        help="MatMulNBits accuracy_level: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 compute "
-        "(default 4, as onnxruntime-genai's builder for the CPU)",
+        help="MatMulNBits accuracy_level: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 compute",
+    )
+    quant.add_argument(
+        "--lm-head",
+        choices=choices.lm_head_formats(),
+        metavar="FORMAT",
+        help="the logits projection (and a tied embedding, stored once), one of %(choices)s",
+    )
+    quant.add_argument(
+        "--weights-batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        help="give every MatMulNBits two rows or more, so that a sequence's tokens do not "
+        "depend on its batch (default: yes; --no-weights-batch-invariant saves the padding "
+        "row, and a prompt decoded alone may then differ from the same prompt batched)",
     )
     quant.add_argument(
         "--weights-keep-float",
         action="append",
         default=[],
         metavar="LAYER_PATTERN",
-        help="layers that stay float (fnmatch on names such as model.layers.0.mlp.down_proj "
-        "or lm_head; repeatable)",
-    )
-    quant.add_argument(
-        "--quantize-lm-head",
-        action=argparse.BooleanOptionalAction,
-        help="quantize the logits projection too (default: yes, as onnxruntime-genai's builder)",
+        help="layers that stay float (fnmatch on names such as model.layers.0.mlp.down_proj; "
+        "repeatable)",
     )
     parser.add_argument(
         "--overwrite",
@@ -124,25 +148,21 @@ def _weights(args: argparse.Namespace):
     """The WeightQuantization the flags ask for (None for float weights)."""
     given = {
         "block_size": args.weights_block_size,
+        "symmetric": args.weights_symmetric,
+        "algorithm": args.weights_algorithm,
         "accuracy_level": args.weights_accuracy_level,
-        "quantize_lm_head": args.quantize_lm_head,
+        "lm_head": args.lm_head,
+        "batch_invariant": args.weights_batch_invariant,
     }
     given = {k: v for k, v in given.items() if v is not None}
     if args.weights == "float":
-        if given or args.weights_asymmetric or args.weights_keep_float:
-            raise ArtifactError(
-                "--weights-* / --no-quantize-lm-head: only with --weights int4 or int8"
-            )
+        if given or args.weights_keep_float:
+            raise ArtifactError("--weights-* / --lm-head: only with --weights int4 or int8")
         return None
     from attnexport.lowering import QuantizationError, WeightQuantization
 
     try:
-        return WeightQuantization(
-            args.weights,
-            symmetric=not args.weights_asymmetric,
-            keep_float=tuple(args.weights_keep_float),
-            **given,
-        )
+        return WeightQuantization(args.weights, keep_float=tuple(args.weights_keep_float), **given)
     except QuantizationError as error:
         raise ArtifactError(str(error)) from None
 

@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -114,12 +115,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(table)
     weights = summary["weights"]
     if weights:
-        console.print(
-            f"weights: {weights['format']} (MatMulNBits, {weights['bits']} bits, block size "
-            f"{weights['block_size']}, {'symmetric' if weights['symmetric'] else 'asymmetric'}, "
-            f"accuracy level {weights['accuracy_level']}), {weights['quantized_layers']} layers "
-            "quantized; float: " + (", ".join(weights["float_layers"]) or "none")
-        )
+        console.print(escape(weights_line(weights)))
     if summary["impl"]:
         fired = ", ".join(f"{rule} x{count}" for rule, count in summary["fusions"].items())
         console.print(f"impl: {summary['impl']}; rewrite rules fired: {fired or 'none'}")
@@ -147,3 +143,25 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(key, value)
     console.print(table)
     return 0
+
+
+def weights_line(weights: dict) -> str:
+    """The manifest's ``weights`` object in one line (the options an older export did not
+    record are left out)."""
+    options = [
+        f"{weights['bits']} bits",
+        f"block size {weights['block_size']}",
+        "symmetric" if weights.get("symmetric") else "asymmetric",
+    ]
+    if "algorithm" in weights:
+        options.append(f"algorithm {weights['algorithm']}")
+    options.append(f"accuracy level {weights.get('accuracy_level')}")
+    if "lm_head" in weights:
+        options.append(f"lm_head {weights['lm_head']}")
+    if "batch_invariant" in weights:
+        options.append("batch-invariant" if weights["batch_invariant"] else "not batch-invariant")
+    floats = ", ".join(weights.get("float_layers") or []) or "none"
+    return (
+        f"weights: {weights['format']} (MatMulNBits, {', '.join(options)}), "
+        f"{weights.get('quantized_layers')} layers quantized; float: {floats}"
+    )

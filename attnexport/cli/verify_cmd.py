@@ -9,10 +9,16 @@ transformers on the same batch (logits) and compares its greedy tokens with the 
 artifact (:mod:`attnexport.cli.verify_hf`). Exit code 1 when an error exceeds the tolerance of
 :func:`attnexport.tolerances.model_tolerance` or a greedy token differs.
 
+The batch is English text (:mod:`attnexport.cli.verify_text`) when the artifact has a tokenizer
+(prompts cut from it, the text's next tokens appended at the decode steps), else random tokens.
+
 An artifact with quantized weights (manifest ``weights``, ``export --weights int4|int8``)
-compares its ONNX legs with the float eager model by logit max abs error, top-1 agreement and
-KL divergence against :func:`attnexport.tolerances.quantized_tolerance` (and has no
-transformers leg: its greedy tokens are not the float checkpoint's).
+compares its ONNX legs with the float eager model by what quantization costs, over every logits
+row of the batch: max abs logit error, top-1 agreement, mean KL divergence and perplexity
+increase (of the batch's next tokens), plus the share of *confident* tokens whose top-1 changed;
+KL, perplexity increase and confident flips are bounded per format by
+:func:`attnexport.tolerances.quantized_bounds` (measured on a real checkpoint; docs/cli.md). It
+has no transformers leg: its greedy tokens are not the float checkpoint's.
 
 An artifact with a KV cache dtype of its own (manifest ``kv_cache_dtype``) runs every leg on
 caches of that dtype (the reference too) with the bound of
@@ -43,6 +49,9 @@ if TYPE_CHECKING:
 
 PROMPT_LENGTHS = (7, 3, 12)
 DECODE_STEPS = 3
+TEXT_PROMPTS = ((0, 48), (100, 16), (40, 80))
+"""(offset, length) of each prompt cut from the verify text (token positions)."""
+TEXT_DECODE_STEPS = 8
 
 
 def add_parser(commands) -> None:
@@ -59,15 +68,35 @@ def add_parser(commands) -> None:
 
 @dataclass
 class Comparison:
+    """One output of one leg against the reference: by max abs error against ``tolerance``,
+    or, for a leg on quantized weights, by the ``quality`` figures against ``bounds``
+    (:func:`attnexport.tolerances.quantized_bounds`)."""
+
     leg: str
     output: str
     max_abs: float
     max_rel: float
     tolerance: float
+    quality: dict | None = None
+    bounds: dict | None = None
 
     @property
     def ok(self) -> bool:
+        if self.bounds is not None:
+            return all(self.quality[name] <= bound for name, bound in self.bounds.items())
         return self.max_abs <= self.tolerance
+
+    def to_json(self) -> dict:
+        result = {
+            "leg": self.leg,
+            "output": self.output,
+            "max_abs": self.max_abs,
+            "max_rel": self.max_rel,
+            "tolerance": self.tolerance,
+        }
+        if self.quality is not None:
+            result |= self.quality | {"bounds": self.bounds}
+        return result | {"ok": self.ok}
 
 
 Leg = Callable[..., "torch.Tensor"]
@@ -164,9 +193,36 @@ def skipped_legs(manifest: dict) -> list[str]:
     return [f"no eager[{b.name}] leg: {b.capabilities.cache_dtype_reason}" for b in refused]
 
 
-def _batch(manifest: dict, seed: int) -> tuple[list[list[int]], list[list[int]]]:
-    """The random batch of the paged legs: ``(prompts, decode_tokens)``, where
-    ``decode_tokens[k][i]`` is appended to sequence i before decode step k + 1."""
+def _text_tokens(manifest: dict, directory: Path) -> list[int] | None:
+    """The verify text in the artifact's tokenizer; None without a tokenizer (or for models
+    that are not decoders)."""
+    if manifest["kind"] != "decoder" or "tokenizer.json" not in manifest["tokenizer_files"]:
+        return None
+    from attnexport.cli.verify_text import TEXT
+    from attnexport.runtime.loading import artifact_tokenizer
+
+    tokenizer = artifact_tokenizer(directory, manifest)
+    ids = tokenizer.encode(TEXT)
+    if max(o + n for o, n in TEXT_PROMPTS) + TEXT_DECODE_STEPS > len(ids):
+        return None
+    return ids
+
+
+Batch = tuple[list[list[int]], list[list[int]]]
+"""``(prompts, decode_tokens)`` of the paged legs: ``decode_tokens[k][i]`` is appended to
+sequence i before decode step k + 1."""
+
+
+def _batch(manifest: dict, seed: int, directory: Path) -> Batch:
+    """The batch of the paged legs: cut from the verify text when the artifact has a tokenizer
+    (each prompt followed by the text's next tokens), else random tokens."""
+    ids = _text_tokens(manifest, directory)
+    if ids is not None:
+        prompts = [ids[o : o + n] for o, n in TEXT_PROMPTS]
+        decode_tokens = [
+            [ids[o + n + k] for o, n in TEXT_PROMPTS] for k in range(TEXT_DECODE_STEPS)
+        ]
+        return prompts, decode_tokens
     rng = random.Random(seed)
     vocab = manifest["vocab_size"]
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
@@ -174,7 +230,31 @@ def _batch(manifest: dict, seed: int) -> tuple[list[list[int]], list[list[int]]]
     return prompts, decode_tokens
 
 
-def _run_paged(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
+def next_tokens(manifest: dict, batch: Batch) -> dict[str, list[int | None]]:
+    """Per logits output of :func:`_run_paged`, the token that follows each of its rows in the
+    batch (None where the batch does not say: the last decode step, an encoder-decoder's
+    prefill)."""
+    prompts, decode_tokens = batch
+    steps = len(decode_tokens)
+    following = [
+        [*prompt[1:], *(step[i] for step in decode_tokens)] for i, prompt in enumerate(prompts)
+    ]
+    encoder = manifest["kind"] == "encoder-decoder"
+    result = {
+        "prefill logits": [
+            None if encoder else following[i][j]
+            for i, prompt in enumerate(prompts)
+            for j in range(len(prompt))
+        ]
+    }
+    for k in range(steps):
+        result[f"decode {k + 1} logits"] = [
+            decode_tokens[k + 1][i] if k + 1 < steps else None for i in range(len(prompts))
+        ]
+    return result
+
+
+def _run_paged(leg: Leg, manifest: dict, batch: Batch, seed: int) -> dict[str, torch.Tensor]:
     """Teacher-forced steps of a (encoder-)decoder; returns ``{output name: tensor}``."""
     import torch
 
@@ -182,10 +262,10 @@ def _run_paged(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
     from attnexport.runtime.step_driver import PagedDriver
 
     spec = manifest_cache_spec(manifest)
-    prompts, decode_tokens = _batch(manifest, seed)
+    prompts, decode_tokens = batch
     blocks_needed = sum(
-        -(-(n + DECODE_STEPS) // spec.block_size) + -(-n // spec.block_size) + 1
-        for n in PROMPT_LENGTHS
+        -(-(len(p) + len(decode_tokens)) // spec.block_size) + -(-len(p) // spec.block_size) + 1
+        for p in prompts
     )
 
     def runner(args, kv_caches):
@@ -205,7 +285,7 @@ def _run_paged(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
     for step, tokens in enumerate(decode_tokens):
         for seq, token in enumerate(tokens):
             driver.append(seq, token)
-        logits = driver.step(dict.fromkeys(range(len(PROMPT_LENGTHS)), 1))
+        logits = driver.step(dict.fromkeys(range(len(prompts)), 1))
         results[f"decode {step + 1} logits"] = torch.cat([logits[i] for i in sorted(logits)])
     results["kv caches"] = _cache_values(driver.kv_caches, spec)
     return results
@@ -230,7 +310,7 @@ def _cache_values(kv_caches: list[torch.Tensor], spec) -> torch.Tensor:
     )
 
 
-def _run_encoder(leg: Leg, manifest: dict, seed: int) -> dict[str, torch.Tensor]:
+def _run_encoder(leg: Leg, manifest: dict, batch: Batch, seed: int) -> dict[str, torch.Tensor]:
     import torch
 
     generator = torch.Generator().manual_seed(seed)
@@ -291,42 +371,51 @@ def _compare(name: str, outputs: dict, reference: dict, tolerance: float) -> lis
     return comparisons
 
 
-def _compare_quantized(name: str, outputs: dict, reference: dict, bits: int) -> list[Comparison]:
-    """A leg on quantized weights against the float reference: per logits output, the max abs
-    error, the top-1 agreement (gating the flips of decisive tokens) and the mean KL divergence,
-    each against
-    :func:`attnexport.tolerances.quantized_tolerance` (the caches are compared by max abs)."""
-    from attnexport.tolerances import logit_quality, quantized_tolerance
+def _compare_quantized(
+    name: str, outputs: dict, reference: dict, weights: dict, following: dict
+) -> list[Comparison]:
+    """A leg on quantized weights against the float reference: every logits row of the batch
+    at once by :func:`attnexport.tolerances.logit_quality` (max abs error, top-1 agreement, KL,
+    perplexity increase of the batch's next tokens, confident flips) against
+    :func:`attnexport.tolerances.quantized_bounds`; the caches by max abs error against the
+    format's cache bound."""
+    import torch
 
-    bounds = quantized_tolerance(bits)
+    from attnexport.tolerances import logit_quality, quantized_bounds
+
+    bounds = quantized_bounds(weights["format"])
     comparisons = []
-    for output, expected in reference.items():
-        if output not in outputs:
-            continue
-        actual = outputs[output]
-        if not output.endswith("logits"):
-            comparisons += _compare(name, {output: actual}, {output: expected}, bounds["max_abs"])
-            continue
-        quality = logit_quality(actual, expected, margin=2 * bounds["max_abs"])
-        scale = float(expected.abs().max().clamp_min(1e-12))
-        comparisons += [
-            Comparison(
-                name, output, quality["max_abs"], quality["max_abs"] / scale, bounds["max_abs"]
-            ),
-            Comparison(
-                name,
-                f"{output} top-1 agreement {quality['top1_agreement']:.2f}; decisive flips",
-                quality["top1_disagreement_decisive"],
-                quality["top1_disagreement_decisive"],
-                bounds["top1_disagreement_decisive"],
-            ),
-            Comparison(name, f"{output} KL", quality["kl"], quality["kl"], bounds["kl"]),
-        ]
+    rows = [o for o in reference if o.endswith("logits") and o in outputs]
+    for output in reference:
+        if output in outputs and not output.endswith("logits"):
+            comparisons += _compare(
+                name, {output: outputs[output]}, {output: reference[output]}, bounds["cache"]
+            )
+    if not rows:
+        return comparisons
+    actual = torch.cat([outputs[o] for o in rows])
+    expected = torch.cat([reference[o] for o in rows])
+    targets = [t for o in rows for t in following[o]]
+    quality = logit_quality(actual, expected, targets=targets)
+    scale = float(expected.abs().max().clamp_min(1e-12))
+    checked = {k: bounds[k] for k in ("kl", "ppl_increase", "confident_flips")}
+    comparisons.insert(
+        0,
+        Comparison(
+            name,
+            f"logits ({actual.shape[0]} rows)",
+            quality["max_abs"],
+            quality["max_abs"] / scale,
+            0.0,
+            quality=quality,
+            bounds=checked,
+        ),
+    )
     return comparisons
 
 
 def _transformers_leg(
-    manifest: dict, artifact: Path, seed: int, reference: dict, tolerance: float, trust: bool
+    manifest: dict, artifact: Path, batch: Batch, reference: dict, tolerance: float, trust: bool
 ) -> list[Comparison]:
     """The checkpoint in transformers: its logits on the batch against the reference, and its
     greedy tokens against the engine's on the artifact (a count of differing tokens, which
@@ -334,7 +423,7 @@ def _transformers_leg(
     from attnexport.cli import verify_hf
 
     model = verify_hf.load_hf_model(manifest)
-    prompts, decode_tokens = _batch(manifest, seed)
+    prompts, decode_tokens = batch
     outputs = verify_hf.teacher_forced_logits(model, manifest, prompts, decode_tokens)
     comparisons = _compare("transformers", outputs, reference, tolerance)
     if manifest["kind"] == "decoder":
@@ -373,6 +462,7 @@ def verify_artifact(
     if len(legs) < 2:
         raise CliError(f"ARTIFACT: only {list(legs)} can run here; nothing to compare")
     run_leg = _run_encoder if manifest["kind"] == "encoder" else _run_paged
+    batch = _batch(manifest, seed, directory) if manifest["kind"] != "encoder" else ([], [])
     tolerance = model_tolerance(DTYPES[manifest["dtype"]])
     cache_dtype, other_caches = _cache_dtypes(manifest)
     if other_caches:  # the legs share the cache dtype; rounding may move a cache value
@@ -381,14 +471,15 @@ def verify_artifact(
         tolerance = max(tolerance, kv_cache_model_tolerance(getattr(torch, cache_dtype)))
     reference_name, *others = legs
     step(f"running {reference_name}")
-    reference = run_leg(legs[reference_name], manifest, seed)
+    reference = run_leg(legs[reference_name], manifest, batch, seed)
     comparisons = []
     weights = manifest.get("weights")
+    following = next_tokens(manifest, batch)
     for name in others:
         step(f"running {name}")
-        outputs = run_leg(legs[name], manifest, seed)
+        outputs = run_leg(legs[name], manifest, batch, seed)
         if weights is not None and name.startswith("onnx"):
-            comparisons += _compare_quantized(name, outputs, reference, weights["bits"])
+            comparisons += _compare_quantized(name, outputs, reference, weights, following)
         else:
             comparisons += _compare(name, outputs, reference, tolerance)
     from attnexport.cli import verify_hf
@@ -398,7 +489,7 @@ def verify_artifact(
     if weights is None and not other_caches and verify_hf.unavailable_reason(manifest) is None:
         step("running transformers")
         comparisons += _transformers_leg(
-            manifest, artifact, seed, reference, tolerance, trust_pickle
+            manifest, artifact, batch, reference, tolerance, trust_pickle
         )
     return reference_name, comparisons
 
@@ -417,16 +508,40 @@ def run(args: argparse.Namespace) -> int:
                     "ok": ok,
                     "reference": reference,
                     "notes": messages,
-                    "comparisons": [c.__dict__ | {"ok": c.ok} for c in comparisons],
+                    "comparisons": [c.to_json() for c in comparisons],
                 }
             )
         )
         return 0 if ok else 1
     from rich.console import Console
     from rich.markup import escape
+
+    console = Console()
+    for message in messages:
+        console.print(f"[yellow]note:[/] {escape(message)}")
+    exact = [c for c in comparisons if c.quality is None]
+    quantized = [c for c in comparisons if c.quality is not None]
+    if exact:
+        console.print(_exact_table(exact, args.artifact, reference))
+    if quantized:
+        console.print(_quality_table(quantized, reference))
+    console.print(
+        "[green]all outputs within tolerance[/]"
+        if ok
+        else "[red]some outputs exceed the tolerance[/]"
+    )
+    return 0 if ok else 1
+
+
+def _verdict(c: Comparison) -> str:
+    return "[green]ok[/]" if c.ok else "[red]FAIL[/]"
+
+
+def _exact_table(comparisons: list[Comparison], artifact: Path, reference: str):
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=escape(f"verify {args.artifact} (reference: {reference})"))
+    table = Table(title=escape(f"verify {artifact} (reference: {reference})"))
     for column in ("leg", "output", "max abs err", "max rel err", "tolerance", ""):
         table.add_column(column, justify="left" if column in ("leg", "output") else "right")
     for c in comparisons:
@@ -436,15 +551,35 @@ def run(args: argparse.Namespace) -> int:
             f"{c.max_abs:.2e}",
             f"{c.max_rel:.2e}",
             f"{c.tolerance:.0e}" if c.tolerance else "0",
-            "[green]ok[/]" if c.ok else "[red]FAIL[/]",
+            _verdict(c),
         )
-    console = Console()
-    for message in messages:
-        console.print(f"[yellow]note:[/] {escape(message)}")
-    console.print(table)
-    console.print(
-        "[green]all outputs within tolerance[/]"
-        if ok
-        else "[red]some outputs exceed the tolerance[/]"
+    return table
+
+
+def _quality_table(comparisons: list[Comparison], reference: str):
+    """The quantized legs: what quantization costs against the float reference (logit error,
+    top-1 agreement, KL, perplexity increase, confident flips); the bounds in the caption."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    bounds = comparisons[0].bounds
+    table = Table(
+        title=escape(f"quantized weights against the float model ({reference})"),
+        caption=f"bounds: KL <= {bounds['kl']:.2g}, ppl Δ <= +{100 * bounds['ppl_increase']:.0f}%,"
+        f" flips (of confident tokens) <= {100 * bounds['confident_flips']:.0f}%",
     )
-    return 0 if ok else 1
+    for column in ("leg", "output", "logit err", "top-1", "KL", "ppl Δ", "flips", ""):
+        table.add_column(column, justify="left" if column in ("leg", "output") else "right")
+    for c in comparisons:
+        q = c.quality
+        table.add_row(
+            escape(c.leg),
+            escape(c.output),
+            f"{q['max_abs']:.2f}",
+            f"{q['top1_agreement']:.3f}",
+            f"{q['kl']:.2e}",
+            f"{100 * q['ppl_increase']:+.2f}%",
+            f"{100 * q['confident_flips']:.1f}%",
+            _verdict(c),
+        )
+    return table

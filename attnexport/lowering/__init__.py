@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from attnexport.lowering.onnx_export import to_onnx
     from attnexport.lowering.ort_session import PagedOrtSession
     from attnexport.lowering.quantize import (
+        ALGORITHMS,
+        LM_HEAD_FORMATS,
         WEIGHT_FORMATS,
         QuantizationError,
         WeightQuantization,
@@ -37,12 +39,16 @@ _LAZY = {
     "PagedOrtSession": "attnexport.lowering.ort_session",
     "TARGETS": "attnexport.lowering.targets",
     "WEIGHT_FORMATS": "attnexport.lowering.quantize",
+    "ALGORITHMS": "attnexport.lowering.quantize",
+    "LM_HEAD_FORMATS": "attnexport.lowering.quantize",
     "QuantizationError": "attnexport.lowering.quantize",
     "WeightQuantization": "attnexport.lowering.quantize",
     "quantize_weights": "attnexport.lowering.quantize",
 }
 
 __all__ = [
+    "ALGORITHMS",
+    "LM_HEAD_FORMATS",
     "TARGETS",
     "WEIGHT_FORMATS",
     "GraphContract",

@@ -225,9 +225,10 @@ def gemm_to_matmul(model: ir.Model) -> int:
 
     This is the form onnxruntime's weight quantizer (``MatMulNBitsQuantizer``) rewrites into
     ``MatMulNBits``; it does not touch ``Gemm``. Only ``alpha = beta = 1``, ``transA = 0``
-    nodes are rewritten (what ``nn.Linear`` gives); any other Gemm is left as it is. A weight
-    that other nodes also read (a tied ``lm_head`` / embedding) gets a transposed copy of its
-    own and the original stays for them.
+    nodes are rewritten (what ``nn.Linear`` gives); any other Gemm is left as it is, and so is
+    the Gemm on a weight that other nodes also read (a tied ``lm_head`` / embedding): a
+    transposed copy would store the table twice, and MLAS runs ``transB`` as fast (the weight
+    quantization rewrites that node itself, :mod:`attnexport.lowering.lm_head`).
 
     Returns:
         The number of Gemm nodes rewritten.
@@ -246,6 +247,7 @@ def gemm_to_matmul(model: ir.Model) -> int:
             or not weight.is_initializer()
             or weight.const_value is None
             or len(weight.const_value.shape) != 2
+            or (_attr(node, "transB", 0) and len(weight.uses()) > 1)
         ):
             continue
         matrix = _transposed(graph, weight) if _attr(node, "transB", 0) else weight

@@ -1,62 +1,101 @@
 """Weight-only quantization of an exported ONNX file: each ``MatMul`` on a constant 2-D weight
 (the projections, after :func:`~attnexport.lowering.onnx_passes.gemm_to_matmul`) becomes
 ``com.microsoft.MatMulNBits`` with int4 or int8 blocks, through onnxruntime's own quantizer
-(``onnxruntime.quantization.matmul_nbits_quantizer``, round-to-nearest per block).
+(``onnxruntime.quantization.matmul_nbits_quantizer``) and the algorithm it is asked for:
+
+* ``rtn``: round to nearest per block (``DefaultWeightOnlyQuantConfig``, onnxruntime's C++
+  block quantizer), symmetric or with a zero point per block;
+* ``k_quant``: a zero point per block and a scale searched per block for the least weighted
+  squared error (``KQuantWeightOnlyQuantConfig``, after llama.cpp's k-quants);
+* ``hqq``: half-quadratic quantization (``HQQWeightOnlyQuantConfig``), a float zero point per
+  block fitted to the weights: onnxruntime's CPU kernel has no packed path for float zero
+  points and dequantizes the weights on every call, so they are moved onto the packed
+  kernels (:mod:`attnexport.lowering.float_zero_points`).
 
 A *layer* is named after its weight: ``model.layers.0.mlp.down_proj`` for the MatMul on
-``model.layers.0.mlp.down_proj.weight``; the MatMul whose output is the model's logits output
-is ``lm_head`` (whatever its weight, so that a tied embedding is found too). Layers stay float
-when a ``keep_float`` pattern (``fnmatch``) matches their name, and ``lm_head`` when
-``quantize_lm_head`` is off. The defaults follow onnxruntime-genai's builder for the CPU
-(``-p int4 -e cpu``): block size 32, symmetric, accuracy level 4 (int8 activations in the
-MatMulNBits kernels), lm_head quantized.
+``model.layers.0.mlp.down_proj.weight``; the projection whose output is the model's logits
+output is ``lm_head`` (whatever its weight, so that a tied embedding is found too). The logits
+projection is quantized on its own terms (``lm_head``: float, int8 or int4; symmetric round to
+nearest): a tied embedding stays one table, read by the logits projection and by the
+embedding's ``Gather`` (:mod:`attnexport.lowering.lm_head`). Layers stay float when a
+``keep_float`` pattern (``fnmatch``) matches their name.
+
+docs/quantization.md has the options, the defaults and the measurements they come from.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+import io
 import logging
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
 
 from attnexport.lowering.onnx_export import EXTERNAL_DATA_BYTES
+from attnexport.lowering.quantization_error import QuantizationError
 from attnexport.lowering.quiet import quieted
 
 WEIGHT_FORMATS = {"float": None, "int4": 4, "int8": 8}
 """``export --weights``: the weight formats and their bits (``float``: not quantized)."""
-DEFAULT_BLOCK_SIZE = 32
-DEFAULT_ACCURACY_LEVEL = 4
+ALGORITHMS = ("rtn", "k_quant", "hqq")
+"""``export --weights-algorithm``: onnxruntime's weight-only quantization algorithms."""
+FITTED = ("k_quant", "hqq")
+"""The algorithms that fit a zero point per block (asymmetric only)."""
+LM_HEAD_FORMATS = {"float": None, "int8": 8, "int4": 4}
+"""``export --lm-head``: the logits projection's formats and their bits."""
 LM_HEAD = "lm_head"
 ACCURACY_LEVELS = range(5)  # MatMulNBits: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 compute
 
-
-class QuantizationError(ValueError):
-    """A bad quantization option or a model the quantizer cannot rewrite as asked."""
+DEFAULTS = {
+    "int4": {
+        "block_size": 32,
+        "symmetric": False,
+        "accuracy_level": 4,
+        "algorithm": "hqq",
+        "lm_head": "int8",
+    },
+    "int8": {
+        "block_size": 32,
+        "symmetric": True,
+        "accuracy_level": 4,
+        "algorithm": "rtn",
+        "lm_head": "int8",
+    },
+}
+"""The defaults of each format (docs/quantization.md says why)."""
 
 
 @dataclass(frozen=True)
 class WeightQuantization:
-    """How ``export --weights`` quantizes the weights.
+    """How ``export --weights`` quantizes the weights. Options left None take the format's
+    :data:`DEFAULTS`.
 
     Attributes:
         format: ``"int4"`` or ``"int8"`` (a key of :data:`WEIGHT_FORMATS` other than float).
         block_size: weights per scale along the input dimension (a power of 2, >= 16).
         symmetric: no zero points (True) or a zero point per block (False).
         accuracy_level: MatMulNBits' ``accuracy_level`` (4: int8 compute on the CPU).
+        algorithm: one of :data:`ALGORITHMS`.
+        lm_head: the logits projection's format, a key of :data:`LM_HEAD_FORMATS`.
         keep_float: ``fnmatch`` patterns of the layer names that stay float.
-        quantize_lm_head: quantize the logits projection too.
+        batch_invariant: give every MatMulNBits at least two rows, so that a sequence's
+            numbers do not depend on the batch it runs in
+            (:mod:`attnexport.lowering.batch_invariance`).
     """
 
     format: str
-    block_size: int = DEFAULT_BLOCK_SIZE
-    symmetric: bool = True
-    accuracy_level: int = DEFAULT_ACCURACY_LEVEL
+    block_size: int | None = None
+    symmetric: bool | None = None
+    accuracy_level: int | None = None
+    algorithm: str | None = None
+    lm_head: str | None = None
     keep_float: tuple[str, ...] = field(default_factory=tuple)
-    quantize_lm_head: bool = True
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         if WEIGHT_FORMATS.get(self.format) is None:
@@ -64,6 +103,15 @@ class WeightQuantization:
             raise QuantizationError(
                 f"--weights: expected {' or '.join(formats)}, got {self.format!r}"
             )
+        defaults = dict(DEFAULTS[self.format])
+        # The fitted algorithms fit zero points; asking for symmetric blocks asks for rtn.
+        if self.algorithm in FITTED or (self.algorithm is None and defaults["algorithm"] in FITTED):
+            defaults["symmetric"] = False
+        if self.symmetric and self.algorithm is None:
+            defaults["algorithm"] = "rtn"
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         size = self.block_size
         if type(size) is not int or size < 16 or size & (size - 1):
             raise QuantizationError(
@@ -72,6 +120,19 @@ class WeightQuantization:
         if self.accuracy_level not in ACCURACY_LEVELS:
             raise QuantizationError(
                 f"--weights-accuracy-level: expected 0 to 4, got {self.accuracy_level!r}"
+            )
+        if self.algorithm not in ALGORITHMS:
+            raise QuantizationError(
+                f"--weights-algorithm: expected {', '.join(ALGORITHMS)}, got {self.algorithm!r}"
+            )
+        if self.lm_head not in LM_HEAD_FORMATS:
+            raise QuantizationError(
+                f"--lm-head: expected {', '.join(LM_HEAD_FORMATS)}, got {self.lm_head!r}"
+            )
+        if self.algorithm in FITTED and self.symmetric:
+            raise QuantizationError(
+                f"--weights-algorithm {self.algorithm}: fits a zero point per block; "
+                "pass --weights-asymmetric"
             )
 
     @property
@@ -86,6 +147,9 @@ class WeightQuantization:
             "block_size": self.block_size,
             "symmetric": self.symmetric,
             "accuracy_level": self.accuracy_level,
+            "algorithm": self.algorithm,
+            "lm_head": self.lm_head,
+            "batch_invariant": self.batch_invariant,
             "quantized_layers": quantized,
             "float_layers": float_layers,
         }
@@ -97,20 +161,29 @@ def _layer_name(weight: str) -> str:
     return weight
 
 
+def _is_projection(node: onnx.NodeProto, initializers: dict) -> bool:
+    """A MatMul on a constant 2-D weight, or the Gemm ``x @ W^T`` a tied logits projection
+    keeps (:func:`~attnexport.lowering.onnx_passes.gemm_to_matmul`)."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in ("MatMul", "Gemm"):
+        return False
+    weight = initializers.get(node.input[1])
+    return weight is not None and len(weight.dims) == 2
+
+
 def quantizable_layers(model: onnx.ModelProto) -> dict[str, str]:
-    """``{layer name: MatMul node name}`` for every MatMul of the main graph on a constant 2-D
-    weight (module doc for the names), in graph order."""
+    """``{layer name: node name}`` for every projection of the main graph on a constant 2-D
+    weight (module doc for the names), in graph order. The logits projection is the one whose
+    output is a graph output, or whose weight an embedding ``Gather`` also reads (a tied head
+    followed by soft-capping)."""
     initializers = {i.name: i for i in model.graph.initializer}
     outputs = {o.name for o in model.graph.output}
+    gathered = {n.input[0] for n in model.graph.node if n.op_type == "Gather"}
     layers = {}
     for node in model.graph.node:
-        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+        if not _is_projection(node, initializers):
             continue
-        weight = initializers.get(node.input[1])
-        if weight is None or len(weight.dims) != 2:
-            continue
-        name = LM_HEAD if node.output[0] in outputs else _layer_name(weight.name)
-        layers[name] = node.name
+        head = node.output[0] in outputs or node.input[1] in gathered
+        layers[LM_HEAD if head else _layer_name(node.input[1])] = node.name
     return layers
 
 
@@ -118,11 +191,18 @@ def quantizable_layers(model: onnx.ModelProto) -> dict[str, str]:
 def _quiet_quantizer():
     """The quantizer logs every node it visits at INFO, and importing it sets the root logger
     to INFO (``logging.basicConfig``), which would make every later library chatty: both are
-    undone."""
+    undone. Its k-quant path prints a progress bar to stdout and its HQQ path warns about
+    read-only arrays it does not write: neither reaches the user."""
     root = logging.getLogger()
     root_level, root_handlers = root.level, list(root.handlers)
     try:
-        with quieted("onnxruntime.quantization.matmul_nbits_quantizer", logging.WARNING):
+        with (
+            quieted("onnxruntime.quantization.matmul_nbits_quantizer", logging.WARNING),
+            quieted("neural_compressor", logging.WARNING),
+            contextlib.redirect_stdout(io.StringIO()),
+            warnings.catch_warnings(),
+        ):
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             yield
     finally:
         root.setLevel(root_level)
@@ -142,8 +222,52 @@ def float_layers(layers: dict[str, str], quantization: WeightQuantization) -> li
         name
         for name in layers
         if any(fnmatch.fnmatchcase(name, p) for p in quantization.keep_float)
-        or (name == LM_HEAD and not quantization.quantize_lm_head)
+        or (name == LM_HEAD and quantization.lm_head == "float")
     ]
+
+
+def _algorithm_config(nbits, quantization: WeightQuantization):
+    """onnxruntime's config object of ``quantization.algorithm``."""
+    if quantization.algorithm == "hqq":
+        return nbits.HQQWeightOnlyQuantConfig(
+            block_size=quantization.block_size, bits=quantization.bits
+        )
+    if quantization.algorithm == "k_quant":
+        return nbits.KQuantWeightOnlyQuantConfig()
+    return nbits.DefaultWeightOnlyQuantConfig(
+        block_size=quantization.block_size,
+        is_symmetric=quantization.symmetric,
+        accuracy_level=quantization.accuracy_level,
+        bits=quantization.bits,
+    )
+
+
+def _quantize_layers(model: onnx.ModelProto, exclude: list[str], quantization) -> onnx.ModelProto:
+    """The projections but ``exclude`` (node names) rewritten by onnxruntime's quantizer."""
+    with _quiet_quantizer():
+        from onnxruntime.quantization import matmul_nbits_quantizer as nbits
+
+    quantizer = nbits.MatMulNBitsQuantizer(
+        model,
+        bits=quantization.bits,
+        block_size=quantization.block_size,
+        is_symmetric=quantization.symmetric,
+        accuracy_level=quantization.accuracy_level,
+        nodes_to_exclude=exclude,
+        algo_config=_algorithm_config(nbits, quantization),
+    )
+    with _quiet_quantizer():
+        quantizer.process()
+    quantized = quantizer.model.model
+    # HQQ's nodes carry no accuracy_level; the MatMulNBits kernel reads it per node.
+    for node in quantized.graph.node:
+        if node.op_type == "MatMulNBits" and not any(
+            a.name == "accuracy_level" for a in node.attribute
+        ):
+            node.attribute.append(
+                onnx.helper.make_attribute("accuracy_level", quantization.accuracy_level)
+            )
+    return quantized
 
 
 def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) -> dict:
@@ -156,8 +280,9 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
         QuantizationError: a ``keep_float`` pattern matches nothing, the model has no layer to
             quantize, or the quantizer left a layer it was asked to quantize.
     """
-    with _quiet_quantizer():
-        from onnxruntime.quantization import matmul_nbits_quantizer as nbits
+    from attnexport.lowering import lm_head
+    from attnexport.lowering.batch_invariance import pad_matmulnbits_rows
+    from attnexport.lowering.float_zero_points import split_float_zero_points
 
     path = Path(path)
     model = onnx.load(str(path))
@@ -165,24 +290,19 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
     if not layers:
         raise QuantizationError(f"{path}: no MatMul on a constant 2-D weight to quantize")
     keep = float_layers(layers, quantization)
-    config = nbits.DefaultWeightOnlyQuantConfig(
-        block_size=quantization.block_size,
-        is_symmetric=quantization.symmetric,
-        accuracy_level=quantization.accuracy_level,
-        bits=quantization.bits,
-    )
-    quantizer = nbits.MatMulNBitsQuantizer(
-        model,
-        bits=quantization.bits,
-        block_size=quantization.block_size,
-        is_symmetric=quantization.symmetric,
-        accuracy_level=quantization.accuracy_level,
-        nodes_to_exclude=[layers[name] for name in keep],
-        algo_config=config,
-    )
-    with _quiet_quantizer():
-        quantizer.process()
-    quantized = quantizer.model.model
+    head_bits = LM_HEAD_FORMATS[quantization.lm_head]
+    exclude = [layers[name] for name in keep]
+    if LM_HEAD in layers and head_bits is not None:
+        exclude.append(layers[LM_HEAD])
+    quantized = _quantize_layers(model, exclude, quantization)
+    if LM_HEAD in layers and head_bits is not None:
+        lm_head.quantize_lm_head(
+            quantized,
+            layers[LM_HEAD],
+            bits=head_bits,
+            block_size=quantization.block_size,
+            accuracy_level=quantization.accuracy_level,
+        )
     left = [name for name, node in quantizable_layers(quantized).items() if name not in keep]
     count = sum(n.op_type == "MatMulNBits" for n in quantized.graph.node)
     if left or count != len(layers) - len(keep):
@@ -190,6 +310,9 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
             f"{path}: onnxruntime's quantizer left {left or count} (expected "
             f"{len(layers) - len(keep)} MatMulNBits nodes)"
         )
+    split_float_zero_points(quantized)
+    if quantization.batch_invariant:
+        pad_matmulnbits_rows(quantized)
     external = sum(len(i.raw_data) for i in quantized.graph.initializer) > EXTERNAL_DATA_BYTES
     data = path.with_name(f"{path.name}.data")
     if data.exists():

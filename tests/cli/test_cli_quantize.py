@@ -28,8 +28,11 @@ def test_manifest_records_the_quantization(int4_export):
         "format": "int4",
         "bits": 4,
         "block_size": 32,
-        "symmetric": True,
+        "symmetric": False,
         "accuracy_level": 4,
+        "algorithm": "hqq",
+        "lm_head": "int8",
+        "batch_invariant": True,
         "quantized_layers": 7,
         "float_layers": ["model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"],
     }
@@ -47,19 +50,24 @@ def test_inspect_shows_the_quantization(int4_export, capsys):
     assert summary["nodes"]["com.microsoft::MatMulNBits"] == 7
     code, out, _ = run_cli(capsys, "inspect", int4_export)
     assert code == 0 and "weights: int4" in out
+    assert "algorithm hqq" in out and "lm_head int8" in out and "batch-invariant" in out
 
 
 def test_verify_compares_with_the_float_model_by_quality(int4_export, capsys):
     code, out, err = run_cli(capsys, "verify", int4_export, "--json")
     assert code == 0, out + err
     result = json.loads(out)
-    onnx_rows = [c for c in result["comparisons"] if c["leg"].startswith("onnx")]
-    outputs = {c["output"] for c in onnx_rows}
-    assert "decode 1 logits KL" in outputs
-    assert any("top-1 agreement" in o for o in outputs)
-    logits = [c for c in onnx_rows if c["output"] == "decode 1 logits"]
-    # A quantized model is not within the float tolerance, and is compared with its own.
-    assert logits and all(1e-4 < c["max_abs"] <= c["tolerance"] for c in logits)
+    rows = [c for c in result["comparisons"] if c["leg"].startswith("onnx") and "bounds" in c]
+    assert {c["leg"] for c in rows} >= {"onnx"}
+    for row in rows:
+        assert row["output"].startswith("logits (")
+        assert set(row["bounds"]) == {"kl", "ppl_increase", "confident_flips"}
+        assert 0 < row["kl"] <= row["bounds"]["kl"] and row["ok"]
+        assert 0 <= row["top1_agreement"] <= 1 and row["max_abs"] > 1e-4
+    code, out, _ = run_cli(capsys, "verify", int4_export)
+    assert code == 0
+    for column in ("logit err", "top-1", "KL", "ppl Δ", "flips", "bounds: KL <="):
+        assert column in out
 
 
 def test_run_generates_with_quantized_weights(int4_export, capsys):
@@ -71,6 +79,8 @@ def test_run_generates_with_quantized_weights(int4_export, capsys):
     "flags, needle",
     [
         (["--weights-block-size", "64"], "only with --weights int4 or int8"),
+        (["--lm-head", "int8"], "only with --weights int4 or int8"),
+        (["--weights", "int4", "--weights-algorithm", "hqq", "--weights-symmetric"], "asymmetric"),
         (["--weights", "int4", "--weights-block-size", "20"], "--weights-block-size"),
         (["--weights", "int8", "--format", "both"], "--format onnx"),
         (["--weights", "int4", "--weights-keep-float", "nothing.*"], "matches no layer"),

@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from attnexport.cli.main import main
-from tests.cli.helpers import hf_greedy, run_json
+from tests.cli.helpers import hf_greedy, run_cli, run_json
 from tests.models.hf_reference import tiny_llama
 from tests.text_tokenizers import BUILDERS
 
@@ -168,3 +168,16 @@ def test_single_prompt_streams_its_text(bpe, capsys):
     printed = capsys.readouterr().out
     assert printed.startswith(output["text"] + "\n")  # the streamed text, then the summary
     assert f"prompt 0 ({len(output['prompt_token_ids'])} tokens)" in printed
+
+
+def test_verify_runs_the_verify_text_through_an_export_with_a_tokenizer(bpe, capsys):
+    from attnexport.artifact import read_manifest
+    from attnexport.cli.verify_cmd import TEXT_DECODE_STEPS, TEXT_PROMPTS, _batch
+
+    export, _, _ = bpe
+    prompts, decode_tokens = _batch(read_manifest(export), 0, export)
+    assert [len(p) for p in prompts] == [n for _, n in TEXT_PROMPTS]
+    assert len(decode_tokens) == TEXT_DECODE_STEPS
+    code, out, err = run_cli(capsys, "verify", str(export), "--json")
+    assert code == 0, err
+    assert json.loads(out)["ok"]

@@ -14,7 +14,7 @@ import torch
 from attnexport import ort_kernels
 from attnexport.artifact import ExportOptions, export_artifact, read_manifest, rebuild_eager_model
 from attnexport.artifact.errors import ArtifactError
-from attnexport.cli.verify_cmd import _eager_leg, _run_paged, verify_artifact
+from attnexport.cli.verify_cmd import _batch, _eager_leg, _run_paged, verify_artifact
 from attnexport.model_contract import GraphContract, read_contract
 from attnexport.model_interface import CacheSpec
 from attnexport.models import load_zoo_model
@@ -123,10 +123,11 @@ def test_engine_runs_int8_caches_on_every_executor_alike(exports):
 def test_logits_against_float32_caches_are_within_the_measured_tolerance(exports, cache_dtype):
     manifest = read_manifest(exports / cache_dtype)
     model = rebuild_eager_model(manifest)
-    reduced = _run_paged(_eager_leg(model, "sdpa"), manifest, 0)
+    batch = _batch(manifest, 0, exports / cache_dtype)
+    reduced = _run_paged(_eager_leg(model, "sdpa"), manifest, batch, 0)
     exact = copy.deepcopy(manifest)
     exact["kv_cache_dtype"] = exact["cache"]["dtype"] = "float32"
-    reference = _run_paged(_eager_leg(model, "sdpa"), exact, 0)
+    reference = _run_paged(_eager_leg(model, "sdpa"), exact, batch, 0)
     bounds = kv_cache_logit_tolerance(getattr(torch, cache_dtype))
     for output in (o for o in reference if o.endswith("logits")):
         quality = logit_quality(reduced[output], reference[output])

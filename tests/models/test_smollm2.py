@@ -1,0 +1,114 @@
+"""The real checkpoint, SmolLM2-135M-Instruct (tests/real_model.py): its float32 export answers
+chat prompts exactly as transformers does, and the default int8 and int4 exports keep the
+model (perplexity, top-1 agreement and KL on a short English text, against the float32 export,
+within the bounds docs/quantization.md derives from benchmarks/quality.py).
+
+The quantized models are the float32 export quantized as ``export --weights`` does, once per
+session (``smollm2_quantized``): a real-model export costs a minute and 3.4 GB. The int4
+default's case runs with ATTNEXPORT_SLOW_TESTS=1 (its HQQ fit takes over a minute)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnexport.cli.verify_text import TEXT
+from attnexport.runtime import SamplingParams, engine_from_path
+from attnexport.tolerances import logit_quality
+from tests.real_model import HQQ_SECONDS, slow_param
+
+CHATS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "How do I reverse a list in Python?",
+)
+NEW_TOKENS = 20
+# What the defaults may cost on the verify text (first 256 tokens), against the float32 export:
+# measured int8 / int4 (docs/quantization.md), with room for another CPU's kernels.
+BOUNDS = {
+    "int8": {"ppl_increase": 0.02, "top1_agreement": 0.95, "kl": 0.01},
+    "int4": {"ppl_increase": 0.10, "top1_agreement": 0.80, "kl": 0.08},
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_checkpoint):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(smollm2_checkpoint)
+
+
+def _chat_prompt(tokenizer, message: str) -> list[int]:
+    """The token ids of ``message`` in the checkpoint's chat template (ChatML)."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_the_fp32_export_answers_chat_prompts_as_transformers_does(
+    smollm2_checkpoint, smollm2_fp32_artifact, tokenizer
+):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_checkpoint, dtype=torch.float32
+    ).eval()
+    eos = tokenizer.eos_token_id
+    prompts = [_chat_prompt(tokenizer, message) for message in CHATS]
+    expected = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            generated = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )
+            expected.append(generated[0, len(prompt) :].tolist())
+    del model
+    engine = engine_from_path(smollm2_fp32_artifact)
+    params = SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=(eos,))
+    answers = [list(o.token_ids) for o in engine.generate(prompts, params)]
+    assert answers == expected, [tokenizer.decode(a) for a in answers]
+    assert all(len(a) > 4 for a in answers)  # real answers, not an immediate EOS
+
+
+def _text_logits(artifact, ids: list[int]) -> torch.Tensor:
+    """Every position's logits of ``ids``, one prefill through the native kernels."""
+    import onnxruntime as ort
+
+    from attnexport import ort_kernels
+    from attnexport.artifact import manifest_cache_spec, read_manifest
+    from attnexport.lowering import PagedOrtSession
+    from attnexport.runtime.step_driver import PagedDriver
+
+    manifest = read_manifest(artifact)
+    options = ort.SessionOptions()
+    ort_kernels.register(options)
+    session = PagedOrtSession(artifact / "model.onnx", session_options=options)
+
+    def run(inputs, kv_caches):
+        feeds = dict(zip(manifest["input_names"], (*inputs, kv_caches), strict=True))
+        return next(iter(session.run(feeds).values())), kv_caches
+
+    spec = manifest_cache_spec(manifest)
+    driver = PagedDriver(run, spec, num_blocks=len(ids) // spec.block_size + 2)
+    driver.add(ids)
+    return driver.prefill(all_logits=True)[0]
+
+
+@pytest.mark.parametrize("fmt", ["int8", slow_param("int4", HQQ_SECONDS)])
+def test_the_default_quantization_keeps_the_model(
+    smollm2_fp32_artifact, smollm2_quantized, tokenizer, fmt
+):
+    ids = tokenizer(TEXT)["input_ids"][:256]
+    reference = _text_logits(smollm2_fp32_artifact, ids)
+    logits = _text_logits(smollm2_quantized(fmt), ids)
+    quality = logit_quality(logits, reference, targets=[*ids[1:], None])
+    print(fmt, quality)
+    bounds = BOUNDS[fmt]
+    assert quality["ppl_increase"] <= bounds["ppl_increase"], quality
+    assert quality["top1_agreement"] >= bounds["top1_agreement"], quality
+    assert quality["kl"] <= bounds["kl"], quality
