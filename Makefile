@@ -57,9 +57,16 @@ $(ORT_KERNELS): $(ORT_KERNEL_SOURCES) scripts/build_ort_kernels.sh
 test-main: $(VENV)/.installed $(ORT_KERNELS)
 	ATTNEXPORT_REQUIRE_ORT_KERNELS=1 $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
-# The whole suite again on torch 2.8, where the IPEX backend's suites run instead of skipping.
+# The suite again on torch 2.8, where the IPEX backend's suites run instead of skipping. The
+# suites whose outcome does not depend on torch run once, in .venv: the HTTP server and the
+# real checkpoint's onnxruntime runs (onnxruntime, FastAPI, the quantizer), the chat-template
+# sandbox, path containment and the kernel build.
+TORCH_INDEPENDENT := tests/serve tests/models/test_smollm2.py tests/models/test_smollm2_prefill.py \
+	tests/runtime/test_chat_template.py tests/runtime/test_engine_scoring.py \
+	tests/runtime/test_ort_kernels_build.py tests/test_contained_files.py
 test-ipex: $(VENV_IPEX)/.installed $(ORT_KERNELS)
-	ATTNEXPORT_REQUIRE_IPEX=1 ATTNEXPORT_REQUIRE_ORT_KERNELS=1 $(VENV_IPEX)/bin/python -m pytest $(PYTEST_ARGS)
+	ATTNEXPORT_REQUIRE_IPEX=1 ATTNEXPORT_REQUIRE_ORT_KERNELS=1 $(VENV_IPEX)/bin/python -m pytest \
+		$(addprefix --ignore=,$(TORCH_INDEPENDENT)) $(PYTEST_ARGS)
 
 # On a CUDA machine: the xformers and ort-cuda GPU tests and the GPU benchmark, logs in gpu-logs/
 # (GPU_SUITE_ALL=1 adds the whole suite; scripts/gpu_suite.sh says how to bring wheels).

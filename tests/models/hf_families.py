@@ -67,13 +67,19 @@ class Family:
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
-        Family("olmo2", "q/k RMSNorm over the whole projection, norms after the blocks"),
+        Family(
+            "olmo2", "q/k RMSNorm over the whole projection, norms after the blocks", default=False
+        ),
         Family("olmo3", "OLMo 2 with sliding-window layers", {"sliding_window": 5}),
-        Family("granite", "embedding, residual, attention and logit multipliers"),
+        Family("granite", "embedding, residual, attention and logit multipliers", default=False),
         Family(
             "starcoder2", "LayerNorm, biases, a GELU MLP, sliding window", {"sliding_window": 6}
         ),
-        Family("cohere", "parallel attention + MLP, LayerNorm, interleaved RoPE, logit scale"),
+        Family(
+            "cohere",
+            "parallel attention + MLP, LayerNorm, interleaved RoPE, logit scale",
+            default=False,
+        ),
         Family(
             "cohere2",
             "Cohere with sliding layers that rotate and full layers that do not",
@@ -84,6 +90,7 @@ FAMILIES: dict[str, Family] = {
             "exaone4",
             "q/k norms, post-norms, sliding and full layers",
             {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"]},
+            default=False,
         ),
         Family("ernie4_5", "interleaved RoPE on a Llama network", default=False),
         Family("seed_oss", "q/k/v biases, no o bias", default=False),
@@ -100,8 +107,8 @@ FAMILIES: dict[str, Family] = {
         Family("ministral", "sliding window on every layer", {"sliding_window": 5}, default=False),
         Family("exaone", "EXAONE 3 (Llama class, its own config)", default=False),
         Family("mixtral", "mixture of experts (top-2 of 4)", MOE),
-        Family("qwen2_moe", "experts plus a gated shared expert", MOE),
-        Family("olmoe", "experts, q/k norms over the projection", MOE),
+        Family("qwen2_moe", "experts plus a gated shared expert", MOE, default=False),
+        Family("olmoe", "experts, q/k norms over the projection", MOE, default=False),
         Family("qwen3_moe", "experts with q/k norms per head", MOE, default=False),
         Family("granitemoe", "experts with Granite's multipliers", MOE, default=False),
         Family("ernie4_5_moe", "experts on ERNIE 4.5", MOE, default=False),
