@@ -3,6 +3,11 @@ sized for the worst case costs what its sequences use."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 
 from attnexport.model_interface import CacheSpec
@@ -31,6 +36,38 @@ def test_a_numpy_pool_commits_its_memory_as_blocks_are_touched():
     assert 0.9 * used < _rss() - before < used + huge_pages + 16 * MIB
     assert pool.num_touched_blocks == 32
     assert not any(cache.any() for cache in pool.kv_caches)
+
+
+_MAKE_A_POOL = """
+import numpy as np
+from attnexport.model_interface import CacheSpec
+from attnexport.runtime.executors.cache_pool import NumpyCachePool
+
+def rss():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+before = rss()
+spec = CacheSpec(num_layers=30, num_kv_heads=3, head_size=64, dtype=np.dtype("float32"))
+pool = NumpyCachePool(spec, num_blocks=512, num_cpu_blocks=64)
+print(rss() - before)
+"""
+
+
+def test_the_pool_stays_uncommitted_whatever_the_allocators_state():
+    """The pool was np.zeros (calloc), lazy only while malloc hands out fresh pages: in the
+    full test run, a long-lived process, calloc reused freed heap memory and wrote zeros through
+    it (+292 MB at construction). glibc's MALLOC_PERTURB_ makes calloc write through every
+    allocation: the same dependence, made deterministic (+405 MiB before the fix)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _MAKE_A_POOL],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "MALLOC_PERTURB_": "165"},
+    )
+    assert int(done.stdout.split()[-1]) < 16 * MIB
 
 
 def test_touching_keeps_what_blocks_hold():

@@ -91,6 +91,17 @@ class _PageToucher:
         np.bitwise_or(strided, 0, out=strided)
 
 
+def _lazy_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Zeros of ``shape`` on an anonymous memory mapping of their own: the kernel maps zeroed
+    pages on the first write of each, whatever the allocator's state. (``np.zeros`` is calloc,
+    which in a long-lived process often takes heap memory freed earlier and must then write
+    zeros through all of it: the pool's pages committed at once.)"""
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    if nbytes == 0:
+        return np.zeros(shape, dtype)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)
+
+
 def numpy_dtype(name: str) -> np.dtype:
     """The NumPy dtype of a cache dtype name; ``bfloat16`` is ml_dtypes' (NumPy has none)."""
     if name == "bfloat16":
@@ -105,7 +116,7 @@ class NumpyCachePool(CachePool):
     their float32 scale caches (``CacheSpec.tensor_shapes``).
 
     The memory is committed as it is used, not when the pool is made: the arrays are
-    ``np.zeros`` (calloc: the kernel maps zeroed pages on their first write), and before a step
+    anonymous mappings (the kernel maps zeroed pages on their first write), and before a step
     writes blocks the executor calls :meth:`touch`, which commits the pages of the blocks never
     touched before. A pool sized for the worst case (a quarter of the memory by default) thus
     costs what its sequences use, and the page faults of new blocks are taken in one pass on
@@ -114,7 +125,7 @@ class NumpyCachePool(CachePool):
     def __init__(self, spec: CacheSpec, num_blocks: int, num_cpu_blocks: int) -> None:
         def allocate(geometry: CacheSpec, blocks: int) -> list[np.ndarray]:
             return [
-                np.zeros(shape, numpy_dtype(dtype))
+                _lazy_zeros(tuple(shape), numpy_dtype(dtype))
                 for shape, dtype in geometry.tensor_shapes(blocks)
             ]
 
