@@ -65,6 +65,7 @@ def test_metadata_props(exported):
         "cache_outputs": json.dumps({c: f"{c}_out" for c in caches}),
         "outputs": json.dumps(["hidden_out"]),
         "architecture": "toy-stack",
+        "fusions": json.dumps({"sibling_matmuls": 2}),  # its separate q/k/v projections
     }
 
 

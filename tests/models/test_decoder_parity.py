@@ -421,9 +421,8 @@ def test_longrope_request_whose_recomputation_exceeds_the_token_budget_is_refuse
     (output,) = engine.generate([list(PROMPTS[0])], SamplingParams(max_tokens=6))
     assert output.token_ids == crossing.hf_tokens[0][:6]
     # without a SchedulerConfig (the CLI's engine) the default budget holds the switch
-    assert Engine(engine_executor("ort-bodies", crossing.exports)).scheduler_config == (
-        SchedulerConfig(max_num_batched_tokens=2048)
-    )
+    default = Engine(engine_executor("ort-bodies", crossing.exports)).scheduler_config
+    assert default.max_num_batched_tokens == 2048
     from attnexport.runtime import TorchExecutor
 
     phi3_128k = TorchExecutor(crossing.exports.program, rope_switch_length=4096)
