@@ -78,8 +78,8 @@ def add_parser(commands) -> None:
     )
     add_kv_cache_memory_flag(
         parser,
-        "--max-num-seqs sequences of the maximum length, at most a quarter of the memory; its "
-        "memory is committed as it is used",
+        "--max-num-seqs sequences of the maximum length, at most a quarter of the memory, "
+        "committed at start-up",
     )
     parser.add_argument(
         "--shutdown-timeout",

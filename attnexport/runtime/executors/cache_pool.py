@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import mmap
 from collections.abc import Sequence
 
 import numpy as np
@@ -34,11 +33,6 @@ class CachePool(abc.ABC):
         """The self-attention caches ``[k_0, v_0, ...]`` (all of ``kv_caches`` for a decoder;
         with their scale caches for int8 caches)."""
         return self.kv_caches[: self.spec.num_self_tensors]
-
-    def touch(self, self_blocks: int, cross_blocks: int = 0) -> None:  # noqa: B027
-        """Commits the memory of the self-attention blocks ``[0, self_blocks)`` and the cross
-        blocks ``[0, cross_blocks)`` before a step writes them (a no-op for a pool whose
-        memory is committed when it is made)."""
 
     @abc.abstractmethod
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -76,30 +70,14 @@ def _mapping(
     return src, dst
 
 
-class _PageToucher:
-    """Commits the memory pages of a range of blocks of one cache array by rewriting one byte
-    per page with its own value: a write fault per page, values unchanged."""
-
-    def __init__(self, cache: np.ndarray) -> None:
-        self._bytes = cache.reshape(-1).view(np.uint8)
-        self._block_bytes = cache.strides[0]
-
-    def touch(self, start: int, stop: int) -> None:
-        """Blocks ``[start, stop)``."""
-        step = self._block_bytes
-        strided = self._bytes[start * step : stop * step : mmap.PAGESIZE]
-        np.bitwise_or(strided, 0, out=strided)
-
-
-def _lazy_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """Zeros of ``shape`` on an anonymous memory mapping of their own: the kernel maps zeroed
-    pages on the first write of each, whatever the allocator's state. (``np.zeros`` is calloc,
-    which in a long-lived process often takes heap memory freed earlier and must then write
-    zeros through all of it: the pool's pages committed at once.)"""
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    if nbytes == 0:
-        return np.zeros(shape, dtype)
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)
+def _zeroed(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    # Written now, as torch.zeros does: pages left to be committed as blocks are first used
+    # (np.zeros, or an anonymous mapping touched per block before each step) made batch-1
+    # decode of SmolLM2-135M ~10% slower (benchmarks: docs/benchmarks.md, "Measured design
+    # choices"); the pool's size is what bounds its memory (run sizes it from its requests).
+    array = np.empty(shape, dtype)
+    array.fill(0)
+    return array
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -112,45 +90,18 @@ def numpy_dtype(name: str) -> np.dtype:
 
 
 class NumpyCachePool(CachePool):
-    """Zeroed host caches as NumPy arrays of ``spec.dtype`` (a NumPy dtype); int8 caches with
-    their float32 scale caches (``CacheSpec.tensor_shapes``).
-
-    The memory is committed as it is used, not when the pool is made: the arrays are
-    anonymous mappings (the kernel maps zeroed pages on their first write), and before a step
-    writes blocks the executor calls :meth:`touch`, which commits the pages of the blocks never
-    touched before. A pool sized for the worst case (a quarter of the memory by default) thus
-    costs what its sequences use, and the page faults of new blocks are taken in one pass on
-    the calling thread rather than inside the model's parallel kernels."""
+    """Host caches as NumPy arrays of ``spec.dtype`` (a NumPy dtype), zeroed when made; int8
+    caches with their float32 scale caches (``CacheSpec.tensor_shapes``)."""
 
     def __init__(self, spec: CacheSpec, num_blocks: int, num_cpu_blocks: int) -> None:
         def allocate(geometry: CacheSpec, blocks: int) -> list[np.ndarray]:
             return [
-                _lazy_zeros(tuple(shape), numpy_dtype(dtype))
+                _zeroed(tuple(shape), numpy_dtype(dtype))
                 for shape, dtype in geometry.tensor_shapes(blocks)
             ]
 
         cpu_caches = allocate(self_only(spec), num_cpu_blocks)
         super().__init__(spec, allocate(spec, num_blocks), cpu_caches)
-        self._pages = [_PageToucher(c) for c in self.self_caches]
-        self._cross_pages = [_PageToucher(c) for c in self.kv_caches[spec.num_self_tensors :]]
-        self.num_touched_blocks = 0
-        """Self-attention blocks whose pages are committed (:meth:`touch`)."""
-        self._touched_cross = 0
-
-    def touch(self, self_blocks: int, cross_blocks: int = 0) -> None:
-        """Commits the pages of the self-attention blocks ``[0, self_blocks)`` and the cross
-        blocks ``[0, cross_blocks)`` not touched before (their values are kept). Block ids grow
-        from 0 as the block manager first hands them out
-        (:class:`~attnexport.runtime.block_manager.BlockPool`), so this commits what the pool's
-        load has needed and no more."""
-        if self_blocks > self.num_touched_blocks:
-            for pages in self._pages:
-                pages.touch(self.num_touched_blocks, self_blocks)
-            self.num_touched_blocks = self_blocks
-        if cross_blocks > self._touched_cross:
-            for pages in self._cross_pages:
-                pages.touch(self._touched_cross, cross_blocks)
-            self._touched_cross = cross_blocks
 
     def _move(self, sources: list, destinations: list, pairs) -> None:
         if not len(pairs):

@@ -261,7 +261,6 @@ class OrtExecutor(Executor):
         if self._binding is None:
             raise RuntimeError("OrtExecutor.execute: initialize_cache must run first")
         model_input.check_rows(self.vocab_size, self.max_model_len)
-        self._touch_blocks(model_input.values)
         self._bind_inputs(model_input)
         logits = self._logits.next(model_input.num_logits)
         if self._logits.rebind:
@@ -270,17 +269,6 @@ class OrtExecutor(Executor):
             )
         self.session.run_with_iobinding(self._binding)
         return logits
-
-    def _touch_blocks(self, values: dict[str, list]) -> None:
-        """Commits the cache memory of every block the step writes (the pool is filled as it
-        is used: :meth:`NumpyCachePool.touch`); a max over the step's slots."""
-        block_size = self.cache_spec.block_size
-        slots = values["slot_mapping"]
-        cross = values.get("cross_slot_mapping")
-        self.cache_pool.touch(
-            max(slots, default=-1) // block_size + 1,
-            max(cross, default=-1) // block_size + 1 if cross else 0,
-        )
 
     def _bind_inputs(self, model_input: ModelInput) -> None:
         """Copies the inputs into host buffers bound to the session: a buffer of an unchanged
