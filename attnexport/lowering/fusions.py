@@ -37,6 +37,7 @@ from onnx_ir.passes import common as common_passes
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter.rules.common import _basic_rules
 
+from attnexport.lowering.onnx_passes import is_constant_matrix
 from attnexport.lowering.registry import DOMAIN
 
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
@@ -118,13 +119,7 @@ def fuse_sibling_matmuls(model: ir.Model) -> int:
         if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
             continue
         weight = node.inputs[1]
-        if (
-            weight is None
-            or not weight.is_initializer()
-            or weight.const_value is None
-            or len(weight.const_value.shape) != 2
-            or node.inputs[0] is None
-        ):
+        if not is_constant_matrix(weight) or node.inputs[0] is None:
             continue
         groups.setdefault(id(node.inputs[0]), []).append(node)
     fused = 0

@@ -218,6 +218,16 @@ def _attr(node: ir.Node, name: str, default):
     return default if attr is None else attr.value
 
 
+def is_constant_matrix(value: ir.Value | None) -> bool:
+    """``value`` is a 2-D initializer with its data (a weight a pass may rewrite)."""
+    return (
+        value is not None
+        and value.is_initializer()
+        and value.const_value is not None
+        and len(value.const_value.shape) == 2
+    )
+
+
 def gemm_to_matmul(model: ir.Model) -> int:
     """Rewrites ``Gemm(x, W, b?, transB)`` with a constant 2-D ``W`` (torch.onnx's lowering of
     ``nn.Linear``) into ``MatMul(x, W')`` (+ ``Add(b)``), ``W'`` the constant weight in
@@ -243,10 +253,7 @@ def gemm_to_matmul(model: ir.Model) -> int:
             _attr(node, "alpha", 1.0) != 1.0
             or _attr(node, "beta", 1.0) != 1.0
             or _attr(node, "transA", 0) != 0
-            or weight is None
-            or not weight.is_initializer()
-            or weight.const_value is None
-            or len(weight.const_value.shape) != 2
+            or not is_constant_matrix(weight)
             or (_attr(node, "transB", 0) and len(weight.uses()) > 1)
         ):
             continue
@@ -300,10 +307,7 @@ def transpose_weights(model: ir.Model) -> int:
             continue
         weight = node.inputs[0]
         if (
-            weight is None
-            or not weight.is_initializer()
-            or weight.const_value is None
-            or len(weight.const_value.shape) != 2
+            not is_constant_matrix(weight)
             or tuple(_attr(node, "perm", (1, 0))) != (1, 0)
             or node.outputs[0].is_graph_output()
         ):
