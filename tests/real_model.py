@@ -6,24 +6,20 @@ installs it."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
 
 import pytest
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "smollm2.py"
+from tests.benchmark_scripts import load_benchmark
 
 
 def smollm2_module():
     """``benchmarks/smollm2.py`` as a module (benchmarks/ is not a package)."""
     name = "attnexport_bench_smollm2"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
+        load_benchmark("smollm2")
     return sys.modules[name]
 
 
