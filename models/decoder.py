@@ -1,7 +1,8 @@
 """The decoder-only forward convention (``attnexport.model_interface``), shared by every
 causal LM of the zoo. An architecture implements :meth:`DecoderModel.hidden_states` and
 :meth:`DecoderModel.lm_logits`; this class provides forward, the cache spec and the export
-sample."""
+sample. The transformers path (``attnexport.models.generic``) overrides
+:meth:`DecoderModel.step_logits` instead: one forward convention for both."""
 
 from __future__ import annotations
 
@@ -69,8 +70,21 @@ class DecoderModel(PagedModel):
         """
         check_kv_caches(kv_caches, 2 * self.num_layers)
         metadata = PagedMetadata(slot_mapping, block_tables, seq_lens, query_start_loc)
+        return self.step_logits(input_ids, positions, metadata, kv_caches, logits_indices).float()
+
+    def step_logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: PagedMetadata,
+        kv_caches: list[torch.Tensor],
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """``[N, vocab_size]`` logits of the ``logits_indices`` rows, in any float dtype: the
+        zoo's :meth:`hidden_states` then :meth:`lm_logits` (the transformers path runs its
+        model instead)."""
         hidden = self.hidden_states(input_ids, positions, metadata, kv_caches)
-        return self.lm_logits(hidden.index_select(0, logits_indices)).float()
+        return self.lm_logits(hidden.index_select(0, logits_indices))
 
     def hidden_states(
         self,
