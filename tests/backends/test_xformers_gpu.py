@@ -283,16 +283,10 @@ def test_paged_decoder_matches_full_recomputation(block_size):
 def _zoo_configs():
     import transformers
 
-    common = dict(
-        vocab_size=128,
-        hidden_size=256,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        initializer_range=0.05,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+    from tests.models.hf_reference import NO_SPECIAL_TOKENS
+
+    small = dict(vocab_size=128, hidden_size=256, initializer_range=0.05, **NO_SPECIAL_TOKENS)
+    common = dict(intermediate_size=384, num_hidden_layers=2, **small)
     return {
         "llama-gqa": (
             "LlamaForCausalLM",
@@ -306,16 +300,7 @@ def _zoo_configs():
         ),
         "bloom-alibi": (
             "BloomForCausalLM",
-            transformers.BloomConfig(
-                vocab_size=128,
-                hidden_size=256,
-                n_layer=2,
-                n_head=4,
-                initializer_range=0.05,
-                bos_token_id=None,
-                eos_token_id=None,
-                pad_token_id=None,
-            ),
+            transformers.BloomConfig(**small, n_layer=2, n_head=4),
         ),
     }
 

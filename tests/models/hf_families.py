@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from tests.models.hf_reference import NO_SPECIAL_TOKENS
+
 BLOCK_SIZE = 4
 PROMPTS = ([5, 17, 3, 99, 42, 8, 1], [7, *range(20, 31)])
 GREEDY_STEPS = 8
@@ -29,12 +31,10 @@ TINY = dict(
     num_key_value_heads=2,
     head_dim=16,
     max_position_embeddings=128,
-    # wide initialisation: greedy tokens vary; no special tokens: generate never stops early
+    # wide initialisation: greedy tokens vary
     initializer_range=0.2,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
     tie_word_embeddings=False,
+    **NO_SPECIAL_TOKENS,
 )
 """The sizes every family starts from (names its config class does not know are ignored)."""
 MOE = dict(

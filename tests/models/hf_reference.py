@@ -15,6 +15,9 @@ import pytest
 import torch
 import transformers
 
+NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+"""Config fields of every tiny checkpoint: no BOS/EOS/pad, so ``generate`` never stops early."""
+
 
 def build_checkpoint(hf_class_name: str, config, directory: Path, seed: int = 0):
     """Saves ``transformers.<hf_class_name>(config)`` seeded with ``seed`` into ``directory``;
