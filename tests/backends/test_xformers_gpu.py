@@ -21,7 +21,6 @@ from attnexport.custom_ops import (
     select_backend,
     use_backend,
 )
-from attnexport.custom_ops.dispatch import AttentionCall
 from attnexport.tolerances import tolerance
 from tests.attention_cases import (
     AttentionCase,
@@ -29,7 +28,7 @@ from tests.attention_cases import (
     make_varlen_inputs,
     standard_cases,
 )
-from tests.helpers import assert_close_to_reference, skip_unsupported
+from tests.helpers import assert_close_to_reference, attention_call, skip_unsupported
 
 
 def _unavailable() -> str | None:
@@ -145,13 +144,8 @@ def test_operators_follow_the_route(operators):
 
 
 def test_auto_prefers_xformers_on_cuda_and_falls_back():
-    call = AttentionCall(
-        op="varlen_attention",
-        device_type="cuda",
-        dtype=torch.bfloat16,
-        num_heads=8,
-        num_kv_heads=2,
-        head_size=64,
+    call = attention_call(
+        op="varlen_attention", device_type="cuda", dtype=torch.bfloat16, block_size=None
     )
     with use_backend("auto"):
         assert select_backend(call).name == "xformers"

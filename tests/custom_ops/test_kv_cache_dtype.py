@@ -19,7 +19,7 @@ from tests.attention_cases import (
     cache_write_args,
     make_paged_inputs,
 )
-from tests.helpers import assert_close_to_reference, paged_args, skip_unsupported
+from tests.helpers import assert_close_to_reference, attention_call, paged_args, skip_unsupported
 
 CASES = cache_dtype_cases()
 
@@ -283,15 +283,9 @@ def test_export_of_int8_caches_writes_scales_in_place():
 def test_backends_without_other_cache_dtypes_say_why(name, cache_dtype):
     """IPEX 2.8 and xFormers run caches of the query's dtype only: their static capabilities
     refuse other cache dtypes with the reason (available or not here), and auto picks sdpa."""
-    call = attnexport.custom_ops.AttentionCall(
-        op="paged_attention",
-        device_type="cpu" if name == "ipex" else "cuda",
-        dtype=torch.float32,
-        num_heads=4,
-        num_kv_heads=2,
-        head_size=64,
-        block_size=64,
-        cache_dtype=cache_dtype,
+    device_type = "cpu" if name == "ipex" else "cuda"
+    call = attention_call(
+        device_type=device_type, dtype=torch.float32, num_heads=4, cache_dtype=cache_dtype
     )
     backend = attnexport.custom_ops.get_backend(name)
     wanted = f"KV cache with float32 activations: {backend.capabilities.cache_dtype_reason}"
