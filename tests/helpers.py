@@ -44,6 +44,22 @@ def attention_call(**fields) -> AttentionCall:
     return AttentionCall(**(base | fields))
 
 
+def opcheck(op_name: str, args: tuple, kwargs: dict | None = None) -> None:
+    """``torch.library.opcheck`` of ``torch.ops.attnexport.<op_name>.default``: its schema,
+    autograd registration, fake kernel and AOT dispatch with dynamic shapes."""
+    torch.library.opcheck(
+        getattr(torch.ops.attnexport, op_name).default,
+        args,
+        kwargs,
+        test_utils=(
+            "test_schema",
+            "test_autograd_registration",
+            "test_faketensor",
+            "test_aot_dispatch_dynamic",
+        ),
+    )
+
+
 @contextlib.contextmanager
 def skip_unsupported():
     """Turns a backend's refusal of a case into a skip that shows its reasons."""
