@@ -71,6 +71,27 @@ the format in the name (``int8``, ``int4``: the formats' defaults)."""
 HQQ_SECONDS = "the int4 default's HQQ fit takes over a minute (~75 s on two cores)"
 
 
+def transformers_greedy(checkpoint: Path, prompts, **generate_options) -> list[list[int]]:
+    """transformers' own greedy continuation of each prompt alone, the checkpoint in float32
+    (``generate_options``: generate's, e.g. ``max_new_tokens``); the new tokens only."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    model.eval()
+    continuations = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            generated = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False,
+                **generate_options,
+            )
+            continuations.append(generated[0, len(prompt) :].tolist())
+    return continuations
+
+
 def slow_param(value, reason: str):
     """``value`` as a pytest param that runs only with ``ATTNEXPORT_SLOW_TESTS=1`` (``reason``:
     why it is slow, or what covers it in the default run)."""
