@@ -18,6 +18,7 @@ from attnexport.models.base import (
     SampleBatch,
     check_kv_caches,
     decoder_dims,
+    layer_caches,
     sample_batch,
 )
 from attnexport.models.layers import PagedMetadata
@@ -134,6 +135,30 @@ class DecoderModel(PagedModel):
             dynamic_shapes,
             (*DECODER_INPUT_NAMES, "kv_caches"),
         )
+
+
+class TransformerBlocksDecoder(DecoderModel):
+    """A decoder laid out as GPT-2 and BLOOM are: a ``transformer`` module of blocks ``h``
+    (each ``block(x, key_cache, value_cache, metadata)``) and a final norm ``ln_f``, whose
+    checkpoints may omit the ``transformer.`` prefix (the original uploads). A subclass builds
+    ``self.transformer`` and embeds the tokens (:meth:`embed`)."""
+
+    transformer: nn.Module
+
+    def hf_weight_names(self, name: str) -> tuple[str, ...]:
+        return (name, name.removeprefix("transformer."))
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` input of the first block."""
+        raise NotImplementedError
+
+    def hidden_states(self, input_ids, positions, metadata, kv_caches) -> torch.Tensor:
+        x = self.embed(input_ids, positions)
+        for block, (key_cache, value_cache) in zip(
+            self.transformer.h, layer_caches(kv_caches), strict=True
+        ):
+            x = block(x, key_cache, value_cache, metadata)
+        return self.transformer.ln_f(x)
 
 
 def decoder_sample_args(sample: SampleBatch, vocab_size: int) -> tuple[torch.Tensor, ...]:
