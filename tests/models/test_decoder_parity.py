@@ -30,7 +30,8 @@ from tests.models.executors import (
     write_exports,
 )
 from tests.models.hf_reference import (
-    NO_SPECIAL_TOKENS,
+    TINY_DECODER,
+    WIDE_INIT,
     build_checkpoint,
     causal_lm_logits,
     greedy_generate,
@@ -43,9 +44,8 @@ DECODE_STEPS = 8
 GREEDY_STEPS = 32
 ATOL = model_tolerance(torch.float32)
 
-# wide initialisation: greedy tokens vary
-_WIDE = dict(vocab_size=128, initializer_range=0.2, **NO_SPECIAL_TOKENS)
-_COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, **_WIDE)
+_COMMON = TINY_DECODER
+_WIDE = WIDE_INIT  # for the configs with other size names (BLOOM, GPT-2)
 
 # name -> (transformers class, config)
 CASES = {
