@@ -6,30 +6,19 @@ retried on every run. Nothing is installed here: the peers' environments live in
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str):
-    key = f"attnexport_bench_{name}"
-    spec = importlib.util.spec_from_file_location(key, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[key] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 @pytest.fixture
 def peers(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNEXPORT_PEERS", str(tmp_path / "peers"))
-    return _load("peers")
+    return load_benchmark("peers")
 
 
 def _record_failure(peers, name: str, reason: str) -> None:
@@ -90,7 +79,7 @@ def test_unknown_peer_and_format_are_named(peers):
 def test_peer_legs_skip_cleanly_in_the_benchmark(peers, monkeypatch, tmp_path):
     """Every peer absent: each of their legs is skipped with the peer's reason, no process
     runs, and the table says why in the leg's row."""
-    bench = _load("generate_smollm2")
+    bench = load_benchmark("generate_smollm2")
     monkeypatch.setattr(bench, "_module", lambda name: peers if name == "peers" else None)
     for name in peers.PEERS:
         _record_failure(peers, name, f"{name} cannot install here: test")
@@ -109,7 +98,7 @@ def test_peer_legs_skip_cleanly_in_the_benchmark(peers, monkeypatch, tmp_path):
 
 
 def test_the_ratio_is_against_the_best_peer_of_the_class(peers):
-    bench = _load("generate_smollm2")
+    bench = load_benchmark("generate_smollm2")
     legs = [
         bench.Leg("ours int8", "8-bit", None, "int8"),
         bench.Leg("llama.cpp q8_0", "8-bit", "llamacpp", "q8_0"),
