@@ -102,6 +102,9 @@ VARIANTS: dict[str, list[str]] = {
         f"int4 hqq b32, lm_head {head}": [*_fitted("hqq", 32), "--lm-head", head]
         for head in ("float", "int8")
     },
+    **{
+        f"int4 hqq b{b}, lm_head int4": [*_fitted("hqq", b), "--lm-head", "int4"] for b in (64, 128)
+    },
     "int4, lm_head float": _int4("--lm-head", "float"),
     "int4, lm_head int8": _int4("--lm-head", "int8"),
     "int4, lm_head int4": _int4("--lm-head", "int4"),
@@ -298,12 +301,41 @@ class OursModel:
         return torch.as_tensor(driver.prefill(all_logits=True)[0]).numpy()
 
 
-def onnx_bytes_per_token(path: Path) -> int:
-    """Bytes of the initializers of the ONNX file at ``path`` that one decoded token reads:
-    all but those only ``Gather``ed from (module doc)."""
+def onnx_bytes_per_token(path: Path, *, native_kernels: bool = True) -> int:
+    """Bytes of the initializers that one decoded token reads in the graph onnxruntime runs
+    from the ONNX file at ``path``: the graph after its optimizations (``ORT_ENABLE_ALL``, as
+    the Engine's sessions), saved and counted, so that a constant folded at load (a ``Cast``
+    of a float16 table becomes a float32 one) counts at the size it has in memory; all but the
+    tables only ``Gather``ed from (module doc). ``native_kernels``: register attnexport's
+    kernels (our exports; a peer's ONNX file needs none)."""
+    import tempfile
+
+    import onnx
+    import onnxruntime as ort
+
+    from attnexport import ort_kernels
+
+    with tempfile.TemporaryDirectory() as tmp:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_file_name", "optimized.onnx.data"
+        )
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_min_size_in_bytes", "1024"
+        )
+        if native_kernels:
+            ort_kernels.register(options)
+        ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        model = onnx.load(options.optimized_model_filepath, load_external_data=False)
+    return _initializer_bytes_per_token(model)
+
+
+def _initializer_bytes_per_token(model) -> int:
+    """Bytes of ``model``'s initializers but those only read by an embedding ``Gather``."""
     import onnx
 
-    model = onnx.load(str(path), load_external_data=False)
     readers: dict[str, list] = {}
     for node in model.graph.node:
         for position, name in enumerate(node.input):
@@ -316,11 +348,8 @@ def onnx_bytes_per_token(path: Path) -> int:
         )
         if gathered:
             continue
-        size = len(tensor.raw_data)
-        for entry in tensor.external_data:
-            if entry.key == "length":
-                size = int(entry.value)
-        total += size
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+        total += math.prod(tensor.dims) * itemsize
     return total
 
 
@@ -394,7 +423,7 @@ def bench_module(name: str):
 def peer_bytes_per_token(peer: str, model: Path) -> int | None:
     """Weight bytes one decoded token reads in a peer's model (module doc)."""
     if peer == "genai":
-        return onnx_bytes_per_token(model / "model.onnx")
+        return onnx_bytes_per_token(model / "model.onnx", native_kernels=False)
     if peer == "llamacpp":
         import gguf
 
