@@ -21,8 +21,11 @@ onnxruntime-genai's int8/int4 models (its builder's ONNX file in onnxruntime, on
 
 *Bytes per token* is what the decoder reads of its weights for one decoded token: every weight
 but an embedding table only gathered from (a tied table that the logits projection also reads
-counts in full); ONNX initializers by their consumers, GGUF tensors by name, OpenVINO constants
-by their consumers.
+counts in full). ONNX models are counted on the graph onnxruntime runs (its optimized graph,
+saved by the session: a constant folded at load counts at its folded size), by the consumers of
+each initializer; GGUF tensors by name; OpenVINO constants by their consumers. Not counted, for
+any ONNX model alike: MLAS's prepacked copy of an int4 MatMulNBits at accuracy level 4 adds a
+float per block (its block sums) beside the scales.
 
     python benchmarks/quality.py [--variants NAME ...] [--peers llamacpp openvino genai]
         [--max-tokens 2048] [--speed] [--json out.json] [--write-docs]
@@ -88,6 +91,13 @@ VARIANTS: dict[str, list[str]] = {
         *("--weights", "int8", "--weights-algorithm", "hqq", "--weights-asymmetric"),
         *("--weights-block-size", "32"),
     ],
+    "int8 hqq b32, accuracy level 1": [
+        *("--weights", "int8", "--weights-algorithm", "hqq", "--weights-asymmetric"),
+        *("--weights-accuracy-level", "1"),
+    ],
+    "int8 rtn asym b32, accuracy level 1": [
+        *("--weights", "int8", "--weights-asymmetric", "--weights-accuracy-level", "1"),
+    ],
     "int8, accuracy level 1, lm_head float": [
         *("--weights", "int8", "--weights-accuracy-level", "1", "--lm-head", "float")
     ],
@@ -104,6 +114,13 @@ VARIANTS: dict[str, list[str]] = {
     },
     **{
         f"int4 hqq b{b}, lm_head int4": [*_fitted("hqq", b), "--lm-head", "int4"] for b in (64, 128)
+    },
+    **{
+        f"int4 hqq b{b}, lm_head int4 b{head}": [
+            *_fitted("hqq", b),
+            *("--lm-head", "int4", "--lm-head-block-size", str(head)),
+        ]
+        for b, head in ((64, 32), (128, 16))
     },
     "int4, lm_head float": _int4("--lm-head", "float"),
     "int4, lm_head int8": _int4("--lm-head", "int8"),
@@ -318,6 +335,7 @@ def onnx_bytes_per_token(path: Path, *, native_kernels: bool = True) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3  # not its warning that the saved graph is CPU-specific
         options.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
         options.add_session_config_entry(
             "session.optimized_model_external_initializers_file_name", "optimized.onnx.data"
