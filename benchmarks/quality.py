@@ -23,7 +23,9 @@ onnxruntime-genai's int8/int4 models (its builder's ONNX file in onnxruntime, on
 but an embedding table only gathered from (a tied table that the logits projection also reads
 counts in full). ONNX models are counted on the graph onnxruntime runs (its optimized graph,
 saved by the session: a constant folded at load counts at its folded size), by the consumers of
-each initializer; GGUF tensors by name; OpenVINO constants by their consumers. Not counted, for
+each initializer (a gather's inputs, the scales' copy that onnxruntime folds for a tied
+table's GatherBlockQuantized included, are not read in full by a decoded token); GGUF tensors by
+name; OpenVINO constants by their consumers. Not counted, for
 any ONNX model alike: MLAS's prepacked copy of an int4 MatMulNBits at accuracy level 4 adds a
 float per block (its block sums) beside the scales.
 
@@ -350,8 +352,14 @@ def onnx_bytes_per_token(path: Path, *, native_kernels: bool = True) -> int:
     return _initializer_bytes_per_token(model)
 
 
+# The inputs a gather reads only the indexed rows of: Gather's data; GatherBlockQuantized's
+# data, scales and zero points (onnxruntime folds the scales' Reshape of a tied quantized table
+# into a copy of its own, read by the gather alone).
+GATHERED_INPUTS = {"Gather": (0,), "GatherBlockQuantized": (0, 2, 3)}
+
+
 def _initializer_bytes_per_token(model) -> int:
-    """Bytes of ``model``'s initializers but those only read by an embedding ``Gather``."""
+    """Bytes of ``model``'s initializers but those only read by an embedding gather."""
     import onnx
 
     readers: dict[str, list] = {}
@@ -361,9 +369,7 @@ def _initializer_bytes_per_token(model) -> int:
     total = 0
     for tensor in model.graph.initializer:
         uses = readers.get(tensor.name, [])
-        gathered = uses and all(
-            op in ("Gather", "GatherBlockQuantized") and pos == 0 for op, pos in uses
-        )
+        gathered = uses and all(pos in GATHERED_INPUTS.get(op, ()) for op, pos in uses)
         if gathered:
             continue
         itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize

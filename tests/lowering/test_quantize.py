@@ -77,6 +77,7 @@ def test_every_projection_becomes_matmulnbits(float_onnx, tmp_path, fmt, bits):
         "format": fmt,
         "bits": bits,
         **defaults,
+        "lm_head_block_size": defaults["block_size"],
         "batch_invariant": True,
         "quantized_layers": LAYERS,
         "float_layers": [],
