@@ -30,7 +30,8 @@ any ONNX model alike: MLAS's prepacked copy of an int4 MatMulNBits at accuracy l
 float per block (its block sums) beside the scales.
 
     python benchmarks/quality.py [--variants NAME ...] [--peers llamacpp openvino genai]
-        [--max-tokens 2048] [--speed] [--json out.json] [--write-docs]
+        [--max-tokens 2048] [--accuracy-levels NAME_PART=LEVEL ...] [--speed] [--json out.json]
+        [--write-docs]
 
 ``--speed`` also times greedy decoding (tokens/s at batch 1 and 8, prompt 128, 64 new tokens)
 of each variant's ONNX model through the Engine, in alternating rounds.
@@ -283,6 +284,39 @@ def variant_dir(name: str, flags: list[str], checkpoint: Path, work: Path) -> Pa
     entry.write_text(
         json.dumps({"options": expected, "weights": manifest["weights"], "seconds": seconds})
     )
+    return out
+
+
+def with_accuracy_levels(directory: Path, levels: dict[str, int], work: Path) -> Path:
+    """A copy of the quantized export ``directory`` in which every MatMulNBits whose weight's
+    name contains a key of ``levels`` runs at that ``accuracy_level`` (the first key that
+    matches): which projections lose agreement to the activations' int8 quantization, without
+    quantizing again. Cached in ``work/relevel``."""
+    import onnx
+
+    slug = "-".join(f"{k}={v}" for k, v in levels.items())
+    slug = "".join(c if c.isalnum() or c in "=-" else "_" for c in slug)
+    out = work / "relevel" / f"{directory.name}--{slug}"
+    if (out / "manifest.json").exists():
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(directory, out, ignore=shutil.ignore_patterns("model.onnx*", "manifest.json"))
+    model = onnx.load(str(directory / "model.onnx"))
+    changed = 0
+    for node in model.graph.node:
+        level = next((v for k, v in levels.items() if k in node.input[1]), None)
+        if node.op_type != "MatMulNBits" or level is None:
+            continue
+        for attribute in node.attribute:
+            if attribute.name == "accuracy_level":
+                attribute.i = level
+                changed += 1
+    if not changed:
+        raise ValueError(f"--accuracy-levels {levels}: no MatMulNBits weight matches")
+    onnx.save(
+        model, str(out / "model.onnx"), save_as_external_data=True, location="model.onnx.data"
+    )
+    shutil.copy(directory / "manifest.json", out / "manifest.json")  # last: the cache's mark
     return out
 
 
@@ -602,9 +636,23 @@ def main() -> int:
         "--speed-only", action="store_true", help="only time greedy decoding of the variants"
     )
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of --speed")
+    parser.add_argument(
+        "--accuracy-levels",
+        nargs="*",
+        default=[],
+        metavar="NAME_PART=LEVEL",
+        help="score copies of the variants whose MatMulNBits with a weight name containing "
+        "NAME_PART run at accuracy_level LEVEL (e.g. qkv_proj=1; embed_tokens is the tied head)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
     args = parser.parse_args()
+    try:
+        args.accuracy_levels = {
+            part: int(level) for part, level in (a.split("=") for a in args.accuracy_levels)
+        }
+    except ValueError:
+        parser.error("--accuracy-levels: expected NAME_PART=LEVEL ...")
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
@@ -637,7 +685,11 @@ def main() -> int:
     directories = {}
     for name in args.variants:
         print(f"ours {name} ...", file=sys.stderr, flush=True)
-        directory = directories[name] = variant_dir(name, VARIANTS[name], checkpoint, args.work)
+        directory = variant_dir(name, VARIANTS[name], checkpoint, args.work)
+        if args.accuracy_levels:
+            directory = with_accuracy_levels(directory, args.accuracy_levels, args.work)
+            name = f"{name}, accuracy levels {args.accuracy_levels}"
+        directories[name] = directory
         model, per_text = OursModel(directory, args.threads), {}
         for text, ids in texts.items():
             logits = model.logits(ids)
