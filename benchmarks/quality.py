@@ -304,8 +304,10 @@ def with_accuracy_levels(directory: Path, levels: dict[str, int], work: Path) ->
     model = onnx.load(str(directory / "model.onnx"))
     changed = 0
     for node in model.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
         level = next((v for k, v in levels.items() if k in node.input[1]), None)
-        if node.op_type != "MatMulNBits" or level is None:
+        if level is None:
             continue
         for attribute in node.attribute:
             if attribute.name == "accuracy_level":
