@@ -687,7 +687,8 @@ def main() -> int:
     directories = {}
     for name in args.variants:
         print(f"ours {name} ...", file=sys.stderr, flush=True)
-        directory = variant_dir(name, VARIANTS[name], checkpoint, args.work)
+        flags = VARIANTS[name]
+        directory = variant_dir(name, flags, checkpoint, args.work)
         if args.accuracy_levels:
             directory = with_accuracy_levels(directory, args.accuracy_levels, args.work)
             name = f"{name}, accuracy levels {args.accuracy_levels}"
@@ -701,7 +702,7 @@ def main() -> int:
         gc.collect()
         results["legs"][f"ours {name}"] = summarize(per_text) | {
             "bytes_per_token": onnx_bytes_per_token(directory / "model.onnx"),
-            "flags": VARIANTS[name],
+            "flags": flags,
         }
         print(json.dumps(results["legs"][f"ours {name}"]), file=sys.stderr, flush=True)
     for peer in args.peers:
