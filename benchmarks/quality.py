@@ -21,11 +21,17 @@ onnxruntime-genai's int8/int4 models (its builder's ONNX file in onnxruntime, on
 
 *Bytes per token* is what the decoder reads of its weights for one decoded token: every weight
 but an embedding table only gathered from (a tied table that the logits projection also reads
-counts in full); ONNX initializers by their consumers, GGUF tensors by name, OpenVINO constants
-by their consumers.
+counts in full). ONNX models are counted on the graph onnxruntime runs (its optimized graph,
+saved by the session: a constant folded at load counts at its folded size), by the consumers of
+each initializer (a gather's inputs, the scales' copy that onnxruntime folds for a tied
+table's GatherBlockQuantized included, are not read in full by a decoded token); GGUF tensors by
+name; OpenVINO constants by their consumers. Not counted, for
+any ONNX model alike: MLAS's prepacked copy of an int4 MatMulNBits at accuracy level 4 adds a
+float per block (its block sums) beside the scales.
 
     python benchmarks/quality.py [--variants NAME ...] [--peers llamacpp openvino genai]
-        [--max-tokens 2048] [--speed] [--json out.json] [--write-docs]
+        [--max-tokens 2048] [--accuracy-levels NAME_PART=LEVEL ...] [--speed] [--json out.json]
+        [--write-docs]
 
 ``--speed`` also times greedy decoding (tokens/s at batch 1 and 8, prompt 128, 64 new tokens)
 of each variant's ONNX model through the Engine, in alternating rounds.
@@ -88,6 +94,13 @@ VARIANTS: dict[str, list[str]] = {
         *("--weights", "int8", "--weights-algorithm", "hqq", "--weights-asymmetric"),
         *("--weights-block-size", "32"),
     ],
+    "int8 hqq b32, accuracy level 1": [
+        *("--weights", "int8", "--weights-algorithm", "hqq", "--weights-asymmetric"),
+        *("--weights-accuracy-level", "1"),
+    ],
+    "int8 rtn asym b32, accuracy level 1": [
+        *("--weights", "int8", "--weights-asymmetric", "--weights-accuracy-level", "1"),
+    ],
     "int8, accuracy level 1, lm_head float": [
         *("--weights", "int8", "--weights-accuracy-level", "1", "--lm-head", "float")
     ],
@@ -101,6 +114,16 @@ VARIANTS: dict[str, list[str]] = {
     **{
         f"int4 hqq b32, lm_head {head}": [*_fitted("hqq", 32), "--lm-head", head]
         for head in ("float", "int8")
+    },
+    **{
+        f"int4 hqq b{b}, lm_head int4": [*_fitted("hqq", b), "--lm-head", "int4"] for b in (64, 128)
+    },
+    **{
+        f"int4 hqq b{b}, lm_head int4 b{head}": [
+            *_fitted("hqq", b),
+            *("--lm-head", "int4", "--lm-head-block-size", str(head)),
+        ]
+        for b, head in ((64, 32), (128, 16))
     },
     "int4, lm_head float": _int4("--lm-head", "float"),
     "int4, lm_head int8": _int4("--lm-head", "int8"),
@@ -264,6 +287,41 @@ def variant_dir(name: str, flags: list[str], checkpoint: Path, work: Path) -> Pa
     return out
 
 
+def with_accuracy_levels(directory: Path, levels: dict[str, int], work: Path) -> Path:
+    """A copy of the quantized export ``directory`` in which every MatMulNBits whose weight's
+    name contains a key of ``levels`` runs at that ``accuracy_level`` (the first key that
+    matches): which projections lose agreement to the activations' int8 quantization, without
+    quantizing again. Cached in ``work/relevel``."""
+    import onnx
+
+    slug = "-".join(f"{k}={v}" for k, v in levels.items())
+    slug = "".join(c if c.isalnum() or c in "=-" else "_" for c in slug)
+    out = work / "relevel" / f"{directory.name}--{slug}"
+    if (out / "manifest.json").exists():
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(directory, out, ignore=shutil.ignore_patterns("model.onnx*", "manifest.json"))
+    model = onnx.load(str(directory / "model.onnx"))
+    changed = 0
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        level = next((v for k, v in levels.items() if k in node.input[1]), None)
+        if level is None:
+            continue
+        for attribute in node.attribute:
+            if attribute.name == "accuracy_level":
+                attribute.i = level
+                changed += 1
+    if not changed:
+        raise ValueError(f"--accuracy-levels {levels}: no MatMulNBits weight matches")
+    onnx.save(
+        model, str(out / "model.onnx"), save_as_external_data=True, location="model.onnx.data"
+    )
+    shutil.copy(directory / "manifest.json", out / "manifest.json")  # last: the cache's mark
+    return out
+
+
 class OursModel:
     """Our export in onnxruntime (native kernels): the logits of every position of a text,
     from one prefill over a paged cache (as ``attnexport verify`` drives it)."""
@@ -298,12 +356,48 @@ class OursModel:
         return torch.as_tensor(driver.prefill(all_logits=True)[0]).numpy()
 
 
-def onnx_bytes_per_token(path: Path) -> int:
-    """Bytes of the initializers of the ONNX file at ``path`` that one decoded token reads:
-    all but those only ``Gather``ed from (module doc)."""
+def onnx_bytes_per_token(path: Path, *, native_kernels: bool = True) -> int:
+    """Bytes of the initializers that one decoded token reads in the graph onnxruntime runs
+    from the ONNX file at ``path``: the graph after its optimizations (``ORT_ENABLE_ALL``, as
+    the Engine's sessions), saved and counted, so that a constant folded at load (a ``Cast``
+    of a float16 table becomes a float32 one) counts at the size it has in memory; all but the
+    tables only ``Gather``ed from (module doc). ``native_kernels``: register attnexport's
+    kernels (our exports; a peer's ONNX file needs none)."""
+    import tempfile
+
+    import onnx
+    import onnxruntime as ort
+
+    from attnexport import ort_kernels
+
+    with tempfile.TemporaryDirectory() as tmp:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3  # not its warning that the saved graph is CPU-specific
+        options.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_file_name", "optimized.onnx.data"
+        )
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_min_size_in_bytes", "1024"
+        )
+        if native_kernels:
+            ort_kernels.register(options)
+        ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        model = onnx.load(options.optimized_model_filepath, load_external_data=False)
+    return _initializer_bytes_per_token(model)
+
+
+# The inputs a gather reads only the indexed rows of: Gather's data; GatherBlockQuantized's
+# data, scales and zero points (onnxruntime folds the scales' Reshape of a tied quantized table
+# into a copy of its own, read by the gather alone).
+GATHERED_INPUTS = {"Gather": (0,), "GatherBlockQuantized": (0, 2, 3)}
+
+
+def _initializer_bytes_per_token(model) -> int:
+    """Bytes of ``model``'s initializers but those only read by an embedding gather."""
     import onnx
 
-    model = onnx.load(str(path), load_external_data=False)
     readers: dict[str, list] = {}
     for node in model.graph.node:
         for position, name in enumerate(node.input):
@@ -311,16 +405,11 @@ def onnx_bytes_per_token(path: Path) -> int:
     total = 0
     for tensor in model.graph.initializer:
         uses = readers.get(tensor.name, [])
-        gathered = uses and all(
-            op in ("Gather", "GatherBlockQuantized") and pos == 0 for op, pos in uses
-        )
+        gathered = uses and all(pos in GATHERED_INPUTS.get(op, ()) for op, pos in uses)
         if gathered:
             continue
-        size = len(tensor.raw_data)
-        for entry in tensor.external_data:
-            if entry.key == "length":
-                size = int(entry.value)
-        total += size
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+        total += math.prod(tensor.dims) * itemsize
     return total
 
 
@@ -394,7 +483,7 @@ def bench_module(name: str):
 def peer_bytes_per_token(peer: str, model: Path) -> int | None:
     """Weight bytes one decoded token reads in a peer's model (module doc)."""
     if peer == "genai":
-        return onnx_bytes_per_token(model / "model.onnx")
+        return onnx_bytes_per_token(model / "model.onnx", native_kernels=False)
     if peer == "llamacpp":
         import gguf
 
@@ -549,9 +638,23 @@ def main() -> int:
         "--speed-only", action="store_true", help="only time greedy decoding of the variants"
     )
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of --speed")
+    parser.add_argument(
+        "--accuracy-levels",
+        nargs="*",
+        default=[],
+        metavar="NAME_PART=LEVEL",
+        help="score copies of the variants whose MatMulNBits with a weight name containing "
+        "NAME_PART run at accuracy_level LEVEL (e.g. qkv_proj=1; embed_tokens is the tied head)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
     args = parser.parse_args()
+    try:
+        args.accuracy_levels = {
+            part: int(level) for part, level in (a.split("=") for a in args.accuracy_levels)
+        }
+    except ValueError:
+        parser.error("--accuracy-levels: expected NAME_PART=LEVEL ...")
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
@@ -584,7 +687,12 @@ def main() -> int:
     directories = {}
     for name in args.variants:
         print(f"ours {name} ...", file=sys.stderr, flush=True)
-        directory = directories[name] = variant_dir(name, VARIANTS[name], checkpoint, args.work)
+        flags = VARIANTS[name]
+        directory = variant_dir(name, flags, checkpoint, args.work)
+        if args.accuracy_levels:
+            directory = with_accuracy_levels(directory, args.accuracy_levels, args.work)
+            name = f"{name}, accuracy levels {args.accuracy_levels}"
+        directories[name] = directory
         model, per_text = OursModel(directory, args.threads), {}
         for text, ids in texts.items():
             logits = model.logits(ids)
@@ -594,7 +702,7 @@ def main() -> int:
         gc.collect()
         results["legs"][f"ours {name}"] = summarize(per_text) | {
             "bytes_per_token": onnx_bytes_per_token(directory / "model.onnx"),
-            "flags": VARIANTS[name],
+            "flags": flags,
         }
         print(json.dumps(results["legs"][f"ours {name}"]), file=sys.stderr, flush=True)
     for peer in args.peers:

@@ -121,6 +121,13 @@ def add_parser(commands) -> None:
         help="the logits projection (and a tied embedding, stored once), one of %(choices)s",
     )
     quant.add_argument(
+        "--lm-head-block-size",
+        type=int,
+        metavar="N",
+        help="the logits projection's weights per scale, a power of 2 >= 16 (default: "
+        "--weights-block-size)",
+    )
+    quant.add_argument(
         "--weights-batch-invariant",
         action=argparse.BooleanOptionalAction,
         help="give every MatMulNBits two rows or more, so that a sequence's tokens do not "
@@ -152,6 +159,7 @@ def _weights(args: argparse.Namespace):
         "algorithm": args.weights_algorithm,
         "accuracy_level": args.weights_accuracy_level,
         "lm_head": args.lm_head,
+        "lm_head_block_size": args.lm_head_block_size,
         "batch_invariant": args.weights_batch_invariant,
     }
     given = {k: v for k, v in given.items() if v is not None}

@@ -82,6 +82,7 @@ class WeightQuantization:
         accuracy_level: MatMulNBits' ``accuracy_level`` (4: int8 compute on the CPU).
         algorithm: one of :data:`ALGORITHMS`.
         lm_head: the logits projection's format, a key of :data:`LM_HEAD_FORMATS`.
+        lm_head_block_size: the logits projection's block size (None: ``block_size``).
         keep_float: ``fnmatch`` patterns of the layer names that stay float.
         batch_invariant: give every MatMulNBits at least two rows, so that a sequence's
             numbers do not depend on the batch it runs in
@@ -94,6 +95,7 @@ class WeightQuantization:
     accuracy_level: int | None = None
     algorithm: str | None = None
     lm_head: str | None = None
+    lm_head_block_size: int | None = None
     keep_float: tuple[str, ...] = field(default_factory=tuple)
     batch_invariant: bool = True
 
@@ -112,11 +114,16 @@ class WeightQuantization:
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
-        size = self.block_size
-        if type(size) is not int or size < 16 or size & (size - 1):
-            raise QuantizationError(
-                f"--weights-block-size: expected a power of 2 >= 16 (MatMulNBits), got {size!r}"
-            )
+        if self.lm_head_block_size is None:
+            object.__setattr__(self, "lm_head_block_size", self.block_size)
+        for flag, size in (
+            ("--weights-block-size", self.block_size),
+            ("--lm-head-block-size", self.lm_head_block_size),
+        ):
+            if type(size) is not int or size < 16 or size & (size - 1):
+                raise QuantizationError(
+                    f"{flag}: expected a power of 2 >= 16 (MatMulNBits), got {size!r}"
+                )
         if self.accuracy_level not in ACCURACY_LEVELS:
             raise QuantizationError(
                 f"--weights-accuracy-level: expected 0 to 4, got {self.accuracy_level!r}"
@@ -149,6 +156,7 @@ class WeightQuantization:
             "accuracy_level": self.accuracy_level,
             "algorithm": self.algorithm,
             "lm_head": self.lm_head,
+            "lm_head_block_size": self.lm_head_block_size,
             "batch_invariant": self.batch_invariant,
             "quantized_layers": quantized,
             "float_layers": float_layers,
@@ -300,7 +308,7 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
             quantized,
             layers[LM_HEAD],
             bits=head_bits,
-            block_size=quantization.block_size,
+            block_size=quantization.lm_head_block_size,
             accuracy_level=quantization.accuracy_level,
         )
     left = [name for name, node in quantizable_layers(quantized).items() if name not in keep]

@@ -32,6 +32,7 @@ def test_manifest_records_the_quantization(int4_export):
         "accuracy_level": 4,
         "algorithm": "hqq",
         "lm_head": "int8",
+        "lm_head_block_size": 32,
         "batch_invariant": True,
         "quantized_layers": 7,
         "float_layers": ["model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"],

@@ -77,6 +77,7 @@ def test_every_projection_becomes_matmulnbits(float_onnx, tmp_path, fmt, bits):
         "format": fmt,
         "bits": bits,
         **defaults,
+        "lm_head_block_size": defaults["block_size"],
         "batch_invariant": True,
         "quantized_layers": LAYERS,
         "float_layers": [],
@@ -111,6 +112,8 @@ def test_keep_float_and_lm_head(float_onnx, tmp_path):
 def test_bad_options_are_named(float_onnx, tmp_path):
     with pytest.raises(QuantizationError, match="--weights-block-size"):
         WeightQuantization("int4", block_size=24)
+    with pytest.raises(QuantizationError, match="--lm-head-block-size"):
+        WeightQuantization("int4", lm_head_block_size=8)
     with pytest.raises(QuantizationError, match="--weights-accuracy-level"):
         WeightQuantization("int4", accuracy_level=7)
     with pytest.raises(QuantizationError, match="--weights: expected int4 or int8"):

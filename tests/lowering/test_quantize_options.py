@@ -98,6 +98,27 @@ def test_a_tied_embedding_is_stored_once(gpt2, tmp_path, head):
     assert float((quantized - reference).abs().max()) <= bound
 
 
+def test_the_logits_projection_has_a_block_size_of_its_own(gpt2, tmp_path):
+    """``lm_head_block_size``: the tied table (MatMulNBits and the embedding's
+    GatherBlockQuantized) in blocks of its own, the layers in ``block_size``."""
+    quantization = WeightQuantization("int4", block_size=16, lm_head="int4", lm_head_block_size=32)
+    path = _quantized(gpt2, tmp_path, quantization)
+    model = onnx.load(str(path))
+    blocks = {
+        n.input[1]: {a.name: a.i for a in n.attribute}["block_size"]
+        for n in model.graph.node
+        if n.op_type == "MatMulNBits"
+    }
+    (gather,) = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
+    head = gather.input[0]
+    assert blocks.pop(head) == 32
+    assert {a.name: a.i for a in gather.attribute}["block_size"] == 32
+    assert set(blocks.values()) == {16}
+    quantized = torch.cat(_logits(gpt2, path, PROMPTS))
+    reference = torch.cat(_logits(gpt2, gpt2[2], PROMPTS))
+    assert float((quantized - reference).abs().max()) <= 0.2  # lm_head int4's bound above
+
+
 def test_hqq_zero_points_move_onto_the_packed_kernels_exactly(llama, tmp_path):
     quantization = WeightQuantization(
         "int4", algorithm="hqq", symmetric=False, accuracy_level=1, lm_head="float"
