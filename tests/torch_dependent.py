@@ -66,6 +66,18 @@ def matches(entry: str, nodeid: str) -> bool:
     return nodeid.startswith(entry) and (only is None or any(s in nodeid for s in only))
 
 
+def may_hold_any(path: str) -> bool:
+    """Whether the file or directory ``path`` (relative to the root, ``/``-separated) may hold
+    a test of :data:`SUITES` (the others are not even collected)."""
+    for entry in SUITES:
+        file = entry.split("::")[0]  # a test file, or a directory ending in /
+        if file.startswith(f"{path}/") or file.rstrip("/") == path:
+            return True  # a directory above it, or itself
+        if file.endswith("/") and path.startswith(file):
+            return True  # inside a listed directory
+    return False
+
+
 def select(nodeids: list[str], whole_suite: bool) -> list[bool]:
     """Which of ``nodeids`` are torch-dependent. ``whole_suite``: the ids are the whole suite's,
     so every entry must select a test (a renamed file or case would silently leave the torch 2.8
