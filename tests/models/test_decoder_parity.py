@@ -238,7 +238,7 @@ PT2_CASES = ("llama-gqa-llama3rope-bias", "gemma3-qknorm-localrope-window")
 @pytest.fixture(scope="module", params=PAGED_EXECUTORS)
 def runner(request, loaded, exports):
     if request.param == "pt2" and loaded.name not in PT2_CASES:
-        skip_unless_slow(f"the eager and ONNX legs cover this family, {PT2_CASES} the .pt2")
+        skip_unless_slow(f"the eager and ONNX legs check this family; the .pt2: {PT2_CASES}")
     return paged_runner(loaded.model, request.param, exports)
 
 
@@ -288,7 +288,7 @@ def test_engine_greedy_matches_transformers(loaded, exports, hf_greedy, executor
     tokens are those transformers generates for it alone."""
     if executor != ENGINE_EXECUTOR and loaded.name != ENGINE_ALL_EXECUTORS:
         skip_unless_slow(
-            f"the paged legs run this family on every executor, this on {ENGINE_EXECUTOR}"
+            f"the paged legs run this family on every executor, the engine on {ENGINE_EXECUTOR}"
         )
     engine = Engine(
         engine_executor(executor, exports),
@@ -406,7 +406,7 @@ def test_longrope_generation_crossing_the_switch_matches_transformers(
     below it: greedy tokens equal transformers' generate on each alone."""
     if prefix_caching and executor != ENGINE_EXECUTOR:
         skip_unless_slow(
-            f"the scheduler's recomputation is the executor's caller: {ENGINE_EXECUTOR}"
+            f"the scheduler recomputes whatever the executor: prefix caching on {ENGINE_EXECUTOR}"
         )
     assert crossing.model.rope_switch_length == ROPE_SWITCH
     runtime = engine_executor(executor, crossing.exports)
