@@ -428,7 +428,8 @@ def model_path(name: str, fmt: str, checkpoint: Path, *, threads: int = 2) -> Pa
         return target
     make_venv(name)
     root.mkdir(parents=True, exist_ok=True)
-    with _locked(f"model-{name}"):
+    # One lock per format: a quantized GGUF is made from the F32 one, asked for under its own lock.
+    with _locked(f"model-{name}-{fmt}"):
         if target.exists():
             return target
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
@@ -454,6 +455,23 @@ def _run_checked(command: Sequence[str], what: str, env: dict[str, str] | None =
         raise RuntimeError(f"{what} failed:\n{tail}")
 
 
+def _checkpoint_for_transformers4(checkpoint: Path, view: Path) -> Path:
+    """A view of ``checkpoint`` (links to its files) that the transformers 4 of llama.cpp's
+    converter can read: transformers 5 saves ``tokenizer_class: TokenizersBackend``, a class
+    transformers 4 does not have; its ``PreTrainedTokenizerFast`` reads the same tokenizer.json."""
+    view.mkdir(parents=True)
+    for file in checkpoint.iterdir():
+        (view / file.name).symlink_to(file.resolve())
+    config_path = checkpoint / "tokenizer_config.json"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text())
+        if config.get("tokenizer_class") == "TokenizersBackend":
+            config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        (view / config_path.name).unlink()
+        (view / config_path.name).write_text(json.dumps(config))
+    return view
+
+
 def _convert_llamacpp(checkpoint: Path, fmt: str, out: Path, threads: int) -> None:
     python = venv_python("llamacpp")
     converter = (
@@ -461,10 +479,12 @@ def _convert_llamacpp(checkpoint: Path, fmt: str, out: Path, threads: int) -> No
     )
     f32 = model_path("llamacpp", "f32", checkpoint) if fmt != "f32" else out / "model.gguf"
     if fmt == "f32":
+        source = _checkpoint_for_transformers4(checkpoint, out / "checkpoint")
         _run_checked(
-            [python, converter, checkpoint, "--outtype", "f32", "--outfile", f32],
+            [python, converter, source, "--outtype", "f32", "--outfile", f32],
             "convert_hf_to_gguf.py",
         )
+        shutil.rmtree(source)
         return
     code = (
         "import sys, llama_cpp as l\n"

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attnexport.models.base import ModelConfig, layer_caches
-from attnexport.models.decoder import DecoderModel
+from attnexport.models.base import ModelConfig
+from attnexport.models.decoder import TransformerBlocksDecoder
 from attnexport.models.errors import UnsupportedModelError
 from attnexport.models.hf_config import check_model_type, required
 from attnexport.models.hf_config import field as hf_field
@@ -118,7 +118,7 @@ class BloomBackbone(nn.Module):
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=eps)
 
 
-class BloomForCausalLM(DecoderModel):
+class BloomForCausalLM(TransformerBlocksDecoder):
     """BLOOM with ALiBi on the paged KV cache."""
 
     config_class = BloomConfig
@@ -135,16 +135,9 @@ class BloomForCausalLM(DecoderModel):
         self.max_model_len = None  # ALiBi: no learned or rotary position limit
         self.set_lm_head(config.hidden_size, config.vocab_size, config.tie_word_embeddings)
 
-    def hf_weight_names(self, name: str) -> tuple[str, ...]:
-        return (name, name.removeprefix("transformer."))
-
-    def hidden_states(self, input_ids, positions, metadata, kv_caches) -> torch.Tensor:
-        x = self.transformer.word_embeddings_layernorm(self.transformer.word_embeddings(input_ids))
-        for block, (key_cache, value_cache) in zip(
-            self.transformer.h, layer_caches(kv_caches), strict=True
-        ):
-            x = block(x, key_cache, value_cache, metadata)
-        return self.transformer.ln_f(x)
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        backbone = self.transformer
+        return backbone.word_embeddings_layernorm(backbone.word_embeddings(input_ids))
 
     def input_embeddings(self) -> nn.Embedding:
         return self.transformer.word_embeddings

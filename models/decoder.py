@@ -1,7 +1,8 @@
 """The decoder-only forward convention (``attnexport.model_interface``), shared by every
 causal LM of the zoo. An architecture implements :meth:`DecoderModel.hidden_states` and
 :meth:`DecoderModel.lm_logits`; this class provides forward, the cache spec and the export
-sample."""
+sample. The transformers path (``attnexport.models.generic``) overrides
+:meth:`DecoderModel.step_logits` instead: one forward convention for both."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from attnexport.models.base import (
     SampleBatch,
     check_kv_caches,
     decoder_dims,
+    layer_caches,
     sample_batch,
 )
 from attnexport.models.layers import PagedMetadata
@@ -69,8 +71,21 @@ class DecoderModel(PagedModel):
         """
         check_kv_caches(kv_caches, 2 * self.num_layers)
         metadata = PagedMetadata(slot_mapping, block_tables, seq_lens, query_start_loc)
+        return self.step_logits(input_ids, positions, metadata, kv_caches, logits_indices).float()
+
+    def step_logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: PagedMetadata,
+        kv_caches: list[torch.Tensor],
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """``[N, vocab_size]`` logits of the ``logits_indices`` rows, in any float dtype: the
+        zoo's :meth:`hidden_states` then :meth:`lm_logits` (the transformers path runs its
+        model instead)."""
         hidden = self.hidden_states(input_ids, positions, metadata, kv_caches)
-        return self.lm_logits(hidden.index_select(0, logits_indices)).float()
+        return self.lm_logits(hidden.index_select(0, logits_indices))
 
     def hidden_states(
         self,
@@ -120,6 +135,30 @@ class DecoderModel(PagedModel):
             dynamic_shapes,
             (*DECODER_INPUT_NAMES, "kv_caches"),
         )
+
+
+class TransformerBlocksDecoder(DecoderModel):
+    """A decoder laid out as GPT-2 and BLOOM are: a ``transformer`` module of blocks ``h``
+    (each ``block(x, key_cache, value_cache, metadata)``) and a final norm ``ln_f``, whose
+    checkpoints may omit the ``transformer.`` prefix (the original uploads). A subclass builds
+    ``self.transformer`` and embeds the tokens (:meth:`embed`)."""
+
+    transformer: nn.Module
+
+    def hf_weight_names(self, name: str) -> tuple[str, ...]:
+        return (name, name.removeprefix("transformer."))
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` input of the first block."""
+        raise NotImplementedError
+
+    def hidden_states(self, input_ids, positions, metadata, kv_caches) -> torch.Tensor:
+        x = self.embed(input_ids, positions)
+        for block, (key_cache, value_cache) in zip(
+            self.transformer.h, layer_caches(kv_caches), strict=True
+        ):
+            x = block(x, key_cache, value_cache, metadata)
+        return self.transformer.ln_f(x)
 
 
 def decoder_sample_args(sample: SampleBatch, vocab_size: int) -> tuple[torch.Tensor, ...]:

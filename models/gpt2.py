@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attnexport.models.base import ModelConfig, layer_caches
-from attnexport.models.decoder import DecoderModel
+from attnexport.models.base import ModelConfig
+from attnexport.models.decoder import TransformerBlocksDecoder
 from attnexport.models.errors import UnsupportedModelError
 from attnexport.models.hf_config import check_model_type, refuse, required
 from attnexport.models.hf_config import field as hf_field
@@ -124,7 +124,7 @@ class GPT2Backbone(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
 
-class GPT2LMHeadModel(DecoderModel):
+class GPT2LMHeadModel(TransformerBlocksDecoder):
     """GPT-2 on the paged KV cache."""
 
     config_class = GPT2Config
@@ -143,19 +143,11 @@ class GPT2LMHeadModel(DecoderModel):
         self.ignored_hf_weights = (r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias",)
         self.set_lm_head(config.n_embd, config.vocab_size, config.tie_word_embeddings)
 
-    def hf_weight_names(self, name: str) -> tuple[str, ...]:
-        return (name, name.removeprefix("transformer."))
-
     def convert_hf_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.t() if _CONV1D.fullmatch(name) else tensor
 
-    def hidden_states(self, input_ids, positions, metadata, kv_caches) -> torch.Tensor:
-        x = self.transformer.wte(input_ids) + self.transformer.wpe(positions)
-        for block, (key_cache, value_cache) in zip(
-            self.transformer.h, layer_caches(kv_caches), strict=True
-        ):
-            x = block(x, key_cache, value_cache, metadata)
-        return self.transformer.ln_f(x)
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.transformer.wte(input_ids) + self.transformer.wpe(positions)
 
     def input_embeddings(self) -> nn.Embedding:
         return self.transformer.wte

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attnexport import ort_kernels
-from attnexport.custom_ops import BackendUnsupportedError
+from attnexport.custom_ops import AttentionCall, BackendUnsupportedError
 from attnexport.tolerances import tolerance
 
 # Tests of the native onnxruntime kernels skip, with the reason, where the library is not built
@@ -26,6 +26,37 @@ def assert_close_to_reference(actual: torch.Tensor, reference: torch.Tensor) -> 
     assert actual.dtype != torch.float64 or reference.dtype == torch.float64
     torch.testing.assert_close(
         actual.to(torch.float64), reference.to(torch.float64), **tolerance(actual.dtype)
+    )
+
+
+def attention_call(**fields) -> AttentionCall:
+    """The dispatch record of a paged_attention call (float16 on the CPU, 8 query and 2 KV
+    heads of 64, blocks of 64) with ``fields`` changed."""
+    base = dict(
+        op="paged_attention",
+        device_type="cpu",
+        dtype=torch.float16,
+        num_heads=8,
+        num_kv_heads=2,
+        head_size=64,
+        block_size=64,
+    )
+    return AttentionCall(**(base | fields))
+
+
+def opcheck(op_name: str, args: tuple, kwargs: dict | None = None) -> None:
+    """``torch.library.opcheck`` of ``torch.ops.attnexport.<op_name>.default``: its schema,
+    autograd registration, fake kernel and AOT dispatch with dynamic shapes."""
+    torch.library.opcheck(
+        getattr(torch.ops.attnexport, op_name).default,
+        args,
+        kwargs,
+        test_utils=(
+            "test_schema",
+            "test_autograd_registration",
+            "test_faketensor",
+            "test_aot_dispatch_dynamic",
+        ),
     )
 
 

@@ -6,24 +6,20 @@ installs it."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
 
 import pytest
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "smollm2.py"
+from tests.benchmark_scripts import load_benchmark
 
 
 def smollm2_module():
     """``benchmarks/smollm2.py`` as a module (benchmarks/ is not a package)."""
     name = "attnexport_bench_smollm2"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
+        load_benchmark("smollm2")
     return sys.modules[name]
 
 
@@ -73,6 +69,27 @@ the format in the name (``int8``, ``int4``: the formats' defaults)."""
 
 
 HQQ_SECONDS = "the int4 default's HQQ fit takes over a minute (~75 s on two cores)"
+
+
+def transformers_greedy(checkpoint: Path, prompts, **generate_options) -> list[list[int]]:
+    """transformers' own greedy continuation of each prompt alone, the checkpoint in float32
+    (``generate_options``: generate's, e.g. ``max_new_tokens``); the new tokens only."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    model.eval()
+    continuations = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            generated = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False,
+                **generate_options,
+            )
+            continuations.append(generated[0, len(prompt) :].tolist())
+    return continuations
 
 
 def slow_param(value, reason: str):

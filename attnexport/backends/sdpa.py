@@ -355,19 +355,18 @@ class SdpaBackend(AttentionBackend):
         for chunk in plan.decode:
             shape = (*chunk.block_ids.shape, *key_cache.shape[1:])
             shape = (shape[0], shape[1] * shape[2], *shape[3:])  # [b, n * BS, Hkv, D]
-            key = gather_blocks(
-                key_cache,
-                chunk.block_ids,
-                work_dtype,
-                _workspace.get("key", shape, work_dtype, query.device),
-                call.key_scale_cache,
-            )
-            value = gather_blocks(
-                value_cache,
-                chunk.block_ids,
-                work_dtype,
-                _workspace.get("value", shape, work_dtype, query.device),
-                call.value_scale_cache,
+            key, value = (
+                gather_blocks(
+                    cache,
+                    chunk.block_ids,
+                    work_dtype,
+                    _workspace.get(name, shape, work_dtype, query.device),
+                    scale_cache,
+                )
+                for name, cache, scale_cache in (
+                    ("key", key_cache, call.key_scale_cache),
+                    ("value", value_cache, call.value_scale_cache),
+                )
             )
             if chunk.stale is not None:  # keys need nothing: their logits are masked to -inf
                 value.view(-1, *shape[2:]).index_fill_(0, chunk.stale, 0.0)

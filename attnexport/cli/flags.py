@@ -52,6 +52,16 @@ def add_kv_cache_memory_flag(parser, default: str) -> None:
     )
 
 
+def add_engine_flags(parser, kv_cache_default: str) -> None:
+    """The flags of the commands that generate from an export directory (``run``, ``serve``):
+    ``--executor``, ``--backend``, ``--device``, ``--kv-cache-memory`` (``kv_cache_default``
+    says what the pool is without it) and ``--trust-remote-pickle``."""
+    add_executor_flag(parser)
+    add_kernel_flags(parser)
+    add_kv_cache_memory_flag(parser, kv_cache_default)
+    add_trust_flag(parser)
+
+
 def kv_cache_bytes(args) -> int | None:
     """``--kv-cache-memory`` in bytes (None when not given); CliError unless it is > 0."""
     gib = args.kv_cache_memory

@@ -10,13 +10,7 @@ from pathlib import Path
 
 from attnexport.artifact import artifact_dir, read_manifest
 from attnexport.cli.errors import CliError
-from attnexport.cli.flags import (
-    add_executor_flag,
-    add_kernel_flags,
-    add_kv_cache_memory_flag,
-    add_trust_flag,
-    kv_cache_bytes,
-)
+from attnexport.cli.flags import add_engine_flags, kv_cache_bytes
 from attnexport.cli.prompts import PromptSpec, chat_messages, read_prompts_file
 
 
@@ -94,14 +88,11 @@ def add_parser(commands) -> None:
         metavar="ID",
         help="encoder-decoder models: the decoder's first token (default: the checkpoint's)",
     )
-    add_executor_flag(parser)
-    add_kernel_flags(parser)
-    add_kv_cache_memory_flag(
+    add_engine_flags(
         parser,
         "what the requests need: each sample's prompt + --max-tokens tokens, at most a quarter "
         "of the memory",
     )
-    add_trust_flag(parser)
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
     parser.set_defaults(run=run)
 

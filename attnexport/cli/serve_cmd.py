@@ -8,13 +8,7 @@ import sys
 from pathlib import Path
 
 from attnexport.cli.errors import CliError
-from attnexport.cli.flags import (
-    add_executor_flag,
-    add_kernel_flags,
-    add_kv_cache_memory_flag,
-    add_trust_flag,
-    kv_cache_bytes,
-)
+from attnexport.cli.flags import add_engine_flags, kv_cache_bytes
 from attnexport.cli.run_cmd import check_backend
 
 
@@ -76,11 +70,6 @@ def add_parser(commands) -> None:
         help="the largest request body; larger ones get HTTP 413 (default: 4 MiB, or 32 bytes "
         "per token of --max-model-len when that is more)",
     )
-    add_kv_cache_memory_flag(
-        parser,
-        "--max-num-seqs sequences of the maximum length, at most a quarter of the memory, "
-        "committed at start-up",
-    )
     parser.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -100,8 +89,11 @@ def add_parser(commands) -> None:
         choices=("hermes", "llama3_json"),
         help="how the model writes tool calls (default: what its chat template asks for)",
     )
-    add_executor_flag(parser)
-    add_kernel_flags(parser)
+    add_engine_flags(
+        parser,
+        "--max-num-seqs sequences of the maximum length, at most a quarter of the memory, "
+        "committed at start-up",
+    )
     parser.add_argument(
         "--num-threads",
         type=int,
@@ -114,7 +106,6 @@ def add_parser(commands) -> None:
         choices=("critical", "error", "warning", "info", "debug"),
         default="info",
     )
-    add_trust_flag(parser)
     parser.set_defaults(run=run)
 
 

@@ -37,7 +37,7 @@ from onnx_ir.passes import common as common_passes
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter.rules.common import _basic_rules
 
-from attnexport.lowering.onnx_passes import is_constant_matrix
+from attnexport.lowering.onnx_passes import is_constant_matrix, is_standard, standard_nodes
 from attnexport.lowering.registry import DOMAIN
 
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
@@ -97,7 +97,7 @@ def _bias(matmul: ir.Node) -> tuple[ir.Node | None, np.ndarray | None]:
     if len(uses) != 1 or matmul.outputs[0].is_graph_output():
         return None, None
     add = uses[0].node
-    if add.op_type != "Add" or add.domain not in ("", "ai.onnx"):
+    if not is_standard(add, "Add"):
         return None, None
     other = add.inputs[1] if add.inputs[0] is matmul.outputs[0] else add.inputs[0]
     tensor = ir.convenience.get_const_tensor(other) if other is not None else None
@@ -115,9 +115,7 @@ def fuse_sibling_matmuls(model: ir.Model) -> int:
     others' last parts joined (``model.layers.0.self_attn.q_proj+k_proj+v_proj.weight``)."""
     graph = model.graph
     groups: dict[int, list[ir.Node]] = {}
-    for node in graph:
-        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
-            continue
+    for node in standard_nodes(graph, "MatMul"):
         weight = node.inputs[1]
         if not is_constant_matrix(weight) or node.inputs[0] is None:
             continue
@@ -410,7 +408,7 @@ MARKER_DOMAIN = "attnexport.fusions"
 def _residual_add(x: ir.Value) -> ir.Node | None:
     """The standard ``Add`` of two tensors of x's shape and dtype that produces x, if any."""
     add = x.producer()
-    if add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx"):
+    if not is_standard(add, "Add"):
         return None
     a, b = add.inputs
     if _dims(a) != _dims(x) or _dims(b) != _dims(x) or a.dtype != x.dtype != b.dtype:

@@ -39,7 +39,7 @@ def _strip_passthrough(value: ir.Value) -> ir.Value:
     """Follows Identity and same-type casts (torch's ``aten.copy`` lowering) upstream."""
     while True:
         node = value.producer()
-        if node is None or node.op_type not in _PASSTHROUGH or node.domain not in ("", "ai.onnx"):
+        if not is_standard(node, *_PASSTHROUGH):
             return value
         source = node.inputs[0]
         if source is None or not _same_type(source, value):
@@ -218,6 +218,17 @@ def _attr(node: ir.Node, name: str, default):
     return default if attr is None else attr.value
 
 
+def is_standard(node: ir.Node | None, *op_types: str) -> bool:
+    """``node`` is one of ``op_types`` of the standard ONNX domain."""
+    return node is not None and node.op_type in op_types and node.domain in ("", "ai.onnx")
+
+
+def standard_nodes(graph: ir.Graph, op_type: str) -> list[ir.Node]:
+    """The standard-domain ``op_type`` nodes of ``graph``, as a list (a pass may rewrite the
+    graph while it goes through them)."""
+    return [node for node in graph if is_standard(node, op_type)]
+
+
 def is_constant_matrix(value: ir.Value | None) -> bool:
     """``value`` is a 2-D initializer with its data (a weight a pass may rewrite)."""
     return (
@@ -245,9 +256,7 @@ def gemm_to_matmul(model: ir.Model) -> int:
     """
     graph = model.graph
     rewritten = 0
-    for node in list(graph):
-        if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx"):
-            continue
+    for node in standard_nodes(graph, "Gemm"):
         weight = node.inputs[1]
         if (
             _attr(node, "alpha", 1.0) != 1.0
@@ -302,9 +311,7 @@ def transpose_weights(model: ir.Model) -> int:
     the number of Transpose nodes replaced."""
     graph = model.graph
     replaced = 0
-    for node in list(graph):
-        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
-            continue
+    for node in standard_nodes(graph, "Transpose"):
         weight = node.inputs[0]
         if (
             not is_constant_matrix(weight)

@@ -654,22 +654,15 @@ class _Server:
                 if body.logprobs is not None:
                     logprobs = completion_logprobs(entries, ids, self.texts, choice.offset)
                     choice.offset += sum(len(token) for token in logprobs.tokens)
-                chunk = CompletionChunk(
-                    id=run.id,
-                    created=created,
-                    model=self.model.name,
-                    system_fingerprint=self.fingerprint,
-                    choices=[
-                        CompletionChoice(
-                            index=i,
-                            text=delta,
-                            finish_reason=choice.finish_reason,
-                            token_ids=choice.new_ids if body.return_token_ids else None,
-                            logprobs=logprobs,
-                            prompt_logprobs=self._prompt_logprobs(body, prompt) if first else None,
-                        )
-                    ],
+                out = CompletionChoice(
+                    index=i,
+                    text=delta,
+                    finish_reason=choice.finish_reason,
+                    token_ids=choice.new_ids if body.return_token_ids else None,
+                    logprobs=logprobs,
+                    prompt_logprobs=self._prompt_logprobs(body, prompt) if first else None,
                 )
+                chunk = self._stream_chunk(CompletionChunk, run, created, [out])
                 yield _choice_event(chunk, choice.finish_reason)
         self._check_failed(run)
         if body.stream_options is not None and body.stream_options.include_usage:
@@ -679,17 +672,10 @@ class _Server:
         created = int(time.time())
 
         def chunk(i: int, delta: DeltaMessage, reason: str | None, ids=None, logprobs=None) -> str:
-            value = ChatCompletionChunk(
-                id=run.id,
-                created=created,
-                model=self.model.name,
-                system_fingerprint=self.fingerprint,
-                choices=[
-                    ChatChunkChoice(
-                        index=i, delta=delta, finish_reason=reason, token_ids=ids, logprobs=logprobs
-                    )
-                ],
+            out = ChatChunkChoice(
+                index=i, delta=delta, finish_reason=reason, token_ids=ids, logprobs=logprobs
             )
+            value = self._stream_chunk(ChatCompletionChunk, run, created, [out])
             return _choice_event(value, reason)
 
         for i in range(len(run.choices())):
@@ -727,15 +713,20 @@ class _Server:
 
     def _usage_event(self, chunk_type, run: _Run, created: int) -> str:
         """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
-        usage = chunk_type(
+        usage = self._stream_chunk(chunk_type, run, created, [], self._usage(run))
+        return _event(usage.model_dump(exclude_none=True))
+
+    def _stream_chunk(self, chunk_type, run: _Run, created: int, choices: list, usage=None):
+        """A ``chunk_type`` (CompletionChunk or ChatCompletionChunk) of ``run``'s stream: its
+        id, creation time, model and fingerprint, with ``choices``."""
+        return chunk_type(
             id=run.id,
             created=created,
             model=self.model.name,
             system_fingerprint=self.fingerprint,
-            choices=[],
-            usage=self._usage(run),
+            choices=choices,
+            usage=usage,
         )
-        return _event(usage.model_dump(exclude_none=True))
 
     def _sse(self, run: _Run, chunks: AsyncIterator[str], request: Request) -> StreamingResponse:
         """Server-sent events over ``chunks``, then ``data: [DONE]``. An error after the

@@ -64,27 +64,25 @@ class ServerMetrics:
             [*labels, "status"],
             registry=self.registry,
         )
-        self.time_to_first_token = Histogram(
+
+        def latency(name: str, documentation: str):
+            histogram = Histogram(
+                name, documentation, labels, buckets=LATENCY_BUCKETS, registry=self.registry
+            )
+            return histogram.labels(model_name)
+
+        self.time_to_first_token = latency(
             "attnexport_time_to_first_token_seconds",
             "Seconds from a request's arrival to its first generated token.",
-            labels,
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self.inter_token_latency = Histogram(
+        )
+        self.inter_token_latency = latency(
             "attnexport_inter_token_latency_seconds",
             "Seconds between consecutive outputs of a request's tokens.",
-            labels,
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self.request_latency = Histogram(
+        )
+        self.request_latency = latency(
             "attnexport_e2e_request_latency_seconds",
             "Seconds from a request's arrival to its last token.",
-            labels,
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
+        )
         self.model_name = model_name
         self.bytes_per_block = 0
 

@@ -338,12 +338,19 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None
 
 
-class CompletionResponse(BaseModel):
+class _Reply(BaseModel):
+    """The fields that open every completion, chat completion and chunk of a stream, in
+    OpenAI's order (a subclass sets ``object`` and adds ``choices``, ``usage``, ...)."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     system_fingerprint: str | None = None
+
+
+class CompletionResponse(_Reply):
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage | None = None
     prompt_token_ids: list[list[int]] | None = None
@@ -391,12 +398,8 @@ class ChatChoice(BaseModel):
     token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Reply):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = None
@@ -424,22 +427,14 @@ class ChatChunkChoice(BaseModel):
     token_ids: list[int] | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Reply):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
 
-class CompletionChunk(BaseModel):
-    id: str
+class CompletionChunk(_Reply):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: Usage | None = None
 

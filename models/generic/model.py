@@ -88,28 +88,18 @@ class TransformersDecoder(DecoderModel):
             setattr(call.module, SLOT_ATTRIBUTE, slot)
         return calls
 
-    def forward(
+    def step_logits(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        logits_indices: torch.Tensor,
+        metadata: PagedMetadata,
         kv_caches: list[torch.Tensor],
+        logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """One step of a packed ragged batch (``attnexport.model_interface``): the transformers
-        model on the tokens as one row ``[1, T]`` with their positions, the paged state in its
-        keyword arguments. Returns ``[N, vocab]`` float32 logits of the ``logits_indices``
-        rows."""
-        from attnexport.models.base import check_kv_caches
-
-        check_kv_caches(kv_caches, 2 * self.num_layers)
-        step = PagedStep(
-            PagedMetadata(slot_mapping, block_tables, seq_lens, query_start_loc),
-            layer_caches(kv_caches),
-        )
+        """The transformers model on the step's tokens as one row ``[1, T]`` with their
+        positions, the paged state in its keyword arguments. Returns ``[N, vocab]`` logits of
+        the ``logits_indices`` rows."""
+        step = PagedStep(metadata, layer_caches(kv_caches))
         keep = {"logits_to_keep": logits_indices} if self._keeps_logits else {}
         logits = self.hf_model(
             input_ids=input_ids.unsqueeze(0),
@@ -120,7 +110,4 @@ class TransformersDecoder(DecoderModel):
         ).logits[0]
         if not self._keeps_logits:
             logits = logits.index_select(0, logits_indices)
-        return logits.float()
-
-    def input_embeddings(self) -> nn.Embedding:
-        return self.hf_model.get_input_embeddings()
+        return logits

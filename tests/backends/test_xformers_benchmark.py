@@ -3,23 +3,15 @@ CUDA with one clear line (the measurements themselves need a GPU: scripts/gpu_su
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "xformers_attention.py"
+from tests.benchmark_scripts import BENCHMARKS, load_benchmark
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("xformers_attention_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+SCRIPT = BENCHMARKS / "xformers_attention.py"
 
 
 def test_help_runs_without_a_gpu():
@@ -31,7 +23,7 @@ def test_help_runs_without_a_gpu():
 
 
 def test_arguments():
-    bench = _load()
+    bench = load_benchmark("xformers_attention")
     args = bench.parse_args(["--batches", "1,128", "--contexts", "1024,16384", "--json"])
     assert args.batches == [1, 128] and args.contexts == [1024, 16384] and args.json
     assert args.backends == ["xformers", "sdpa"] and args.modes == ["decode", "prefill"]

@@ -21,6 +21,7 @@ from attnexport.custom_ops import (
     select_backend,
     use_backend,
 )
+from tests.helpers import attention_call
 
 HOPPER = DeviceFacts((9, 0), fa3=True, fa2=True, fa2_paged=False, triton=True)
 AMPERE = DeviceFacts((8, 0), fa3=False, fa2=True, fa2_paged=False, triton=True)
@@ -32,17 +33,9 @@ HAS_XFORMERS = importlib.util.find_spec("xformers") is not None
 
 
 def _call(**changes) -> AttentionCall:
-    base = dict(
-        op="paged_attention",
-        device_type="cuda",
-        dtype=torch.bfloat16,
-        num_heads=8,
-        num_kv_heads=2,
-        head_size=128,
-        block_size=16,
-        decode_only=True,
-    )
-    return AttentionCall(**(base | changes))
+    """A bfloat16 decode step on CUDA (head size 128, blocks of 16)."""
+    cuda_decode = dict(device_type="cuda", dtype=torch.bfloat16, head_size=128, block_size=16)
+    return attention_call(**(cuda_decode | {"decode_only": True} | changes))
 
 
 # --------------------------------------------------------------------------- availability

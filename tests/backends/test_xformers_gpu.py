@@ -21,7 +21,6 @@ from attnexport.custom_ops import (
     select_backend,
     use_backend,
 )
-from attnexport.custom_ops.dispatch import AttentionCall
 from attnexport.tolerances import tolerance
 from tests.attention_cases import (
     AttentionCase,
@@ -29,7 +28,7 @@ from tests.attention_cases import (
     make_varlen_inputs,
     standard_cases,
 )
-from tests.helpers import assert_close_to_reference, skip_unsupported
+from tests.helpers import assert_close_to_reference, attention_call, skip_unsupported
 
 
 def _unavailable() -> str | None:
@@ -145,13 +144,8 @@ def test_operators_follow_the_route(operators):
 
 
 def test_auto_prefers_xformers_on_cuda_and_falls_back():
-    call = AttentionCall(
-        op="varlen_attention",
-        device_type="cuda",
-        dtype=torch.bfloat16,
-        num_heads=8,
-        num_kv_heads=2,
-        head_size=64,
+    call = attention_call(
+        op="varlen_attention", device_type="cuda", dtype=torch.bfloat16, block_size=None
     )
     with use_backend("auto"):
         assert select_backend(call).name == "xformers"
@@ -283,16 +277,10 @@ def test_paged_decoder_matches_full_recomputation(block_size):
 def _zoo_configs():
     import transformers
 
-    common = dict(
-        vocab_size=128,
-        hidden_size=256,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        initializer_range=0.05,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+    from tests.models.hf_reference import NO_SPECIAL_TOKENS
+
+    small = dict(vocab_size=128, hidden_size=256, initializer_range=0.05, **NO_SPECIAL_TOKENS)
+    common = dict(intermediate_size=384, num_hidden_layers=2, **small)
     return {
         "llama-gqa": (
             "LlamaForCausalLM",
@@ -306,16 +294,7 @@ def _zoo_configs():
         ),
         "bloom-alibi": (
             "BloomForCausalLM",
-            transformers.BloomConfig(
-                vocab_size=128,
-                hidden_size=256,
-                n_layer=2,
-                n_head=4,
-                initializer_range=0.05,
-                bos_token_id=None,
-                eos_token_id=None,
-                pad_token_id=None,
-            ),
+            transformers.BloomConfig(**small, n_layer=2, n_head=4),
         ),
     }
 

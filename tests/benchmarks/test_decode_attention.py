@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 from attnexport.custom_ops import get_backend
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_attention.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("decode_attention", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 def test_quick_run_reports_every_implementation(capsys):
-    assert _load().main(["--quick", "--json"]) == 0
+    assert load_benchmark("decode_attention").main(["--quick", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["environment"]["dram_copy_gb_per_s"] > 0
     with_ipex = get_backend("ipex").unavailable_reason() is None

@@ -5,27 +5,20 @@ longer one happened to run faster."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import math
-import sys
 import types
-from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "generate.py"
+from tests.benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_generate", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("generate")
 
 
 @pytest.fixture(scope="module")

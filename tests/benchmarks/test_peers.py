@@ -6,30 +6,19 @@ retried on every run. Nothing is installed here: the peers' environments live in
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str):
-    key = f"attnexport_bench_{name}"
-    spec = importlib.util.spec_from_file_location(key, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[key] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 @pytest.fixture
 def peers(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNEXPORT_PEERS", str(tmp_path / "peers"))
-    return _load("peers")
+    return load_benchmark("peers")
 
 
 def _record_failure(peers, name: str, reason: str) -> None:
@@ -90,7 +79,7 @@ def test_unknown_peer_and_format_are_named(peers):
 def test_peer_legs_skip_cleanly_in_the_benchmark(peers, monkeypatch, tmp_path):
     """Every peer absent: each of their legs is skipped with the peer's reason, no process
     runs, and the table says why in the leg's row."""
-    bench = _load("generate_smollm2")
+    bench = load_benchmark("generate_smollm2")
     monkeypatch.setattr(bench, "_module", lambda name: peers if name == "peers" else None)
     for name in peers.PEERS:
         _record_failure(peers, name, f"{name} cannot install here: test")
@@ -109,7 +98,7 @@ def test_peer_legs_skip_cleanly_in_the_benchmark(peers, monkeypatch, tmp_path):
 
 
 def test_the_ratio_is_against_the_best_peer_of_the_class(peers):
-    bench = _load("generate_smollm2")
+    bench = load_benchmark("generate_smollm2")
     legs = [
         bench.Leg("ours int8", "8-bit", None, "int8"),
         bench.Leg("llama.cpp q8_0", "8-bit", "llamacpp", "q8_0"),
@@ -133,3 +122,46 @@ def test_the_ratio_is_against_the_best_peer_of_the_class(peers):
     ]
     # TTFT against the fastest peer's median TTFT (0.1 s)
     assert "1.10x OpenVINO int8 / TTFT 0.91x" in row
+
+
+def test_a_quantized_gguf_before_its_f32_one_never_waits_on_itself(peers, monkeypatch, tmp_path):
+    """llama.cpp's Q8_0 is quantized from the F32 GGUF, which model_path makes first when it is
+    not cached: both conversions ran under one per-peer lock and the process waited on itself
+    forever. The converter's commands are stood in for (no llama.cpp here): each writes its
+    output file, and the view it converts from reads as transformers 4 expects."""
+    import threading
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    (checkpoint / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "TokenizersBackend", "eos_token": "<e>"})
+    )
+    monkeypatch.setattr(peers, "make_venv", lambda name, **kwargs: peers.venv_python(name))
+    seen_tokenizer_configs = []
+
+    def run_checked(command, what, env=None):
+        command = [str(c) for c in command]
+        if "--outfile" in command:  # the converter: source directory, ..., --outfile F32
+            source = Path(command[2])
+            config = (source / "tokenizer_config.json").read_text()
+            seen_tokenizer_configs.append(json.loads(config))
+            Path(command[command.index("--outfile") + 1]).write_text("f32")
+        else:  # llama_model_quantize F32 OUT
+            Path(command[-1]).write_text(f"quantized from {Path(command[-2]).read_text()}")
+
+    monkeypatch.setattr(peers, "_run_checked", run_checked)
+    made = []
+    worker = threading.Thread(
+        target=lambda: made.append(peers.model_path("llamacpp", "q8_0", checkpoint)), daemon=True
+    )
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "model_path('llamacpp', 'q8_0') waits on its own lock"
+    assert made[0].read_text() == "quantized from f32"
+    assert seen_tokenizer_configs == [
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<e>"}
+    ]
+    assert json.loads((checkpoint / "tokenizer_config.json").read_text())["tokenizer_class"] == (
+        "TokenizersBackend"
+    )

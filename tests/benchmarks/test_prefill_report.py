@@ -4,23 +4,12 @@ legs disagree on the greedy token is flagged (the legs run the same float32 mode
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "prefill.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_prefill", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 def test_report_pairs_rounds_and_flags_disagreeing_tokens():
-    bench = _load()
+    bench = load_benchmark("prefill")
     times = {
         "ort-native": {128: [1.0, 3.0], 4096: [8.0, 9.0]},
         "hf": {128: [2.0, 2.0], 4096: [10.0, 9.0]},

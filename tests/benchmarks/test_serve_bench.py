@@ -5,24 +5,15 @@ whose stderr went to a file and crashed the whole run with an AttributeError."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.benchmark_scripts import load_benchmark
 
 
 def test_a_server_that_exits_at_startup_is_a_runtime_error_naming_its_log(tmp_path):
     pytest.importorskip("httpx", reason="needs the serve extra")
-    sys.path.insert(0, str(BENCHMARKS))  # serve.py imports its sibling generate.py
-    try:
-        spec = importlib.util.spec_from_file_location("bench_serve", BENCHMARKS / "serve.py")
-        serve = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(serve)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    serve = load_benchmark("serve")
     args = argparse.Namespace(
         work=tmp_path, threads=1, max_num_seqs=4, kv_cache_gib=0.1, structured=False
     )

@@ -84,14 +84,14 @@ def test_gemma3_checkpoint_export_then_run_matches_transformers(tmp_path, capsys
     tokens on prompts longer than the window."""
     import transformers
 
-    from tests.models.hf_reference import build_checkpoint
+    from tests.models.hf_reference import NO_SPECIAL_TOKENS, build_checkpoint
 
     config = transformers.Gemma3TextConfig(
         vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
         sliding_window=4, layer_types=["sliding_attention", "full_attention"],
         final_logit_softcapping=4.0, tie_word_embeddings=False, initializer_range=0.2,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        **NO_SPECIAL_TOKENS,
     )  # fmt: skip
     model = build_checkpoint("Gemma3ForCausalLM", config, tmp_path / "ckpt")
     out = tmp_path / "export"

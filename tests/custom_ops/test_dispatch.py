@@ -12,7 +12,6 @@ import torch
 import attnexport
 from attnexport.custom_ops import (
     AttentionBackend,
-    AttentionCall,
     BackendCapabilities,
     BackendUnsupportedError,
     current_backend_name,
@@ -24,7 +23,7 @@ from attnexport.custom_ops import (
     use_backend,
 )
 from tests.attention_cases import AttentionCase, make_paged_inputs
-from tests.helpers import paged_args
+from tests.helpers import attention_call, paged_args
 
 
 class _Fp16OnlyBackend(AttentionBackend):
@@ -61,31 +60,18 @@ def narrow_backend():
     dispatch._selection_cache.clear()
 
 
-def _call(**changes) -> AttentionCall:
-    base = dict(
-        op="paged_attention",
-        device_type="cpu",
-        dtype=torch.float16,
-        num_heads=8,
-        num_kv_heads=2,
-        head_size=64,
-        block_size=64,
-    )
-    return AttentionCall(**(base | changes))
-
-
 def test_capabilities_report_each_reason(narrow_backend):
-    call = _call(dtype=torch.float32, head_size=80, block_size=16, alibi=True, op="paged_attention")
+    call = attention_call(dtype=torch.float32, head_size=80, block_size=16, alibi=True)
     reasons = narrow_backend.not_supported_reasons(call)
     assert any(r.startswith("dtype=torch.float32 (supported: ['torch.float16'])") for r in reasons)
     assert any("head_size=80" in r for r in reasons)
     assert any("block_size=16 (must be a multiple of 64)" in r for r in reasons)
     assert "ALiBi is not supported" in reasons
-    assert narrow_backend.not_supported_reasons(_call()) == []
+    assert narrow_backend.not_supported_reasons(attention_call()) == []
 
 
 def test_auto_prefers_priority_and_falls_back_with_reasons(narrow_backend):
-    alibi = _call(alibi=True)
+    alibi = attention_call(alibi=True)
     # The next backend by priority that can run the call (ipex where it is installed, else sdpa).
     fallback = next(
         b
@@ -93,13 +79,13 @@ def test_auto_prefers_priority_and_falls_back_with_reasons(narrow_backend):
         if b.name != "narrow" and not b.not_supported_reasons(alibi)
     )
     with use_backend("auto"):
-        assert select_backend(_call()).name == "narrow"
+        assert select_backend(attention_call()).name == "narrow"
         assert select_backend(alibi) is fallback
 
 
 def test_forced_backend_lists_reasons(narrow_backend):
     with use_backend("narrow"), pytest.raises(BackendUnsupportedError) as error:
-        select_backend(_call(alibi=True, dtype=torch.bfloat16))
+        select_backend(attention_call(alibi=True, dtype=torch.bfloat16))
     message = str(error.value)
     assert "backend 'narrow' cannot run paged_attention" in message
     assert "ALiBi is not supported" in message and "dtype=torch.bfloat16" in message

@@ -19,7 +19,13 @@ from tests.attention_cases import (
     cache_write_args,
     make_paged_inputs,
 )
-from tests.helpers import assert_close_to_reference, paged_args, skip_unsupported
+from tests.helpers import (
+    assert_close_to_reference,
+    attention_call,
+    opcheck,
+    paged_args,
+    skip_unsupported,
+)
 
 CASES = cache_dtype_cases()
 
@@ -192,27 +198,15 @@ OPCHECK_CASES = [
     ),
     AttentionCase("mixed", (1, 9, 1), (4, 0, 3), dtype=torch.float16, cache_dtype=torch.int8),
 ]
-TEST_UTILS = (
-    "test_schema",
-    "test_autograd_registration",
-    "test_faketensor",
-    "test_aot_dispatch_dynamic",
-)
 
 
 @pytest.mark.parametrize("case", OPCHECK_CASES, ids=lambda c: c.id)
 def test_opcheck(case):
     x = make_paged_inputs(case)
     args = cache_write_args(x)
-    for op in ("reshape_and_cache", "reshape_and_cache_functional"):
-        overload = getattr(torch.ops.attnexport, op).default
-        torch.library.opcheck(overload, args, test_utils=TEST_UTILS)
-    torch.library.opcheck(
-        torch.ops.attnexport.paged_attention.default,
-        paged_args(x),
-        x["kwargs"],
-        test_utils=TEST_UTILS,
-    )
+    opcheck("reshape_and_cache", args)
+    opcheck("reshape_and_cache_functional", args)
+    opcheck("paged_attention", paged_args(x), x["kwargs"])
 
 
 class _Int8Layer(torch.nn.Module):
@@ -283,15 +277,9 @@ def test_export_of_int8_caches_writes_scales_in_place():
 def test_backends_without_other_cache_dtypes_say_why(name, cache_dtype):
     """IPEX 2.8 and xFormers run caches of the query's dtype only: their static capabilities
     refuse other cache dtypes with the reason (available or not here), and auto picks sdpa."""
-    call = attnexport.custom_ops.AttentionCall(
-        op="paged_attention",
-        device_type="cpu" if name == "ipex" else "cuda",
-        dtype=torch.float32,
-        num_heads=4,
-        num_kv_heads=2,
-        head_size=64,
-        block_size=64,
-        cache_dtype=cache_dtype,
+    device_type = "cpu" if name == "ipex" else "cuda"
+    call = attention_call(
+        device_type=device_type, dtype=torch.float32, num_heads=4, cache_dtype=cache_dtype
     )
     backend = attnexport.custom_ops.get_backend(name)
     wanted = f"KV cache with float32 activations: {backend.capabilities.cache_dtype_reason}"

@@ -7,7 +7,7 @@ import torch
 
 import attnexport  # noqa: F401
 from tests.attention_cases import AttentionCase, make_paged_inputs, make_varlen_inputs
-from tests.helpers import paged_args
+from tests.helpers import opcheck, paged_args
 
 CASES = [
     AttentionCase("mixed", (1, 9, 1, 5), (40, 0, 3, 12)),
@@ -24,39 +24,25 @@ CASES = [
     ),
     AttentionCase("cross", (3, 2), (4, 6), causal=False, dtype=torch.bfloat16),
 ]
-TEST_UTILS = (
-    "test_schema",
-    "test_autograd_registration",
-    "test_faketensor",
-    "test_aot_dispatch_dynamic",
-)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_reshape_and_cache(case):
     x = make_paged_inputs(case)
     args = (x["key"], x["value"], x["key_cache"], x["value_cache"], x["slot_mapping"])
-    torch.library.opcheck(
-        torch.ops.attnexport.reshape_and_cache.default, args, test_utils=TEST_UTILS
-    )
-    torch.library.opcheck(
-        torch.ops.attnexport.reshape_and_cache_functional.default, args, test_utils=TEST_UTILS
-    )
+    opcheck("reshape_and_cache", args)
+    opcheck("reshape_and_cache_functional", args)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_paged_attention(case):
     x = make_paged_inputs(case)
     args = paged_args(x)
-    torch.library.opcheck(
-        torch.ops.attnexport.paged_attention.default, args, x["kwargs"], test_utils=TEST_UTILS
-    )
+    opcheck("paged_attention", args, x["kwargs"])
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_varlen_attention(case):
     x = make_varlen_inputs(case)
     args = (x["query"], x["key"], x["value"], x["cu_seqlens_q"], x["cu_seqlens_k"])
-    torch.library.opcheck(
-        torch.ops.attnexport.varlen_attention.default, args, x["kwargs"], test_utils=TEST_UTILS
-    )
+    opcheck("varlen_attention", args, x["kwargs"])

@@ -463,6 +463,8 @@ def fused_add_rms_norm(draw, kind: str) -> FuzzCase:
 # behind the validation memo (a valid rewrite must be used, an invalid one refused).
 _MEMO = ["inference_mode", "memo_rewrite_valid", "memo_rewrite_bad"]
 _COMMON = ["well_formed", "inference_mode", "dtype", "rank", "shape"]
+# the malformed queries and offsets both attention ops refuse
+_ATTENTION = ["float64_query", "int64_ids", "int64_ids_wrap", "rank", "shape", "heads"]
 KINDS: dict[str, tuple[Callable, list[str]]] = {
     "reshape_and_cache": (
         reshape_and_cache,
@@ -484,12 +486,7 @@ KINDS: dict[str, tuple[Callable, list[str]]] = {
             "well_formed",
             *_MEMO,
             "stale_nan",
-            "float64_query",
-            "int64_ids",
-            "int64_ids_wrap",
-            "rank",
-            "shape",
-            "heads",
+            *_ATTENTION,
             "block_id",
             "seq_short",
             "seq_past_table",
@@ -505,12 +502,7 @@ KINDS: dict[str, tuple[Callable, list[str]]] = {
         [
             "well_formed",
             *_MEMO,
-            "float64_query",
-            "int64_ids",
-            "int64_ids_wrap",
-            "rank",
-            "shape",
-            "heads",
+            *_ATTENTION,
             "offsets_nonmono",
             "offsets_last",
             "offsets_wrap",

@@ -15,25 +15,17 @@ from pathlib import Path
 
 import torch
 
+from tests.models.hf_reference import TINY_DECODER
+
 BLOCK_SIZE = 4
 PROMPTS = ([5, 17, 3, 99, 42, 8, 1], [7, *range(20, 31)])
 GREEDY_STEPS = 8
-VOCAB = 128
-
 TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
+    TINY_DECODER,
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=16,
     max_position_embeddings=128,
-    # wide initialisation: greedy tokens vary; no special tokens: generate never stops early
-    initializer_range=0.2,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
     tie_word_embeddings=False,
 )
 """The sizes every family starts from (names its config class does not know are ignored)."""

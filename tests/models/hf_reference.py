@@ -15,6 +15,14 @@ import pytest
 import torch
 import transformers
 
+NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+"""Config fields of every tiny checkpoint: no BOS/EOS/pad, so ``generate`` never stops early."""
+WIDE_INIT = dict(vocab_size=128, initializer_range=0.2, **NO_SPECIAL_TOKENS)
+"""The tiny decoders' vocabulary and initialisation: wide, so that greedy tokens vary."""
+TINY_DECODER = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, **WIDE_INIT)
+"""The sizes the tiny decoders of the parity and transformers-path tests start from (Llama
+field names; heads, windows and RoPE are each case's)."""
+
 
 def build_checkpoint(hf_class_name: str, config, directory: Path, seed: int = 0):
     """Saves ``transformers.<hf_class_name>(config)`` seeded with ``seed`` into ``directory``;

@@ -13,7 +13,7 @@ from attnexport.models import load_model
 from attnexport.models.bert import SentenceEmbedder, offsets_of
 from attnexport.tolerances import model_tolerance
 from tests.models.executors import EXECUTORS, compile_module
-from tests.models.hf_reference import minilm_dir
+from tests.models.hf_reference import build_checkpoint, minilm_dir
 
 ATOL = model_tolerance(torch.float32)
 SEQUENCES = ([5, 17, 3, 99, 42], [7, *range(20, 41)], [11, 2], [9])
@@ -34,10 +34,8 @@ def tiny_bert(tmp_path_factory):
         layer_norm_eps=1e-6,
         initializer_range=0.2,
     )
-    torch.manual_seed(0)
-    hf_model = transformers.BertModel(config).eval()
     directory = tmp_path_factory.mktemp("bert")
-    hf_model.save_pretrained(directory)
+    hf_model = build_checkpoint("BertModel", config, directory)
     return hf_model, load_model(directory)
 
 

@@ -29,7 +29,13 @@ from tests.models.executors import (
     teacher_forced_logits,
     write_exports,
 )
-from tests.models.hf_reference import build_checkpoint, causal_lm_logits, greedy_generate
+from tests.models.hf_reference import (
+    TINY_DECODER,
+    WIDE_INIT,
+    build_checkpoint,
+    causal_lm_logits,
+    greedy_generate,
+)
 from tests.real_model import skip_unless_slow
 
 BLOCK_SIZE = 4
@@ -39,10 +45,8 @@ DECODE_STEPS = 8
 GREEDY_STEPS = 32
 ATOL = model_tolerance(torch.float32)
 
-_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
-# wide initialisation: greedy tokens vary; no special tokens: generate never stops early
-_WIDE = dict(vocab_size=128, initializer_range=0.2, **_SPECIAL_TOKENS)
-_COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, **_WIDE)
+_COMMON = TINY_DECODER
+_WIDE = WIDE_INIT  # for the configs with other size names (BLOOM, GPT-2)
 
 # name -> (transformers class, config)
 CASES = {

@@ -15,7 +15,7 @@ import torch
 from attnexport.cli.verify_text import TEXT
 from attnexport.runtime import SamplingParams, engine_from_path
 from attnexport.tolerances import logit_quality
-from tests.real_model import HQQ_SECONDS, slow_param
+from tests.real_model import HQQ_SECONDS, slow_param, transformers_greedy
 
 CHATS = (
     "What is the capital of France?",
@@ -48,26 +48,11 @@ def _chat_prompt(tokenizer, message: str) -> list[int]:
 def test_the_fp32_export_answers_chat_prompts_as_transformers_does(
     smollm2_checkpoint, smollm2_fp32_artifact, tokenizer
 ):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_checkpoint, dtype=torch.float32
-    ).eval()
     eos = tokenizer.eos_token_id
     prompts = [_chat_prompt(tokenizer, message) for message in CHATS]
-    expected = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            generated = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=eos,
-                pad_token_id=eos,
-            )
-            expected.append(generated[0, len(prompt) :].tolist())
-    del model
+    expected = transformers_greedy(
+        smollm2_checkpoint, prompts, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=eos
+    )
     engine = engine_from_path(smollm2_fp32_artifact)
     params = SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=(eos,))
     answers = [list(o.token_ids) for o in engine.generate(prompts, params)]

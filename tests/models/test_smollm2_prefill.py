@@ -8,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from attnexport.runtime import SamplingParams, SchedulerConfig, engine_from_path
 from tests.helpers import requires_ort_kernels
+from tests.real_model import transformers_greedy
 
 LONG_TOKENS = 1100  # 3 chunks of the budget below
 BUDGET = 512
@@ -29,23 +29,13 @@ def test_chunked_prefill_of_a_long_prompt_matches_transformers(
     short = tokenizer("The paged KV cache of a language model")["input_ids"]
     assert len(long) == LONG_TOKENS
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_checkpoint, dtype=torch.float32
-    ).eval()
-    expected = []
-    with torch.inference_mode():
-        for prompt in (long, short):
-            generated = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=tokenizer.eos_token_id,
-            )
-            expected.append(generated[0, len(prompt) :].tolist())
-    del model
-
+    expected = transformers_greedy(
+        smollm2_checkpoint,
+        (long, short),
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        pad_token_id=tokenizer.eos_token_id,
+    )
     engine = engine_from_path(
         smollm2_fp32_artifact, scheduler_config=SchedulerConfig(max_num_batched_tokens=BUDGET)
     )

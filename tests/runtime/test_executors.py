@@ -23,6 +23,7 @@ from attnexport.runtime import (
     TorchExecutor,
 )
 from tests.helpers import ORT_KERNEL_MODES
+from tests.models.executors import Exports, write_exports
 
 BLOCK_SIZE = 4
 PROMPTS = [[5, 17, 3, 88, 41, 9, 60], [12, 2], list(range(20, 45)), [7, 7, 1, 90, 33]]
@@ -43,28 +44,18 @@ def eager_tokens(model) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def pt2_path(model, tmp_path_factory):
-    sample = model.export_sample(block_size=BLOCK_SIZE)
-    path = tmp_path_factory.mktemp("pt2") / "model.pt2"
-    torch.export.save(sample.export(model), path)
-    return path
+def exports(model, tmp_path_factory) -> Exports:
+    return write_exports(model, BLOCK_SIZE, tmp_path_factory.mktemp("exports"))
 
 
 @pytest.fixture(scope="module")
-def onnx_path(model, tmp_path_factory):
-    from attnexport.lowering import to_onnx
+def pt2_path(exports):
+    return exports.pt2
 
-    sample = model.export_sample(block_size=BLOCK_SIZE)
-    path = tmp_path_factory.mktemp("onnx") / "model.onnx"
-    to_onnx(
-        model,
-        sample.args,
-        path,
-        dynamic_shapes=sample.dynamic_shapes,
-        output_names=["logits"],
-        cache_spec=model.cache_spec(BLOCK_SIZE),
-    )
-    return path
+
+@pytest.fixture(scope="module")
+def onnx_path(exports):
+    return exports.onnx
 
 
 def test_onnx_model_has_one_node_per_attnexport_op_and_layer(onnx_path, model):

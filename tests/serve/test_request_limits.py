@@ -75,15 +75,16 @@ def _post(url: str, route: str, body, **options) -> httpx.Response:
     return httpx.post(f"{url}{route}", json=body, timeout=120, **options)
 
 
+def _post_raw(url: str, route: str, content: bytes | str) -> httpx.Response:
+    """``content`` sent as it is, labelled JSON (bodies json= cannot write)."""
+    headers = {"Content-Type": "application/json"}
+    return httpx.post(f"{url}{route}", content=content, headers=headers, timeout=60)
+
+
 # ---------------------------------------------------------------------- the body's size
 def test_a_body_past_the_limit_is_a_413_before_it_is_read(limited):
     body = json.dumps({"model": "export", "prompt": [5] * MAX_REQUEST_BYTES}).encode()
-    response = httpx.post(
-        f"{limited}/v1/completions",
-        content=body,
-        headers={"Content-Type": "application/json"},
-        timeout=60,
-    )
+    response = _post_raw(limited, "/v1/completions", body)
     error = _error(response, 413)
     assert error["code"] == "request_too_large" and str(MAX_REQUEST_BYTES) in error["message"]
 
@@ -106,12 +107,7 @@ def test_a_body_at_the_limit_is_read(limited):
     body["user"] = "u" * padding
     content = json.dumps(body).encode()
     assert len(content) == MAX_REQUEST_BYTES
-    response = httpx.post(
-        f"{limited}/v1/completions",
-        content=content,
-        headers={"Content-Type": "application/json"},
-        timeout=60,
-    )
+    response = _post_raw(limited, "/v1/completions", content)
     assert response.status_code == 200, response.text
 
 
@@ -245,9 +241,7 @@ def test_stop_token_ids_and_stop_strings_are_capped(limited):
     ],
 )
 def test_a_lone_surrogate_is_a_400(limited, route, body, param):
-    response = httpx.post(
-        f"{limited}{route}", content=body, headers={"Content-Type": "application/json"}, timeout=60
-    )
+    response = _post_raw(limited, route, body)
     error = _error(response, 400)
     assert error["param"] == param and "surrogate" in error["message"], error
 
@@ -263,11 +257,6 @@ def test_more_prompts_than_the_queue_holds_is_a_400_not_a_503_forever(limited, p
 
 @pytest.mark.parametrize("content", [b'{"prompt": "Hi",, }', b'{"prompt": [1, 2', b"\xff\xfe{"])
 def test_malformed_json_is_a_400_with_no_param(limited, content):
-    response = httpx.post(
-        f"{limited}/v1/completions",
-        content=content,
-        headers={"Content-Type": "application/json"},
-        timeout=60,
-    )
+    response = _post_raw(limited, "/v1/completions", content)
     error = _error(response, 400)
     assert error["param"] is None and "not valid JSON" in error["message"], error

@@ -4,6 +4,7 @@ finish, new connections are refused, the process exits 0)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -213,16 +214,29 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_sigterm_finishes_running_streams_then_stops(chat_export):
+@contextlib.contextmanager
+def _serve_process(export_dir: Path, shutdown_timeout: float):
+    """``attnexport serve`` of ``export_dir`` as a child process on a free port, once healthy:
+    yields ``(process, url)``; kills the process if it still runs when the block ends (its
+    stderr stays readable)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "attnexport.cli.main", "serve", str(chat_export[0])]
-    command += ["--port", str(port), "--shutdown-timeout", "30", "--log-level", "warning"]
-    command += ["--kv-cache-memory", str(KV_CACHE_BYTES / 2**30)]
+    command = [sys.executable, "-m", "attnexport.cli.main", "serve", str(export_dir)]
+    command += ["--port", str(port), "--shutdown-timeout", str(shutdown_timeout)]
+    command += ["--log-level", "warning", "--kv-cache-memory", str(KV_CACHE_BYTES / 2**30)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         wait_for(lambda: _healthy(url), timeout=60, what="the server to start")
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+
+
+def test_sigterm_finishes_running_streams_then_stops(chat_export):
+    with _serve_process(chat_export[0], shutdown_timeout=30) as (process, url):
         body = {**LONG, "max_tokens": 1500, "stream": True}
         with (
             httpx.Client(timeout=60) as client,
@@ -238,10 +252,6 @@ def test_sigterm_finishes_running_streams_then_stops(chat_export):
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         # uvicorn re-raises the SIGTERM it handled once it has shut down (older ones exit 0)
         assert process.wait(timeout=60) in (0, -signal.SIGTERM)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=30)
     stderr = process.stderr.read().decode()
     assert "Traceback" not in stderr, stderr
 
@@ -250,16 +260,8 @@ def test_requests_past_the_shutdown_timeout_get_an_answer(chat_export):
     """uvicorn cancels what outlives its graceful shutdown: a plain request got a text/plain
     500 and a stream was cut with neither an error event nor [DONE]. They are aborted in the
     engine first: an OpenAI-shaped 503, and an error event then [DONE]."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "attnexport.cli.main", "serve", str(chat_export[0])]
-    command += ["--port", str(port), "--shutdown-timeout", "0.5", "--log-level", "warning"]
-    command += ["--kv-cache-memory", str(KV_CACHE_BYTES / 2**30)]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     plain: dict = {}
-    try:
-        wait_for(lambda: _healthy(url), timeout=60, what="the server to start")
+    with _serve_process(chat_export[0], shutdown_timeout=0.5) as (process, url):
 
         def post() -> None:
             plain["response"] = httpx.post(f"{url}/v1/completions", json=LONG, timeout=120)
@@ -283,10 +285,6 @@ def test_requests_past_the_shutdown_timeout_get_an_answer(chat_export):
         assert response.status_code == 503, response.text
         assert response.json()["error"]["type"] == "service_unavailable"
         assert process.wait(timeout=60) in (0, -signal.SIGTERM)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=30)
     stderr = process.stderr.read().decode()
     assert "Traceback" not in stderr and "Exception in ASGI" not in stderr, stderr
 
