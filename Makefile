@@ -57,16 +57,17 @@ $(ORT_KERNELS): $(ORT_KERNEL_SOURCES) scripts/build_ort_kernels.sh
 test-main: $(VENV)/.installed $(ORT_KERNELS)
 	ATTNEXPORT_REQUIRE_ORT_KERNELS=1 $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
-# The suite again on torch 2.8, where the IPEX backend's suites run instead of skipping. The
-# suites whose outcome does not depend on torch run once, in .venv: the HTTP server and the
-# real checkpoint's onnxruntime runs (onnxruntime, FastAPI, the quantizer), the chat-template
-# sandbox, path containment and the kernel build.
-TORCH_INDEPENDENT := tests/serve tests/models/test_smollm2.py tests/models/test_smollm2_prefill.py \
-	tests/runtime/test_chat_template.py tests/runtime/test_engine_scoring.py \
-	tests/runtime/test_ort_kernels_build.py tests/test_contained_files.py
+# Again on torch 2.8, only the suites whose outcome depends on torch's version, IPEX or xFormers
+# (tests/torch_dependent.py lists them, with why): the kernels and their dispatch, the ops' torch
+# faces and fake kernels, torch.export/torch.onnx (lowering, one parity case per kind of model),
+# the engine on eager torch (IPEX's kernels: the auto backend there) and .pt2, torch.load. The
+# rest (onnxruntime nodes built by hand, the serving core, the server, the real checkpoint's
+# onnxruntime runs, the kernel build, packaging) cannot differ and runs once, in .venv.
+# `make test-ipex TORCH_DEPENDENT_ONLY=0` runs the whole suite on torch 2.8.
+TORCH_DEPENDENT_ONLY ?= 1
 test-ipex: $(VENV_IPEX)/.installed $(ORT_KERNELS)
-	ATTNEXPORT_REQUIRE_IPEX=1 ATTNEXPORT_REQUIRE_ORT_KERNELS=1 $(VENV_IPEX)/bin/python -m pytest \
-		$(addprefix --ignore=,$(TORCH_INDEPENDENT)) $(PYTEST_ARGS)
+	ATTNEXPORT_TORCH_DEPENDENT_ONLY=$(TORCH_DEPENDENT_ONLY) ATTNEXPORT_REQUIRE_IPEX=1 \
+		ATTNEXPORT_REQUIRE_ORT_KERNELS=1 $(VENV_IPEX)/bin/python -m pytest $(PYTEST_ARGS)
 
 # On a CUDA machine: the xformers and ort-cuda GPU tests and the GPU benchmark, logs in gpu-logs/
 # (GPU_SUITE_ALL=1 adds the whole suite; scripts/gpu_suite.sh says how to bring wheels).

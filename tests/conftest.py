@@ -38,6 +38,32 @@ def pytest_sessionstart(session):
             raise pytest.UsageError(f"ATTNEXPORT_REQUIRE_ORT_KERNELS=1 but {reason}")
 
 
+def pytest_ignore_collect(collection_path, config):
+    if os.environ.get("ATTNEXPORT_TORCH_DEPENDENT_ONLY") == "1":
+        from tests.torch_dependent import may_hold_any
+
+        if collection_path.is_relative_to(config.rootpath):
+            path = collection_path.relative_to(config.rootpath).as_posix()
+            if path != "." and not may_hold_any(path):
+                return True
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    # make test-ipex: only what torch 2.8, IPEX or xFormers can change (tests/torch_dependent.py)
+    if os.environ.get("ATTNEXPORT_TORCH_DEPENDENT_ONLY") == "1":
+        from tests.torch_dependent import select
+
+        whole_suite = config.args_source == pytest.Config.ArgsSource.TESTPATHS
+        try:
+            selected = select([item.nodeid for item in items], whole_suite)
+        except LookupError as error:
+            raise pytest.UsageError(str(error)) from None
+        pairs = list(zip(items, selected, strict=True))
+        config.hook.pytest_deselected(items=[item for item, keep in pairs if not keep])
+        items[:] = [item for item, keep in pairs if keep]
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     """A backend name; the test body runs under ``use_backend(name)``."""

@@ -95,8 +95,19 @@ def transformers_greedy(checkpoint: Path, prompts, **generate_options) -> list[l
 def slow_param(value, reason: str):
     """``value`` as a pytest param that runs only with ``ATTNEXPORT_SLOW_TESTS=1`` (``reason``:
     why it is slow, or what covers it in the default run)."""
-    marks = () if SLOW_TESTS else (pytest.mark.skip(reason=f"{reason}: ATTNEXPORT_SLOW_TESTS=1"),)
+    marks = () if SLOW_TESTS else (pytest.mark.skip(reason=_slow_reason(reason)),)
     return pytest.param(value, marks=marks)
+
+
+def skip_unless_slow(reason: str) -> None:
+    """Skips the running test (or fixture) unless ``ATTNEXPORT_SLOW_TESTS=1``: the case a
+    combination of parameters makes that :func:`slow_param` cannot mark."""
+    if not SLOW_TESTS:
+        pytest.skip(_slow_reason(reason))
+
+
+def _slow_reason(reason: str) -> str:
+    return f"{reason}: ATTNEXPORT_SLOW_TESTS=1"
 
 
 @pytest.fixture(scope="session")

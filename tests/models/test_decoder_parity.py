@@ -36,6 +36,7 @@ from tests.models.hf_reference import (
     causal_lm_logits,
     greedy_generate,
 )
+from tests.real_model import skip_unless_slow
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 96
@@ -233,8 +234,15 @@ def hf_greedy(loaded) -> list[tuple[list[int], torch.Tensor]]:
     return [greedy_generate(loaded.hf_model, prompt, GREEDY_STEPS) for prompt in PROMPTS]
 
 
+# The .pt2 leg runs the program the ONNX legs are converted from, on the eager leg's kernels:
+# a family's own code is checked by those; the .pt2 file itself by these two families.
+PT2_CASES = ("llama-gqa-llama3rope-bias", "gemma3-qknorm-localrope-window")
+
+
 @pytest.fixture(scope="module", params=PAGED_EXECUTORS)
 def runner(request, loaded, exports):
+    if request.param == "pt2" and loaded.name not in PT2_CASES:
+        skip_unless_slow(f"the eager and ONNX legs check this family; the .pt2: {PT2_CASES}")
     return paged_runner(loaded.model, request.param, exports)
 
 
@@ -270,6 +278,10 @@ def test_greedy_tokens_match_transformers(loaded, runner, hf_greedy):
 # The engine legs run the families whose windows, soft caps, q/k norms and LongRoPE came with
 # issue 22 (the engine on the older ones: tests/runtime/test_executors.py, tests/cli).
 ENGINE_CASES = [name for name in CASES if name.startswith(("qwen3", "gemma", "phi3"))]
+# The engine's scheduling is the executor's caller, whatever the executor: the default run
+# takes every family on the native kernels (what serving runs) and one on all three.
+ENGINE_EXECUTOR = "ort-native"
+ENGINE_ALL_EXECUTORS = "gemma3-qknorm-localrope-window"
 
 
 @pytest.mark.parametrize("loaded", ENGINE_CASES, indirect=True)
@@ -278,6 +290,10 @@ def test_engine_greedy_matches_transformers(loaded, exports, hf_greedy, executor
     """The prompts as one ragged batch through the engine (continuous batching, prefills
     chunked at 16 tokens beside decodes) on a runtime executor: each sequence's greedy
     tokens are those transformers generates for it alone."""
+    if executor != ENGINE_EXECUTOR and loaded.name != ENGINE_ALL_EXECUTORS:
+        skip_unless_slow(
+            f"the paged legs run this family on every executor, the engine on {ENGINE_EXECUTOR}"
+        )
     engine = Engine(
         engine_executor(executor, exports),
         CacheConfig(num_blocks=NUM_BLOCKS),
@@ -392,6 +408,10 @@ def test_longrope_generation_crossing_the_switch_matches_transformers(
     length, one whose prompt is longer than it (chunked at 16 tokens, every chunk past it),
     one that never reaches it, and one sharing the first blocks of the long prompt while
     below it: greedy tokens equal transformers' generate on each alone."""
+    if prefix_caching and executor != ENGINE_EXECUTOR:
+        skip_unless_slow(
+            f"the scheduler recomputes whatever the executor: prefix caching on {ENGINE_EXECUTOR}"
+        )
     assert crossing.model.rope_switch_length == ROPE_SWITCH
     runtime = engine_executor(executor, crossing.exports)
     assert runtime.rope_switch_length == ROPE_SWITCH  # the .onnx: from its graph contract
