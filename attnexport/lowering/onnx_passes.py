@@ -281,13 +281,22 @@ def gemm_to_matmul(model: ir.Model) -> int:
 
 
 def _transposed(graph: ir.Graph, weight: ir.Value) -> ir.Value:
-    """A new initializer ``<weight>.T``: the constant 2-D ``weight`` transposed."""
-    array = np.ascontiguousarray(weight.const_value.numpy().T)
+    """A new initializer ``<weight>.T``: the constant 2-D ``weight`` transposed, computed
+    when it is read (at save, one weight at a time: the lowering never holds a transposed copy
+    of every weight beside the originals)."""
+    source = weight.const_value
+    rows, columns = source.shape
+    name = f"{weight.name}.T"
     matrix = ir.Value(
-        name=f"{weight.name}.T",
-        shape=ir.Shape(array.shape),
+        name=name,
+        shape=ir.Shape((columns, rows)),
         type=weight.type,
-        const_value=ir.tensor(array, name=f"{weight.name}.T"),
+        const_value=ir.LazyTensor(
+            lambda: ir.tensor(np.ascontiguousarray(source.numpy().T), name=name),
+            dtype=source.dtype,
+            shape=ir.Shape((columns, rows)),
+            name=name,
+        ),
     )
     graph.register_initializer(matrix)
     return matrix
