@@ -63,11 +63,11 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-def measure(command: list[str], env: dict[str, str], log: Path) -> dict:
-    """Runs ``command``; returns ``seconds`` (wall) and ``peak_mb`` (see the module doc)."""
+def measure(command: list[str], env: dict[str, str], log: Path, cwd: Path) -> dict:
+    """Runs ``command`` in ``cwd``; returns ``seconds`` (wall) and ``peak_mb`` (module doc)."""
     with log.open("w") as out:
         start = time.perf_counter()
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         peak = [0]
         done = threading.Event()
 
@@ -152,11 +152,12 @@ def main(argv: list[str] | None = None) -> int:
                 exported = fp32 if leg in ("ours-fp32", "ours-verify") else scratch / leg
                 if leg == "ours-verify" and not fp32.exists():
                     command, env = leg_command("ours-fp32", tree, args.checkpoint, fp32)
-                    measure(command, env, scratch / "setup.log")
+                    measure(command, env, scratch / "setup.log", tree)
                 elif leg != "ours-verify":
                     shutil.rmtree(exported, ignore_errors=True)
                 command, env = leg_command(leg, tree, args.checkpoint, exported)
-                result = measure(command, env, scratch / f"{leg}-{label}.log")
+                # in the tree: ``python -c`` puts the working directory first on sys.path
+                result = measure(command, env, scratch / f"{leg}-{label}.log", tree)
                 results[(leg, label)].append(result)
                 name = f"{leg} [{label}]" if label else leg
                 print(
