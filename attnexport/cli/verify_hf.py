@@ -93,6 +93,7 @@ def greedy_mismatches(
     engine = engine_from_path(artifact, trust_pickle=trust_pickle)
     params = SamplingParams(max_tokens=GREEDY_TOKENS, stop_token_ids=tuple(eos))
     outputs = engine.generate(prompts, params)
+    del engine  # its session and caches, before transformers generates
     mismatches = compared = 0
     with torch.no_grad():
         for prompt, output in zip(prompts, outputs, strict=True):
