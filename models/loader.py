@@ -159,9 +159,9 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
         # opened per tensor: a handle maps the whole file, and the pages read through it stay
         # resident until it closes
         with _safe_open(self._where[name]) as handle:
-            # cloned into torch's allocator: safetensors' buffer is only 8-byte aligned, and
-            # oneDNN/MKL round a misaligned weight's matmuls differently (a model loaded
-            # through it drifts from one loaded by copy by more than verify's tolerance)
+            # cloned into torch's 64-byte aligned allocator, as copying into a parameter did:
+            # safetensors' buffer is only 8-byte aligned, and the matmul kernels may take
+            # other paths (and round otherwise) on a misaligned weight
             return handle.get_tensor(name).clone()
 
     def __contains__(self, name: object) -> bool:
