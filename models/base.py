@@ -166,9 +166,9 @@ class PagedModel(nn.Module):
         return {}
 
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor], source: str = "checkpoint"):
-        """Loads checkpoint tensors into this model (each becomes its parameter), checking that every local tensor is found
-        with the right shape and that no checkpoint tensor is left unused (which would mean a
-        feature this implementation lacks)."""
+        """Loads checkpoint tensors into this model (each becomes its parameter), checking
+        that every local tensor is found with the right shape and that no checkpoint tensor is
+        left unused (which would mean a feature this implementation lacks)."""
         used: set[str] = set()
         missing: list[str] = []
         optional = self.optional_weights()
