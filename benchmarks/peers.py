@@ -497,48 +497,56 @@ def _convert_llamacpp(checkpoint: Path, fmt: str, out: Path, threads: int) -> No
     _run_checked([python, "-c", code, f32, out / "model.gguf"], f"llama_model_quantize {fmt}")
 
 
-def _convert_openvino(checkpoint: Path, fmt: str, out: Path, threads: int) -> None:
-    cli = venv_dir("openvino") / "bin" / "optimum-cli"
-    extra = ["--group-size", "64", "--ratio", "1.0"] if fmt == "int4" else []
-    _run_checked(
-        [
-            cli,
+def conversion_command(name: str, checkpoint: Path, fmt: str, out: Path) -> list[str]:
+    """The command line that converts ``checkpoint`` into peer ``name``'s format ``fmt`` in
+    directory ``out`` (``openvino``: optimum-intel's ``optimum-cli export openvino``;
+    ``genai``: onnxruntime-genai's builder, its cache in ``out/.builder-cache``)."""
+    if name == "openvino":
+        extra = ["--group-size", "64", "--ratio", "1.0"] if fmt == "int4" else []
+        return [
+            str(venv_dir("openvino") / "bin" / "optimum-cli"),
             "export",
             "openvino",
             "--model",
-            checkpoint,
+            str(checkpoint),
             "--task",
             "text-generation-with-past",
             "--weight-format",
             fmt,
             *extra,
-            out,
-        ],
-        f"optimum-cli export openvino --weight-format {fmt}",
-    )
-
-
-def _convert_genai(checkpoint: Path, fmt: str, out: Path, threads: int) -> None:
-    python = venv_python("genai")
-    cache = out / ".builder-cache"
-    _run_checked(
-        [
-            python,
+            str(out),
+        ]
+    if name == "genai":
+        return [
+            str(venv_python("genai")),
             "-m",
             "onnxruntime_genai.models.builder",
             "-i",
-            checkpoint,
+            str(checkpoint),
             "-o",
-            out,
+            str(out),
             "-p",
             fmt,
             "-e",
             "cpu",
             "-c",
-            cache,
-        ],
-        f"onnxruntime-genai builder -p {fmt}",
+            str(out / ".builder-cache"),
+        ]
+    raise ValueError(f"no conversion command for {name!r}")
+
+
+def _convert_openvino(checkpoint: Path, fmt: str, out: Path, threads: int) -> None:
+    _run_checked(
+        conversion_command("openvino", checkpoint, fmt, out),
+        f"optimum-cli export openvino --weight-format {fmt}",
     )
+
+
+def _convert_genai(checkpoint: Path, fmt: str, out: Path, threads: int) -> None:
+    _run_checked(
+        conversion_command("genai", checkpoint, fmt, out), f"onnxruntime-genai builder -p {fmt}"
+    )
+    cache = out / ".builder-cache"
     shutil.rmtree(cache, ignore_errors=True)
     config_path = out / "genai_config.json"
     config = json.loads(config_path.read_text())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -24,6 +25,7 @@ from attnexport.model_interface import CacheSpec
 from attnexport.models import loader
 from attnexport.models.errors import CheckpointError
 from attnexport.models.layers import LayerCache, RMSNorm, ScaledCache
+from attnexport.models.skip_init import parameters_left_uninitialized
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,8 @@ class PagedModel(nn.Module):
             # from_hf only converts the user's config.json fields: a value it cannot convert
             # (a string where a number belongs, ...) is that file's mistake.
             raise CheckpointError(f"{config_path}: {error}") from None
-        model = cls(config)
+        with parameters_left_uninitialized():  # every one is loaded next, or refused
+            model = cls(config)
         model.load_hf_weights(loader.read_weights(path), source=str(path))
         return model.to(dtype).eval()
 
@@ -162,10 +165,10 @@ class PagedModel(nn.Module):
         """Local tensors that checkpoints may omit, with the constant they then take."""
         return {}
 
-    def load_hf_weights(self, weights: dict[str, torch.Tensor], source: str = "checkpoint"):
-        """Copies checkpoint tensors into this model, checking that every local tensor is found
-        with the right shape and that no checkpoint tensor is left unused (which would mean a
-        feature this implementation lacks)."""
+    def load_hf_weights(self, weights: Mapping[str, torch.Tensor], source: str = "checkpoint"):
+        """Loads checkpoint tensors into this model (each becomes its parameter), checking
+        that every local tensor is found with the right shape and that no checkpoint tensor is
+        left unused (which would mean a feature this implementation lacks)."""
         used: set[str] = set()
         missing: list[str] = []
         optional = self.optional_weights()
@@ -192,7 +195,9 @@ class PagedModel(nn.Module):
                         f"{tuple(tensor.shape)} for {name}, expected "
                         f"{tuple(target.shape)} from config.json"
                     )
-                target.copy_(tensor.to(target.dtype))
+                # the checkpoint's tensor becomes the parameter (no copy into the empty one,
+                # which is never touched: its pages never become resident)
+                target.data = tensor.to(target.dtype).contiguous()
                 used.update(found)
         if missing:
             raise CheckpointError(

@@ -10,6 +10,7 @@ into its ``blobs`` excepted; :mod:`attnexport.contained_files`).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -131,17 +132,54 @@ def weight_files(path: str | Path) -> list[Path]:
     )
 
 
-def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint directory ``path``, on the CPU, by its stored name."""
-    weights: dict[str, torch.Tensor] = {}
-    for file in weight_files(path):
-        if file.suffix == ".safetensors":
-            safetensors = require("safetensors.torch", "hf", "reading *.safetensors checkpoints")
-            part = safetensors.load_file(str(file), device="cpu")
-        else:
-            part = torch.load(file, map_location="cpu", weights_only=True)
-        duplicated = weights.keys() & part.keys()
-        if duplicated:
-            raise CheckpointError(f"{file}: tensors stored twice: {sorted(duplicated)[:5]}")
-        weights.update(part)
-    return weights
+class CheckpointWeights(Mapping[str, torch.Tensor]):
+    """The tensors of a checkpoint's weight files by stored name, each read from its
+    ``*.safetensors`` file when it is looked up (and not kept): a model copying them in holds
+    one checkpoint tensor at a time, never a second copy of every weight."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self._where: dict[str, Path] = {}
+        self._loaded: dict[str, torch.Tensor] = {}  # pytorch_model.bin: read whole
+        for file in files:
+            if file.suffix == ".safetensors":
+                with _safe_open(file) as handle:
+                    names = list(handle.keys())
+            else:
+                part = torch.load(file, map_location="cpu", weights_only=True)
+                self._loaded.update(part)
+                names = list(part)
+            duplicated = self._where.keys() & set(names)
+            if duplicated:
+                raise CheckpointError(f"{file}: tensors stored twice: {sorted(duplicated)[:5]}")
+            self._where.update(dict.fromkeys(names, file))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._loaded:
+            return self._loaded[name]
+        # opened per tensor: a handle maps the whole file, and the pages read through it stay
+        # resident until it closes
+        with _safe_open(self._where[name]) as handle:
+            # cloned into torch's 64-byte aligned allocator, as copying into a parameter did:
+            # safetensors' buffer is only 8-byte aligned, and the matmul kernels may take
+            # other paths (and round otherwise) on a misaligned weight
+            return handle.get_tensor(name).clone()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def _safe_open(file: Path):
+    safetensors = require("safetensors", "hf", "reading *.safetensors checkpoints")
+    return safetensors.safe_open(str(file), framework="pt", device="cpu")
+
+
+def read_weights(path: str | Path) -> CheckpointWeights:
+    """Every tensor of the checkpoint directory ``path``, on the CPU, by its stored name (each
+    ``*.safetensors`` tensor read when it is looked up)."""
+    return CheckpointWeights(weight_files(path))

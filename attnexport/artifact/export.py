@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import gc
 import shutil
 import time
 from collections.abc import Callable
@@ -133,8 +134,33 @@ def export_artifact(
         for name in (TOKENIZER_FILES if source is not None else ())
         if (path := contained_file(source, name, hub_links=True)).is_file()
     }
+    identity = {
+        "architecture": model.zoo_name,
+        "kind": model.kind,
+        "impl": model.impl,
+        **({"impl_note": model.zoo_refusal} if model.zoo_refusal else {}),
+    }
+    limits = {
+        "vocab_size": getattr(model.config, "vocab_size", None),
+        "max_model_len": model.max_model_len,
+        "rope_switch_length": model.rope_switch_length,
+    }
     with staging_directory(out) as stage:
         written = _write_export(model, stage, options, kv_cache_dtype, step)
+        # the torch weights are not needed past the lowering: freed before the quantizer
+        # loads the ONNX weights (two float copies otherwise)
+        del model
+        gc.collect()
+        if options.weights is not None:
+            step(f"quantizing the weights ({options.weights.format})")
+            start = time.perf_counter()
+            try:
+                written["weights"] = lowering.quantize_weights(stage / ONNX_FILE, options.weights)
+            except lowering.QuantizationError as error:
+                raise ArtifactError(str(error)) from None
+            written["export_seconds"]["quantize"] = round(time.perf_counter() - start, 3)
+        step("writing the manifest")
+        written["file_digests"] = model_file_digests(stage, written["files"])
         for name, path in tokenizer_files.items():
             shutil.copy2(path, stage / name)
         timings = written.pop("export_seconds")
@@ -146,15 +172,10 @@ def export_artifact(
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
-            "architecture": model.zoo_name,
-            "kind": model.kind,
-            "impl": model.impl,
-            **({"impl_note": model.zoo_refusal} if model.zoo_refusal else {}),
+            **identity,
             "source": source_entry,
             **written,  # dtypes, config, cache, target, files, weights, digests, inputs
-            "vocab_size": getattr(model.config, "vocab_size", None),
-            "max_model_len": model.max_model_len,
-            "rope_switch_length": model.rope_switch_length,
+            **limits,
             "generation": generation,
             **({"embedding": embedding} if embedding is not None else {}),
             "tokenizer_files": [n for n in tokenizer_files if n != "generation_config.json"],
@@ -169,8 +190,9 @@ def export_artifact(
 def _write_export(
     model, stage: Path, options: ExportOptions, kv_cache_dtype, step: Callable[[str], None]
 ) -> dict:
-    """Writes the model files of ``model`` into ``stage``; returns the manifest's entries
-    about them (dtypes, config, cache, target, files, weights, digests, inputs, export times)."""
+    """Writes the model files of ``model`` into ``stage`` (float weights); returns the
+    manifest's entries about them (dtypes, config, cache, target, files, digests, inputs,
+    export times)."""
     from attnexport import lowering
 
     sample = model.export_sample(options.block_size, kv_cache_dtype)
@@ -188,7 +210,6 @@ def _write_export(
         save_pt2(program, stage / PT2_FILE)
         files["pt2"] = PT2_FILE
     if "onnx" in options.formats:
-        step(f"lowering to ONNX (target {options.target})")
         start = time.perf_counter()
         lowering.to_onnx(
             program,
@@ -197,18 +218,10 @@ def _write_export(
             target=options.target,
             cache_spec=cache_spec,
             metadata={"architecture": model.zoo_name, "kind": model.kind, "impl": model.impl},
+            step=lambda description: step(f"ONNX ({options.target}): {description}"),
         )
         timings["onnx"] = round(time.perf_counter() - start, 3)
         files["onnx"] = ONNX_FILE
-    weights = None
-    if options.weights is not None:
-        step(f"quantizing the weights ({options.weights.format})")
-        start = time.perf_counter()
-        try:
-            weights = lowering.quantize_weights(stage / ONNX_FILE, options.weights)
-        except lowering.QuantizationError as error:
-            raise ArtifactError(str(error)) from None
-        timings["quantize"] = round(time.perf_counter() - start, 3)
     return {
         "dtype": dtype_name(options.dtype),
         "kv_cache_dtype": dtype_name(kv_cache_dtype or options.dtype),
@@ -216,8 +229,7 @@ def _write_export(
         "cache": cache_entry(cache_spec),
         "target": options.target if "onnx" in options.formats else None,
         "files": files,
-        **({"weights": weights} if weights is not None else {}),
-        "file_digests": model_file_digests(stage, files),
+        "file_digests": {},  # once every file is written
         "input_names": list(sample.input_names),
         "export_seconds": timings,
     }

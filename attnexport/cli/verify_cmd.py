@@ -30,6 +30,7 @@ leg (its float caches are not the artifact's).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 from collections.abc import Callable
@@ -134,30 +135,34 @@ def _eager_leg(model: torch.nn.Module, backend: str) -> Leg:
     return call
 
 
-def _legs(manifest: dict, directory: Path, model, trust_pickle: bool) -> dict[str, Leg]:
-    """Every way to run this artifact here, the reference (``eager[sdpa]``) first. Only the
-    model files the manifest lists are loaded, each after checking its size and SHA-256.
-    Backends that cannot run the artifact's KV cache dtype are left out (:func:`skipped_legs`
-    says why)."""
-    legs: dict[str, Leg] = {}
+def _legs(
+    manifest: dict, directory: Path, model, trust_pickle: bool
+) -> dict[str, Callable[[], Leg]]:
+    """Every way to run this artifact here, the reference (``eager[sdpa]``) first, each as a
+    function that loads it: a leg is loaded when it runs and dropped after, so the ONNX
+    sessions and the ``.pt2`` never hold their weights at the same time. Only the model files
+    the manifest lists are loaded, each after checking its size and SHA-256 (here, before any
+    leg runs). Backends that cannot run the artifact's KV cache dtype are left out
+    (:func:`skipped_legs` says why)."""
+    legs: dict[str, Callable[[], Leg]] = {}
     if model is not None:
-        legs["eager[sdpa]"] = _eager_leg(model, "sdpa")
+        legs["eager[sdpa]"] = lambda: _eager_leg(model, "sdpa")
         runnable, _ = _other_backends(manifest)
         for backend in runnable:
-            legs[f"eager[{backend.name}]"] = _eager_leg(model, backend.name)
+            legs[f"eager[{backend.name}]"] = lambda name=backend.name: _eager_leg(model, name)
     if "pt2" in manifest["files"]:
         from attnexport.artifact import load_pt2
 
-        path = check_model_file(manifest, directory, "pt2")
-        program = load_pt2(path, trust_pickle=trust_pickle).module()
-        legs["pt2"] = _eager_leg(program, "auto")
+        pt2 = check_model_file(manifest, directory, "pt2")
+        legs["pt2"] = lambda: _eager_leg(load_pt2(pt2, trust_pickle=trust_pickle).module(), "auto")
     if "onnx" in manifest["files"]:
         from attnexport import ort_kernels
 
         path = check_model_file(manifest, directory, "onnx")
-        legs["onnx"] = _onnx_leg(path, manifest["input_names"], native=False)
+        names = manifest["input_names"]
+        legs["onnx"] = lambda: _onnx_leg(path, names, native=False)
         if ort_kernels.unavailable_reason() is None:
-            legs["onnx[native]"] = _onnx_leg(path, manifest["input_names"], native=True)
+            legs["onnx[native]"] = lambda: _onnx_leg(path, names, native=True)
     return legs
 
 
@@ -471,17 +476,19 @@ def verify_artifact(
         tolerance = max(tolerance, kv_cache_model_tolerance(getattr(torch, cache_dtype)))
     reference_name, *others = legs
     step(f"running {reference_name}")
-    reference = run_leg(legs[reference_name], manifest, batch, seed)
+    reference = run_leg(legs[reference_name](), manifest, batch, seed)
     comparisons = []
     weights = manifest.get("weights")
     following = next_tokens(manifest, batch)
     for name in others:
         step(f"running {name}")
-        outputs = run_leg(legs[name], manifest, batch, seed)
+        outputs = run_leg(legs[name](), manifest, batch, seed)
         if weights is not None and name.startswith("onnx"):
             comparisons += _compare_quantized(name, outputs, reference, weights, following)
         else:
             comparisons += _compare(name, outputs, reference, tolerance)
+    del legs, model  # the transformers leg loads a model of its own
+    gc.collect()
     from attnexport.cli import verify_hf
 
     # A quantized artifact's greedy tokens are not the float checkpoint's: its quality is the

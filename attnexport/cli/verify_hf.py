@@ -87,12 +87,18 @@ def greedy_mismatches(
     engine on the artifact, ``GREEDY_TOKENS`` new tokens per prompt with the checkpoint's EOS
     as stop token. A decoder-only comparison (encoder-decoders add forced tokens that
     ``tests/cli/test_cli_encoder_decoder.py`` covers)."""
-    from attnexport.runtime import SamplingParams, engine_from_path
+    from attnexport.runtime import CacheConfig, SamplingParams, engine_from_path
 
     eos = manifest["generation"].get("eos_token_ids") or []
-    engine = engine_from_path(artifact, trust_pickle=trust_pickle)
+    # a pool for these prompts, not the default's max_num_seqs x max_model_len (~5 GB beside
+    # the model for SmolLM2's 8192-token context: verify's peak)
+    lengths = tuple(len(prompt) + GREEDY_TOKENS for prompt in prompts)
+    engine = engine_from_path(
+        artifact, trust_pickle=trust_pickle, cache_config=CacheConfig(sequence_tokens=lengths)
+    )
     params = SamplingParams(max_tokens=GREEDY_TOKENS, stop_token_ids=tuple(eos))
     outputs = engine.generate(prompts, params)
+    del engine  # its session and caches, before transformers generates
     mismatches = compared = 0
     with torch.no_grad():
         for prompt, output in zip(prompts, outputs, strict=True):

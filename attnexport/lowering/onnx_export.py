@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import onnx
@@ -44,9 +44,10 @@ from attnexport.model_interface import CacheSpec
 IR_VERSION = 10
 """ONNX IR version of the files (onnx 1.23 writes newer ones than onnxruntime 1.31 reads)."""
 DEFAULT_OPSET = 18
-EXTERNAL_DATA_BYTES = 1_800_000_000
-"""Weights past this many bytes go to ``model.onnx.data`` (protobuf's 2 GiB limit, with room
-for the graph)."""
+EXTERNAL_DATA_BYTES = 64 * 2**20
+"""Weights past this many bytes go to ``model.onnx.data``, written one tensor at a time: a
+single file is serialized whole in memory first (a second and third copy of the weights beside
+the model's; protobuf's 2 GiB limit besides)."""
 
 
 def _sample_inputs(program: ExportedProgram) -> dict[str, torch.Tensor]:
@@ -80,7 +81,8 @@ def _activation_dtype(program: ExportedProgram) -> torch.dtype | None:
     return None
 
 
-def _save(model: ir.Model, path: Path) -> onnx.ModelProto:
+def _save(model: ir.Model, path: Path, step: Callable[[str], None]) -> onnx.ModelProto:
+    step(f"saving {path.name}")
     path.parent.mkdir(parents=True, exist_ok=True)
     weights = sum(
         value.const_value.nbytes
@@ -92,6 +94,7 @@ def _save(model: ir.Model, path: Path) -> onnx.ModelProto:
         ir.save(model, path, external_data=f"{path.name}.data")
     else:
         ir.save(model, path)
+    step(f"checking {path.name} (onnx.checker)")
     onnx.checker.check_model(str(path), full_check=True)
     return onnx.load(str(path), load_external_data=not external)
 
@@ -109,6 +112,7 @@ def to_onnx(
     cache_spec: CacheSpec | None = None,
     opset_version: int = DEFAULT_OPSET,
     fuse: bool = True,
+    step: Callable[[str], None] = lambda _description: None,
 ) -> onnx.ModelProto:
     """Exports a model on the attnexport ops to an ONNX file that stock onnxruntime runs.
 
@@ -121,7 +125,7 @@ def to_onnx(
         module_or_program: an ``nn.Module`` (exported with :func:`export_program`) or an
             ``ExportedProgram`` from it (whose example inputs then stand for ``args``).
         args: sample positional inputs (see :func:`export_program`).
-        path: where to write the ``.onnx`` file (weights over ~1.8 GB go to ``<path>.data``).
+        path: where to write the ``.onnx`` file (weights over 64 MiB go to ``<path>.data``).
         dynamic_shapes: see :func:`export_program`; only for a module.
         target: ``"attnexport"`` (custom nodes + function bodies), ``"standard"`` (bodies
             inlined) or ``"ort-cuda"`` (``com.microsoft.PagedAttention`` where possible).
@@ -135,6 +139,7 @@ def to_onnx(
         fuse: apply the rewrite rules of :mod:`attnexport.lowering.fusions` (standard-op
             patterns of transformers' modeling code -> the fused attnexport nodes); the graph
             contract records which fired (``fusions``).
+        step: called with a description as each long stage starts (progress display).
 
     Returns:
         The saved ``onnx.ModelProto`` (without its weights when they went to external data).
@@ -163,6 +168,7 @@ def to_onnx(
         _activation_dtype(program),
     )
 
+    step("torch.onnx translation")
     functional, _ = functionalize_cache_writes(program)
     from attnexport.lowering.registry import translation_table
 
@@ -178,6 +184,7 @@ def to_onnx(
             custom_translation_table=translation_table(),
         )
     model = onnx_program.model
+    step("cache outputs, weights, onnxscript optimizer")
     onnx_passes.drop_absent_scale_outputs(model)
     onnx_passes.connect_caches_directly(model)
     cache_outputs = onnx_passes.expose_cache_writes(model, caches.written)
@@ -187,6 +194,7 @@ def to_onnx(
     onnx_passes.transpose_weights(model)
     onnxscript.optimizer.optimize_ir(model)
     onnx_passes.gemm_to_matmul(model)
+    step("fusions, names, target")
     fired = fusions.fuse(model) if fuse else {}
     naming.rename_dims(
         model, naming.input_dim_names(program), program.graph_module.meta.get(DIM_NAMES_META, {})
@@ -209,6 +217,6 @@ def to_onnx(
     model.metadata_props.update(contract.to_props())
     if notes:
         model.metadata_props["target_notes"] = "\n".join(notes)
-    proto = _save(model, Path(path))
+    proto = _save(model, Path(path), step)
     onnx_passes.check_cache_io(proto, caches.inputs, cache_outputs)
     return proto

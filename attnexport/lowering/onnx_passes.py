@@ -290,13 +290,22 @@ def gemm_to_matmul(model: ir.Model) -> int:
 
 
 def _transposed(graph: ir.Graph, weight: ir.Value) -> ir.Value:
-    """A new initializer ``<weight>.T``: the constant 2-D ``weight`` transposed."""
-    array = np.ascontiguousarray(weight.const_value.numpy().T)
+    """A new initializer ``<weight>.T``: the constant 2-D ``weight`` transposed, computed
+    when it is read (at save, one weight at a time: the lowering never holds a transposed copy
+    of every weight beside the originals)."""
+    source = weight.const_value
+    rows, columns = source.shape
+    name = f"{weight.name}.T"
     matrix = ir.Value(
-        name=f"{weight.name}.T",
-        shape=ir.Shape(array.shape),
+        name=name,
+        shape=ir.Shape((columns, rows)),
         type=weight.type,
-        const_value=ir.tensor(array, name=f"{weight.name}.T"),
+        const_value=ir.LazyTensor(
+            lambda: ir.tensor(np.ascontiguousarray(source.numpy().T), name=name),
+            dtype=source.dtype,
+            shape=ir.Shape((columns, rows)),
+            name=name,
+        ),
     )
     graph.register_initializer(matrix)
     return matrix
@@ -307,8 +316,13 @@ def transpose_weights(model: ir.Model) -> int:
     of ``nn.Linear`` on 3-D inputs: ``MatMul(x, Transpose(W))``) by the initializer
     ``<W>.T``, so that the weight keeps its module's name (``model.layers.0.mlp.down_proj``
     for the quantizer's layer names and the fusions') where the optimizer's constant folding
-    would name it ``val_N``. ``W`` stays when other nodes read it (a tied embedding). Returns
-    the number of Transpose nodes replaced."""
+    would name it ``val_N``.
+
+    A ``W`` that other nodes read too (a tied embedding, ``Gather(W)`` beside
+    ``MatMul(x, Transpose(W))``) is not copied: the table would be stored twice. Each
+    ``MatMul`` on it becomes ``Gemm(x, W, transB=1)`` instead (the zoo's form,
+    which the weight quantization rewrites, :mod:`attnexport.lowering.lm_head`); the Transpose
+    stays only for other readers. Returns the number of Transpose nodes replaced."""
     graph = model.graph
     replaced = 0
     for node in standard_nodes(graph, "Transpose"):
@@ -319,6 +333,9 @@ def transpose_weights(model: ir.Model) -> int:
             or node.outputs[0].is_graph_output()
         ):
             continue
+        if len(weight.uses()) > 1:
+            replaced += _gemm_on_tied_weight(graph, node)
+            continue
         matrix = _transposed(graph, weight)
         ir.convenience.replace_all_uses_with(node.outputs[0], matrix)
         graph.remove(node, safe=True)
@@ -326,3 +343,61 @@ def transpose_weights(model: ir.Model) -> int:
             graph.initializers.pop(weight.name)
         replaced += 1
     return replaced
+
+
+def _gemm_on_tied_weight(graph: ir.Graph, transpose: ir.Node) -> int:
+    """Rewrites each ``MatMul(x, Transpose(W))`` into ``Gemm(x, W, transB=1)`` (an ``x`` of
+    rank > 2 flattened to ``[-1, K]`` around it and its result reshaped back; same output
+    value name); removes the Transpose when nothing else reads it. Returns 1 when it was
+    removed."""
+    weight, transposed = transpose.inputs[0], transpose.outputs[0]
+    columns, rows = weight.shape  # W is [N, K]
+    for user, index in list(transposed.uses()):
+        x = user.inputs[0]
+        if (
+            user.op_type != "MatMul"
+            or user.domain not in ("", "ai.onnx")
+            or index != 1
+            or x is None
+            or x.shape is None
+            or len(x.shape) < 2
+        ):
+            continue
+        nodes = []
+        flat = x
+        if len(x.shape) > 2:
+            nodes.append(_int64_constant(f"{user.name}_flat_shape", [-1, rows]))
+            nodes.append(ir.Node("", "Reshape", [x, nodes[-1].outputs[0]]))
+            flat = nodes[-1].outputs[0]
+        gemm = ir.Node("", "Gemm", [flat, weight], [ir.AttrInt64("transB", 1)], name=user.name)
+        nodes.append(gemm)
+        result = gemm.outputs[0]
+        output = user.outputs[0]
+        if len(x.shape) > 2:
+            lead = ir.Node("", "Shape", [x], [ir.AttrInt64("end", -1)])
+            width = _int64_constant(f"{user.name}_width", [columns])
+            shape = ir.Node(
+                "", "Concat", [lead.outputs[0], width.outputs[0]], [ir.AttrInt64("axis", 0)]
+            )
+            back = ir.Node("", "Reshape", [result, shape.outputs[0]])
+            nodes += [lead, width, shape, back]
+            result = back.outputs[0]
+        name = output.name
+        result.type, result.shape = output.type, output.shape
+        graph.insert_before(user, nodes)
+        ir.convenience.replace_all_uses_with(output, result, replace_graph_outputs=True)
+        graph.remove(user, safe=True)
+        result.name = name
+    if transposed.uses():
+        return 0
+    graph.remove(transpose, safe=True)
+    return 1
+
+
+def _int64_constant(name: str, values: list[int]) -> ir.Node:
+    return ir.Node(
+        "",
+        "Constant",
+        [],
+        [ir.AttrTensor("value", ir.tensor(np.array(values, dtype=np.int64), name=name))],
+    )

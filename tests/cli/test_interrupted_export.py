@@ -36,7 +36,8 @@ def _snapshot(directory: Path) -> dict[str, bytes]:
 
 def test_sigint_during_quantization_keeps_the_earlier_export(llama_export, tmp_path):
     """A real ``export --weights int4 --overwrite`` subprocess gets SIGINT once the float
-    model.onnx is written (the lowering step's line is printed when quantization starts)."""
+    model.onnx is written and checked (the checker step's line is printed when quantization
+    starts)."""
     out = tmp_path / "export"
     shutil.copytree(llama_export, out)
     before = _snapshot(out)
@@ -50,7 +51,7 @@ def test_sigint_during_quantization_keeps_the_earlier_export(llama_export, tmp_p
     lines = []
     for line in process.stderr:
         lines.append(line)
-        if line.strip().startswith("lowering to ONNX") and line.rstrip().endswith("s)"):
+        if line.strip().startswith("ONNX (attnexport): checking") and line.rstrip().endswith("s)"):
             process.send_signal(signal.SIGINT)
             break
     lines += process.stderr.readlines()
@@ -67,7 +68,7 @@ def test_an_interrupted_new_export_leaves_no_directory(tmp_path):
     out = tmp_path / "new" / "export"
 
     def step(description: str) -> None:
-        if description.startswith("lowering to ONNX"):
+        if description.startswith("ONNX"):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):

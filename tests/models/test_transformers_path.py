@@ -88,6 +88,32 @@ def test_greedy_tokens_and_logits_match_transformers(exported, leg):
     assert len({t for sequence in tokens for t in sequence}) > 3, "degenerate greedy output"
 
 
+def test_a_tied_embedding_is_stored_once_and_gives_transformers_tokens(tmp_path):
+    """A tied ``lm_head`` on the transformers path (``MatMul(x, Transpose(E))`` beside the
+    embedding's ``Gather(E)``) reads the one table through ``Gemm(transB=1)``: no transposed
+    copy of ``E`` is stored, and the greedy tokens are still transformers'."""
+    import onnx
+
+    vocab = 160  # no other weight has this dimension
+    family = Family("llama", "tied", {"tie_word_embeddings": True, "vocab_size": vocab})
+    hf_model = build_checkpoint(family, tmp_path / "checkpoint")
+    model = load_checkpoint(tmp_path / "checkpoint", impl="transformers")
+    exports = export_once(model, tmp_path)
+    graph = onnx.load(str(exports.onnx)).graph
+    hidden = hf_model.config.hidden_size
+    tables = [i.name for i in graph.initializer if sorted(i.dims) == sorted([vocab, hidden])]
+    assert len(tables) == 1, tables
+    readers = sorted(n.op_type for n in graph.node if tables[0] in n.input)
+    assert readers == ["Gather", "Gemm"]
+    driver = PagedDriver(
+        paged_runner(model, "onnx", exports), model.cache_spec(BLOCK_SIZE), NUM_BLOCKS, seed=1
+    )
+    for prompt in PROMPTS:
+        driver.add(prompt)
+    tokens, _ = driver.greedy(GREEDY_STEPS)
+    assert tokens == [greedy_generate(hf_model, list(p), GREEDY_STEPS)[0] for p in PROMPTS]
+
+
 # ----------------------------------------------------------------------------- refusals
 
 REFUSED = {
