@@ -34,6 +34,15 @@ def model_tolerance(dtype: torch.dtype) -> float:
     return _MODEL_TOLERANCES[dtype]
 
 
+def scaled_tolerance(tolerance: float, magnitude: float) -> float:
+    """``tolerance`` (a :func:`model_tolerance`) for values as large as ``magnitude`` (the
+    reference's max abs): float rounding is relative to the values, and the model tolerances
+    were set on tiny random models whose logits stay near 1. A real checkpoint's logits reach
+    20-30 (SmolLM2: its float32 ONNX prefill logits differ from eager by 1.4e-4, ~7e-6 of their
+    size), so the bound grows with them; below magnitude 1 it stays absolute."""
+    return tolerance * max(1.0, magnitude)
+
+
 CONFIDENT_MARGIN = 2.0
 """A token is *confident* when the reference's top-1 logit leads its top-2 by more than this
 (the top-1 is e^2 ~ 7.4 times as likely): quantization should rarely flip those, while the

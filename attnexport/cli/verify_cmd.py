@@ -363,6 +363,8 @@ def notes(manifest: dict) -> list[str]:
 def _compare(name: str, outputs: dict, reference: dict, tolerance: float) -> list[Comparison]:
     import torch
 
+    from attnexport.tolerances import scaled_tolerance
+
     comparisons = []
     for output, expected in reference.items():
         if output not in outputs:
@@ -371,8 +373,9 @@ def _compare(name: str, outputs: dict, reference: dict, tolerance: float) -> lis
         expected = expected.to(torch.float64)
         diff = (actual - expected).abs()
         max_abs = float(diff.max()) if diff.numel() else 0.0
-        scale = expected.abs().max().clamp_min(1e-12)
-        comparisons.append(Comparison(name, output, max_abs, max_abs / float(scale), tolerance))
+        scale = float(expected.abs().max().clamp_min(1e-12)) if expected.numel() else 1e-12
+        bound = scaled_tolerance(tolerance, scale)
+        comparisons.append(Comparison(name, output, max_abs, max_abs / scale, bound))
     return comparisons
 
 
