@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -125,24 +126,16 @@ def _run_llguidance(tokenizer, cases) -> dict:
             raise RuntimeError(f"llguidance: {name}: {matcher.get_error()}")
         mask = llguidance.numpy.allocate_token_bitmask(1, ll_tokenizer.vocab_size)
         logits = np.random.default_rng(0).standard_normal((1, len(tokenizer)), np.float32)
-        fill, apply, accept = [], [], []
-        for token in token_ids:
-            t0 = time.perf_counter()
-            llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
-            t1 = time.perf_counter()
-            row = logits.copy()
-            t2 = time.perf_counter()
-            llguidance.numpy.apply_token_bitmask_inplace(row, mask)
-            t3 = time.perf_counter()
-            if not np.isfinite(row[0, token]):
-                raise RuntimeError(f"llguidance: {name}: the mask forbids token {token}")
-            ok = matcher.consume_token(token)
-            t4 = time.perf_counter()
-            if not ok:
-                raise RuntimeError(f"llguidance: {name}: {matcher.get_error()}")
-            fill.append(t1 - t0)
-            apply.append(t3 - t2)
-            accept.append(t4 - t3)
+        fill, apply, accept = _walk(
+            f"llguidance: {name}",
+            token_ids,
+            fill=partial(llguidance.numpy.fill_next_token_bitmask, matcher, mask, 0),
+            copy_row=logits.copy,
+            apply_mask=partial(_apply_mask, llguidance.numpy.apply_token_bitmask_inplace, mask),
+            allows=lambda row, token: bool(np.isfinite(row[0, token])),
+            accept=matcher.consume_token,
+            why_refused=matcher.get_error,
+        )
         results["cases"][name] = _case_result(compile_s, fill, apply, accept)
     return results
 
@@ -169,26 +162,48 @@ def _run_xgrammar(tokenizer, cases) -> dict:
         compile_s = time.perf_counter() - start
         mask = xgr.allocate_token_bitmask(1, info.vocab_size)
         logits = torch.randn((1, len(tokenizer)), generator=torch.Generator().manual_seed(0))
-        fill, apply, accept = [], [], []
-        for token in token_ids:
-            t0 = time.perf_counter()
-            matcher.fill_next_token_bitmask(mask)
-            t1 = time.perf_counter()
-            row = logits.clone()
-            t2 = time.perf_counter()
-            xgr.apply_token_bitmask_inplace(row, mask)
-            t3 = time.perf_counter()
-            if not torch.isfinite(row[0, token]):
-                raise RuntimeError(f"xgrammar: {name}: the mask forbids token {token}")
-            ok = matcher.accept_token(token)
-            t4 = time.perf_counter()
-            if not ok:
-                raise RuntimeError(f"xgrammar: {name}: token {token} refused")
-            fill.append(t1 - t0)
-            apply.append(t3 - t2)
-            accept.append(t4 - t3)
+        fill, apply, accept = _walk(
+            f"xgrammar: {name}",
+            token_ids,
+            fill=partial(matcher.fill_next_token_bitmask, mask),
+            copy_row=logits.clone,
+            apply_mask=partial(_apply_mask, xgr.apply_token_bitmask_inplace, mask),
+            allows=lambda row, token: bool(torch.isfinite(row[0, token])),
+            accept=matcher.accept_token,
+            why_refused=lambda: "the matcher refused it",
+        )
         results["cases"][name] = _case_result(compile_s, fill, apply, accept)
     return results
+
+
+def _apply_mask(apply_inplace, mask, row):
+    apply_inplace(row, mask)
+
+
+def _walk(what, token_ids, *, fill, copy_row, apply_mask, allows, accept, why_refused):
+    """Walks a grammar library's matcher along ``token_ids``: per token the times to fill the
+    mask, to apply it to a fresh copy of the logits row (the copy is timed with it: both
+    libraries mask in place) and to accept the token; the checks between them are not timed.
+    Raises when the mask forbids, or the matcher refuses, a token of the document."""
+    fill_s, apply_s, accept_s = [], [], []
+    for token in token_ids:
+        t0 = time.perf_counter()
+        fill()
+        t1 = time.perf_counter()
+        row = copy_row()
+        apply_mask(row)
+        t2 = time.perf_counter()
+        if not allows(row, token):
+            raise RuntimeError(f"{what}: the mask forbids token {token}")
+        t3 = time.perf_counter()
+        accepted = accept(token)
+        t4 = time.perf_counter()
+        if not accepted:
+            raise RuntimeError(f"{what}: token {token}: {why_refused()}")
+        fill_s.append(t1 - t0)
+        apply_s.append(t2 - t1)
+        accept_s.append(t4 - t3)
+    return fill_s, apply_s, accept_s
 
 
 def _case_result(compile_s: float, fill: list, apply: list, accept: list) -> dict:
