@@ -152,8 +152,11 @@ def _legs(
             legs[f"eager[{backend.name}]"] = lambda name=backend.name: _eager_leg(model, name)
     if "pt2" in manifest["files"]:
         from attnexport.artifact import load_pt2
+        from attnexport.artifact.pt2 import inspect_pt2
 
         pt2 = check_model_file(manifest, directory, "pt2")
+        if not trust_pickle:  # refused before any leg runs; load_pt2 checks again at load
+            inspect_pt2(pt2)
         legs["pt2"] = lambda: _eager_leg(load_pt2(pt2, trust_pickle=trust_pickle).module(), "auto")
     if "onnx" in manifest["files"]:
         from attnexport import ort_kernels

@@ -23,6 +23,7 @@ from attnexport.artifact.staging import STAGING_PREFIX
 from tests.cli.helpers import assert_one_line_error
 
 ROOT = Path(__file__).resolve().parents[2]
+INT4_OVER = ("--overwrite", "--weights", "int4")
 CLI = [sys.executable, "-c", "import sys; from attnexport.cli import main; sys.exit(main())"]
 
 
@@ -37,12 +38,18 @@ def _snapshot(directory: Path) -> dict[str, bytes]:
 def test_sigint_during_quantization_keeps_the_earlier_export(llama_export, tmp_path):
     """A real ``export --weights int4 --overwrite`` subprocess gets SIGINT once the float
     model.onnx is written and checked (the checker step's line is printed when quantization
-    starts)."""
+    starts). The child holds the quantization step open (a sleep before the quantizer) so
+    the signal lands inside it however fast the machine quantizes a tiny model (0.1 s)."""
     out = tmp_path / "export"
     shutil.copytree(llama_export, out)
     before = _snapshot(out)
+    slow_quantization = (
+        "import sys, time; from attnexport import lowering; quantize = lowering.quantize_weights; "
+        "lowering.quantize_weights = lambda *a, **k: (time.sleep(60), quantize(*a, **k))[1]; "
+        "from attnexport.cli import main; sys.exit(main())"
+    )
     process = subprocess.Popen(
-        [*CLI, "export", "llama", "--out", out, "--overwrite", "--weights", "int4"],
+        [sys.executable, "-c", slow_quantization, "export", "llama", "--out", out, *INT4_OVER],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,

@@ -17,6 +17,7 @@ from tests.runtime.test_executors import (  # noqa: F401  (fixtures)
     PARAMS,
     PROMPTS,
     eager_tokens,
+    exports,
     model,
     onnx_path,
 )
