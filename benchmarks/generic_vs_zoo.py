@@ -56,12 +56,23 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def run_leg(args) -> dict:
     """One leg in this process: returns ``ttft_s`` and ``decode_tok_s``."""
     from attnexport.artifact import read_manifest
-    from attnexport.runtime import CacheConfig, Engine, OrtExecutor, SamplingParams
+    from attnexport.runtime import (
+        CacheConfig,
+        Engine,
+        OrtExecutor,
+        SamplingParams,
+        SchedulerConfig,
+    )
 
     manifest = read_manifest(args.artifact)
     executor = OrtExecutor(args.artifact / "model.onnx", num_threads=args.threads)
-    blocks = args.batch * -(-(args.prompt_len + args.new_tokens) // 16) + 8
-    engine = Engine(executor, CacheConfig(num_blocks=blocks, enable_prefix_caching=False))
+    longest = args.prompt_len + args.new_tokens
+    blocks = args.batch * -(-longest // 16) + 8
+    engine = Engine(
+        executor,
+        CacheConfig(num_blocks=blocks, enable_prefix_caching=False),
+        SchedulerConfig(max_model_len=longest),
+    )
     vocab = manifest["vocab_size"]
 
     def generate(new: int, seed: int) -> dict:
