@@ -36,21 +36,14 @@ print(json.dumps({"before": before, "peak": status("VmHWM")}))
 def wide_checkpoint(tmp_path_factory) -> tuple[Path, int]:
     """A 1-layer Llama whose weights (~100 MB: untied 32768 x 384 tables) dwarf what an
     export allocates besides them; returns its directory and its weights' bytes."""
-    import torch
-    import transformers
+    transformers = pytest.importorskip("transformers")
+    from tests.models.hf_reference import build_checkpoint
 
     directory = tmp_path_factory.mktemp("wide") / "checkpoint"
-    config = transformers.LlamaConfig(
-        vocab_size=32768,
-        hidden_size=384,
-        intermediate_size=512,
-        num_hidden_layers=1,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    sizes = dict(vocab_size=32768, hidden_size=384, intermediate_size=512, num_hidden_layers=1)
+    heads = dict(num_attention_heads=6, num_key_value_heads=2)
+    config = transformers.LlamaConfig(**sizes, **heads, tie_word_embeddings=False)
+    build_checkpoint("LlamaForCausalLM", config, directory)
     return directory, sum(p.stat().st_size for p in directory.glob("*.safetensors"))
 
 
