@@ -39,11 +39,14 @@ def test_sigint_during_quantization_keeps_the_earlier_export(llama_export, tmp_p
     """A real ``export --weights int4 --overwrite`` subprocess gets SIGINT once the float
     model.onnx is written and checked (the checker step's line is printed when quantization
     starts). The child holds the quantization step open (a sleep before the quantizer) so
-    the signal lands inside it however fast the machine quantizes a tiny model (0.1 s)."""
+    the signal lands inside it however fast the machine quantizes a tiny model (0.1 s), and
+    takes SIGINT's default handler (a suite started in the background by a non-interactive
+    shell hands its children SIGINT ignored)."""
     out = tmp_path / "export"
     shutil.copytree(llama_export, out)
     before = _snapshot(out)
     slow_quantization = (
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
         "import sys, time; from attnexport import lowering; quantize = lowering.quantize_weights; "
         "lowering.quantize_weights = lambda *a, **k: (time.sleep(60), quantize(*a, **k))[1]; "
         "from attnexport.cli import main; sys.exit(main())"
