@@ -44,11 +44,18 @@ def _initializer(graph: onnx.GraphProto, name: str) -> onnx.TensorProto:
 
 
 def quantize_lm_head(
-    model: onnx.ModelProto, node_name: str, *, bits: int, block_size: int, accuracy_level: int
+    model: onnx.ModelProto,
+    node_name: str,
+    *,
+    bits: int,
+    block_size: int,
+    accuracy_level: int,
+    base_dir: str = "",
 ) -> None:
     """Rewrites, in place, the logits projection ``node_name`` (``MatMul(x, W[K, N])`` or the
     tied ``Gemm(x, E[N, K], transB=1)``) into MatMulNBits, and every ``Gather`` of a tied ``E``
-    into GatherBlockQuantized on the same quantized table (module doc).
+    into GatherBlockQuantized on the same quantized table (module doc). A weight in an external
+    data file is read from ``base_dir``.
 
     Raises:
         LmHeadError: another kind of node reads the weight.
@@ -56,7 +63,7 @@ def quantize_lm_head(
     graph = model.graph
     position, node = next((i, n) for i, n in enumerate(graph.node) if n.name == node_name)
     weight_name = node.input[1]
-    weight = numpy_helper.to_array(_initializer(graph, weight_name))
+    weight = numpy_helper.to_array(_initializer(graph, weight_name), base_dir)
     weight_nk = weight if node.op_type == "Gemm" else weight.T
     n, k = weight_nk.shape
     packed, scales = _block_quantize(weight_nk, bits, block_size)

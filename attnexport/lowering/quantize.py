@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
+from onnx import external_data_helper
 
 from attnexport.lowering.onnx_export import EXTERNAL_DATA_BYTES
 from attnexport.lowering.quantization_error import QuantizationError
@@ -250,8 +251,37 @@ def _algorithm_config(nbits, quantization: WeightQuantization):
     )
 
 
-def _quantize_layers(model: onnx.ModelProto, exclude: list[str], quantization) -> onnx.ModelProto:
-    """The projections but ``exclude`` (node names) rewritten by onnxruntime's quantizer."""
+def _reading_each_weight(quantize, graph: onnx.GraphProto, base_dir: str):
+    """onnxruntime's per-node ``quantize(node, graph_stack)`` with the node's weight read from
+    its external data file for the call only, so that one float weight at a time is in memory.
+
+    The weight is read into a scratch graph of its own, the innermost of the graph stack (where
+    the quantizer looks for the weight first and adds what it makes): a tensor read into the
+    model itself would stay in the model's protobuf arena, which frees nothing before the
+    whole model goes. What the quantizer made moves to ``graph``, in the order it was made."""
+
+    def quantize_reading_weight(node: onnx.NodeProto, graph_stack: list) -> list:
+        name = node.input[1] if len(node.input) > 1 else None
+        weight = next((i for i in graph.initializer if i.name == name), None)
+        if weight is None or not external_data_helper.uses_external_data(weight):
+            return quantize(node, graph_stack)
+        scratch = onnx.GraphProto()
+        scratch.initializer.add().CopyFrom(weight)
+        external_data_helper.load_external_data_for_tensor(scratch.initializer[0], base_dir)
+        nodes = quantize(node, [*graph_stack, scratch])
+        graph.initializer.extend(scratch.initializer[1:])
+        return nodes
+
+    return quantize_reading_weight
+
+
+def _quantize_layers(
+    model: onnx.ModelProto, exclude: list[str], quantization, base_dir: str
+) -> onnx.ModelProto:
+    """The projections but ``exclude`` (node names) rewritten by onnxruntime's quantizer.
+    ``model``'s weights may stay in external data files under ``base_dir``: the quantizers that
+    work node by node (``rtn``, ``hqq``) read each weight as they quantize it; ``k_quant``'s
+    whole-model pass gets them all first."""
     with _quiet_quantizer():
         from onnxruntime.quantization import matmul_nbits_quantizer as nbits
 
@@ -264,6 +294,12 @@ def _quantize_layers(model: onnx.ModelProto, exclude: list[str], quantization) -
         nodes_to_exclude=exclude,
         algo_config=_algorithm_config(nbits, quantization),
     )
+    if quantizer.node_quantizer is not None:
+        quantizer.node_quantizer.quantize = _reading_each_weight(
+            quantizer.node_quantizer.quantize, model.graph, base_dir
+        )
+    else:
+        external_data_helper.load_external_data_for_model(model, base_dir)
     with _quiet_quantizer():
         quantizer.process()
     quantized = quantizer.model.model
@@ -293,7 +329,9 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
     from attnexport.lowering.float_zero_points import split_float_zero_points
 
     path = Path(path)
-    model = onnx.load(str(path))
+    base_dir = str(path.parent)
+    # the graph alone: each float weight is read from model.onnx.data as it is quantized
+    model = onnx.load(str(path), load_external_data=False)
     layers = quantizable_layers(model)
     if not layers:
         raise QuantizationError(f"{path}: no MatMul on a constant 2-D weight to quantize")
@@ -302,7 +340,7 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
     exclude = [layers[name] for name in keep]
     if LM_HEAD in layers and head_bits is not None:
         exclude.append(layers[LM_HEAD])
-    quantized = _quantize_layers(model, exclude, quantization)
+    quantized = _quantize_layers(model, exclude, quantization, base_dir)
     if LM_HEAD in layers and head_bits is not None:
         lm_head.quantize_lm_head(
             quantized,
@@ -310,7 +348,10 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
             bits=head_bits,
             block_size=quantization.lm_head_block_size,
             accuracy_level=quantization.accuracy_level,
+            base_dir=base_dir,
         )
+    # the weights that stay float, read before model.onnx.data is rewritten
+    external_data_helper.load_external_data_for_model(quantized, base_dir)
     left = [name for name, node in quantizable_layers(quantized).items() if name not in keep]
     count = sum(n.op_type == "MatMulNBits" for n in quantized.graph.node)
     if left or count != len(layers) - len(keep):
