@@ -276,10 +276,11 @@ def _reading_each_weight(quantize, graph: onnx.GraphProto, base_dir: str):
 
 
 def _quantize_layers(
-    model: onnx.ModelProto, exclude: list[str], quantization, base_dir: str
+    model: onnx.ModelProto, exclude: list[str], quantization, base_dir: str = ""
 ) -> onnx.ModelProto:
     """The projections but ``exclude`` (node names) rewritten by onnxruntime's quantizer.
-    ``model``'s weights may stay in external data files under ``base_dir``: the quantizers that
+    ``model``'s weights may stay in external data files under ``base_dir`` (the directory of
+    its ``.onnx`` file; unused when they are in memory): the quantizers that
     work node by node (``rtn``, ``hqq``) read each weight as they quantize it; ``k_quant``'s
     whole-model pass gets them all first."""
     with _quiet_quantizer():
