@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch.export import ExportedProgram
@@ -12,6 +13,20 @@ from attnexport.lowering.passes import check_program
 
 DIM_NAMES_META = "attnexport_dim_names"
 """``graph_module.meta`` key holding ``{(input, dim): name}`` of the caller's named Dims."""
+
+
+@contextlib.contextmanager
+def without_stack_traces() -> Iterator[None]:
+    """Traces without recording the Python stack of every FX node: ``torch.export`` and
+    torch.onnx's decomposition retrace each capture and format a traceback per node (~8% of
+    SmolLM2's export), which torch.onnx would write into every ONNX node's metadata, with the
+    exporting machine's source paths. torch's own errors do not read them."""
+    previous = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = previous
 
 
 def export_program(
@@ -55,9 +70,10 @@ def export_program(
     args = tuple(args)
     automatic = dynamic_shapes is None
     shapes = naming.auto_dynamic_shapes(module, args, kwargs) if automatic else dynamic_shapes
-    program = torch.export.export(
-        module, args, kwargs=dict(kwargs or {}), dynamic_shapes=shapes, strict=strict
-    )
+    with without_stack_traces():
+        program = torch.export.export(
+            module, args, kwargs=dict(kwargs or {}), dynamic_shapes=shapes, strict=strict
+        )
     check_program(program)
     if automatic:
         fixed = naming.static_batch_dims(program)

@@ -34,7 +34,7 @@ from torch.export.graph_signature import InputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
 from attnexport.lowering import fusions, naming, onnx_passes
-from attnexport.lowering.export import DIM_NAMES_META, export_program
+from attnexport.lowering.export import DIM_NAMES_META, export_program, without_stack_traces
 from attnexport.lowering.model_contract import GraphContract, cache_geometry
 from attnexport.lowering.passes import check_program, functionalize_cache_writes
 from attnexport.lowering.quiet import quieted
@@ -173,7 +173,10 @@ def to_onnx(
     from attnexport.lowering.registry import translation_table
 
     # torch.onnx's registry warns about every torchvision op it cannot find.
-    with quieted("torch.onnx._internal.exporter._registration", logging.ERROR):
+    with (
+        quieted("torch.onnx._internal.exporter._registration", logging.ERROR),
+        without_stack_traces(),
+    ):
         onnx_program = torch.onnx.export(
             functional,
             (),
