@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import gc
 import shutil
 import time
 from collections.abc import Callable
@@ -16,6 +15,7 @@ import torch
 
 from attnexport.artifact.errors import ArtifactError
 from attnexport.artifact.files import ONNX_FILE, PT2_FILE, TOKENIZER_FILES
+from attnexport.artifact.heap import return_freed_memory
 from attnexport.artifact.manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -147,10 +147,10 @@ def export_artifact(
     }
     with staging_directory(out) as stage:
         written = _write_export(model, stage, options, kv_cache_dtype, step)
-        # the torch weights are not needed past the lowering: freed before the quantizer
-        # loads the ONNX weights (two float copies otherwise)
+        # the torch weights are not needed past the lowering: freed, and their pages
+        # returned, before the quantizer reads the ONNX weights
         del model
-        gc.collect()
+        return_freed_memory()
         if options.weights is not None:
             step(f"quantizing the weights ({options.weights.format})")
             start = time.perf_counter()

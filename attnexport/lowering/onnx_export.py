@@ -187,6 +187,7 @@ def to_onnx(
             custom_translation_table=translation_table(),
         )
     model = onnx_program.model
+    torch_weights = list(model.graph.initializers.values())
     step("cache outputs, weights, onnxscript optimizer")
     onnx_passes.drop_absent_scale_outputs(model)
     onnx_passes.connect_caches_directly(model)
@@ -221,5 +222,16 @@ def to_onnx(
     if notes:
         model.metadata_props["target_notes"] = "\n".join(notes)
     proto = _save(model, Path(path), step)
+    _release_weights([*torch_weights, *model.graph.initializers.values()])
     onnx_passes.check_cache_io(proto, caches.inputs, cache_outputs)
     return proto
+
+
+def _release_weights(values: list[ir.Value]) -> None:
+    """Drops the tensors of the saved IR model's weights (torch.onnx's wrap the torch model's
+    tensors, ``<W>.T`` reads them): onnxscript's rewrite rules are module-level objects that
+    keep their last match, and through it the graph, alive after the call, and the graph keeps
+    every value that was once its input (torch.onnx's weights were), which kept every torch
+    weight alive through ``--weights``' quantization (a second float copy of the weights)."""
+    for value in values:
+        value.const_value = None
