@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,3 +90,32 @@ def paged_args(x: dict) -> tuple:
         x["seq_lens"],
         x["query_start_loc"],
     )
+
+
+ROOT = Path(__file__).resolve().parents[1]
+MEMORY_STATUS = """
+import json
+
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+"""
+"""The prelude of a :func:`resident_growth` script: ``status("VmRSS")``, ``status("VmHWM")``."""
+
+
+def resident_growth(script: str, *args: str) -> int:
+    """Runs ``MEMORY_STATUS + script`` with ``args`` in a fresh Python process (this tree on
+    its path, one thread); the script prints ``{"before": bytes, "peak": bytes}`` as its last
+    line. Returns ``peak - before``: what the measured work added to the resident set."""
+    done = subprocess.run(
+        [sys.executable, "-c", MEMORY_STATUS + script, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    return measured["peak"] - measured["before"]

@@ -1,29 +1,22 @@
 """``attnexport export`` holds about one copy of the weights: the checkpoint is read a tensor
 at a time into the model, the lowering's transposed weights are computed as they are written,
-the ONNX weights stream to ``model.onnx.data`` and the torch model is freed before the
-quantizer loads them (benchmarks/export_cost.py measures the real checkpoint)."""
+the ONNX weights stream to ``model.onnx.data``, the torch model is freed before the
+quantizer reads them, one at a time (benchmarks/export_cost.py measures the real checkpoint)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import resident_growth
+
 MEASURE = """
-import json, sys
+import sys
 from pathlib import Path
 import onnx, onnxscript, torch, torch.onnx
 from attnexport import lowering
 from attnexport.artifact import ExportOptions, export_artifact
-
-def status(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field):
-            return int(line.split()[1]) * 1024
 
 checkpoint, out = sys.argv[1:]
 before = status("VmRSS")
@@ -53,17 +46,7 @@ def test_export_peak_stays_near_one_copy_of_the_weights(wide_checkpoint, tmp_pat
     lazily imported modules: 2.5x measured). Reading every tensor before copying and a
     single-file save added three copies (5x and more)."""
     checkpoint, size = wide_checkpoint
-    done = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(checkpoint), str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    measured = json.loads(done.stdout.strip().splitlines()[-1])
-    growth = measured["peak"] - measured["before"]
+    growth = resident_growth(MEASURE, str(checkpoint), str(tmp_path / "out"))
     assert growth < 3.5 * size, (
         f"peak {growth / 2**20:.0f} MiB over imports, weights {size / 2**20:.0f} MiB"
     )

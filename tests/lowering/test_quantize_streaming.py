@@ -5,10 +5,7 @@ quantizer makes from the weights held in memory, and the float model is never wh
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +14,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from attnexport.lowering import WeightQuantization, quantize_weights
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import resident_growth
 
 
 def _save_external(model: onnx.ModelProto, path: Path) -> None:
@@ -70,15 +66,10 @@ def _tensors(model: onnx.ModelProto) -> list[tuple[str, int, list[int], bytes]]:
 
 
 MEASURE = """
-import json, sys
+import sys
 import onnx, onnxruntime, torch
 from onnxruntime.quantization import matmul_nbits_quantizer
 from attnexport import lowering
-
-def status(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field):
-            return int(line.split()[1]) * 1024
 
 before = status("VmRSS")
 # rtn (onnxruntime's C++ block quantizer: little working memory of its own); the row padding,
@@ -121,17 +112,7 @@ def test_quantization_holds_one_float_weight_at_a_time(tmp_path):
     result hold). Loading the whole float model first, as ``onnx.load`` does, grew it by 1.67x."""
     path = tmp_path / "model.onnx"
     size = _projections(path, layers=32, width=1024)
-    done = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(path)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    measured = json.loads(done.stdout.strip().splitlines()[-1])
-    growth = measured["peak"] - measured["before"]
+    growth = resident_growth(MEASURE, str(path))
     assert growth < size, (
         f"peak {growth / 2**20:.0f} MiB over imports, float weights {size / 2**20:.0f} MiB"
     )
