@@ -24,7 +24,7 @@ class LmHeadError(QuantizationError):
     """The logits projection's weight is read by a node this module cannot rewrite."""
 
 
-def _block_quantize(weight_nk: np.ndarray, bits: int, block_size: int):
+def block_quantize(weight_nk: np.ndarray, bits: int, block_size: int):
     """``(packed [N, blocks, block bytes] uint8, scales [N, blocks] float32)``: symmetric round
     to nearest per block along K (onnxruntime's quantizer)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import (
@@ -59,7 +59,7 @@ def quantize_lm_head(
     weight = numpy_helper.to_array(_initializer(graph, weight_name))
     weight_nk = weight if node.op_type == "Gemm" else weight.T
     n, k = weight_nk.shape
-    packed, scales = _block_quantize(weight_nk, bits, block_size)
+    packed, scales = block_quantize(weight_nk, bits, block_size)
     blocks = packed.shape[1]
     data_name, scales_name = f"{weight_name}_Q{bits}", f"{weight_name}_scales"
     graph.initializer.extend(

@@ -32,7 +32,8 @@ def test_manifest_records_the_quantization(int4_export):
         "accuracy_level": 4,
         "algorithm": "hqq",
         "lm_head": "int8",
-        "lm_head_block_size": 32,
+        "lm_head_block_size": 64,
+        "offsets": "int8",
         "batch_invariant": True,
         "quantized_layers": 7,
         "float_layers": ["model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"],
@@ -48,9 +49,10 @@ def test_inspect_shows_the_quantization(int4_export, capsys):
     assert code == 0
     summary = json.loads(out)
     assert summary["weights"]["format"] == "int4"
-    assert summary["nodes"]["com.microsoft::MatMulNBits"] == 7
+    # 7 projections, and the 8-bit offsets of hqq's float zero points beside the 6 layers'.
+    assert summary["nodes"]["com.microsoft::MatMulNBits"] == 7 + 6
     code, out, _ = run_cli(capsys, "inspect", int4_export)
-    assert code == 0 and "weights: int4" in out
+    assert code == 0 and "weights: int4" in out and "int8 zero-point offsets" in out
     assert "algorithm hqq" in out and "lm_head int8" in out and "batch-invariant" in out
 
 

@@ -119,7 +119,10 @@ def test_the_logits_projection_has_a_block_size_of_its_own(gpt2, tmp_path):
     assert float((quantized - reference).abs().max()) <= 0.2  # lm_head int4's bound above
 
 
-def test_hqq_zero_points_move_onto_the_packed_kernels_exactly(llama, tmp_path):
+@pytest.mark.parametrize("offsets", ["float32", "int8"])
+def test_hqq_zero_points_move_onto_the_packed_kernels(llama, tmp_path, offsets):
+    """float32 offsets: the same product as the float zero points; int8 offsets (the default):
+    within a small fraction of the int4 weights' own error."""
     quantization = WeightQuantization(
         "int4", algorithm="hqq", symmetric=False, accuracy_level=1, lm_head="float"
     )
@@ -128,15 +131,21 @@ def test_hqq_zero_points_move_onto_the_packed_kernels_exactly(llama, tmp_path):
     zero_points = [n for n in float_zero_points.graph.node if n.op_type == "MatMulNBits"]
     assert all(len(n.input) == 4 for n in zero_points)  # HQQ's float zero points
     onnx.save(float_zero_points, str(tmp_path / "float.onnx"))
-    assert split_float_zero_points(float_zero_points) == len(zero_points)
-    assert all(
-        len(n.input) == 3 for n in float_zero_points.graph.node if n.op_type == "MatMulNBits"
-    )
+    assert split_float_zero_points(float_zero_points, offsets) == len(zero_points)
+    nbits = [n for n in float_zero_points.graph.node if n.op_type == "MatMulNBits"]
+    assert all(len(n.input) == 3 for n in nbits)
+    assert len(nbits) == len(zero_points) * (2 if offsets == "int8" else 1)
     onnx.save(float_zero_points, str(tmp_path / "split.onnx"))
     before = torch.cat(_logits(llama, tmp_path / "float.onnx", PROMPTS))
     after = torch.cat(_logits(llama, tmp_path / "split.onnx", PROMPTS))
-    # The same product up to float32 rounding (measured 2.4e-7 on logits of ~0.7).
-    torch.testing.assert_close(after, before, atol=5e-6, rtol=0)
+    reference = torch.cat(_logits(llama, llama[2], PROMPTS))
+    error = float((after - before).abs().max())
+    if offsets == "float32":
+        # The same product up to float32 rounding (measured 2.4e-7 on logits of ~0.7).
+        assert error <= 5e-6
+    else:
+        # Measured 1.0e-3, 0.011x the int4 weights' own error (0.09) on this model.
+        assert error <= 0.05 * float((before - reference).abs().max()), error
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
