@@ -10,9 +10,22 @@ so the greedy tokens of a prompt decoded alone and the same prompt decoded in a 
 
 :func:`pad_matmulnbits_rows` gives each MatMulNBits one more (zero) row than it is asked for,
 and drops that row's output: ``M`` is never 1, so one kernel computes every row.
+
+The row is not free: on AVX2 an 8-bit MatMulNBits at accuracy level 4 computes two rows in
+1.6-2.3x the time of one (SmolLM2's shapes), and it needs no row there, since one MLAS kernel
+serves every ``M``. Which kernels do depends on the CPU and onnxruntime build, so the export
+keeps every row (stock onnxruntime gets a batch-invariant file) and the runtime drops the rows
+that the CPU it runs on does not need: :func:`drop_unneeded_rows` asks
+:func:`rows_agree` (a probe of the node's exact kernel: its bits, block size, accuracy level,
+zero points and shape, on random data, every row of ``M`` = 1..8 and 33 against the same row
+in other batches, bit for bit) for each padded group.
 """
 
 from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -73,3 +86,148 @@ def _ranks(model: onnx.ModelProto) -> dict[str, int]:
         for v in values
         if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")
     }
+
+
+PROBE_ROWS = (1, 2, 3, 4, 5, 8, 33)
+"""The batch sizes :func:`rows_agree` compares, row by row, against one batch of 33."""
+
+
+@functools.cache
+def rows_agree(
+    bits: int, block_size: int, accuracy_level: int, k: int, n: int, zero_points: tuple | None
+) -> bool:
+    """Whether onnxruntime's MatMulNBits of this configuration computes every row bit for bit
+    the same in any batch (module doc), on this CPU; probed once per process.
+
+    Args:
+        zero_points: the zero-point initializer's ``(onnx dtype, dims)``, or None.
+    """
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(0)
+    blocks = -(-k // block_size)
+    inputs = ["x", "b", "s"]
+    initializers = [
+        numpy_helper.from_array(
+            rng.integers(0, 256, (n, blocks, block_size * bits // 8), dtype=np.uint8), "b"
+        ),
+        numpy_helper.from_array(rng.uniform(0.001, 0.01, n * blocks).astype(np.float32), "s"),
+    ]
+    if zero_points is not None:
+        dtype, dims = zero_points
+        values = rng.integers(0, 256, dims, dtype=np.uint8)
+        if dtype != onnx.TensorProto.UINT8:
+            values = values.astype(onnx.helper.tensor_dtype_to_np_dtype(dtype)) / 16
+        initializers.append(numpy_helper.from_array(values, "z"))
+        inputs.append("z")
+    node = helper.make_node(
+        "MatMulNBits",
+        inputs,
+        ["y"],
+        domain="com.microsoft",
+        K=k,
+        N=n,
+        bits=bits,
+        block_size=block_size,
+        accuracy_level=accuracy_level,
+    )
+    graph = helper.make_graph(
+        [node],
+        "rows_agree",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["M", n])],
+        initializers,
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+    )
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = min(os.cpu_count() or 1, 4)
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    x = rng.standard_normal((max(PROBE_ROWS), k)).astype(np.float32)
+    every = session.run(None, {"x": x})[0]
+    return all(
+        np.array_equal(session.run(None, {"x": x[:m]})[0], every[:m]) for m in PROBE_ROWS[:-1]
+    )
+
+
+def _padded_groups(graph: onnx.GraphProto):
+    """``(concat, slice, matmuls)`` per padding row of :func:`pad_matmulnbits_rows`: the
+    MatMulNBits nodes that read the padded rows (the projection's, and the offsets' of
+    :mod:`~attnexport.lowering.float_zero_points` over their block sums) before the Slice that
+    drops the row."""
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    for concat in graph.node:
+        if concat.op_type != "Concat" or not concat.input[-1].startswith("row_pad_zeros_"):
+            continue
+        matmuls, end, frontier, seen = [], None, [concat.output[0]], set()
+        while frontier:
+            for node in consumers.get(frontier.pop(), []):
+                if id(node) in seen:
+                    continue
+                seen.add(id(node))
+                if node.op_type == "Slice" and node.input[1] == "row_pad_start":
+                    end = node
+                    continue
+                if node.op_type == "MatMulNBits":
+                    matmuls.append(node)
+                frontier.extend(node.output)
+        if end is not None and matmuls:
+            yield concat, end, matmuls
+
+
+def _kernel_key(node: onnx.NodeProto, initializers: dict) -> tuple:
+    attributes = {a.name: a.i for a in node.attribute}
+    zero_points = None
+    if len(node.input) > 3 and node.input[3]:
+        tensor = initializers[node.input[3]]
+        zero_points = (tensor.data_type, tuple(tensor.dims))
+    return (
+        attributes["bits"],
+        attributes["block_size"],
+        attributes.get("accuracy_level", 0),
+        attributes["K"],
+        attributes["N"],
+        zero_points,
+    )
+
+
+def drop_unneeded_rows(model: onnx.ModelProto) -> int:
+    """Removes, in place, the padding row of every group whose MatMulNBits kernels all pass
+    :func:`rows_agree` on this CPU (the Concat and Slice become Identity, which onnxruntime
+    folds away); returns how many groups."""
+    graph = model.graph
+    initializers = {i.name: i for i in graph.initializer}
+    dropped = 0
+    for concat, end, matmuls in list(_padded_groups(graph)):
+        if not all(rows_agree(*_kernel_key(m, initializers)) for m in matmuls):
+            continue
+        for node, source in ((concat, concat.input[0]), (end, end.input[0])):
+            node.op_type = "Identity"
+            node.ClearField("attribute")
+            node.ClearField("input")
+            node.input.append(source)
+        dropped += 1
+    return dropped
+
+
+def session_source(path: str | os.PathLike, options) -> str | bytes:
+    """What an ``onnxruntime.InferenceSession`` of the model at ``path`` should load: the path
+    itself, or, when :func:`drop_unneeded_rows` drops rows here, the rewritten model's bytes
+    (``options`` then reads the external weights from the model's folder)."""
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    if not any(i.name.startswith("row_pad_zeros_") for i in model.graph.initializer):
+        return str(path)
+    if not drop_unneeded_rows(model):
+        return str(path)
+    options.add_session_config_entry(
+        "session.model_external_initializers_file_folder_path", str(path.resolve().parent)
+    )
+    return model.SerializeToString()

@@ -28,8 +28,12 @@ constexpr int64_t kQueryTile = 16;
 // multiply-adds) is worth splitting: in a model its keys and values come from memory, not the
 // caches (the weights stream through them every step); docs/benchmarks.md has the measurement.
 constexpr int64_t kParallelWork = 1 << 16;
-// A decode context is split into up to kSplitTarget / (num_seqs * num_kv_heads) parts of at
-// least kMinSplitBlocks blocks each, so that a small batch still keeps every thread busy.
+// A decode context is split into parts of at least kMinSplitBlocks blocks each (at most
+// kSplitTarget), so that a small batch still keeps every thread busy. The split depends on the
+// context's length alone, never on the rest of the batch: a split changes the order of the
+// softmax sums (a partial softmax per part, combined afterwards), and a sequence's numbers
+// must not depend on what it is batched with (a greedy token of a quantized model, whose
+// activations are rounded to int8 steps, can follow a last-bit difference).
 constexpr int64_t kSplitTarget = 8;
 constexpr int64_t kMinSplitBlocks = 16;
 // Keys per step of the online softmax (whole blocks, at least one): the rescale of the
@@ -254,10 +258,7 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
   const int64_t per_item = num_kv_heads / head_items;
   for (int64_t s : decode_seqs) {
     const int64_t blocks = (batch.seq_lens[s] + block_size - 1) / block_size;
-    const int64_t splits = std::clamp<int64_t>(
-        std::min(kSplitTarget / std::max<int64_t>(static_cast<int64_t>(decode_seqs.size()) * head_items, 1),
-                 blocks / kMinSplitBlocks),
-        1, kSplitTarget);
+    const int64_t splits = std::clamp<int64_t>(blocks / kMinSplitBlocks, 1, kSplitTarget);
     if (splits > 1) splits_.push_back({s, partial_slots, splits});
     for (int64_t i = 0; i < splits; ++i) {
       for (int64_t h = 0; h < num_kv_heads; h += per_item)

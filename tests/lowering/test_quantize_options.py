@@ -15,6 +15,12 @@ import torch
 
 from attnexport import ort_kernels
 from attnexport.lowering import PagedOrtSession, WeightQuantization, quantize_weights
+from attnexport.lowering.batch_invariance import (
+    _kernel_key,
+    _padded_groups,
+    drop_unneeded_rows,
+    rows_agree,
+)
 from attnexport.lowering.float_zero_points import split_float_zero_points
 from attnexport.lowering.quantize import _quantize_layers
 from attnexport.runtime.step_driver import PagedDriver
@@ -158,3 +164,29 @@ def test_a_sequence_decodes_the_same_alone_and_batched(llama, tmp_path, fmt):
     (alone,) = _logits(llama, path, [prompt], steps=3)
     batched = _logits(llama, path, [PROMPTS[1], prompt, PROMPTS[2]], steps=3)[1]
     assert torch.equal(alone, batched)
+
+
+def test_the_one_row_float_kernel_is_told_apart():
+    """The probe behind dropped rows sees a kernel that runs one row its own way: MLAS's
+    4-bit MatMulNBits with float activations has a one-row kernel and dequantizes into SGEMM
+    for more rows."""
+    assert not rows_agree(4, 32, 1, 256, 64, None)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_the_runtime_drops_the_rows_this_cpu_does_not_need(llama, tmp_path, fmt):
+    """Every padded group whose kernels all pass the probe loses its row (Concat and Slice
+    become Identity), the others keep it; int8 at accuracy level 4 (the int8 default, and
+    the int4 default's head and offsets) is one kernel for every row on x86 MLAS."""
+    model = onnx.load(str(_quantized(llama, tmp_path, WeightQuantization(fmt))))
+    initializers = {i.name: i for i in model.graph.initializer}
+    groups = [
+        all(rows_agree(*_kernel_key(node, initializers)) for node in matmuls)
+        for _, _, matmuls in _padded_groups(model.graph)
+    ]
+    assert len(groups) == 9  # 2 layers x (qkv, o, gate_up, down), lm_head
+    if not any(groups):
+        pytest.skip("no MatMulNBits kernel of this CPU computes every row alike")
+    assert drop_unneeded_rows(model) == sum(groups)
+    assert len(list(_padded_groups(model.graph))) == len(groups) - sum(groups)
+    assert sum(n.op_type == "Identity" for n in model.graph.node) == 2 * sum(groups)
