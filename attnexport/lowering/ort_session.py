@@ -148,7 +148,7 @@ class PagedOrtSession:
     ) -> None:
         import onnxruntime as ort
 
-        from attnexport.lowering.batch_invariance import session_source
+        from attnexport.batch_invariance import session_source
 
         providers = list(providers or ["CPUExecutionProvider"])
         if isinstance(model, onnx.ModelProto):

@@ -95,7 +95,7 @@ class WeightQuantization:
         keep_float: ``fnmatch`` patterns of the layer names that stay float.
         batch_invariant: give every MatMulNBits at least two rows, so that a sequence's
             numbers do not depend on the batch it runs in
-            (:mod:`attnexport.lowering.batch_invariance`).
+            (:mod:`attnexport.batch_invariance`).
     """
 
     format: str
@@ -303,8 +303,8 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
         QuantizationError: a ``keep_float`` pattern matches nothing, the model has no layer to
             quantize, or the quantizer left a layer it was asked to quantize.
     """
+    from attnexport.batch_invariance import pad_matmulnbits_rows
     from attnexport.lowering import lm_head
-    from attnexport.lowering.batch_invariance import pad_matmulnbits_rows
     from attnexport.lowering.float_zero_points import split_float_zero_points
 
     path = Path(path)

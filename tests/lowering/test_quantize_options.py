@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from attnexport import ort_kernels
-from attnexport.lowering import PagedOrtSession, WeightQuantization, quantize_weights
-from attnexport.lowering.batch_invariance import (
+from attnexport.batch_invariance import (
     _kernel_key,
     _padded_groups,
     drop_unneeded_rows,
     rows_agree,
 )
+from attnexport.lowering import PagedOrtSession, WeightQuantization, quantize_weights
 from attnexport.lowering.float_zero_points import split_float_zero_points
 from attnexport.lowering.quantize import _quantize_layers
 from attnexport.runtime.step_driver import PagedDriver

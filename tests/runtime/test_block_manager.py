@@ -78,14 +78,18 @@ def test_fork_shares_blocks_and_copies_on_first_divergent_write():
     assert bm.device.num_free == 8
 
 
-def test_prefix_cache_hits_full_blocks_and_keeps_one_token_to_compute():
+def test_prefix_cache_hits_full_blocks_and_keeps_two_tokens_to_compute():
+    """Two: a one-token step would run the attention kernel's decode path, whose sums round
+    differently from the prefill path that computed the prompt whole."""
     bm = BlockManager(8, 0, block_size=4)
     first = _seq(range(12))
     _grow(bm, first, 12)
     same = _seq(range(12), seq_id=1)
-    # Three full blocks are cached, but the last token must be computed: two hits.
+    # Three full blocks are cached, but the last two tokens must be computed: two hits.
     assert bm.match_prefix(same) == first.block_ids[:2]
-    longer = _seq([*range(12), 99], seq_id=2)
+    one_more = _seq([*range(12), 99], seq_id=5)
+    assert bm.match_prefix(one_more) == first.block_ids[:2]
+    longer = _seq([*range(12), 99, 98], seq_id=2)
     assert bm.match_prefix(longer) == first.block_ids[:3]
     diverging = _seq([0, 1, 2, 3, 4, 5, 6, 0, 8, 9], seq_id=3)
     assert bm.match_prefix(diverging) == first.block_ids[:1]

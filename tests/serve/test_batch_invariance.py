@@ -7,7 +7,7 @@ MatMulNBits kernels in every run. The default run keeps the cases no other test 
 skip reasons say which); ATTNEXPORT_SLOW_TESTS=1 runs them all.
 
 int4 at accuracy level 4 once changed 8 of 16 greedy answers when batched: MatMulNBits runs a
-one-row input through a kernel of its own (attnexport.lowering.batch_invariance)."""
+one-row input through a kernel of its own (attnexport.batch_invariance)."""
 
 from __future__ import annotations
 

@@ -154,7 +154,7 @@ class OrtExecutor(Executor):
         self.fallback_reason = unavailable if kernels == "auto" and not native else None
         """Why ``auto`` chose the function bodies on cpu (the native kernels' unavailable
         reason), else None."""
-        from attnexport.lowering.batch_invariance import session_source
+        from attnexport.batch_invariance import session_source
 
         # The batch-invariance rows this CPU's MatMulNBits kernels do not need are dropped
         # (the probe is of the CPU's kernels; another provider keeps the file as it is).

@@ -24,12 +24,19 @@ in other batches, bit for bit) for each padded group.
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
-from onnx import helper, numpy_helper
+
+if TYPE_CHECKING:
+    import onnx
+
+# Initializer names of the padding (read by the runtime in the file's bytes, before onnx,
+# which the serving core does not import for a model without them).
+PAD_ZEROS_PREFIX = "row_pad_zeros_"
 
 
 def pad_matmulnbits_rows(model: onnx.ModelProto) -> int:
@@ -39,6 +46,8 @@ def pad_matmulnbits_rows(model: onnx.ModelProto) -> int:
     Only 2-D activations are rewritten (attnexport's decoders pack tokens as ``[T, K]``);
     a node whose ``A`` has another rank is left as it is.
     """
+    from onnx import helper, numpy_helper
+
     graph = model.graph
     ranks = _ranks(model)
     constants = {
@@ -52,7 +61,7 @@ def pad_matmulnbits_rows(model: onnx.ModelProto) -> int:
             nodes.append(node)
             continue
         k = next(a.i for a in node.attribute if a.name == "K")
-        zeros = f"row_pad_zeros_{k}"
+        zeros = f"{PAD_ZEROS_PREFIX}{k}"
         constants.setdefault(zeros, np.zeros((1, k), np.float32))
         padded_in, padded_out = f"{node.name}_rows_in", f"{node.name}_rows_out"
         (out,) = node.output
@@ -76,6 +85,8 @@ def pad_matmulnbits_rows(model: onnx.ModelProto) -> int:
 def _ranks(model: onnx.ModelProto) -> dict[str, int]:
     """The rank of every value onnx's shape inference knows (graph inputs, outputs and
     intermediate values)."""
+    import onnx
+
     try:
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
     except Exception:
@@ -102,7 +113,9 @@ def rows_agree(
     Args:
         zero_points: the zero-point initializer's ``(onnx dtype, dims)``, or None.
     """
+    import onnx
     import onnxruntime as ort
+    from onnx import helper, numpy_helper
 
     rng = np.random.default_rng(0)
     blocks = -(-k // block_size)
@@ -164,7 +177,7 @@ def _padded_groups(graph: onnx.GraphProto):
         for name in node.input:
             consumers.setdefault(name, []).append(node)
     for concat in graph.node:
-        if concat.op_type != "Concat" or not concat.input[-1].startswith("row_pad_zeros_"):
+        if concat.op_type != "Concat" or not concat.input[-1].startswith(PAD_ZEROS_PREFIX):
             continue
         matmuls, end, frontier, seen = [], None, [concat.output[0]], set()
         while frontier:
@@ -222,12 +235,26 @@ def session_source(path: str | os.PathLike, options) -> str | bytes:
     itself, or, when :func:`drop_unneeded_rows` drops rows here, the rewritten model's bytes
     (``options`` then reads the external weights from the model's folder)."""
     path = Path(path)
-    model = onnx.load(str(path), load_external_data=False)
-    if not any(i.name.startswith("row_pad_zeros_") for i in model.graph.initializer):
+    if not _names_padding(path):
         return str(path)
+    try:
+        import onnx
+    except ImportError:  # a serving-only install: the rows stay, the tokens are the same
+        return str(path)
+    model = onnx.load(str(path), load_external_data=False)
     if not drop_unneeded_rows(model):
         return str(path)
     options.add_session_config_entry(
         "session.model_external_initializers_file_folder_path", str(path.resolve().parent)
     )
     return model.SerializeToString()
+
+
+def _names_padding(path: Path) -> bool:
+    """Whether the ONNX file's bytes hold a padding initializer's name (a protobuf string is
+    stored as its bytes): files without one are not parsed."""
+    with open(path, "rb") as file:
+        if os.fstat(file.fileno()).st_size == 0:
+            return False
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return data.find(PAD_ZEROS_PREFIX.encode()) != -1
