@@ -1,15 +1,19 @@
 """Batch-invariant MatMulNBits: every row computed by the same kernel, whatever the batch.
 
-onnxruntime's CPU MatMulNBits (MLAS) runs a one-row input (``M = 1``: one sequence decoding
-alone) through a kernel of its own, whose sums round differently from the kernel that runs
-``M >= 2`` rows; between any two ``M >= 2`` the rows agree bit for bit, wherever they sit in the
-batch (measured on onnxruntime 1.32, AVX2: docs/quantization.md). With int8 activations
-(``accuracy_level`` 4) a last-bit difference can move an activation across a quantization step,
-so the greedy tokens of a prompt decoded alone and the same prompt decoded in a batch part ways
-(8 of 16 prompts of SmolLM2-135M did).
+onnxruntime's CPU MatMulNBits (MLAS) runs a one-row input through a kernel of its own, whose
+sums round differently from the kernel that runs more rows; it also cuts the rows into tiles of
+128 (``StrideM`` in MLAS's ``MlasQNBitGemmBatch``), each tile one call of that choice, so a
+batch of 129 rows computes its last row as if alone. With int8 activations (``accuracy_level``
+4) a last-bit difference can move an activation across a quantization step, so the greedy
+tokens of a prompt decoded alone and the same prompt decoded in a batch part ways (8 of 16
+prompts of SmolLM2-135M did). Measured on onnxruntime 1.32, AVX2 (docs/quantization.md):
+4-bit weights at either accuracy level and 8-bit at level 1 have the one-row kernel; 8-bit at
+level 4 computes every row alike.
 
 :func:`pad_matmulnbits_rows` gives each MatMulNBits one more (zero) row than it is asked for,
-and drops that row's output: ``M`` is never 1, so one kernel computes every row.
+and drops that row's output: ``M`` is never 1, and a tile of one row can only be the last
+tile holding the zero row alone (``T = 128``: rows 0..127, then the zero row), so one kernel
+computes every row that is kept.
 
 The row is not free: on AVX2 an 8-bit MatMulNBits at accuracy level 4 computes two rows in
 1.6-2.3x the time of one (SmolLM2's shapes), and it needs no row there, since one MLAS kernel
@@ -17,8 +21,8 @@ serves every ``M``. Which kernels do depends on the CPU and onnxruntime build, s
 keeps every row (stock onnxruntime gets a batch-invariant file) and the runtime drops the rows
 that the CPU it runs on does not need: :func:`drop_unneeded_rows` asks
 :func:`rows_agree` (a probe of the node's exact kernel: its bits, block size, accuracy level,
-zero points and shape, on random data, every row of ``M`` = 1..8 and 33 against the same row
-in other batches, bit for bit) for each padded group.
+zero points and shape, on random data, every row of batches of :data:`PROBE_ROWS` rows against
+the same row of the largest, bit for bit) for each padded group.
 """
 
 from __future__ import annotations
@@ -99,36 +103,50 @@ def _ranks(model: onnx.ModelProto) -> dict[str, int]:
     }
 
 
-PROBE_ROWS = (1, 2, 3, 4, 5, 8, 33)
-"""The batch sizes :func:`rows_agree` compares, row by row, against one batch of 33."""
+PROBE_ROWS = (1, 2, 3, 4, 5, 8, 33, 129, 257, 300)
+"""The batch sizes :func:`rows_agree` compares, row by row, against the largest (129 and 257:
+a last tile of MLAS's 128 rows with one row)."""
+PROBE_COLUMNS = 1024
+"""At most this many of a projection's output columns are probed."""
 
 
 @functools.cache
 def rows_agree(
-    bits: int, block_size: int, accuracy_level: int, k: int, n: int, zero_points: tuple | None
+    bits: int,
+    block_size: int,
+    accuracy_level: int,
+    k: int,
+    n: int,
+    zero_points: tuple | None,
+    threads: int = 0,
 ) -> bool:
     """Whether onnxruntime's MatMulNBits of this configuration computes every row bit for bit
     the same in any batch (module doc), on this CPU; probed once per process.
 
     Args:
         zero_points: the zero-point initializer's ``(onnx dtype, dims)``, or None.
+        threads: the session's intra-op threads (0: onnxruntime's default); with one thread
+            MLAS computes all rows in one call, with a pool in tiles of 128 rows.
     """
     import onnx
     import onnxruntime as ort
     from onnx import helper, numpy_helper
 
     rng = np.random.default_rng(0)
+    # A column's sums do not depend on the others': a slice of a wide projection (a
+    # vocabulary's logits) probes its kernel at a fraction of the time.
+    columns = min(n, PROBE_COLUMNS)
     blocks = -(-k // block_size)
     inputs = ["x", "b", "s"]
     initializers = [
         numpy_helper.from_array(
-            rng.integers(0, 256, (n, blocks, block_size * bits // 8), dtype=np.uint8), "b"
+            rng.integers(0, 256, (columns, blocks, block_size * bits // 8), dtype=np.uint8), "b"
         ),
-        numpy_helper.from_array(rng.uniform(0.001, 0.01, n * blocks).astype(np.float32), "s"),
+        numpy_helper.from_array(rng.uniform(0.001, 0.01, columns * blocks).astype(np.float32), "s"),
     ]
     if zero_points is not None:
         dtype, dims = zero_points
-        values = rng.integers(0, 256, dims, dtype=np.uint8)
+        values = rng.integers(0, 256, int(np.prod(dims)) // n * columns, dtype=np.uint8)
         if dtype != onnx.TensorProto.UINT8:
             values = values.astype(onnx.helper.tensor_dtype_to_np_dtype(dtype)) / 16
         initializers.append(numpy_helper.from_array(values, "z"))
@@ -139,7 +157,7 @@ def rows_agree(
         ["y"],
         domain="com.microsoft",
         K=k,
-        N=n,
+        N=columns,
         bits=bits,
         block_size=block_size,
         accuracy_level=accuracy_level,
@@ -148,7 +166,7 @@ def rows_agree(
         [node],
         "rows_agree",
         [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["M", k])],
-        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["M", n])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["M", columns])],
         initializers,
     )
     model = helper.make_model(
@@ -156,7 +174,7 @@ def rows_agree(
         opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
     )
     options = ort.SessionOptions()
-    options.intra_op_num_threads = min(os.cpu_count() or 1, 4)
+    options.intra_op_num_threads = threads
     session = ort.InferenceSession(
         model.SerializeToString(), options, providers=["CPUExecutionProvider"]
     )
@@ -211,15 +229,15 @@ def _kernel_key(node: onnx.NodeProto, initializers: dict) -> tuple:
     )
 
 
-def drop_unneeded_rows(model: onnx.ModelProto) -> int:
-    """Removes, in place, the padding row of every group whose MatMulNBits kernels all pass
+def drop_unneeded_rows(model: onnx.ModelProto, threads: int = 0) -> int:
+    """Removes, in place, the padding of every group whose MatMulNBits kernels all pass
     :func:`rows_agree` on this CPU (the Concat and Slice become Identity, which onnxruntime
     folds away); returns how many groups."""
     graph = model.graph
     initializers = {i.name: i for i in graph.initializer}
     dropped = 0
     for concat, end, matmuls in list(_padded_groups(graph)):
-        if not all(rows_agree(*_kernel_key(m, initializers)) for m in matmuls):
+        if not all(rows_agree(*_kernel_key(m, initializers), threads) for m in matmuls):
             continue
         for node, source in ((concat, concat.input[0]), (end, end.input[0])):
             node.op_type = "Identity"
@@ -242,7 +260,7 @@ def session_source(path: str | os.PathLike, options) -> str | bytes:
     except ImportError:  # a serving-only install: the rows stay, the tokens are the same
         return str(path)
     model = onnx.load(str(path), load_external_data=False)
-    if not drop_unneeded_rows(model):
+    if not drop_unneeded_rows(model, options.intra_op_num_threads):
         return str(path)
     options.add_session_config_entry(
         "session.model_external_initializers_file_folder_path", str(path.resolve().parent)

@@ -190,3 +190,47 @@ def test_the_runtime_drops_the_rows_this_cpu_does_not_need(llama, tmp_path, fmt)
     assert drop_unneeded_rows(model) == sum(groups)
     assert len(list(_padded_groups(model.graph))) == len(groups) - sum(groups)
     assert sum(n.op_type == "Identity" for n in model.graph.node) == 2 * sum(groups)
+
+
+def test_the_padding_keeps_every_row_off_the_one_row_kernel():
+    """MLAS cuts a MatMulNBits' rows into tiles of 128 and runs a tile of one row through its
+    one-row kernel (a batch of 129 rows computes its last row as if alone): with the zero row,
+    the only row ever alone in a tile is the zero row (128 rows), and each row of a batch of
+    any size equals its row in a batch of 300."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from attnexport.batch_invariance import pad_matmulnbits_rows
+    from attnexport.lowering.lm_head import block_quantize
+
+    rng = np.random.default_rng(0)
+    packed, scales = block_quantize(rng.standard_normal((48, 64)).astype(np.float32), 4, 32)
+    node = helper.make_node(
+        "MatMulNBits",
+        ["x", "b", "s"],
+        ["y"],
+        domain="com.microsoft",
+        K=64,
+        N=48,
+        bits=4,
+        block_size=32,
+        accuracy_level=4,
+    )
+    graph = helper.make_graph(
+        [node],
+        "one",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", 48])],
+        [numpy_helper.from_array(packed, "b"), numpy_helper.from_array(scales, "s")],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    )
+    assert pad_matmulnbits_rows(model) == 1
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    session = ort.InferenceSession(model.SerializeToString(), options, ["CPUExecutionProvider"])
+    x = rng.standard_normal((300, 64)).astype(np.float32)
+    every = session.run(None, {"x": x})[0]
+    for rows in (1, 2, 3, 127, 128, 129, 255, 256):
+        assert np.array_equal(session.run(None, {"x": x[:rows]})[0], every[:rows]), rows

@@ -99,3 +99,29 @@ def test_the_server_answers_a_prompt_alike_alone_and_among_concurrent_clients(
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             concurrent = list(pool.map(lambda p: complete(url, p), PROMPTS))
     assert concurrent == alone
+
+
+@pytest.mark.parametrize("name", ["int8", slow_param("int4", HQQ_SECONDS)])
+def test_a_prefix_cache_hit_answers_as_the_prompt_computed_whole(
+    name, smollm2_fp32_artifact, smollm2_quantized
+):
+    """The second time a prompt comes, its leading blocks are cached and only its tail is
+    computed: the tail's rows must run the same attention path as when the prompt was
+    computed whole (a one-token tail ran the decode path: the 113-token prompt, 7 cached
+    blocks and 1 token, answered otherwise in int8)."""
+    from attnexport.runtime import Tokenizer
+
+    artifact = _artifact(name, smollm2_fp32_artifact, smollm2_quantized)
+    tokenizer = Tokenizer.from_directory(artifact)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    engine = engine_from_path(
+        artifact,
+        cache_config=CacheConfig(num_blocks=128, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_model_len=MAX_MODEL_LEN),
+    )
+    params = SamplingParams(max_tokens=NEW_TOKENS)
+    whole = [engine.generate([p], params)[0] for p in prompts]
+    cached = [engine.generate([p], params)[0] for p in prompts]
+    assert [o.metrics.num_cached_prompt_tokens for o in whole] == [0] * len(prompts)
+    assert sum(o.metrics.num_cached_prompt_tokens for o in cached) >= 96 + 64
+    assert [o.token_ids for o in cached] == [o.token_ids for o in whole]
