@@ -3,7 +3,9 @@ pytorch_model.bin, and clear errors for directories that do not fit."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import threading
 
 import pytest
 import torch
@@ -88,6 +90,34 @@ def test_gpt2_without_transformer_prefix_and_as_pytorch_bin(tmp_path):
 def llama_dir(tmp_path):
     _llama(tmp_path)
     return tmp_path
+
+
+def test_another_thread_building_a_module_during_a_load_gets_its_random_init(llama_dir):
+    """A checkpoint load builds its model without drawing initial weights; a module another
+    thread builds meanwhile still gets torch's random init (patching torch.nn.init for the
+    load, as it once did, left that module's weights uninitialized memory)."""
+    from attnexport.models.llama import LlamaForCausalLM
+
+    building, built = threading.Event(), threading.Event()
+
+    class Pausing(LlamaForCausalLM):
+        def __init__(self, config) -> None:
+            super().__init__(config)
+            building.set()
+            built.wait(timeout=30)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        loading = pool.submit(Pausing.from_pretrained, llama_dir)
+        assert building.wait(timeout=30)
+        torch.manual_seed(7)
+        during = torch.nn.Linear(64, 64)
+        built.set()
+        model = loading.result()
+    torch.manual_seed(7)
+    assert torch.equal(during.weight, torch.nn.Linear(64, 64).weight)
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(llama_dir)
+    expected = causal_lm_logits(hf_model, TOKENS)
+    torch.testing.assert_close(_our_logits(model, TOKENS), expected, atol=ATOL, rtol=0)
 
 
 def test_missing_directory_or_config(tmp_path):
