@@ -24,6 +24,7 @@ from attnexport.custom_ops import ScheduledSequence, build_attention_metadata
 from attnexport.errors import UserError
 from attnexport.model_interface import CacheSpec
 from attnexport.models import loader
+from attnexport.models.empty_init import parameters_on_meta_device
 from attnexport.models.errors import CheckpointError
 from attnexport.models.layers import LayerCache, RMSNorm, ScaledCache
 
@@ -145,10 +146,7 @@ class PagedModel(nn.Module):
             # from_hf only converts the user's config.json fields: a value it cannot convert
             # (a string where a number belongs, ...) is that file's mistake.
             raise CheckpointError(f"{config_path}: {error}") from None
-        # on the meta device: parameters without storage (no random draw, no page touched
-        # before the checkpoint's tensor replaces each one); per thread, unlike patching
-        # torch.nn.init, so another thread building a module meanwhile gets its usual init
-        with torch.device("meta"):
+        with parameters_on_meta_device():  # every one is loaded next, or refused
             model = cls(config)
         model.load_hf_weights(loader.read_weights(path), source=str(path))
         return model.to(dtype).eval()
