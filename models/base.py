@@ -148,7 +148,8 @@ class PagedModel(nn.Module):
             raise CheckpointError(f"{config_path}: {error}") from None
         with parameters_on_meta_device():  # every one is loaded next, or refused
             model = cls(config)
-        model.load_hf_weights(loader.read_weights(path), source=str(path))
+        with loader.read_weights(path) as weights:
+            model.load_hf_weights(weights, source=str(path))
         return model.to(dtype).eval()
 
     def hf_weight_names(self, name: str) -> tuple[str | tuple[str, ...], ...]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from attnexport.models import CheckpointError, load_model
+from attnexport.models.loader import read_weights
 from attnexport.tolerances import model_tolerance
 from tests.models.hf_reference import build_checkpoint, causal_lm_logits, tiny_llama
 
@@ -118,6 +120,16 @@ def test_another_thread_building_a_module_during_a_load_gets_its_random_init(lla
     hf_model = transformers.LlamaForCausalLM.from_pretrained(llama_dir)
     expected = causal_lm_logits(hf_model, TOKENS)
     torch.testing.assert_close(_our_logits(model, TOKENS), expected, atol=ATOL, rtol=0)
+
+
+def test_the_weights_handle_is_closed_at_the_end_of_a_load(llama_dir):
+    """A load reads through one safetensors handle (which maps the whole file; the pages read
+    stay resident while it is open) and closes it at its end."""
+    path = str(llama_dir / "model.safetensors")
+    with read_weights(llama_dir) as weights:
+        assert weights["model.norm.weight"].shape == (32,)
+        assert path in Path("/proc/self/maps").read_text()
+    assert path not in Path("/proc/self/maps").read_text()
 
 
 def test_missing_directory_or_config(tmp_path):
