@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from attnexport.matmul_nbits import matmulnbits_node
+
 if TYPE_CHECKING:
     import onnx
 
@@ -151,13 +153,11 @@ def rows_agree(
             values = values.astype(onnx.helper.tensor_dtype_to_np_dtype(dtype)) / 16
         initializers.append(numpy_helper.from_array(values, "z"))
         inputs.append("z")
-    node = helper.make_node(
-        "MatMulNBits",
+    node = matmulnbits_node(
         inputs,
-        ["y"],
-        domain="com.microsoft",
-        K=k,
-        N=columns,
+        "y",
+        k=k,
+        n=columns,
         bits=bits,
         block_size=block_size,
         accuracy_level=accuracy_level,

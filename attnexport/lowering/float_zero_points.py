@@ -29,6 +29,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from attnexport.lowering.lm_head import block_quantize
+from attnexport.matmul_nbits import matmulnbits_node
 
 OFFSET_FORMATS = ("float32", "int8")
 
@@ -135,14 +136,12 @@ def _offset_product(
     data, scale = f"{prefix}_block_offsets_Q8", f"{prefix}_block_offsets_scales"
     added += [numpy_helper.from_array(packed, data), numpy_helper.from_array(scales, scale)]
     return [
-        helper.make_node(
-            "MatMulNBits",
+        matmulnbits_node(
             [block_sums, data, scale],
-            [f"{prefix}_offset"],
+            f"{prefix}_offset",
             name=f"{prefix}_offsets_Q8",
-            domain="com.microsoft",
-            K=blocks,
-            N=n,
+            k=blocks,
+            n=n,
             bits=8,
             block_size=block,
             accuracy_level=_attribute(node, "accuracy_level"),

@@ -18,6 +18,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from attnexport.lowering.quantization_error import QuantizationError
+from attnexport.matmul_nbits import matmulnbits_node
 
 
 class LmHeadError(QuantizationError):
@@ -65,14 +66,12 @@ def quantize_lm_head(
     graph.initializer.extend(
         [numpy_helper.from_array(packed, data_name), numpy_helper.from_array(scales, scales_name)]
     )
-    matmul = helper.make_node(
-        "MatMulNBits",
+    matmul = matmulnbits_node(
         [node.input[0], data_name, scales_name],
-        list(node.output),
+        node.output[0],
         name=f"{node.name}_Q{bits}",
-        domain="com.microsoft",
-        K=k,
-        N=n,
+        k=k,
+        n=n,
         bits=bits,
         block_size=block_size,
         accuracy_level=accuracy_level,

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from attnexport.artifact import read_manifest
+from attnexport.lowering.quantize import DEFAULTS
 from tests.cli.helpers import assert_one_line_error, run_cli, run_json
 
 
@@ -27,13 +28,7 @@ def test_manifest_records_the_quantization(int4_export):
     assert weights == {
         "format": "int4",
         "bits": 4,
-        "block_size": 32,
-        "symmetric": False,
-        "accuracy_level": 4,
-        "algorithm": "hqq",
-        "lm_head": "int8",
-        "lm_head_block_size": 64,
-        "offsets": "int8",
+        **DEFAULTS["int4"],
         "batch_invariant": True,
         "quantized_layers": 7,
         "float_layers": ["model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"],

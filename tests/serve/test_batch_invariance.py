@@ -34,6 +34,20 @@ def _artifact(name: str, smollm2_fp32_artifact, smollm2_quantized):
     return smollm2_fp32_artifact if name == "fp32" else smollm2_quantized(name)
 
 
+def _engine_and_prompts(artifact, prefix_caching: bool, **scheduler):
+    """An engine of ``artifact`` (128 blocks, ``max_num_seqs`` 8, ``scheduler``'s limits) and
+    :data:`PROMPTS` as its tokenizer's ids."""
+    from attnexport.runtime import Tokenizer
+
+    tokenizer = Tokenizer.from_directory(artifact)
+    engine = engine_from_path(
+        artifact,
+        cache_config=CacheConfig(num_blocks=128, enable_prefix_caching=prefix_caching),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, **scheduler),
+    )
+    return engine, [tokenizer.encode(p) for p in PROMPTS]
+
+
 @pytest.mark.parametrize(
     "name",
     [slow_param("fp32", FP32_COVERED), "int8", "int4-rtn", slow_param("int4", HQQ_SECONDS)],
@@ -41,19 +55,9 @@ def _artifact(name: str, smollm2_fp32_artifact, smollm2_quantized):
 def test_the_engine_decodes_a_prompt_alike_alone_and_in_a_mixed_batch(
     name, smollm2_fp32_artifact, smollm2_quantized
 ):
-    from attnexport.runtime import Tokenizer
-
     artifact = _artifact(name, smollm2_fp32_artifact, smollm2_quantized)
-    tokenizer = Tokenizer.from_directory(artifact)
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
     # 48 tokens a step: the long prompts' prefills are chunked and run beside decodes.
-    engine = engine_from_path(
-        artifact,
-        cache_config=CacheConfig(num_blocks=128, enable_prefix_caching=False),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=8, max_num_batched_tokens=48, max_model_len=MAX_MODEL_LEN
-        ),
-    )
+    engine, prompts = _engine_and_prompts(artifact, False, max_num_batched_tokens=48)
     params = SamplingParams(max_tokens=NEW_TOKENS)
     alone = [list(engine.generate([p], params)[0].token_ids) for p in prompts]
     # Rotated: each prompt sits elsewhere in the batch than in the prompt list.
@@ -109,16 +113,8 @@ def test_a_prefix_cache_hit_answers_as_the_prompt_computed_whole(
     computed: the tail's rows must run the same attention path as when the prompt was
     computed whole (a one-token tail ran the decode path: the 113-token prompt, 7 cached
     blocks and 1 token, answered otherwise in int8)."""
-    from attnexport.runtime import Tokenizer
-
     artifact = _artifact(name, smollm2_fp32_artifact, smollm2_quantized)
-    tokenizer = Tokenizer.from_directory(artifact)
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
-    engine = engine_from_path(
-        artifact,
-        cache_config=CacheConfig(num_blocks=128, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_model_len=MAX_MODEL_LEN),
-    )
+    engine, prompts = _engine_and_prompts(artifact, True)
     params = SamplingParams(max_tokens=NEW_TOKENS)
     whole = [engine.generate([p], params)[0] for p in prompts]
     cached = [engine.generate([p], params)[0] for p in prompts]
