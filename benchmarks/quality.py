@@ -125,6 +125,8 @@ VARIANTS: dict[str, list[str]] = {
         ]
         for b, head in ((64, 32), (128, 16))
     },
+    "int4, float32 offsets": _int4("--weights-offsets", "float32"),
+    "int4, lm_head int8 b64": _int4("--lm-head-block-size", "64"),
     "int4, lm_head float": _int4("--lm-head", "float"),
     "int4, lm_head int8": _int4("--lm-head", "int8"),
     "int4, lm_head int4": _int4("--lm-head", "int4"),

@@ -9,6 +9,7 @@ A model class sets ``config_class`` (a frozen dataclass with ``from_hf(dict)`` a
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 import typing
 from collections.abc import Mapping
@@ -23,9 +24,9 @@ from attnexport.custom_ops import ScheduledSequence, build_attention_metadata
 from attnexport.errors import UserError
 from attnexport.model_interface import CacheSpec
 from attnexport.models import loader
+from attnexport.models.empty_init import parameters_on_meta_device
 from attnexport.models.errors import CheckpointError
 from attnexport.models.layers import LayerCache, RMSNorm, ScaledCache
-from attnexport.models.skip_init import parameters_left_uninitialized
 
 
 @dataclass(frozen=True)
@@ -145,9 +146,10 @@ class PagedModel(nn.Module):
             # from_hf only converts the user's config.json fields: a value it cannot convert
             # (a string where a number belongs, ...) is that file's mistake.
             raise CheckpointError(f"{config_path}: {error}") from None
-        with parameters_left_uninitialized():  # every one is loaded next, or refused
+        with parameters_on_meta_device():  # every one is loaded next, or refused
             model = cls(config)
-        model.load_hf_weights(loader.read_weights(path), source=str(path))
+        with loader.read_weights(path) as weights:
+            model.load_hf_weights(weights, source=str(path))
         return model.to(dtype).eval()
 
     def hf_weight_names(self, name: str) -> tuple[str | tuple[str, ...], ...]:
@@ -166,21 +168,25 @@ class PagedModel(nn.Module):
         return {}
 
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor], source: str = "checkpoint"):
-        """Loads checkpoint tensors into this model (each becomes its parameter), checking
-        that every local tensor is found with the right shape and that no checkpoint tensor is
-        left unused (which would mean a feature this implementation lacks)."""
+        """Loads checkpoint tensors into this model (each becomes its parameter, also on a
+        model built on the meta device), checking that every local tensor is found with the
+        right shape and that no checkpoint tensor is left unused (which would mean a feature
+        this implementation lacks)."""
         used: set[str] = set()
         missing: list[str] = []
         optional = self.optional_weights()
         local = dict(self.named_parameters())
         local.update((n, b) for n, b in self.named_buffers() if n in optional)
+        values: dict[int, torch.Tensor] = {}  # by id of the local tensor
         with torch.no_grad():
             for name, target in local.items():
                 candidates = [(c,) if isinstance(c, str) else c for c in self.hf_weight_names(name)]
                 found = next((c for c in candidates if all(n in weights for n in c)), None)
                 if found is None:
                     if name in optional:
-                        target.fill_(optional[name])
+                        values[id(target)] = torch.full(
+                            target.shape, optional[name], dtype=target.dtype, device="cpu"
+                        )
                         continue
                     missing.append(name)
                     continue
@@ -195,9 +201,7 @@ class PagedModel(nn.Module):
                         f"{tuple(tensor.shape)} for {name}, expected "
                         f"{tuple(target.shape)} from config.json"
                     )
-                # the checkpoint's tensor becomes the parameter (no copy into the empty one,
-                # which is never touched: its pages never become resident)
-                target.data = tensor.to(target.dtype).contiguous()
+                values[id(target)] = tensor.to(target.dtype).contiguous()
                 used.update(found)
         if missing:
             raise CheckpointError(
@@ -213,6 +217,26 @@ class PagedModel(nn.Module):
                 f"{source}: the checkpoint has tensors {self.__class__.__name__} does not use "
                 f"(an unsupported variant?): {', '.join(unused[:8])}"
             )
+        self._assign(values)
+
+    def _assign(self, values: dict[int, torch.Tensor]) -> None:
+        """Makes each value (by ``id`` of the local tensor it is for) the parameter or buffer
+        itself: no copy into the one the model was built with, which has no storage on the
+        meta device and is never touched otherwise (its pages never become resident). A module
+        shared under several names (tied embeddings) takes its value under each of them."""
+        state = self.state_dict(keep_vars=True)
+        unset = [
+            name
+            for name, tensor in itertools.chain(state.items(), self.named_buffers())
+            if tensor.is_meta and id(tensor) not in values
+        ]
+        if unset:
+            # the model class's mistake, not the checkpoint's: a tensor neither loaded nor filled
+            raise RuntimeError(
+                f"{self.__class__.__name__}: no value for {sorted(set(unset))[:8]} (a buffer "
+                "that forward does not compute must be listed in optional_weights)"
+            )
+        self.load_state_dict({n: values.get(id(t), t) for n, t in state.items()}, assign=True)
 
     # ----------------------------------------------------------------------- interface
 

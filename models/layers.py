@@ -116,7 +116,8 @@ class GatedMLP(nn.Module):
 
 def alibi_slopes(num_heads: int) -> tuple[float, ...]:
     """The standard ALiBi slopes (Press et al.; BLOOM, MPT with the default max bias 8)."""
-    return tuple(_alibi_slopes(num_heads).tolist())
+    with torch.device("cpu"):  # host values, also while a model is built on the meta device
+        return tuple(_alibi_slopes(num_heads).tolist())
 
 
 class ScaledCache(NamedTuple):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -132,14 +133,24 @@ def weight_files(path: str | Path) -> list[Path]:
     )
 
 
+MAPPED_BYTES_PER_HANDLE = 32 * 2**20
+"""Bytes a checkpoint load reads through one open ``*.safetensors`` handle before it closes it
+(and opens the file again for the next tensor). A handle maps the whole file and the pages read
+through it stay resident until it closes: one handle per load would hold the whole file
+resident beside the copies, one per tensor parsed the header again for every tensor."""
+
+
 class CheckpointWeights(Mapping[str, torch.Tensor]):
     """The tensors of a checkpoint's weight files by stored name, each read from its
     ``*.safetensors`` file when it is looked up (and not kept): a model copying them in holds
-    one checkpoint tensor at a time, never a second copy of every weight."""
+    one checkpoint tensor at a time, never a second copy of every weight. Use it in a ``with``
+    block (or :meth:`close` it): the file handle it keeps between lookups closes at its end."""
 
     def __init__(self, files: list[Path]) -> None:
         self._where: dict[str, Path] = {}
         self._loaded: dict[str, torch.Tensor] = {}  # pytorch_model.bin: read whole
+        self._open: tuple[Path, Any] | None = None
+        self._mapped_bytes = 0
         for file in files:
             if file.suffix == ".safetensors":
                 with _safe_open(file) as handle:
@@ -156,13 +167,34 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._loaded:
             return self._loaded[name]
-        # opened per tensor: a handle maps the whole file, and the pages read through it stay
-        # resident until it closes
-        with _safe_open(self._where[name]) as handle:
-            # cloned into torch's 64-byte aligned allocator, as copying into a parameter did:
-            # safetensors' buffer is only 8-byte aligned, and the matmul kernels may take
-            # other paths (and round otherwise) on a misaligned weight
-            return handle.get_tensor(name).clone()
+        # cloned into torch's 64-byte aligned allocator, as copying into a parameter did:
+        # safetensors' buffer is only 8-byte aligned, and the matmul kernels may take other
+        # paths (and round otherwise) on a misaligned weight
+        tensor = self._handle(self._where[name]).get_tensor(name).clone()
+        self._mapped_bytes += tensor.nbytes
+        if self._mapped_bytes >= MAPPED_BYTES_PER_HANDLE:
+            self.close()
+        return tensor
+
+    def _handle(self, file: Path):
+        if self._open is not None and self._open[0] != file:
+            self.close()
+        if self._open is None:
+            self._open = (file, _safe_open(file).__enter__())
+        return self._open[1]
+
+    def close(self) -> None:
+        """Closes the open file handle (unmapping the file); a later lookup opens it again."""
+        if self._open is not None:
+            self._open[1].__exit__(None, None, None)
+        self._open = None
+        self._mapped_bytes = 0
+
+    def __enter__(self) -> CheckpointWeights:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def __contains__(self, name: object) -> bool:
         return name in self._where

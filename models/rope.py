@@ -190,11 +190,13 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rope.rotary_dim(head_dim)
-        self._inv_freq = tuple(rope.inv_freq(head_dim).tolist())
-        self._long_inv_freq: tuple[float, ...] | None = None
+        # host values, also while the model is built on the meta device (from_pretrained)
+        with torch.device("cpu"):
+            self._inv_freq = tuple(rope.inv_freq(head_dim).tolist())
+            self._long_inv_freq: tuple[float, ...] | None = None
+            if rope.type == "longrope":
+                self._long_inv_freq = tuple(rope.inv_freq(head_dim, long=True).tolist())
         self.long_after = rope.original_max_position_embeddings
-        if rope.type == "longrope":
-            self._long_inv_freq = tuple(rope.inv_freq(head_dim, long=True).tolist())
         self.attention_factor = rope.attention_factor
 
     @property

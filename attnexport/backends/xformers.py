@@ -147,6 +147,24 @@ def _ranges(starts: list[int], stops: list[int], device: torch.device) -> torch.
     return index.to(device)
 
 
+@dataclass(frozen=True)
+class PlanKind:
+    """What a plan depends on besides the lengths and the device: the mask (causal, window,
+    ALiBi) and what picks the operators (dtype, head size)."""
+
+    causal: bool
+    sliding_window: int
+    alibi: bool
+    dtype: torch.dtype
+    head_size: int
+
+    @classmethod
+    def of(cls, call: VarlenAttentionCall | PagedAttentionCall) -> PlanKind:
+        query = call.query
+        alibi = call.alibi_slopes is not None
+        return cls(call.causal, call.sliding_window, alibi, query.dtype, query.shape[2])
+
+
 @dataclass
 class _VarlenPlan:
     """Packed attention of ragged sequences, planned once per step."""
@@ -166,11 +184,7 @@ class _VarlenPlan:
 def plan_varlen(
     query_lens: list[int],
     key_lens: list[int],
-    causal: bool,
-    sliding_window: int,
-    alibi: bool,
-    dtype: torch.dtype,
-    head_size: int,
+    kind: PlanKind,
     facts: choice.DeviceFacts,
     device: torch.device,
 ) -> _VarlenPlan:
@@ -178,6 +192,7 @@ def plan_varlen(
     k - q + i. A causal query before the first key (q > k) and any query of a sequence without
     keys sees nothing: it is dropped here and gets zeros, since xFormers' masks need every
     query row to see a key."""
+    causal, sliding_window = kind.causal, kind.sliding_window
     kept = [
         (min(q, k) if causal else q) if k > 0 else 0
         for q, k in zip(query_lens, key_lens, strict=True)
@@ -191,10 +206,10 @@ def plan_varlen(
             device,
         )
     bias = None
-    if not alibi:
+    if not kind.alibi:
         bias = masks.block_diagonal_bias(kept, key_lens, causal, sliding_window, device)
     return _VarlenPlan(
-        op=choice.varlen_op(dtype, head_size, alibi, facts),
+        op=choice.varlen_op(kind.dtype, kind.head_size, kind.alibi, facts),
         keep=keep,
         query_lens=kept,
         key_lens=list(key_lens),
@@ -287,11 +302,7 @@ def plan_paged(
     seq_lens: list[int],
     query_start_loc: list[int],
     block_size: int,
-    causal: bool,
-    sliding_window: int,
-    alibi: bool,
-    dtype: torch.dtype,
-    head_size: int,
+    kind: PlanKind,
     facts: choice.DeviceFacts,
 ) -> _PagedPlan:
     """Plans a paged-attention batch (see :func:`.xformers_choice.route_paged`). Sequences
@@ -301,12 +312,12 @@ def plan_paged(
     rows = [i for i, (q, n) in enumerate(zip(query_lens, seq_lens, strict=True)) if q > 0 and n > 0]
     route = choice.route_paged(
         [query_lens[i] for i in rows],
-        dtype,
-        head_size,
+        kind.dtype,
+        kind.head_size,
         block_size,
-        causal,
-        sliding_window >= 0,
-        alibi,
+        kind.causal,
+        kind.sliding_window >= 0,
+        kind.alibi,
         facts,
     )
     covered = sum(query_lens[i] for i in rows)
@@ -333,8 +344,8 @@ def plan_paged(
             [seq_lens[i] for i in paged_rows],
             tables(paged_rows),
             block_size,
-            causal,
-            sliding_window,
+            kind.causal,
+            kind.sliding_window,
         )
         paged = _PagedPart(route.paged_op, tokens(paged_rows), bias)
     gather_rows = [rows[r] for r in route.gather_rows]
@@ -347,17 +358,7 @@ def plan_paged(
         gathered = _GatheredPart(
             tokens(gather_rows),
             slots[in_sequence],
-            plan_varlen(
-                [query_lens[i] for i in gather_rows],
-                lens,
-                causal,
-                sliding_window,
-                alibi,
-                dtype,
-                head_size,
-                facts,
-                device,
-            ),
+            plan_varlen([query_lens[i] for i in gather_rows], lens, kind, facts, device),
         )
     return _PagedPlan(covered == total, paged, gathered)
 
@@ -399,46 +400,36 @@ class XformersBackend(AttentionBackend):
         write_cache(call)
 
     def varlen_attention(self, call: VarlenAttentionCall) -> torch.Tensor:
-        query, alibi = call.query, call.alibi_slopes is not None
-        extra = (query.dtype, query.shape[2], call.causal, call.sliding_window, alibi)
+        query, kind = call.query, PlanKind.of(call)
 
         def build() -> _VarlenPlan:
             q_starts, k_starts = call.cu_seqlens_q.tolist(), call.cu_seqlens_k.tolist()
             return plan_varlen(
                 [b - a for a, b in itertools.pairwise(q_starts)],
                 [b - a for a, b in itertools.pairwise(k_starts)],
-                call.causal,
-                call.sliding_window,
-                alibi,
-                query.dtype,
-                query.shape[2],
+                kind,
                 _facts(query.device),
                 query.device,
             )
 
-        plan = memoised("xformers-varlen", (call.cu_seqlens_q, call.cu_seqlens_k), extra, build)
+        plan = memoised("xformers-varlen", (call.cu_seqlens_q, call.cu_seqlens_k), (kind,), build)
         key, value = call.key.contiguous(), call.value.contiguous()
         return _run_varlen(plan, query.contiguous(), key, value, call.scale, call.alibi_slopes)
 
     def paged_attention(self, call: PagedAttentionCall) -> torch.Tensor:
         query, key_cache, block_size = call.query, call.key_cache, call.key_cache.shape[1]
-        alibi, scale = call.alibi_slopes is not None, call.scale
+        kind, scale = PlanKind.of(call), call.scale
         metadata = (call.block_tables, call.seq_lens, call.query_start_loc)
-        extra = (query.dtype, query.shape[2], block_size, call.causal, call.sliding_window, alibi)
         plan = memoised(
             "xformers-paged",
             metadata,
-            extra,
+            (kind, block_size),
             lambda: plan_paged(
                 call.block_tables,
                 call.seq_lens.tolist(),
                 call.query_start_loc.tolist(),
                 block_size,
-                call.causal,
-                call.sliding_window,
-                alibi,
-                query.dtype,
-                query.shape[2],
+                kind,
                 _facts(query.device),
             ),
         )

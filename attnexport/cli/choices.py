@@ -96,6 +96,18 @@ def lm_head_formats() -> Sequence[str]:
     return RegistryChoices(read)
 
 
+def zero_point_offsets() -> Sequence[str]:
+    """``export --weights-offsets``: how float zero points' offsets are stored (read on first
+    use)."""
+
+    def read() -> Sequence[str]:
+        from attnexport.lowering import ZERO_POINT_OFFSETS
+
+        return ZERO_POINT_OFFSETS
+
+    return RegistryChoices(read)
+
+
 def model_impls() -> Sequence[str]:
     """``export --impl``: how a checkpoint is loaded, the zoo's network or transformers' (read
     on first use: the models' registry imports torch)."""

@@ -124,8 +124,15 @@ def add_parser(commands) -> None:
         "--lm-head-block-size",
         type=int,
         metavar="N",
-        help="the logits projection's weights per scale, a power of 2 >= 16 (default: "
-        "--weights-block-size)",
+        help="the logits projection's weights per scale, a power of 2 >= 16 (default: 64 "
+        "for int4, --weights-block-size for int8)",
+    )
+    quant.add_argument(
+        "--weights-offsets",
+        choices=choices.zero_point_offsets(),
+        metavar="FORMAT",
+        help="how hqq's float zero points are stored (as an offset per block), one of "
+        "%(choices)s (default int8: a third of float32's bytes, within rounding of it)",
     )
     quant.add_argument(
         "--weights-batch-invariant",
@@ -160,6 +167,7 @@ def _weights(args: argparse.Namespace):
         "accuracy_level": args.weights_accuracy_level,
         "lm_head": args.lm_head,
         "lm_head_block_size": args.lm_head_block_size,
+        "offsets": args.weights_offsets,
         "batch_invariant": args.weights_batch_invariant,
     }
     given = {k: v for k, v in given.items() if v is not None}

@@ -160,6 +160,8 @@ def weights_line(weights: dict) -> str:
         head_block = weights.get("lm_head_block_size", weights["block_size"])
         block = f" block size {head_block}" if head_block != weights["block_size"] else ""
         options.append(f"lm_head {weights['lm_head']}{block}")
+    if weights.get("algorithm") == "hqq" and "offsets" in weights:
+        options.append(f"{weights['offsets']} zero-point offsets")
     if "batch_invariant" in weights:
         options.append("batch-invariant" if weights["batch_invariant"] else "not batch-invariant")
     floats = ", ".join(weights.get("float_layers") or []) or "none"

@@ -18,13 +18,14 @@ import onnx
 from onnx import helper, numpy_helper
 
 from attnexport.lowering.quantization_error import QuantizationError
+from attnexport.matmul_nbits import matmulnbits_node
 
 
 class LmHeadError(QuantizationError):
     """The logits projection's weight is read by a node this module cannot rewrite."""
 
 
-def _block_quantize(weight_nk: np.ndarray, bits: int, block_size: int):
+def block_quantize(weight_nk: np.ndarray, bits: int, block_size: int):
     """``(packed [N, blocks, block bytes] uint8, scales [N, blocks] float32)``: symmetric round
     to nearest per block along K (onnxruntime's quantizer)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import (
@@ -66,20 +67,18 @@ def quantize_lm_head(
     weight = numpy_helper.to_array(_initializer(graph, weight_name), base_dir)
     weight_nk = weight if node.op_type == "Gemm" else weight.T
     n, k = weight_nk.shape
-    packed, scales = _block_quantize(weight_nk, bits, block_size)
+    packed, scales = block_quantize(weight_nk, bits, block_size)
     blocks = packed.shape[1]
     data_name, scales_name = f"{weight_name}_Q{bits}", f"{weight_name}_scales"
     graph.initializer.extend(
         [numpy_helper.from_array(packed, data_name), numpy_helper.from_array(scales, scales_name)]
     )
-    matmul = helper.make_node(
-        "MatMulNBits",
+    matmul = matmulnbits_node(
         [node.input[0], data_name, scales_name],
-        list(node.output),
+        node.output[0],
         name=f"{node.name}_Q{bits}",
-        domain="com.microsoft",
-        K=k,
-        N=n,
+        k=k,
+        n=n,
         bits=bits,
         block_size=block_size,
         accuracy_level=accuracy_level,

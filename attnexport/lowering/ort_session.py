@@ -148,9 +148,19 @@ class PagedOrtSession:
     ) -> None:
         import onnxruntime as ort
 
-        source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+        from attnexport.batch_invariance import session_source
+
+        providers = list(providers or ["CPUExecutionProvider"])
+        if isinstance(model, onnx.ModelProto):
+            source = model.SerializeToString()
+        elif providers == ["CPUExecutionProvider"]:
+            # The batch-invariance rows this CPU's MatMulNBits kernels do not need are dropped.
+            session_options = session_options or ort.SessionOptions()
+            source = session_source(model, session_options)
+        else:
+            source = str(model)
         self.session = ort.InferenceSession(
-            source, sess_options=session_options, providers=providers or ["CPUExecutionProvider"]
+            source, sess_options=session_options, providers=providers
         )
         self.contract: GraphContract = read_contract(self.session)
         self.input_types = {i.name: _TYPE_STRINGS.get(i.type) for i in self.session.get_inputs()}

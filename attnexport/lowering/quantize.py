@@ -50,6 +50,9 @@ FITTED = ("k_quant", "hqq")
 LM_HEAD_FORMATS = {"float": None, "int8": 8, "int4": 4}
 """``export --lm-head``: the logits projection's formats and their bits."""
 LM_HEAD = "lm_head"
+ZERO_POINT_OFFSETS = ("int8", "float32")
+"""``export --weights-offsets``: how float zero points' offsets are stored
+(:mod:`attnexport.lowering.float_zero_points`)."""
 ACCURACY_LEVELS = range(5)  # MatMulNBits: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 compute
 
 DEFAULTS = {
@@ -59,6 +62,8 @@ DEFAULTS = {
         "accuracy_level": 4,
         "algorithm": "hqq",
         "lm_head": "int8",
+        "lm_head_block_size": 64,
+        "offsets": "int8",
     },
     "int8": {
         "block_size": 32,
@@ -66,6 +71,7 @@ DEFAULTS = {
         "accuracy_level": 4,
         "algorithm": "rtn",
         "lm_head": "int8",
+        "offsets": "int8",
     },
 }
 """The defaults of each format (docs/quantization.md says why)."""
@@ -83,11 +89,14 @@ class WeightQuantization:
         accuracy_level: MatMulNBits' ``accuracy_level`` (4: int8 compute on the CPU).
         algorithm: one of :data:`ALGORITHMS`.
         lm_head: the logits projection's format, a key of :data:`LM_HEAD_FORMATS`.
-        lm_head_block_size: the logits projection's block size (None: ``block_size``).
+        lm_head_block_size: the logits projection's block size (None: the format's default,
+            else ``block_size``).
+        offsets: how the offsets of float zero points (``hqq``) are stored, one of
+            :data:`ZERO_POINT_OFFSETS` (:mod:`attnexport.lowering.float_zero_points`).
         keep_float: ``fnmatch`` patterns of the layer names that stay float.
         batch_invariant: give every MatMulNBits at least two rows, so that a sequence's
             numbers do not depend on the batch it runs in
-            (:mod:`attnexport.lowering.batch_invariance`).
+            (:mod:`attnexport.batch_invariance`).
     """
 
     format: str
@@ -97,6 +106,7 @@ class WeightQuantization:
     algorithm: str | None = None
     lm_head: str | None = None
     lm_head_block_size: int | None = None
+    offsets: str | None = None
     keep_float: tuple[str, ...] = field(default_factory=tuple)
     batch_invariant: bool = True
 
@@ -137,6 +147,10 @@ class WeightQuantization:
             raise QuantizationError(
                 f"--lm-head: expected {', '.join(LM_HEAD_FORMATS)}, got {self.lm_head!r}"
             )
+        if self.offsets not in ZERO_POINT_OFFSETS:
+            raise QuantizationError(
+                f"--weights-offsets: expected {', '.join(ZERO_POINT_OFFSETS)}, got {self.offsets!r}"
+            )
         if self.algorithm in FITTED and self.symmetric:
             raise QuantizationError(
                 f"--weights-algorithm {self.algorithm}: fits a zero point per block; "
@@ -158,6 +172,7 @@ class WeightQuantization:
             "algorithm": self.algorithm,
             "lm_head": self.lm_head,
             "lm_head_block_size": self.lm_head_block_size,
+            "offsets": self.offsets,
             "batch_invariant": self.batch_invariant,
             "quantized_layers": quantized,
             "float_layers": float_layers,
@@ -325,8 +340,8 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
         QuantizationError: a ``keep_float`` pattern matches nothing, the model has no layer to
             quantize, or the quantizer left a layer it was asked to quantize.
     """
+    from attnexport.batch_invariance import pad_matmulnbits_rows
     from attnexport.lowering import lm_head
-    from attnexport.lowering.batch_invariance import pad_matmulnbits_rows
     from attnexport.lowering.float_zero_points import split_float_zero_points
 
     path = Path(path)
@@ -360,9 +375,11 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
             f"{path}: onnxruntime's quantizer left {left or count} (expected "
             f"{len(layers) - len(keep)} MatMulNBits nodes)"
         )
-    split_float_zero_points(quantized)
     if quantization.batch_invariant:
         pad_matmulnbits_rows(quantized)
+    # After the padding: the offsets' own MatMulNBits reads the padded rows' block sums, so
+    # it never runs one row either.
+    split_float_zero_points(quantized, quantization.offsets)
     external = sum(len(i.raw_data) for i in quantized.graph.initializer) > EXTERNAL_DATA_BYTES
     data = path.with_name(f"{path.name}.data")
     if data.exists():

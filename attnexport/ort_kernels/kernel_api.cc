@@ -38,6 +38,46 @@ size_t element_size(ONNXTensorElementDataType type) {
   }
 }
 
+OrtStatus* check_cache_dtypes(const char* op, const Tensor& key_cache, const Tensor& value_cache,
+                              const Tensor* key_scales, const Tensor* value_scales,
+                              int key_scales_input) {
+  const std::string node = std::string(op) + ": ";
+  const ONNXTensorElementDataType type = key_cache.type;
+  const bool int8 = type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+  if (element_size(type) == 0 && !int8)
+    return invalid(node + "key_cache: expected float32, float16, bfloat16 or int8, got " +
+                   type_name(type));
+  if (value_cache.type != type)
+    return invalid(node + "value_cache: expected the key_cache's dtype " + type_name(type) +
+                   ", got " + type_name(value_cache.type));
+  const Tensor* scales[2] = {key_scales, value_scales};
+  const std::string names[2] = {
+      "key_scale_cache (input " + std::to_string(key_scales_input) + ")",
+      "value_scale_cache (input " + std::to_string(key_scales_input + 1) + ")"};
+  if (!int8) {
+    for (size_t i = 0; i < 2; ++i)
+      if (scales[i] != nullptr)
+        return invalid(node + names[i] + " is given with " + type_name(type) +
+                       " caches; scale caches go with int8 caches only");
+    return nullptr;
+  }
+  const std::vector<int64_t> scale_dims(key_cache.dims.begin(), key_cache.dims.begin() + 3);
+  for (size_t i = 0; i < 2; ++i) {
+    if (scales[i] == nullptr)
+      return invalid(node + "int8 caches need " + names[i] +
+                     ", the float32 scale of each slot and KV head");
+  }
+  for (size_t i = 0; i < 2; ++i) {
+    const std::string name = names[i].substr(0, names[i].find(' '));
+    if (scales[i]->dims != scale_dims)
+      return invalid(node + name + ": expected [num_blocks, block_size, num_kv_heads] = " +
+                     format_dims(scale_dims) + ", got " + scales[i]->shape());
+    if (scales[i]->type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
+      return invalid(node + name + ": expected float32, got " + type_name(scales[i]->type));
+  }
+  return nullptr;
+}
+
 const char* type_name(ONNXTensorElementDataType type) {
   switch (type) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT:

@@ -48,6 +48,14 @@ OrtStatus* output_count(OrtKernelContext* context, size_t* count);
 OrtStatus* make_output(OrtKernelContext* context, size_t index, const std::vector<int64_t>& dims,
                        Tensor* out);
 
+// The dtypes of the paged caches of a node (ReshapeAndCache, PagedAttention) named `op` in the
+// messages, once key_cache is known to be 4-d: key_cache float32, float16, bfloat16 or int8 and value_cache the same; int8 caches
+// with both float32 scale caches [num_blocks, block_size, num_kv_heads] (inputs
+// `key_scales_input` and the next; nullptr: the node leaves it out), float caches with neither.
+OrtStatus* check_cache_dtypes(const char* op, const Tensor& key_cache, const Tensor& value_cache,
+                              const Tensor* key_scales, const Tensor* value_scales,
+                              int key_scales_input);
+
 OrtStatus* int_attribute(const OrtKernelInfo* info, const char* name, int64_t* out);
 OrtStatus* float_attribute(const OrtKernelInfo* info, const char* name, float* out);
 
@@ -70,6 +78,14 @@ OrtStatus* with_float_type(ONNXTensorElementDataType type, Fn fn) {
     default:
       return fn(float{});
   }
+}
+
+// Returns fn(C{}) for the cache element type C of `type`: int8_t, or a float type as
+// with_float_type (check_cache_dtypes accepts these).
+template <typename Fn>
+OrtStatus* with_cache_type(ONNXTensorElementDataType type, Fn fn) {
+  if (type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8) return fn(int8_t{});
+  return with_float_type(type, fn);
 }
 
 // Runs fn(first_row, end_row) over [0, rows) in ranges of 64 rows: on the calling thread when the

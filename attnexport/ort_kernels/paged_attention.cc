@@ -28,8 +28,12 @@ constexpr int64_t kQueryTile = 16;
 // multiply-adds) is worth splitting: in a model its keys and values come from memory, not the
 // caches (the weights stream through them every step); docs/benchmarks.md has the measurement.
 constexpr int64_t kParallelWork = 1 << 16;
-// A decode context is split into up to kSplitTarget / (num_seqs * num_kv_heads) parts of at
-// least kMinSplitBlocks blocks each, so that a small batch still keeps every thread busy.
+// A decode context is split into parts of at least kMinSplitBlocks blocks each (at most
+// kSplitTarget), so that a small batch still keeps every thread busy. The split depends on the
+// context's length alone, never on the rest of the batch: a split changes the order of the
+// softmax sums (a partial softmax per part, combined afterwards), and a sequence's numbers
+// must not depend on what it is batched with (a greedy token of a quantized model, whose
+// activations are rounded to int8 steps, can follow a last-bit difference).
 constexpr int64_t kSplitTarget = 8;
 constexpr int64_t kMinSplitBlocks = 16;
 // Keys per step of the online softmax (whole blocks, at least one): the rescale of the
@@ -72,20 +76,6 @@ bool is_float_type(ONNXTensorElementDataType type) {
   return type == kFloat32 || type == kFloat16 || type == kBFloat16;
 }
 
-// Returns fn(C{}) for the cache element type C of `type` (checked by compute()).
-template <typename Fn>
-OrtStatus* with_cache_type(ONNXTensorElementDataType type, Fn fn) {
-  switch (type) {
-    case kFloat16:
-      return fn(Half{});
-    case kBFloat16:
-      return fn(BFloat16{});
-    case kInt8:
-      return fn(int8_t{});
-    default:
-      return fn(float{});
-  }
-}
 
 }  // namespace
 
@@ -149,34 +139,10 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
     return invalid(std::string("PagedAttention: query: expected float32, float16 or bfloat16, got ") +
                    type_name(type));
   const ONNXTensorElementDataType cache_type = key_cache.type;
-  if (!is_float_type(cache_type) && cache_type != kInt8)
-    return invalid(std::string("PagedAttention: key_cache: expected float32, float16, bfloat16 "
-                               "or int8, got ") +
-                   type_name(cache_type));
-  if (value_cache.type != cache_type)
-    return invalid(std::string("PagedAttention: value_cache: expected the key_cache's dtype ") +
-                   type_name(cache_type) + ", got " + type_name(value_cache.type));
-  if (cache_type == kInt8) {
-    if (!has_key_scales || !has_value_scales)
-      return invalid(std::string("PagedAttention: int8 caches need ") +
-                     (!has_key_scales ? "key_scale_cache (input 7)" : "value_scale_cache (input 8)") +
-                     ", the float32 scale of each slot and KV head");
-    const std::vector<int64_t> scale_dims{num_blocks, block_size, num_kv_heads};
-    const char* scale_layout = "[num_blocks, block_size, num_kv_heads]";
-    ATTNEXPORT_RETURN_IF_ERROR(expect_shape(key_scales, "key_scale_cache", scale_dims, scale_layout));
-    ATTNEXPORT_RETURN_IF_ERROR(
-        expect_shape(value_scales, "value_scale_cache", scale_dims, scale_layout));
-    if (key_scales.type != kFloat32 || value_scales.type != kFloat32)
-      return invalid(std::string("PagedAttention: ") +
-                     (key_scales.type != kFloat32 ? "key_scale_cache" : "value_scale_cache") +
-                     ": expected float32, got " +
-                     type_name(key_scales.type != kFloat32 ? key_scales.type : value_scales.type));
-  } else if (has_key_scales || has_value_scales) {
-    return invalid(std::string("PagedAttention: ") +
-                   (has_key_scales ? "key_scale_cache (input 7)" : "value_scale_cache (input 8)") +
-                   " is given with " + type_name(cache_type) +
-                   " caches; scale caches go with int8 caches only");
-  }
+  ATTNEXPORT_RETURN_IF_ERROR(check_cache_dtypes("PagedAttention", key_cache, value_cache,
+                                                has_key_scales ? &key_scales : nullptr,
+                                                has_value_scales ? &value_scales : nullptr,
+                                                kKeyScales));
   std::vector<float> slope_values(num_heads);
   if (!is_float_type(slopes.type))
     return invalid("PagedAttention: alibi_slopes: expected float32, float16 or bfloat16");
@@ -254,10 +220,7 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
   const int64_t per_item = num_kv_heads / head_items;
   for (int64_t s : decode_seqs) {
     const int64_t blocks = (batch.seq_lens[s] + block_size - 1) / block_size;
-    const int64_t splits = std::clamp<int64_t>(
-        std::min(kSplitTarget / std::max<int64_t>(static_cast<int64_t>(decode_seqs.size()) * head_items, 1),
-                 blocks / kMinSplitBlocks),
-        1, kSplitTarget);
+    const int64_t splits = std::clamp<int64_t>(blocks / kMinSplitBlocks, 1, kSplitTarget);
     if (splits > 1) splits_.push_back({s, partial_slots, splits});
     for (int64_t i = 0; i < splits; ++i) {
       for (int64_t h = 0; h < num_kv_heads; h += per_item)

@@ -24,7 +24,6 @@ namespace attnexport {
 
 namespace {
 
-constexpr ONNXTensorElementDataType kFloat32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr ONNXTensorElementDataType kInt8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
 
 // Row `n` elements of S (a float type) into the cache type C: rounded to nearest even.
@@ -102,40 +101,13 @@ OrtStatus* ReshapeAndCache::compute(OrtKernelContext* context) const {
                                "bfloat16, got ") +
                    type_name(key.type) + " and " + type_name(value.type));
   const ONNXTensorElementDataType cache_type = key_cache.type;
-  if (element_size(cache_type) == 0 && cache_type != kInt8)
-    return invalid(std::string("ReshapeAndCache: key_cache: expected float32, float16, "
-                               "bfloat16 or int8, got ") +
-                   type_name(cache_type));
-  if (value_cache.type != cache_type)
-    return invalid(std::string("ReshapeAndCache: value_cache: expected the key_cache's dtype ") +
-                   type_name(cache_type) + ", got " + type_name(value_cache.type));
+  ATTNEXPORT_RETURN_IF_ERROR(check_cache_dtypes("ReshapeAndCache", key_cache, value_cache,
+                                                has_key_scales ? &key_scales : nullptr,
+                                                has_value_scales ? &value_scales : nullptr, 5));
   const bool int8 = cache_type == kInt8;
-  if (int8) {
-    if (!has_key_scales || !has_value_scales)
-      return invalid(std::string("ReshapeAndCache: int8 caches need ") +
-                     (!has_key_scales ? "key_scale_cache (input 5)" : "value_scale_cache (input 6)") +
-                     ", the float32 scale of each slot and KV head");
-    const std::vector<int64_t> scale_dims(key_cache.dims.begin(), key_cache.dims.begin() + 3);
-    const Tensor* scales[2] = {&key_scales, &value_scales};
-    const char* names[2] = {"key_scale_cache", "value_scale_cache"};
-    for (size_t i = 0; i < 2; ++i) {
-      if (scales[i]->dims != scale_dims)
-        return invalid(std::string("ReshapeAndCache: ") + names[i] +
-                       ": expected [num_blocks, block_size, num_kv_heads] = " +
-                       format_dims(scale_dims) + ", got " + scales[i]->shape());
-      if (scales[i]->type != kFloat32)
-        return invalid(std::string("ReshapeAndCache: ") + names[i] + ": expected float32, got " +
-                       type_name(scales[i]->type));
-    }
-    if (outputs < 4)
-      return invalid("ReshapeAndCache: int8 caches need the outputs key_scale_cache_out (2) "
-                     "and value_scale_cache_out (3)");
-  } else if (has_key_scales || has_value_scales) {
-    return invalid(std::string("ReshapeAndCache: ") +
-                   (has_key_scales ? "key_scale_cache (input 5)" : "value_scale_cache (input 6)") +
-                   " is given with " + type_name(cache_type) +
-                   " caches; scale caches go with int8 caches only");
-  }
+  if (int8 && outputs < 4)
+    return invalid("ReshapeAndCache: int8 caches need the outputs key_scale_cache_out (2) "
+                   "and value_scale_cache_out (3)");
   if (slots.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 &&
       slots.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64)
     return invalid("ReshapeAndCache: slot_mapping: expected int32 or int64");

@@ -75,23 +75,38 @@ OrtStatus* split_rotate(OrtKernelContext* context, const Tensor& qkv, const Tens
   });
 }
 
+// Reads the rows to rotate (input 0) and the cos, sin tables (inputs 1, 2).
+OrtStatus* read_inputs(OrtKernelContext* context, Tensor* x, Tensor* cos, Tensor* sin) {
+  ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 0, x));
+  ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 1, cos));
+  return read_input(context, 2, sin);
+}
+
+// The cos, sin tables of node `op` are `table_dims` (described by `layout`) and share the float
+// dtype of the rows to rotate, `x` (its input name `x_name`).
+OrtStatus* check_tables(const char* op, const char* x_name, const Tensor& x, const Tensor& cos,
+                        const Tensor& sin, const std::vector<int64_t>& table_dims,
+                        const char* layout) {
+  const std::string node = std::string(op) + ": ";
+  if (cos.dims != table_dims || sin.dims != table_dims)
+    return invalid(node + "cos, sin: expected " + format_dims(table_dims) + " (" + layout +
+                   "), got " + cos.shape() + " and " + sin.shape());
+  if (element_size(x.type) == 0 || cos.type != x.type || sin.type != x.type)
+    return invalid(node + x_name + ", cos and sin must share one float32, float16 or bfloat16 "
+                   "dtype");
+  return nullptr;
+}
+
 }  // namespace
 
 OrtStatus* NeoxRotaryEmbedding::compute(OrtKernelContext* context) const {
   Tensor x, cos, sin;
-  ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 0, &x));
-  ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 1, &cos));
-  ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 2, &sin));
+  ATTNEXPORT_RETURN_IF_ERROR(read_inputs(context, &x, &cos, &sin));
   if (x.dims.size() != 3 || x.dims[2] % 2 != 0)
     return invalid("NeoxRotaryEmbedding: x: expected [num_tokens, num_heads, head_size] with an even "
                    "head_size, got " + x.shape());
-  const std::vector<int64_t> table_dims{x.dims[0], x.dims[2]};
-  if (cos.dims != table_dims || sin.dims != table_dims)
-    return invalid("NeoxRotaryEmbedding: cos, sin: expected " + format_dims(table_dims) +
-                   " ([num_tokens, head_size] of x), got " + cos.shape() + " and " + sin.shape());
-  if (element_size(x.type) == 0 || cos.type != x.type || sin.type != x.type)
-    return invalid("NeoxRotaryEmbedding: x, cos and sin must share one float32, float16 or bfloat16 "
-                   "dtype");
+  ATTNEXPORT_RETURN_IF_ERROR(check_tables("NeoxRotaryEmbedding", "x", x, cos, sin,
+                                          {x.dims[0], x.dims[2]}, "[num_tokens, head_size] of x"));
   Tensor out;
   ATTNEXPORT_RETURN_IF_ERROR(make_output(context, 0, x.dims, &out));
   return with_float_type(x.type, [&](auto tag) {
@@ -111,20 +126,13 @@ OrtStatus* NeoxQKVRotaryEmbedding::init(const OrtKernelInfo* info) {
 
 OrtStatus* NeoxQKVRotaryEmbedding::compute(OrtKernelContext* context) const {
   Tensor qkv, cos, sin;
-  ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 0, &qkv));
-  ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 1, &cos));
-  ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 2, &sin));
+  ATTNEXPORT_RETURN_IF_ERROR(read_inputs(context, &qkv, &cos, &sin));
   const int64_t width = (num_heads + 2 * num_kv_heads) * head_size;
   if (qkv.dims.size() != 2 || qkv.dims[1] != width)
     return invalid("NeoxQKVRotaryEmbedding: qkv: expected [num_tokens, " + std::to_string(width) +
                    "] ((num_heads + 2 * num_kv_heads) * head_size), got " + qkv.shape());
-  const std::vector<int64_t> table_dims{qkv.dims[0], head_size};
-  if (cos.dims != table_dims || sin.dims != table_dims)
-    return invalid("NeoxQKVRotaryEmbedding: cos, sin: expected " + format_dims(table_dims) +
-                   " ([num_tokens, head_size]), got " + cos.shape() + " and " + sin.shape());
-  if (element_size(qkv.type) == 0 || cos.type != qkv.type || sin.type != qkv.type)
-    return invalid("NeoxQKVRotaryEmbedding: qkv, cos and sin must share one float32, float16 or "
-                   "bfloat16 dtype");
+  ATTNEXPORT_RETURN_IF_ERROR(check_tables("NeoxQKVRotaryEmbedding", "qkv", qkv, cos, sin,
+                                          {qkv.dims[0], head_size}, "[num_tokens, head_size]"));
   Tensor outs[3];
   const int64_t counts[3] = {num_heads, num_kv_heads, num_kv_heads};
   for (size_t i = 0; i < 3; ++i)

@@ -195,8 +195,12 @@ class BlockManager:
         return len(seq.token_ids) > switch
 
     def match_prefix(self, seq: SequenceState) -> list[int]:
-        """Cached device blocks holding the leading full blocks of ``seq``'s tokens (at least one
-        token is left to compute, so the step still produces logits). Nothing is reserved."""
+        """Cached device blocks holding the leading full blocks of ``seq``'s tokens. At least two
+        tokens are left to compute (one, for a one-token sequence): the step produces logits,
+        and the last rows run the attention kernel's prefill path as they did when the prompt
+        was computed whole (a one-token step runs its decode path, whose sums round
+        differently: the same prompt would answer differently on a cache hit). Nothing is
+        reserved."""
         if not self.device.enable_caching or seq.block_ids:
             return []
         keys = seq.block_hashes
@@ -207,7 +211,7 @@ class BlockManager:
         ):
             seq.block_hashes = []  # keys of the other RoPE regime (it grew past the switch)
         hits = []
-        for index in range((len(seq.token_ids) - 1) // self.block_size):
+        for index in range(max(len(seq.token_ids) - 2, 0) // self.block_size):
             block = self.device.lookup(self._key(seq, index))
             if block is None:
                 break

@@ -220,7 +220,7 @@ class Scheduler:
                 continue
             uncomputed = seq.num_uncomputed
             room = budget - cost - (reserve if uncomputed > 1 else 0)
-            count = min(uncomputed, room)
+            count = self._chunk(uncomputed, room)
             if count <= 0:
                 break
             if count < uncomputed and not self.config.enable_chunked_prefill:
@@ -230,6 +230,23 @@ class Scheduler:
             plan.append((seq, count))
             cost += count
         return plan, cost
+
+    def _chunk(self, uncomputed: int, room: int) -> int:
+        """Tokens of a sequence's ``uncomputed`` ones that a step with ``room`` tokens left
+        computes: all that fit, but a prompt (more than one token left) never leaves, nor
+        computes, a chunk of exactly one token. A one-token step of a sequence runs the
+        attention kernel's decode path, whose sums round differently from the prefill path's
+        (each is batch-invariant on its own): a prompt's last rows would then depend on how the
+        budget happened to chunk it, which is on what it ran with, and a quantized model's
+        greedy tokens can follow such a last-bit difference. So a chunk that would leave one
+        token leaves two, and a room of one token (or two that would leave one) waits for
+        the next step; budgets under 3 tokens chunk as they fall."""
+        count = min(uncomputed, room)
+        if count >= uncomputed or uncomputed < 2 or self.config.max_num_batched_tokens < 3:
+            return count
+        if uncomputed - count == 1:
+            count -= 1
+        return count if count >= 2 else 0
 
     def _rope_regime_ok(self, seq: SequenceState, computed: int, count: int) -> bool:
         """Computing ``count`` tokens of ``seq`` after its first ``computed`` keeps all its
@@ -285,7 +302,7 @@ class Scheduler:
             for seq, seq_hits in zip(seqs, hits, strict=True):
                 cached = len(seq_hits) * bm.block_size
                 remaining = seq.num_uncomputed - cached
-                count = min(remaining, budget - cost)
+                count = self._chunk(remaining, budget - cost)
                 if count <= 0 or (count < remaining and not self.config.enable_chunked_prefill):
                     break
                 if self.rope_switch_length is not None and not self._rope_regime_ok(

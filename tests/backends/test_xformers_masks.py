@@ -120,14 +120,14 @@ def test_block_diagonal_bias_refuses_non_causal_window():
 def test_varlen_plan_drops_queries_that_see_no_key():
     # causal: 6 queries over 3 keys -> the first 3 see nothing; a sequence without keys too.
     query_lens, key_lens = [6, 2, 3], [3, 0, 5]
-    plan = xformers_backend.plan_varlen(
-        query_lens, key_lens, True, -1, False, torch.float16, 64, HOPPER, torch.device("cpu")
-    )
+    kind = xformers_backend.PlanKind(True, -1, False, torch.float16, 64)
+    plan = xformers_backend.plan_varlen(query_lens, key_lens, kind, HOPPER, torch.device("cpu"))
     assert plan.query_lens == [3, 0, 3] and plan.op == "fa3"
     assert plan.keep.tolist() == [3, 4, 5, 8, 9, 10]
     assert torch.equal(_visible(plan.bias, (6, 8)), _expected_packed([3, 0, 3], key_lens, True, -1))
+    kind = xformers_backend.PlanKind(False, -1, False, torch.float32, 64)
     non_causal = xformers_backend.plan_varlen(
-        query_lens, key_lens, False, -1, False, torch.float32, 64, HOPPER, torch.device("cpu")
+        query_lens, key_lens, kind, HOPPER, torch.device("cpu")
     )
     assert non_causal.query_lens == [6, 0, 3] and non_causal.op == "cutlass"
 
@@ -192,7 +192,8 @@ def test_plans_from_attention_metadata():
     )
     seq_lens, starts = step.seq_lens.tolist(), step.query_start_loc.tolist()
     query_lens = [b - a for a, b in itertools.pairwise(starts)]
-    args = (step.block_tables, seq_lens, starts, block_size, True, -1, False, torch.bfloat16, 64)
+    kind = xformers_backend.PlanKind(True, -1, False, torch.bfloat16, 64)
+    args = (step.block_tables, seq_lens, starts, block_size, kind)
 
     plan = xformers_backend.plan_paged(*args, HOPPER)
     assert plan.covers_all and plan.gathered is None
@@ -370,7 +371,8 @@ def test_plans_are_reused_across_layers(emulated):
     metadata = (x["block_tables"], x["seq_lens"], x["query_start_loc"])
     args = [x[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens")]
     args += [x["query_start_loc"], 0.2, True, None, -1, 0.0]
-    key = entry_key("xformers-paged", metadata, (torch.bfloat16, 32, 16, True, -1, False))
+    kind = xformers_backend.PlanKind(True, -1, False, torch.bfloat16, 32)
+    key = entry_key("xformers-paged", metadata, (kind, 16))
     with step_plan(metadata) as step:
         first = backend.paged_attention(paged.PagedAttentionCall(*args))
         plan = step.get(key)

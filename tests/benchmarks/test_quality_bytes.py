@@ -40,28 +40,20 @@ def _tied_int8_model(path: Path) -> dict[str, int]:
         numpy_helper.from_array(np.array([-1, blocks, 1], np.int64), "scales_shape"),
         numpy_helper.from_array(np.array([-1, HIDDEN], np.int64), "rows"),
     ]
+    table_format = dict(domain="com.microsoft", bits=8, block_size=BLOCK)  # both nodes read it
     nodes = [
         helper.make_node("Reshape", ["scales", "scales_shape"], ["scales3"]),
         helper.make_node(
             "GatherBlockQuantized",
             ["table", "ids", "scales3"],
             ["gathered"],
-            domain="com.microsoft",
             gather_axis=0,
             quantize_axis=2,
-            block_size=BLOCK,
-            bits=8,
+            **table_format,
         ),
         helper.make_node("Reshape", ["gathered", "rows"], ["x"]),
         helper.make_node(
-            "MatMulNBits",
-            ["x", "table", "scales"],
-            ["logits"],
-            domain="com.microsoft",
-            K=HIDDEN,
-            N=VOCAB,
-            bits=8,
-            block_size=BLOCK,
+            "MatMulNBits", ["x", "table", "scales"], ["logits"], K=HIDDEN, N=VOCAB, **table_format
         ),
     ]
     graph = helper.make_graph(

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from attnexport.artifact import read_manifest
+from attnexport.lowering.quantize import DEFAULTS
 from tests.cli.helpers import assert_one_line_error, run_cli, run_json
 
 
@@ -27,12 +28,7 @@ def test_manifest_records_the_quantization(int4_export):
     assert weights == {
         "format": "int4",
         "bits": 4,
-        "block_size": 32,
-        "symmetric": False,
-        "accuracy_level": 4,
-        "algorithm": "hqq",
-        "lm_head": "int8",
-        "lm_head_block_size": 32,
+        **DEFAULTS["int4"],
         "batch_invariant": True,
         "quantized_layers": 7,
         "float_layers": ["model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"],
@@ -48,9 +44,10 @@ def test_inspect_shows_the_quantization(int4_export, capsys):
     assert code == 0
     summary = json.loads(out)
     assert summary["weights"]["format"] == "int4"
-    assert summary["nodes"]["com.microsoft::MatMulNBits"] == 7
+    # 7 projections, and the 8-bit offsets of hqq's float zero points beside the 6 layers'.
+    assert summary["nodes"]["com.microsoft::MatMulNBits"] == 7 + 6
     code, out, _ = run_cli(capsys, "inspect", int4_export)
-    assert code == 0 and "weights: int4" in out
+    assert code == 0 and "weights: int4" in out and "int8 zero-point offsets" in out
     assert "algorithm hqq" in out and "lm_head int8" in out and "batch-invariant" in out
 
 

@@ -69,15 +69,15 @@ def test_every_projection_becomes_matmulnbits(float_onnx, tmp_path, fmt, bits):
     path, entry = _quantized(float_onnx, tmp_path, WeightQuantization(fmt))
     ops = _ops(path)
     defaults = DEFAULTS[fmt]
-    # hqq's float zero points become one float32 offset MatMul per layer (float_zero_points);
-    # the logits projection is round to nearest.
+    # hqq's float zero points become one 8-bit offset MatMulNBits per layer
+    # (float_zero_points); the logits projection is round to nearest.
     offsets = LAYERS - 1 if defaults["algorithm"] == "hqq" else 0
-    assert ops["MatMulNBits"] == LAYERS and ops["MatMul"] == offsets
+    assert ops["MatMulNBits"] == LAYERS + offsets and ops["MatMul"] == 0
     assert entry == {
         "format": fmt,
         "bits": bits,
-        **defaults,
         "lm_head_block_size": defaults["block_size"],
+        **defaults,
         "batch_invariant": True,
         "quantized_layers": LAYERS,
         "float_layers": [],
@@ -104,8 +104,8 @@ def test_keep_float_and_lm_head(float_onnx, tmp_path):
         "lm_head",
     ]
     ops = _ops(path)
-    # 5 float layers, and an hqq offset MatMul (float_zero_points) per quantized layer
-    assert ops["MatMulNBits"] == LAYERS - 5 and ops["MatMul"] == 5 + LAYERS - 5
+    # 5 float layers, and an hqq offset MatMulNBits (float_zero_points) per quantized layer
+    assert ops["MatMulNBits"] == 2 * (LAYERS - 5) and ops["MatMul"] == 5
     assert entry["quantized_layers"] == LAYERS - 5
 
 

@@ -3,7 +3,10 @@ pytorch_model.bin, and clear errors for directories that do not fit."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from attnexport.models import CheckpointError, load_model
+from attnexport.models.loader import read_weights
 from attnexport.tolerances import model_tolerance
 from tests.models.hf_reference import build_checkpoint, causal_lm_logits, tiny_llama
 
@@ -88,6 +92,44 @@ def test_gpt2_without_transformer_prefix_and_as_pytorch_bin(tmp_path):
 def llama_dir(tmp_path):
     _llama(tmp_path)
     return tmp_path
+
+
+def test_another_thread_building_a_module_during_a_load_gets_its_random_init(llama_dir):
+    """A checkpoint load builds its model without drawing initial weights; a module another
+    thread builds meanwhile still gets torch's random init (patching torch.nn.init for the
+    load, as it once did, left that module's weights uninitialized memory)."""
+    from attnexport.models.llama import LlamaForCausalLM
+
+    building, built = threading.Event(), threading.Event()
+
+    class Pausing(LlamaForCausalLM):
+        def __init__(self, config) -> None:
+            super().__init__(config)
+            building.set()
+            built.wait(timeout=30)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        loading = pool.submit(Pausing.from_pretrained, llama_dir)
+        assert building.wait(timeout=30)
+        torch.manual_seed(7)
+        during = torch.nn.Linear(64, 64)
+        built.set()
+        model = loading.result()
+    torch.manual_seed(7)
+    assert torch.equal(during.weight, torch.nn.Linear(64, 64).weight)
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(llama_dir)
+    expected = causal_lm_logits(hf_model, TOKENS)
+    torch.testing.assert_close(_our_logits(model, TOKENS), expected, atol=ATOL, rtol=0)
+
+
+def test_the_weights_handle_is_closed_at_the_end_of_a_load(llama_dir):
+    """A load reads through one safetensors handle (which maps the whole file; the pages read
+    stay resident while it is open) and closes it at its end."""
+    path = str(llama_dir / "model.safetensors")
+    with read_weights(llama_dir) as weights:
+        assert weights["model.norm.weight"].shape == (32,)
+        assert path in Path("/proc/self/maps").read_text()
+    assert path not in Path("/proc/self/maps").read_text()
 
 
 def test_missing_directory_or_config(tmp_path):

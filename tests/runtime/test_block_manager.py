@@ -78,14 +78,18 @@ def test_fork_shares_blocks_and_copies_on_first_divergent_write():
     assert bm.device.num_free == 8
 
 
-def test_prefix_cache_hits_full_blocks_and_keeps_one_token_to_compute():
+def test_prefix_cache_hits_full_blocks_and_keeps_two_tokens_to_compute():
+    """Two: a one-token step would run the attention kernel's decode path, whose sums round
+    differently from the prefill path that computed the prompt whole."""
     bm = BlockManager(8, 0, block_size=4)
     first = _seq(range(12))
     _grow(bm, first, 12)
     same = _seq(range(12), seq_id=1)
-    # Three full blocks are cached, but the last token must be computed: two hits.
+    # Three full blocks are cached, but the last two tokens must be computed: two hits.
     assert bm.match_prefix(same) == first.block_ids[:2]
-    longer = _seq([*range(12), 99], seq_id=2)
+    one_more = _seq([*range(12), 99], seq_id=5)
+    assert bm.match_prefix(one_more) == first.block_ids[:2]
+    longer = _seq([*range(12), 99, 98], seq_id=2)
     assert bm.match_prefix(longer) == first.block_ids[:3]
     diverging = _seq([0, 1, 2, 3, 4, 5, 6, 0, 8, 9], seq_id=3)
     assert bm.match_prefix(diverging) == first.block_ids[:1]
@@ -104,7 +108,7 @@ def test_freed_cached_blocks_stay_hittable_until_evicted_lru():
     _grow(bm, a, 4)  # two full blocks
     bm.free(a)
     assert bm.device.num_free == 4 and bm.device.num_cached == 2
-    b = _seq([1, 2, 3, 4, 9], seq_id=1)
+    b = _seq([1, 2, 3, 4, 9, 10], seq_id=1)
     hits = bm.match_prefix(b)
     assert len(hits) == 2 and all(bm.device.is_evictable(h) for h in hits)
     # Allocation prefers never-cached blocks, then evicts the least recently freed (the tail
@@ -148,7 +152,7 @@ def test_admitting_samples_never_evicts_a_hit_another_sample_is_about_to_take():
     # the least recently freed one.
     bm = BlockManager(4, 0, block_size=2)
     request = Request("r", [1], SamplingParams(n=2), 0)
-    first, second = _seq([1, 5, 6], 0, request), _seq([1, 7, 8], 1, request)
+    first, second = _seq([1, 5, 6, 9], 0, request), _seq([1, 7, 8, 9], 1, request)
     others = [_seq([2, 2], 2), _seq([3, 3], 3)]
     for seq in (first, second, *others):
         _grow(bm, seq, 2)
@@ -167,7 +171,7 @@ def test_admitting_samples_never_evicts_a_hit_another_sample_is_about_to_take():
 def test_samples_hitting_the_same_unheld_block_count_it_once():
     bm = BlockManager(4, 0, block_size=2)
     request = Request("r", [1], SamplingParams(n=2), 0)
-    first, second = _seq([1, 5, 6], 0, request), _seq([1, 5, 7], 1, request)
+    first, second = _seq([1, 5, 6, 9], 0, request), _seq([1, 5, 7, 9], 1, request)
     _grow(bm, first, 3)
     bm.free(first)
     plan = [(first, 1), (second, 1)]
@@ -185,13 +189,13 @@ def test_prefix_cache_keys_carry_the_rope_regime():
     bm = BlockManager(32, 4, 4, rope_switch_length=10)
     short = _seq(range(8))
     _grow(bm, short, 8)
-    assert bm.match_prefix(_seq([*range(8), 50], 1)) == short.block_ids[:2]  # 9 <= 10
+    assert bm.match_prefix(_seq([*range(8), 50, 51], 1)) == short.block_ids[:2]  # 10 <= 10
     grown = _seq([*range(8), 50, 51, 52, 53], 2)  # 12 > 10: computed long
     assert bm.match_prefix(grown) == []
     long = _seq(range(100, 114), 3)
     long.long_rope = True  # as the scheduler marks it when it plans a chunk past the switch
     _grow(bm, long, 14)
-    assert bm.match_prefix(_seq(range(100, 113), 4)) == long.block_ids[:3]
+    assert bm.match_prefix(_seq(range(100, 114), 4)) == long.block_ids[:3]
     below = _seq(range(100, 109), 5)  # 9 tokens: short
     assert bm.match_prefix(below) == []
     below.token_ids += [108, 109, 110]  # it grew past the switch: its short keys are dropped

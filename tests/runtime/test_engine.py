@@ -82,14 +82,15 @@ def test_a_pool_too_small_for_the_batch_preempts_and_keeps_outputs(model, alone,
 
 def test_prefix_cache_hit_skips_prefill_work(model):
     shared = list(range(30, 46))  # four full blocks of 4
-    first, second = [*shared, 1, 2], [*shared, 9]
+    first, second = [*shared, 1, 2], [*shared, 9, 8]
     engine = _engine(model)
     expected = _engine(model).generate([second], SamplingParams(max_tokens=6))[0].token_ids
     engine.generate([first], SamplingParams(max_tokens=6))
     engine.reset_stats()
     output = engine.generate([second], SamplingParams(max_tokens=6))[0]
     assert output.metrics.num_cached_prompt_tokens == 16
-    assert engine.stats.num_prompt_tokens_computed == 1  # only the token after the prefix
+    # Only the two tokens after the prefix (two: their rows then run the prefill path).
+    assert engine.stats.num_prompt_tokens_computed == 2
     assert output.token_ids == expected
     without = _engine(model, prefix_caching=False)
     without.generate([first], SamplingParams(max_tokens=6))

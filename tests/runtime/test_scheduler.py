@@ -38,11 +38,27 @@ def _step(scheduler: Scheduler) -> dict[str, int]:
 def test_chunked_prefill_fills_the_token_budget_after_decodes():
     scheduler = _scheduler(max_num_batched_tokens=8)
     _add(scheduler, 10, 0)
-    _add(scheduler, 7, 1)
+    _add(scheduler, 8, 1)
     assert _step(scheduler) == {"r0": 8}
     assert _step(scheduler) == {"r0": 2, "r1": 6}
-    assert _step(scheduler) == {"r0": 1, "r1": 1}  # r0 decodes, r1 finishes its prompt
+    assert _step(scheduler) == {"r0": 1, "r1": 2}  # r0 decodes, r1 finishes its prompt
     assert _step(scheduler) == {"r0": 1, "r1": 1}
+
+
+def test_a_prompt_never_computes_or_leaves_a_one_token_chunk():
+    """A one-token step of a sequence runs the attention kernel's decode path (it rounds
+    otherwise than the prefill path): a chunk that would leave one token of a prompt leaves
+    two, and a room of one token waits for the next step."""
+    scheduler = _scheduler(max_num_batched_tokens=8)
+    _add(scheduler, 10, 0)
+    _add(scheduler, 7, 1)
+    assert _step(scheduler) == {"r0": 8}
+    assert _step(scheduler) == {"r0": 2, "r1": 5}  # 6 would leave one token of r1's 7
+    assert _step(scheduler) == {"r0": 1, "r1": 2}
+    # (uncomputed tokens, room) -> tokens computed: a room of one token waits for a step.
+    chunks = {(5, 1): 0, (3, 2): 0, (7, 6): 5, (7, 7): 7, (1, 1): 1, (9, 4): 4}
+    assert {key: scheduler._chunk(*key) for key in chunks} == chunks
+    assert _scheduler(max_num_batched_tokens=2)._chunk(3, 2) == 2  # a budget under 3: as it falls
 
 
 def test_a_prompt_chunk_leaves_the_reserve_to_waiting_requests():

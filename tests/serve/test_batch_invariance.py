@@ -7,7 +7,7 @@ MatMulNBits kernels in every run. The default run keeps the cases no other test 
 skip reasons say which); ATTNEXPORT_SLOW_TESTS=1 runs them all.
 
 int4 at accuracy level 4 once changed 8 of 16 greedy answers when batched: MatMulNBits runs a
-one-row input through a kernel of its own (attnexport.lowering.batch_invariance)."""
+one-row input through a kernel of its own (attnexport.batch_invariance)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,20 @@ def _artifact(name: str, smollm2_fp32_artifact, smollm2_quantized):
     return smollm2_fp32_artifact if name == "fp32" else smollm2_quantized(name)
 
 
+def _engine_and_prompts(artifact, prefix_caching: bool, **scheduler):
+    """An engine of ``artifact`` (128 blocks, ``max_num_seqs`` 8, ``scheduler``'s limits) and
+    :data:`PROMPTS` as its tokenizer's ids."""
+    from attnexport.runtime import Tokenizer
+
+    tokenizer = Tokenizer.from_directory(artifact)
+    engine = engine_from_path(
+        artifact,
+        cache_config=CacheConfig(num_blocks=128, enable_prefix_caching=prefix_caching),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, **scheduler),
+    )
+    return engine, [tokenizer.encode(p) for p in PROMPTS]
+
+
 @pytest.mark.parametrize(
     "name",
     [slow_param("fp32", FP32_COVERED), "int8", "int4-rtn", slow_param("int4", HQQ_SECONDS)],
@@ -41,19 +55,9 @@ def _artifact(name: str, smollm2_fp32_artifact, smollm2_quantized):
 def test_the_engine_decodes_a_prompt_alike_alone_and_in_a_mixed_batch(
     name, smollm2_fp32_artifact, smollm2_quantized
 ):
-    from attnexport.runtime import Tokenizer
-
     artifact = _artifact(name, smollm2_fp32_artifact, smollm2_quantized)
-    tokenizer = Tokenizer.from_directory(artifact)
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
     # 48 tokens a step: the long prompts' prefills are chunked and run beside decodes.
-    engine = engine_from_path(
-        artifact,
-        cache_config=CacheConfig(num_blocks=128, enable_prefix_caching=False),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=8, max_num_batched_tokens=48, max_model_len=MAX_MODEL_LEN
-        ),
-    )
+    engine, prompts = _engine_and_prompts(artifact, False, max_num_batched_tokens=48)
     params = SamplingParams(max_tokens=NEW_TOKENS)
     alone = [list(engine.generate([p], params)[0].token_ids) for p in prompts]
     # Rotated: each prompt sits elsewhere in the batch than in the prompt list.
@@ -99,3 +103,21 @@ def test_the_server_answers_a_prompt_alike_alone_and_among_concurrent_clients(
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             concurrent = list(pool.map(lambda p: complete(url, p), PROMPTS))
     assert concurrent == alone
+
+
+@pytest.mark.parametrize("name", ["int8", slow_param("int4", HQQ_SECONDS)])
+def test_a_prefix_cache_hit_answers_as_the_prompt_computed_whole(
+    name, smollm2_fp32_artifact, smollm2_quantized
+):
+    """The second time a prompt comes, its leading blocks are cached and only its tail is
+    computed: the tail's rows must run the same attention path as when the prompt was
+    computed whole (a one-token tail ran the decode path: the 113-token prompt, 7 cached
+    blocks and 1 token, answered otherwise in int8)."""
+    artifact = _artifact(name, smollm2_fp32_artifact, smollm2_quantized)
+    engine, prompts = _engine_and_prompts(artifact, True)
+    params = SamplingParams(max_tokens=NEW_TOKENS)
+    whole = [engine.generate([p], params)[0] for p in prompts]
+    cached = [engine.generate([p], params)[0] for p in prompts]
+    assert [o.metrics.num_cached_prompt_tokens for o in whole] == [0] * len(prompts)
+    assert sum(o.metrics.num_cached_prompt_tokens for o in cached) >= 96 + 64
+    assert [o.token_ids for o in cached] == [o.token_ids for o in whole]

@@ -154,8 +154,13 @@ class OrtExecutor(Executor):
         self.fallback_reason = unavailable if kernels == "auto" and not native else None
         """Why ``auto`` chose the function bodies on cpu (the native kernels' unavailable
         reason), else None."""
+        from attnexport.batch_invariance import session_source
+
+        # The batch-invariance rows this CPU's MatMulNBits kernels do not need are dropped
+        # (the probe is of the CPU's kernels; another provider keeps the file as it is).
+        source = session_source(path, options) if device.type == "cpu" else str(path)
         # The binding below persists across steps instead of being rebuilt for every run.
-        self.session = ort.InferenceSession(str(path), sess_options=options, providers=[provider])
+        self.session = ort.InferenceSession(source, sess_options=options, providers=[provider])
         self.contract, self.path = read_contract(self.session), path
         meta = self.contract
         cache_dtype = meta.cache_dtype
