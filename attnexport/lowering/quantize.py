@@ -139,18 +139,13 @@ class WeightQuantization:
             raise QuantizationError(
                 f"--weights-accuracy-level: expected 0 to 4, got {self.accuracy_level!r}"
             )
-        if self.algorithm not in ALGORITHMS:
-            raise QuantizationError(
-                f"--weights-algorithm: expected {', '.join(ALGORITHMS)}, got {self.algorithm!r}"
-            )
-        if self.lm_head not in LM_HEAD_FORMATS:
-            raise QuantizationError(
-                f"--lm-head: expected {', '.join(LM_HEAD_FORMATS)}, got {self.lm_head!r}"
-            )
-        if self.offsets not in ZERO_POINT_OFFSETS:
-            raise QuantizationError(
-                f"--weights-offsets: expected {', '.join(ZERO_POINT_OFFSETS)}, got {self.offsets!r}"
-            )
+        for flag, value, choices in (
+            ("--weights-algorithm", self.algorithm, ALGORITHMS),
+            ("--lm-head", self.lm_head, tuple(LM_HEAD_FORMATS)),
+            ("--weights-offsets", self.offsets, ZERO_POINT_OFFSETS),
+        ):
+            if value not in choices:
+                raise QuantizationError(f"{flag}: expected {', '.join(choices)}, got {value!r}")
         if self.algorithm in FITTED and self.symmetric:
             raise QuantizationError(
                 f"--weights-algorithm {self.algorithm}: fits a zero point per block; "
