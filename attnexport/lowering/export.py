@@ -20,13 +20,18 @@ def without_stack_traces() -> Iterator[None]:
     """Traces without recording the Python stack of every FX node: ``torch.export`` and
     torch.onnx's decomposition retrace each capture and format a traceback per node (~8% of
     SmolLM2's export), which torch.onnx would write into every ONNX node's metadata, with the
-    exporting machine's source paths. torch's own errors do not read them."""
-    previous = torch.fx.config.do_not_emit_stack_traces
-    torch.fx.config.do_not_emit_stack_traces = True
+    exporting machine's source paths. torch's own errors do not read them. A torch without
+    the switch (2.8) traces as it always did."""
+    config = torch.fx.config
+    if not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    previous = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
     try:
         yield
     finally:
-        torch.fx.config.do_not_emit_stack_traces = previous
+        config.do_not_emit_stack_traces = previous
 
 
 def export_program(
