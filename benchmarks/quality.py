@@ -125,8 +125,12 @@ VARIANTS: dict[str, list[str]] = {
         ]
         for b, head in ((64, 32), (128, 16))
     },
-    "int4, float32 offsets": _int4("--weights-offsets", "float32"),
-    "int4, lm_head int8 b64": _int4("--lm-head-block-size", "64"),
+    # The default before the 8-bit offsets and the head's block of 64, and each change alone
+    # (the default's head block is 64 now: a variant of the old head names its block).
+    "int4, float32 offsets, lm_head b32": _int4(
+        "--weights-offsets", "float32", "--lm-head-block-size", "32"
+    ),
+    "int4, lm_head int8 b32": _int4("--lm-head-block-size", "32"),
     "int4, lm_head float": _int4("--lm-head", "float"),
     "int4, lm_head int8": _int4("--lm-head", "int8"),
     "int4, lm_head int4": _int4("--lm-head", "int4"),

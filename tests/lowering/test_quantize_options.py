@@ -202,19 +202,12 @@ def test_the_padding_keeps_every_row_off_the_one_row_kernel():
 
     from attnexport.batch_invariance import pad_matmulnbits_rows
     from attnexport.lowering.lm_head import block_quantize
+    from attnexport.matmul_nbits import matmulnbits_node
 
     rng = np.random.default_rng(0)
     packed, scales = block_quantize(rng.standard_normal((48, 64)).astype(np.float32), 4, 32)
-    node = helper.make_node(
-        "MatMulNBits",
-        ["x", "b", "s"],
-        ["y"],
-        domain="com.microsoft",
-        K=64,
-        N=48,
-        bits=4,
-        block_size=32,
-        accuracy_level=4,
+    node = matmulnbits_node(
+        ["x", "b", "s"], "y", k=64, n=48, bits=4, block_size=32, accuracy_level=4
     )
     graph = helper.make_graph(
         [node],
