@@ -25,9 +25,15 @@ K, N = 576, 1536
 
 # name -> WeightQuantization keyword arguments (None: the float32 MatMuls)
 FORMATS: dict[str, dict | None] = {
-    "int8": {"format": "int8"},
-    "int8, accuracy level 1": {"format": "int8", "accuracy_level": 1},
-    "int8 hqq, accuracy level 1": {"format": "int8", "algorithm": "hqq", "accuracy_level": 1},
+    "int8 (default: MatMul8Bits)": {"format": "int8"},
+    "int8 rtn, int8 activations": {"format": "int8", "activations": "int8", "symmetric": True},
+    "int8, accuracy level 1": {
+        "format": "int8",
+        "activations": "int8",
+        "symmetric": True,
+        "accuracy_level": 1,
+    },
+    "int8 hqq, accuracy level 1": {"format": "int8", "activations": "int8", "accuracy_level": 1},
     "int4 rtn symmetric": {"format": "int4", "algorithm": "rtn", "symmetric": True},
     "int4 rtn asymmetric": {"format": "int4", "algorithm": "rtn", "symmetric": False},
     "int4 hqq (default)": {"format": "int4"},
@@ -81,6 +87,7 @@ def main() -> int:
     import numpy as np
     import onnxruntime as ort
 
+    from attnexport import ort_kernels
     from attnexport.lowering import WeightQuantization, quantize_weights
 
     sessions = {}
@@ -92,6 +99,7 @@ def main() -> int:
                 quantize_weights(path, WeightQuantization(**FORMATS[name]))
             options = ort.SessionOptions()
             options.intra_op_num_threads = args.threads
+            ort_kernels.register(options)  # attnexport.MatMul8Bits
             sessions[name] = ort.InferenceSession(
                 str(path), options, providers=["CPUExecutionProvider"]
             )

@@ -71,41 +71,56 @@ def _fitted(algorithm: str, block: int) -> list[str]:
     )
 
 
+def _int8_activations(*flags: str) -> list[str]:
+    """8-bit weights through MatMulNBits, which rounds the activations to int8 per block."""
+    return ["--weights", "int8", "--weights-activations", "int8", *flags]
+
+
+def _old_int8(*flags: str) -> list[str]:
+    """The int8 default before attnexport.MatMul8Bits: rtn, symmetric, int8 activations."""
+    return _int8_activations("--weights-algorithm", "rtn", "--weights-symmetric", *flags)
+
+
 VARIANTS: dict[str, list[str]] = {
     "fp32": [],
     "fp32, fp16 KV cache": ["--kv-cache-dtype", "float16"],
     "fp32, bf16 KV cache": ["--kv-cache-dtype", "bfloat16"],
     "fp32, int8 KV cache": ["--kv-cache-dtype", "int8"],
     "int8 (default)": ["--weights", "int8"],
-    "int8, accuracy level 1": ["--weights", "int8", "--weights-accuracy-level", "1"],
-    "int8, block 16": ["--weights", "int8", "--weights-block-size", "16"],
-    "int8, block 16, lm_head float": [
-        *("--weights", "int8", "--weights-block-size", "16", "--lm-head", "float")
-    ],
-    "int8, block 128": ["--weights", "int8", "--weights-block-size", "128"],
+    "int8 rtn symmetric": ["--weights", "int8", "--weights-symmetric"],
     "int8 rtn asym b32": [
         "--weights",
         "int8",
+        "--weights-algorithm",
+        "rtn",
         "--weights-asymmetric",
-        "--weights-block-size",
-        "32",
     ],
-    "int8 hqq b32": [
-        *("--weights", "int8", "--weights-algorithm", "hqq", "--weights-asymmetric"),
-        *("--weights-block-size", "32"),
-    ],
-    "int8 hqq b32, accuracy level 1": [
-        *("--weights", "int8", "--weights-algorithm", "hqq", "--weights-asymmetric"),
-        *("--weights-accuracy-level", "1"),
-    ],
-    "int8 rtn asym b32, accuracy level 1": [
-        *("--weights", "int8", "--weights-asymmetric", "--weights-accuracy-level", "1"),
-    ],
-    "int8, accuracy level 1, lm_head float": [
-        *("--weights", "int8", "--weights-accuracy-level", "1", "--lm-head", "float")
-    ],
+    "int8, block 16": ["--weights", "int8", "--weights-block-size", "16"],
     "int8, lm_head float": ["--weights", "int8", "--lm-head", "float"],
     "int8, int8 KV cache": ["--weights", "int8", "--kv-cache-dtype", "int8"],
+    # MatMulNBits' int8 activations: the default before attnexport.MatMul8Bits, and its options.
+    "int8 rtn symmetric, int8 activations (the default before)": _old_int8(),
+    "int8, int8 activations, accuracy level 1": _old_int8("--weights-accuracy-level", "1"),
+    "int8, int8 activations, block 16": _old_int8("--weights-block-size", "16"),
+    "int8, int8 activations, block 16, lm_head float": _old_int8(
+        "--weights-block-size", "16", "--lm-head", "float"
+    ),
+    "int8, int8 activations, block 128": _old_int8("--weights-block-size", "128"),
+    "int8, int8 activations, lm_head float": _old_int8("--lm-head", "float"),
+    "int8, int8 activations, accuracy level 1, lm_head float": _old_int8(
+        "--weights-accuracy-level", "1", "--lm-head", "float"
+    ),
+    "int8, int8 activations, not batch-invariant": _old_int8("--no-weights-batch-invariant"),
+    "int8 hqq b32, int8 activations": _int8_activations(),
+    "int8 hqq b32, int8 activations, accuracy level 1": _int8_activations(
+        "--weights-accuracy-level", "1"
+    ),
+    "int8 rtn asym b32, int8 activations": _int8_activations(
+        "--weights-algorithm", "rtn", "--weights-asymmetric"
+    ),
+    "int8 rtn asym b32, int8 activations, accuracy level 1": _int8_activations(
+        "--weights-algorithm", "rtn", "--weights-asymmetric", "--weights-accuracy-level", "1"
+    ),
     "int4 (default)": _int4(),
     **{f"int4 rtn sym b{b}": _rtn(True, b) for b in (16, 32, 64, 128)},
     **{f"int4 rtn asym b{b}": _rtn(False, b) for b in (16, 32, 64, 128)},
@@ -142,7 +157,6 @@ VARIANTS: dict[str, list[str]] = {
         "int4",
         "--no-weights-batch-invariant",
     ],
-    "int8, not batch-invariant": ["--weights", "int8", "--no-weights-batch-invariant"],
     "int4, int8 KV cache": _int4("--kv-cache-dtype", "int8"),
 }
 # peer -> formats (benchmarks/peers.py names); the first of each precision class is its default.

@@ -108,6 +108,18 @@ def zero_point_offsets() -> Sequence[str]:
     return RegistryChoices(read)
 
 
+def weight_activations() -> Sequence[str]:
+    """``export --weights-activations``: how finely 8-bit weights' activations are rounded
+    (read on first use)."""
+
+    def read() -> Sequence[str]:
+        from attnexport.lowering import ACTIVATIONS
+
+        return ACTIVATIONS
+
+    return RegistryChoices(read)
+
+
 def model_impls() -> Sequence[str]:
     """``export --impl``: how a checkpoint is loaded, the zoo's network or transformers' (read
     on first use: the models' registry imports torch)."""

@@ -135,6 +135,14 @@ def add_parser(commands) -> None:
         "%(choices)s (default int8: a third of float32's bytes, within rounding of it)",
     )
     quant.add_argument(
+        "--weights-activations",
+        choices=choices.weight_activations(),
+        metavar="FORMAT",
+        help="how finely 8-bit weights' activations are rounded per block, one of %(choices)s "
+        "(default int16: attnexport.MatMul8Bits, within 0.001 of the float model's top-1; "
+        "int8: MatMulNBits' int8 kernel)",
+    )
+    quant.add_argument(
         "--weights-batch-invariant",
         action=argparse.BooleanOptionalAction,
         help="give every MatMulNBits two rows or more, so that a sequence's tokens do not "
@@ -168,6 +176,7 @@ def _weights(args: argparse.Namespace):
         "lm_head": args.lm_head,
         "lm_head_block_size": args.lm_head_block_size,
         "offsets": args.weights_offsets,
+        "activations": args.weights_activations,
         "batch_invariant": args.weights_batch_invariant,
     }
     given = {k: v for k, v in given.items() if v is not None}

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from attnexport.lowering.onnx_export import to_onnx
     from attnexport.lowering.ort_session import PagedOrtSession
     from attnexport.lowering.quantize import (
+        ACTIVATIONS,
         ALGORITHMS,
         LM_HEAD_FORMATS,
         WEIGHT_FORMATS,
@@ -40,6 +41,7 @@ _LAZY = {
     "PagedOrtSession": "attnexport.lowering.ort_session",
     "TARGETS": "attnexport.lowering.targets",
     "WEIGHT_FORMATS": "attnexport.lowering.quantize",
+    "ACTIVATIONS": "attnexport.lowering.quantize",
     "ALGORITHMS": "attnexport.lowering.quantize",
     "LM_HEAD_FORMATS": "attnexport.lowering.quantize",
     "ZERO_POINT_OFFSETS": "attnexport.lowering.quantize",
@@ -49,6 +51,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "ACTIVATIONS",
     "ALGORITHMS",
     "LM_HEAD_FORMATS",
     "TARGETS",

@@ -53,6 +53,10 @@ LM_HEAD = "lm_head"
 ZERO_POINT_OFFSETS = ("int8", "float32")
 """``export --weights-offsets``: how float zero points' offsets are stored
 (:mod:`attnexport.lowering.float_zero_points`)."""
+ACTIVATIONS = ("int16", "int8")
+"""``export --weights-activations``: how finely the activations an 8-bit weight multiplies are
+rounded, per block of the input dimension: to int16 (``attnexport.MatMul8Bits``,
+:mod:`attnexport.lowering.matmul_8bits`) or to int8 (MatMulNBits at ``accuracy_level`` 4)."""
 ACCURACY_LEVELS = range(5)  # MatMulNBits: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 compute
 
 DEFAULTS = {
@@ -64,14 +68,16 @@ DEFAULTS = {
         "lm_head": "int8",
         "lm_head_block_size": 64,
         "offsets": "int8",
+        "activations": "int8",
     },
     "int8": {
         "block_size": 32,
-        "symmetric": True,
+        "symmetric": False,
         "accuracy_level": 4,
-        "algorithm": "rtn",
+        "algorithm": "hqq",
         "lm_head": "int8",
         "offsets": "int8",
+        "activations": "int16",
     },
 }
 """The defaults of each format (docs/quantization.md says why)."""
@@ -93,6 +99,8 @@ class WeightQuantization:
             else ``block_size``).
         offsets: how the offsets of float zero points (``hqq``) are stored, one of
             :data:`ZERO_POINT_OFFSETS` (:mod:`attnexport.lowering.float_zero_points`).
+        activations: one of :data:`ACTIVATIONS`; ``"int16"`` (``int8`` only) writes every 8-bit
+            layer as ``attnexport.MatMul8Bits`` (``accuracy_level`` then does not apply).
         keep_float: ``fnmatch`` patterns of the layer names that stay float.
         batch_invariant: give every MatMulNBits at least two rows, so that a sequence's
             numbers do not depend on the batch it runs in
@@ -107,6 +115,7 @@ class WeightQuantization:
     lm_head: str | None = None
     lm_head_block_size: int | None = None
     offsets: str | None = None
+    activations: str | None = None
     keep_float: tuple[str, ...] = field(default_factory=tuple)
     batch_invariant: bool = True
 
@@ -143,9 +152,15 @@ class WeightQuantization:
             ("--weights-algorithm", self.algorithm, ALGORITHMS),
             ("--lm-head", self.lm_head, tuple(LM_HEAD_FORMATS)),
             ("--weights-offsets", self.offsets, ZERO_POINT_OFFSETS),
+            ("--weights-activations", self.activations, ACTIVATIONS),
         ):
             if value not in choices:
                 raise QuantizationError(f"{flag}: expected {', '.join(choices)}, got {value!r}")
+        if self.activations == "int16" and self.bits != 8:
+            raise QuantizationError(
+                "--weights-activations int16: only with --weights int8 (attnexport.MatMul8Bits "
+                "has 8-bit weights; int4 keeps float32 activations at --weights-accuracy-level 1)"
+            )
         if self.algorithm in FITTED and self.symmetric:
             raise QuantizationError(
                 f"--weights-algorithm {self.algorithm}: fits a zero point per block; "
@@ -168,6 +183,7 @@ class WeightQuantization:
             "lm_head": self.lm_head,
             "lm_head_block_size": self.lm_head_block_size,
             "offsets": self.offsets,
+            "activations": self.activations,
             "batch_invariant": self.batch_invariant,
             "quantized_layers": quantized,
             "float_layers": float_layers,
@@ -338,6 +354,7 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
     from attnexport.batch_invariance import pad_matmulnbits_rows
     from attnexport.lowering import lm_head
     from attnexport.lowering.float_zero_points import split_float_zero_points
+    from attnexport.lowering.matmul_8bits import to_matmul_8bits
 
     path = Path(path)
     base_dir = str(path.parent)
@@ -370,6 +387,8 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
             f"{path}: onnxruntime's quantizer left {left or count} (expected "
             f"{len(layers) - len(keep)} MatMulNBits nodes)"
         )
+    if quantization.activations == "int16":
+        to_matmul_8bits(quantized)  # before the padding: its kernel is batch-invariant
     if quantization.batch_invariant:
         pad_matmulnbits_rows(quantized)
     # After the padding: the offsets' own MatMulNBits reads the padded rows' block sums, so

@@ -15,6 +15,7 @@
 
 #include "fused_add_rms_norm.h"
 #include "kernel_api.h"
+#include "matmul_8bits.h"
 #include "paged_attention.h"
 #include "reshape_and_cache.h"
 #include "rotary_embedding.h"
@@ -97,6 +98,18 @@ OrtStatus* infer_halved_last_dim(OrtShapeInferContext* context) {
   } else if (!dims.empty()) {
     symbols.back() += "/2";
   }
+  return set_output_shape(context, 0, type, dims, symbols);
+}
+
+// MatMul8Bits: a [..., K] -> [..., N] (the attribute N), a's type.
+OrtStatus* infer_matmul_8bits(OrtShapeInferContext* context) {
+  ONNXTensorElementDataType type;
+  std::vector<int64_t> dims;
+  std::vector<std::string> symbols;
+  ATTNEXPORT_RETURN_IF_ERROR(input_shape(context, 0, &type, &dims, &symbols));
+  int64_t n = 0;
+  ATTNEXPORT_RETURN_IF_ERROR(int_attribute(context, "N", &n));
+  if (!dims.empty()) dims.back() = n, symbols.back() = "";
   return set_output_shape(context, 0, type, dims, symbols);
 }
 
@@ -201,6 +214,8 @@ Op<NeoxQKVRotaryEmbedding> qkv_rotary_embedding_op("NeoxQKVRotaryEmbedding",
                                                      infer_qkv_heads);
 Op<SiluAndMul> silu_and_mul_op("SiluAndMul", {kAnyType}, {0}, infer_halved_last_dim);
 Op<FusedAddRMSNorm> fused_add_rms_norm_op("FusedAddRMSNorm", {kAnyType, kAnyType, kAnyType}, {0, 0});
+Op<MatMul8Bits> matmul_8bits_op("MatMul8Bits", {kAnyType, kAnyType, kAnyType, kAnyType}, {0},
+                                infer_matmul_8bits);
 
 }  // namespace
 }  // namespace attnexport
@@ -222,5 +237,6 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &qkv_rotary_embedding_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &silu_and_mul_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &fused_add_rms_norm_op));
+  ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &matmul_8bits_op));
   return ort->AddCustomOpDomain(options, domain);
 }

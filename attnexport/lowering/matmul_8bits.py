@@ -1,0 +1,125 @@
+"""8-bit weights times float32 activations: ``attnexport.MatMul8Bits``.
+
+onnxruntime's CPU ``MatMulNBits`` has two 8-bit paths, neither both fast and faithful: accuracy
+level 4 rounds the activations to int8 per block before its integer dot products (SmolLM2-135M:
+top-1 agreement with the float model 0.963, where rounding the weights alone gives 0.988), and
+level 1 keeps them float32 but dequantizes the whole weight to float32 on every call (14x slower
+at decode). ``MatMul8Bits`` keeps MatMulNBits' 8-bit storage (the same initializers: a tied
+embedding table stays shared with its ``GatherBlockQuantized``) and the float32 activations:
+
+    Y[..., n] = sum_k A[..., k] * (B[n, k] - zero_point[n, k // block]) * scale[n, k // block]
+
+``B`` is ``[N, blocks, block_size]`` uint8 (``K`` zero-padded to whole blocks), ``scales``
+``[N * blocks]`` float32, ``zero_points`` ``[N * blocks]`` uint8 or float32 (HQQ's fitted zero
+points, so no offsets are split off: :mod:`~attnexport.lowering.float_zero_points` is for the
+MatMulNBits that stay), or one uint8 for every block (128: symmetric). With the attnexport
+kernels registered, onnxruntime runs the native kernel (``ort_kernels/matmul_8bits.cc``: each
+weight converted in registers, a row's numbers independent of the batch); stock onnxruntime
+inlines the function body below (standard ops: the weight dequantized, then ``MatMul``), which
+it folds into a float32 weight at load.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from attnexport.model_contract import DOMAIN, DOMAIN_VERSION
+
+OP_TYPE = "MatMul8Bits"
+SYMMETRIC_ZERO_POINT = "matmul_8bits_zero_point_128"
+"""The one uint8 zero point (128) that every symmetric node reads."""
+
+
+def _attribute(node: onnx.NodeProto, name: str) -> int:
+    return next(a.i for a in node.attribute if a.name == name)
+
+
+def matmul_8bits_function(opset: int) -> onnx.FunctionProto:
+    """The function body of ``attnexport.MatMul8Bits`` in standard ops of ``opset`` (>= 18)."""
+
+    def const(name: str, values: list[int]) -> onnx.NodeProto:
+        return helper.make_node(
+            "Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64))
+        )
+
+    nodes = [
+        const("zero", [0]),
+        const("one", [1]),
+        const("two", [2]),
+        const("minus_one", [-1]),
+        const("last", [np.iinfo(np.int64).max]),
+        helper.make_node("Shape", ["B"], ["b_shape"]),  # [N, blocks, block_size]
+        helper.make_node("Slice", ["b_shape", "zero", "two"], ["n_blocks"]),
+        helper.make_node("Concat", ["n_blocks", "one"], ["column_shape"], axis=0),
+        helper.make_node("Reshape", ["scales", "column_shape"], ["scale_columns"]),
+        helper.make_node("Cast", ["zero_points"], ["zero_floats"], to=TensorProto.FLOAT),
+        helper.make_node("Shape", ["scales"], ["scales_shape"]),
+        helper.make_node("Expand", ["zero_floats", "scales_shape"], ["zero_each"]),
+        helper.make_node("Reshape", ["zero_each", "column_shape"], ["zero_columns"]),
+        helper.make_node("Cast", ["B"], ["b_floats"], to=TensorProto.FLOAT),
+        helper.make_node("Sub", ["b_floats", "zero_columns"], ["centered"]),
+        helper.make_node("Mul", ["centered", "scale_columns"], ["blocks_nk"]),
+        helper.make_node("Slice", ["b_shape", "zero", "one"], ["n"]),
+        helper.make_node("Concat", ["n", "minus_one"], ["padded_shape"], axis=0),
+        helper.make_node("Reshape", ["blocks_nk", "padded_shape"], ["padded_nk"]),
+        helper.make_node("Shape", ["A"], ["a_shape"]),
+        helper.make_node("Slice", ["a_shape", "minus_one", "last"], ["k"]),
+        helper.make_node("Slice", ["padded_nk", "zero", "k", "one"], ["weight_nk"]),
+        helper.make_node("Transpose", ["weight_nk"], ["weight_kn"], perm=[1, 0]),
+        helper.make_node("MatMul", ["A", "weight_kn"], ["Y"]),
+    ]
+    return helper.make_function(
+        DOMAIN,
+        OP_TYPE,
+        ["A", "B", "scales", "zero_points"],
+        ["Y"],
+        nodes,
+        [helper.make_opsetid("", opset)],
+        attributes=["K", "N", "block_size"],
+    )
+
+
+def to_matmul_8bits(model: onnx.ModelProto) -> int:
+    """Rewrites, in place, every 8-bit ``MatMulNBits`` of the main graph into
+    ``attnexport.MatMul8Bits`` on the same initializers (module doc), adding the function body
+    and the domain's opset import; returns how many.
+
+    Raises:
+        ValueError: a node with ``g_idx`` or a bias (the quantizer writes neither).
+    """
+    graph = model.graph
+    rewritten, symmetric_zero_point = 0, None
+    for node in graph.node:
+        if node.op_type != "MatMulNBits" or _attribute(node, "bits") != 8:
+            continue
+        if len(node.input) > 4:
+            raise ValueError(f"{node.name}: MatMulNBits with g_idx or bias")
+        if len(node.input) < 4 or not node.input[3]:
+            if symmetric_zero_point is None:
+                symmetric_zero_point = numpy_helper.from_array(
+                    np.array([128], np.uint8), SYMMETRIC_ZERO_POINT
+                )
+                graph.initializer.append(symmetric_zero_point)
+            del node.input[3:]
+            node.input.append(SYMMETRIC_ZERO_POINT)
+        k, n, block = (_attribute(node, name) for name in ("K", "N", "block_size"))
+        node.op_type, node.domain = OP_TYPE, DOMAIN
+        node.ClearField("attribute")
+        node.attribute.extend(
+            [
+                helper.make_attribute("K", k),
+                helper.make_attribute("N", n),
+                helper.make_attribute("block_size", block),
+            ]
+        )
+        rewritten += 1
+    if not rewritten:
+        return 0
+    opsets = {o.domain: o.version for o in model.opset_import}
+    if DOMAIN not in opsets:
+        model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
+    if not any(f.domain == DOMAIN and f.name == OP_TYPE for f in model.functions):
+        model.functions.append(matmul_8bits_function(opsets.get("", 18)))
+    return rewritten

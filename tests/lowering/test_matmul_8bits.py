@@ -1,0 +1,189 @@
+"""``attnexport.MatMul8Bits`` (8-bit weights, activations rounded to int16 per block by the
+native kernel, float32 in the function body): both against the float64 product of the
+dequantized weight, on MatMulNBits' own 8-bit storage (symmetric, uint8 zero points, HQQ's
+float zero points), within the int16 rounding's bound; a row's numbers do not depend on its
+batch; bad inputs get a named error. And what it is for: MatMulNBits at accuracy level 4 rounds
+the activations to int8, 256 times coarser."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from attnexport import ort_kernels
+from attnexport.lowering.matmul_8bits import OP_TYPE, to_matmul_8bits
+from tests.helpers import ORT_KERNEL_MODES, requires_ort_kernels
+
+ZERO_POINTS = ["symmetric", "uint8", "float32"]
+
+
+def _matmulnbits_model(k: int, n: int, block: int, zero_points: str, seed: int = 0):
+    """A one-node model ``y = MatMulNBits(a)`` with random 8-bit storage at accuracy level 4,
+    and the float64 ``[n, k]`` weight it stands for."""
+    rng = np.random.default_rng(seed)
+    blocks = -(-k // block)
+    q = rng.integers(0, 256, (n, blocks, block), dtype=np.uint8)
+    scales = ((rng.random(n * blocks) + 0.5) * 0.01).astype(np.float32)
+    initializers = [numpy_helper.from_array(q, "q"), numpy_helper.from_array(scales, "scales")]
+    zero = np.full(n * blocks, 128.0)
+    if zero_points == "uint8":
+        zero = rng.integers(100, 156, n * blocks).astype(np.uint8)
+    elif zero_points == "float32":
+        zero = (rng.random(n * blocks) * 60 + 98).astype(np.float32)
+    if zero_points != "symmetric":
+        initializers.append(numpy_helper.from_array(zero, "zero_points"))
+    node = helper.make_node(
+        "MatMulNBits",
+        ["a", "q", "scales", *(["zero_points"] if zero_points != "symmetric" else [])],
+        ["y"],
+        domain="com.microsoft",
+        K=k,
+        N=n,
+        bits=8,
+        block_size=block,
+        accuracy_level=4,
+    )
+    graph = helper.make_graph(
+        [node],
+        "matmul",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["rows", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", n])],
+        initializers,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    )
+    model.ir_version = 10
+    columns = (
+        q.astype(np.float64) - zero.astype(np.float64).reshape(n, blocks, 1)
+    ) * scales.astype(np.float64).reshape(n, blocks, 1)
+    return model, columns.reshape(n, -1)[:, :k]
+
+
+def _rounding_bound(a: torch.Tensor, weight: np.ndarray, block: int) -> torch.Tensor:
+    """``[rows, n]``: the most that rounding each row's blocks of ``a`` to int16 steps of the
+    block's largest / 32767 can move ``a @ weight.T`` (half a step per term), plus float32
+    accumulation (1e-6 of the sum of the terms' magnitudes)."""
+    k, n = a.shape[1], weight.shape[0]
+    blocks = -(-k // block)
+    pad = blocks * block - k
+    magnitude = torch.nn.functional.pad(a.double().abs(), (0, pad))
+    steps = magnitude.reshape(len(a), blocks, block).amax(-1) / 32767
+    weights = torch.nn.functional.pad(torch.from_numpy(np.abs(weight)), (0, pad))
+    per_block = weights.reshape(n, blocks, block).sum(-1)
+    return 0.5 * steps @ per_block.T + 1e-6 * (a.double().abs() @ weights[:, :k].T)
+
+
+def _session(model: onnx.ModelProto, kernels: str) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    if kernels == "native":
+        ort_kernels.register(options)
+    return ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+
+
+def _matmul_8bits(k, n, block, zero_points, kernels):
+    model, weight = _matmulnbits_model(k, n, block, zero_points)
+    assert to_matmul_8bits(model) == 1
+    assert [(node.domain, node.op_type) for node in model.graph.node] == [("attnexport", OP_TYPE)]
+    onnx.checker.check_model(model, full_check=True)
+    return _session(model, kernels), weight
+
+
+@pytest.mark.parametrize("kernels", ORT_KERNEL_MODES)
+@pytest.mark.parametrize("zero_points", ZERO_POINTS)
+@pytest.mark.parametrize(
+    "k, n, block",
+    [(576, 96, 32), (577, 33, 32), (100, 7, 16), (1536, 40, 64), (40, 5, 128)],
+)
+def test_matches_the_float64_product_of_the_dequantized_weight(k, n, block, zero_points, kernels):
+    session, weight = _matmul_8bits(k, n, block, zero_points, kernels)
+    a = torch.randn(9, k, generator=torch.Generator().manual_seed(1))
+    expected = a.double() @ torch.from_numpy(weight).T
+    bound = _rounding_bound(a, weight, block)
+    for rows in (1, 2, 3, 4, 5, 9):
+        y = torch.from_numpy(session.run(None, {"a": a[:rows].numpy()})[0])
+        error = (y.double() - expected[:rows]).abs()
+        assert (error <= bound[:rows]).all(), (error - bound[:rows]).max()
+
+
+@requires_ort_kernels
+@pytest.mark.parametrize("zero_points", ZERO_POINTS)
+def test_a_row_is_the_same_bits_alone_and_in_any_batch(zero_points):
+    session, _ = _matmul_8bits(577, 70, 32, zero_points, "native")
+    a = torch.randn(13, 577, generator=torch.Generator().manual_seed(2)).numpy()
+    batch = session.run(None, {"a": a})[0]
+    for rows in (slice(0, 1), slice(3, 4), slice(2, 5), slice(5, 11), slice(12, 13)):
+        assert np.array_equal(session.run(None, {"a": a[rows]})[0], batch[rows])
+
+
+@pytest.mark.parametrize("kernels", ORT_KERNEL_MODES)
+def test_activations_are_rounded_finer_than_int8(kernels):
+    """An activation block with one large value: MatMulNBits at accuracy level 4 rounds the
+    small ones to int8 steps of that block's largest (the error that cost the 8-bit export its
+    top-1 agreement: here the small values vanish); MatMul8Bits to int16 steps (native: 256
+    times finer) or not at all (the body)."""
+    k, n = 256, 64
+    model, weight = _matmulnbits_model(k, n, 32, "symmetric")
+    a = torch.randn(2, k, generator=torch.Generator().manual_seed(3)) * 0.01
+    a[:, ::32] = 30.0  # one outlier per block
+    expected = a.double() @ torch.from_numpy(weight).T
+
+    def error(session):
+        return (torch.from_numpy(session.run(None, {"a": a.numpy()})[0]) - expected).abs().max()
+
+    int8_activations = error(_session(model, "bodies"))
+    assert to_matmul_8bits(model) == 1
+    int16_activations = error(_session(model, kernels))
+    assert int16_activations < int8_activations / 20, (int16_activations, int8_activations)
+    assert int16_activations <= _rounding_bound(a, weight, 32).max()
+
+
+@requires_ort_kernels
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"q": np.zeros((4, 2, 16), np.int8)},
+            r"MatMul8Bits: b: expected uint8 \[4, 2, 16\], got int8",
+        ),
+        ({"q": np.zeros((4, 2, 8), np.uint8)}, "MatMul8Bits: b: expected uint8"),
+        ({"scales": np.zeros(7, np.float32)}, r"MatMul8Bits: scales: expected float32 \[8\]"),
+        ({"zero_points": np.zeros(3, np.uint8)}, "MatMul8Bits: zero_points: expected"),
+        ({"zero_points": np.zeros(8, np.int32)}, "MatMul8Bits: zero_points: expected"),
+    ],
+)
+def test_bad_inputs_get_a_named_error(change, message):
+    inputs = {
+        "q": np.zeros((4, 2, 16), np.uint8),
+        "scales": np.ones(8, np.float32),
+        "zero_points": np.full(8, 128, np.uint8),
+    } | change
+    node = helper.make_node(
+        OP_TYPE,
+        ["a", "q", "scales", "zero_points"],
+        ["y"],
+        domain="attnexport",
+        K=20,
+        N=4,
+        block_size=16,
+    )
+    graph = helper.make_graph(
+        [node],
+        "bad",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1, 20])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        [numpy_helper.from_array(v, name) for name, v in inputs.items()],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("attnexport", 1)]
+    )
+    model.ir_version = 10
+    with pytest.raises(Exception, match=message):
+        _session(model, "native").run(None, {"a": np.ones((1, 20), np.float32)})
