@@ -69,10 +69,6 @@ def test_every_projection_becomes_matmulnbits(float_onnx, tmp_path, fmt, bits):
     path, entry = _quantized(float_onnx, tmp_path, WeightQuantization(fmt))
     ops = _ops(path)
     defaults = DEFAULTS[fmt]
-    # hqq's float zero points become one 8-bit offset MatMulNBits per layer
-    # (float_zero_points); the logits projection is round to nearest.
-    offsets = LAYERS - 1 if defaults["algorithm"] == "hqq" else 0
-    assert ops["MatMulNBits"] == LAYERS + offsets and ops["MatMul"] == 0
     assert entry == {
         "format": fmt,
         "bits": bits,
@@ -82,13 +78,25 @@ def test_every_projection_becomes_matmulnbits(float_onnx, tmp_path, fmt, bits):
         "quantized_layers": LAYERS,
         "float_layers": [],
     }
-    # Batch invariance: every MatMulNBits reads one padding row more than it is given.
-    assert ops["Slice"] >= LAYERS
     model = onnx.load(str(path))
     assert model.ir_version == 10
+    assert {p.key for p in model.metadata_props} >= {"cache_inputs", "cache_outputs", "target"}
+    assert ops["MatMul"] == 0
+    if fmt == "int8":
+        # attnexport.MatMul8Bits on every layer: hqq's float zero points read as they are (no
+        # offset nodes), no padding row (its kernel computes every row alike), a function body
+        assert ops["MatMul8Bits"] == LAYERS and ops["MatMulNBits"] == 0 and ops["Slice"] == 0
+        assert [(f.domain, f.name) for f in model.functions if f.name == "MatMul8Bits"] == [
+            ("attnexport", "MatMul8Bits")
+        ]
+        return
+    # hqq's float zero points become one 8-bit offset MatMulNBits per layer
+    # (float_zero_points); the logits projection is round to nearest.
+    assert ops["MatMulNBits"] == LAYERS + LAYERS - 1
+    # Batch invariance: every MatMulNBits reads one padding row more than it is given.
+    assert ops["Slice"] >= LAYERS
     nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     assert {a.name: a.i for a in nodes[0].attribute}["bits"] == bits
-    assert {p.key for p in model.metadata_props} >= {"cache_inputs", "cache_outputs", "target"}
 
 
 def test_keep_float_and_lm_head(float_onnx, tmp_path):
@@ -122,6 +130,10 @@ def test_bad_options_are_named(float_onnx, tmp_path):
         WeightQuantization("int4", algorithm="gptq")
     with pytest.raises(QuantizationError, match="--lm-head: expected float, int8, int4"):
         WeightQuantization("int4", lm_head="int2")
+    with pytest.raises(QuantizationError, match="--weights-activations int16: only with --weights"):
+        WeightQuantization("int4", activations="int16")
+    with pytest.raises(QuantizationError, match="--weights-activations: expected int16, int8"):
+        WeightQuantization("int8", activations="float32")
     with pytest.raises(QuantizationError, match="pass --weights-asymmetric"):
         WeightQuantization("int4", algorithm="k_quant", symmetric=True)
     with pytest.raises(QuantizationError, match=r"'model\.layer\.\*' matches no layer"):
