@@ -178,9 +178,9 @@ def test_the_one_row_float_kernel_is_told_apart():
 def test_the_runtime_drops_the_rows_this_cpu_does_not_need(llama, tmp_path, fmt):
     """Every padded group whose kernels all pass the probe loses its row (Concat and Slice
     become Identity), the others keep it; int8 at accuracy level 4 (``--weights int8
-    --weights-activations int8``, and the int4 default's head and offsets) is one kernel for every row on x86 MLAS."""
-    activations = {"int4": "int8", "int8": "int8"}[fmt]  # int8's default needs no padding
-    quantization = WeightQuantization(fmt, activations=activations)
+    --weights-activations int8``, and the int4 default's head and offsets) is one kernel for
+    every row on x86 MLAS (the int8 default, MatMul8Bits, has no padding)."""
+    quantization = WeightQuantization(fmt, activations="int8")
     model = onnx.load(str(_quantized(llama, tmp_path, quantization)))
     initializers = {i.name: i for i in model.graph.initializer}
     groups = [
