@@ -155,17 +155,23 @@ def weights_line(weights: dict) -> str:
     ]
     if "algorithm" in weights:
         options.append(f"algorithm {weights['algorithm']}")
-    options.append(f"accuracy level {weights.get('accuracy_level')}")
+    # int16 activations: attnexport.MatMul8Bits, to which accuracy levels and offsets do not apply
+    int16 = weights.get("activations") == "int16"
+    if int16:
+        options.append("int16 activations")
+    else:
+        options.append(f"accuracy level {weights.get('accuracy_level')}")
     if "lm_head" in weights:
         head_block = weights.get("lm_head_block_size", weights["block_size"])
         block = f" block size {head_block}" if head_block != weights["block_size"] else ""
         options.append(f"lm_head {weights['lm_head']}{block}")
-    if weights.get("algorithm") == "hqq" and "offsets" in weights:
+    if weights.get("algorithm") == "hqq" and "offsets" in weights and not int16:
         options.append(f"{weights['offsets']} zero-point offsets")
     if "batch_invariant" in weights:
         options.append("batch-invariant" if weights["batch_invariant"] else "not batch-invariant")
     floats = ", ".join(weights.get("float_layers") or []) or "none"
     return (
-        f"weights: {weights['format']} (MatMulNBits, {', '.join(options)}), "
+        f"weights: {weights['format']} ({'MatMul8Bits' if int16 else 'MatMulNBits'}, "
+        f"{', '.join(options)}), "
         f"{weights.get('quantized_layers')} layers quantized; float: {floats}"
     )

@@ -51,6 +51,18 @@ def test_inspect_shows_the_quantization(int4_export, capsys):
     assert "algorithm hqq" in out and "lm_head int8" in out and "batch-invariant" in out
 
 
+def test_inspect_names_the_int8_kernel():
+    """``--weights int8`` runs attnexport.MatMul8Bits: no accuracy level, no offsets."""
+    from attnexport.cli.inspect_cmd import weights_line
+
+    entry = {"format": "int8", "bits": 8, **DEFAULTS["int8"], "lm_head_block_size": 32}
+    line = weights_line(entry | {"quantized_layers": 7, "float_layers": []})
+    assert line.startswith("weights: int8 (MatMul8Bits, 8 bits, block size 32, asymmetric")
+    assert "int16 activations" in line and "accuracy level" not in line and "offsets" not in line
+    old = weights_line(entry | {"activations": "int8", "quantized_layers": 7})
+    assert "(MatMulNBits," in old and "accuracy level 4" in old
+
+
 def test_verify_compares_with_the_float_model_by_quality(int4_export, capsys):
     code, out, err = run_cli(capsys, "verify", int4_export, "--json")
     assert code == 0, out + err
@@ -80,6 +92,7 @@ def test_run_generates_with_quantized_weights(int4_export, capsys):
         (["--lm-head", "int8"], "only with --weights int4 or int8"),
         (["--weights", "int4", "--weights-algorithm", "hqq", "--weights-symmetric"], "asymmetric"),
         (["--weights", "int4", "--weights-block-size", "20"], "--weights-block-size"),
+        (["--weights", "int4", "--weights-activations", "int16"], "--weights-activations int16"),
         (["--weights", "int8", "--format", "both"], "--format onnx"),
         (["--weights", "int4", "--weights-keep-float", "nothing.*"], "matches no layer"),
     ],
