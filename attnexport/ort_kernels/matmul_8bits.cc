@@ -68,11 +68,18 @@ void round_rows(const float* a, int64_t first, int64_t end, int64_t k, int64_t b
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t start = b * block_size, stop = start + block_size < k ? start + block_size : k;
       float largest = 0.0f;
-      for (int64_t i = start; i < stop; ++i) largest = std::fmax(largest, std::fabs(x[i]));
-      const float scale = largest / 32767.0f, inverse = largest > 0.0f ? 32767.0f / largest : 0.0f;
+      bool finite = true;
+      for (int64_t i = start; i < stop; ++i) {
+        finite = finite && std::isfinite(x[i]);
+        largest = std::fmax(largest, std::fabs(x[i]));
+      }
+      // A NaN or infinity has no int16 step: its block's scale is NaN, so the row's outputs
+      // are NaN (as float32 arithmetic would make them), never a silently finite number.
+      const float scale = finite ? largest / 32767.0f : NAN;
+      const float inverse = finite && largest > 0.0f ? 32767.0f / largest : 0.0f;
       int32_t sum = 0;
       for (int64_t i = start; i < stop; ++i) {
-        q[i] = static_cast<int16_t>(std::nearbyint(x[i] * inverse));
+        q[i] = finite ? static_cast<int16_t>(std::nearbyint(x[i] * inverse)) : 0;
         sum += q[i];
       }
       for (int64_t i = stop; i < start + block_size; ++i) q[i] = 0;

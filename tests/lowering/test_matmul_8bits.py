@@ -145,6 +145,20 @@ def test_activations_are_rounded_finer_than_int8(kernels):
     assert int16_activations <= _rounding_bound(a, weight, 32).max()
 
 
+@pytest.mark.parametrize("kernels", ORT_KERNEL_MODES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_activation_makes_its_row_nan_and_no_other(kernels, bad):
+    """int16 steps have no NaN or infinity: the kernel must not round one into a finite number
+    (float32 arithmetic, the body's, gives NaN or infinities: every output of the row is
+    non-finite either way)."""
+    session, _ = _matmul_8bits(96, 10, 32, "float32", kernels)
+    a = torch.randn(3, 96, generator=torch.Generator().manual_seed(4)).numpy()
+    a[1, 40] = bad
+    y = session.run(None, {"a": a})[0]
+    assert not np.isfinite(y[1]).any()
+    assert np.isfinite(y[[0, 2]]).all()
+
+
 @requires_ort_kernels
 @pytest.mark.parametrize(
     "change, message",
