@@ -139,8 +139,8 @@ def add_parser(commands) -> None:
         choices=choices.weight_activations(),
         metavar="FORMAT",
         help="how finely 8-bit weights' activations are rounded per block, one of %(choices)s "
-        "(default int16: attnexport.MatMul8Bits, within 0.001 of the float model's top-1; "
-        "int8: MatMulNBits' int8 kernel)",
+        "(default int16: attnexport.MatMul8Bits, top-1 agreement with the float model 0.988 "
+        "on SmolLM2-135M; int8: MatMulNBits' int8 kernel, 0.963 with rtn weights)",
     )
     quant.add_argument(
         "--weights-batch-invariant",
