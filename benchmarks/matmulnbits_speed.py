@@ -1,8 +1,9 @@
-"""Time onnxruntime's CPU MatMulNBits per weight format and accuracy level, against float32
-MatMul: a chain of ``--pairs`` SmolLM2-135M-shaped MLP projection pairs ([576, 1536] then
-[1536, 576], random weights) quantized by ``attnexport.lowering.quantize_weights`` (so with the
-batch-invariance row: one decoded token is a two-row MatMulNBits), run on ``--rows`` activation
-rows in alternating rounds; per format the best and median time of one chain and the median of
+"""Time onnxruntime's CPU MatMulNBits and attnexport.MatMul8Bits per weight format and accuracy
+level, against float32 MatMul: a chain of ``--pairs`` SmolLM2-135M-shaped MLP projection pairs
+([576, 1536] then [1536, 576], random weights) quantized by
+``attnexport.lowering.quantize_weights`` (a MatMulNBits with the batch-invariance row: one
+decoded token is two rows; MatMul8Bits needs none), run on ``--rows`` activation rows in
+alternating rounds; per format the best and median time of one chain and the median of
 the rounds' ratios to the first format.
 
     python benchmarks/matmulnbits_speed.py [--formats NAME ...] [--rows 1 8] [--rounds 10]

@@ -156,8 +156,8 @@ def weights_line(weights: dict) -> str:
     if "algorithm" in weights:
         options.append(f"algorithm {weights['algorithm']}")
     # int16 activations: attnexport.MatMul8Bits, to which accuracy levels and offsets do not apply
-    int16 = weights.get("activations") == "int16"
-    if int16:
+    matmul_8bits = weights.get("activations") == "int16"
+    if matmul_8bits:
         options.append("int16 activations")
     else:
         options.append(f"accuracy level {weights.get('accuracy_level')}")
@@ -165,13 +165,13 @@ def weights_line(weights: dict) -> str:
         head_block = weights.get("lm_head_block_size", weights["block_size"])
         block = f" block size {head_block}" if head_block != weights["block_size"] else ""
         options.append(f"lm_head {weights['lm_head']}{block}")
-    if weights.get("algorithm") == "hqq" and "offsets" in weights and not int16:
+    if weights.get("algorithm") == "hqq" and "offsets" in weights and not matmul_8bits:
         options.append(f"{weights['offsets']} zero-point offsets")
     if "batch_invariant" in weights:
         options.append("batch-invariant" if weights["batch_invariant"] else "not batch-invariant")
     floats = ", ".join(weights.get("float_layers") or []) or "none"
     return (
-        f"weights: {weights['format']} ({'MatMul8Bits' if int16 else 'MatMulNBits'}, "
+        f"weights: {weights['format']} ({'MatMul8Bits' if matmul_8bits else 'MatMulNBits'}, "
         f"{', '.join(options)}), "
         f"{weights.get('quantized_layers')} layers quantized; float: {floats}"
     )

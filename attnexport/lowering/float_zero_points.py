@@ -34,10 +34,6 @@ from attnexport.matmul_nbits import matmulnbits_node
 OFFSET_FORMATS = ("float32", "int8")
 
 
-def _attribute(node: onnx.NodeProto, name: str) -> int:
-    return next(a.i for a in node.attribute if a.name == name)
-
-
 def offset_block_size(blocks: int) -> int:
     """The 8-bit offsets' block along their ``blocks`` rows: the power of 2 >= 16 (MatMulNBits'
     smallest) that stores a column in the fewest bytes (a padded block's bytes plus a float32
@@ -65,8 +61,9 @@ def split_float_zero_points(
         ):
             nodes.append(node)
             continue
-        k, n = _attribute(node, "K"), _attribute(node, "N")
-        bits, block = _attribute(node, "bits"), _attribute(node, "block_size")
+        k, n, bits, block = (
+            helper.get_node_attr_value(node, name) for name in ("K", "N", "bits", "block_size")
+        )
         blocks = -(-k // block)
         z = numpy_helper.to_array(zero_points).astype(np.float64).reshape(n, blocks)
         s = numpy_helper.to_array(initializers[node.input[2]]).astype(np.float64)
@@ -144,6 +141,6 @@ def _offset_product(
             n=n,
             bits=8,
             block_size=block,
-            accuracy_level=_attribute(node, "accuracy_level"),
+            accuracy_level=helper.get_node_attr_value(node, "accuracy_level"),
         )
     ]

@@ -1,11 +1,11 @@
-"""8-bit weights times float32 activations: ``attnexport.MatMul8Bits``.
+"""8-bit weights with finely rounded activations: ``attnexport.MatMul8Bits``.
 
 onnxruntime's CPU ``MatMulNBits`` has two 8-bit paths, neither both fast and faithful: accuracy
 level 4 rounds the activations to int8 per block before its integer dot products (SmolLM2-135M:
 top-1 agreement with the float model 0.963, where rounding the weights alone gives 0.988), and
 level 1 keeps them float32 but dequantizes the whole weight to float32 on every call (14x slower
 at decode). ``MatMul8Bits`` keeps MatMulNBits' 8-bit storage (the same initializers: a tied
-embedding table stays shared with its ``GatherBlockQuantized``) and the float32 activations:
+embedding table stays shared with its ``GatherBlockQuantized``) and computes
 
     Y[..., n] = sum_k A[..., k] * (B[n, k] - zero_point[n, k // block]) * scale[n, k // block]
 
@@ -13,10 +13,11 @@ embedding table stays shared with its ``GatherBlockQuantized``) and the float32 
 ``[N * blocks]`` float32, ``zero_points`` ``[N * blocks]`` uint8 or float32 (HQQ's fitted zero
 points, so no offsets are split off: :mod:`~attnexport.lowering.float_zero_points` is for the
 MatMulNBits that stay), or one uint8 for every block (128: symmetric). With the attnexport
-kernels registered, onnxruntime runs the native kernel (``ort_kernels/matmul_8bits.cc``: each
-weight converted in registers, a row's numbers independent of the batch); stock onnxruntime
-inlines the function body below (standard ops: the weight dequantized, then ``MatMul``), which
-it folds into a float32 weight at load.
+kernels registered, onnxruntime runs the native kernel (``ort_kernels/matmul_8bits.cc``: A's
+blocks rounded to int16, 256 times finer than MatMulNBits' int8, then integer dot products
+with the weight bytes widened in registers; a row's numbers independent of the batch); stock
+onnxruntime inlines the function body below (standard ops on float32 activations: the weight
+dequantized, then ``MatMul``), which it folds into a float32 weight at load.
 """
 
 from __future__ import annotations
@@ -30,10 +31,6 @@ from attnexport.model_contract import DOMAIN, DOMAIN_VERSION
 OP_TYPE = "MatMul8Bits"
 SYMMETRIC_ZERO_POINT = "matmul_8bits_zero_point_128"
 """The one uint8 zero point (128) that every symmetric node reads."""
-
-
-def _attribute(node: onnx.NodeProto, name: str) -> int:
-    return next(a.i for a in node.attribute if a.name == name)
 
 
 def matmul_8bits_function(opset: int) -> onnx.FunctionProto:
@@ -92,7 +89,7 @@ def to_matmul_8bits(model: onnx.ModelProto) -> int:
     graph = model.graph
     rewritten, symmetric_zero_point = 0, None
     for node in graph.node:
-        if node.op_type != "MatMulNBits" or _attribute(node, "bits") != 8:
+        if node.op_type != "MatMulNBits" or helper.get_node_attr_value(node, "bits") != 8:
             continue
         if len(node.input) > 4:
             raise ValueError(f"{node.name}: MatMulNBits with g_idx or bias")
@@ -104,16 +101,10 @@ def to_matmul_8bits(model: onnx.ModelProto) -> int:
                 graph.initializer.append(symmetric_zero_point)
             del node.input[3:]
             node.input.append(SYMMETRIC_ZERO_POINT)
-        k, n, block = (_attribute(node, name) for name in ("K", "N", "block_size"))
         node.op_type, node.domain = OP_TYPE, DOMAIN
-        node.ClearField("attribute")
-        node.attribute.extend(
-            [
-                helper.make_attribute("K", k),
-                helper.make_attribute("N", n),
-                helper.make_attribute("block_size", block),
-            ]
-        )
+        for index in reversed(range(len(node.attribute))):  # K, N and block_size stay
+            if node.attribute[index].name in ("bits", "accuracy_level"):
+                del node.attribute[index]
         rewritten += 1
     if not rewritten:
         return 0

@@ -23,7 +23,6 @@
 #include "matmul_8bits.h"
 
 #include <cmath>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -34,7 +33,6 @@ namespace {
 
 // 256-bit integer and float vectors on both the AVX2 and AVX-512 builds (a block of 16 weights
 // is one step; MatMulNBits' smallest block).
-typedef float f32x8_unaligned __attribute__((vector_size(32), aligned(4)));
 constexpr int64_t kStep = 16;
 // A block's int32 lane sums stay exact up to 1024 weights: 64 pairs of 32767 * 255 per lane.
 constexpr int64_t kMaxBlock = 1024;
@@ -173,10 +171,10 @@ OrtStatus* MatMul8Bits::init(const OrtKernelInfo* info) {
   ATTNEXPORT_RETURN_IF_ERROR(int_attribute(info, "K", &k));
   ATTNEXPORT_RETURN_IF_ERROR(int_attribute(info, "N", &n));
   ATTNEXPORT_RETURN_IF_ERROR(int_attribute(info, "block_size", &block_size));
-  if (k <= 0 || n <= 0 || block_size % kStep != 0 ||
-      block_size > kMaxBlock)
+  if (k <= 0 || n <= 0 || block_size % kStep != 0 || block_size > kMaxBlock)
     return invalid("MatMul8Bits: expected K > 0, N > 0 and a block_size that is a multiple of " +
-                   std::to_string(kStep) + ", got K=" + std::to_string(k) +
+                   std::to_string(kStep) + " up to " + std::to_string(kMaxBlock) +
+                   ", got K=" + std::to_string(k) +
                    ", N=" + std::to_string(n) + ", block_size=" + std::to_string(block_size));
   return nullptr;
 }

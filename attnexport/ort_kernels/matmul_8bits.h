@@ -10,7 +10,8 @@ namespace attnexport {
 // 8-bit MatMulNBits stores it: b [N, blocks, block_size] uint8 (K zero-padded to whole blocks),
 // scales [N * blocks] float32, zero_points uint8 [N * blocks], float32 [N * blocks] or one
 // uint8 for every block; W[k, n] = (b[n, k] - zero_point[n, k / block_size]) * scale[...].
-// The activations stay float32 (MatMulNBits' int8 path rounds them to 8 bits per block).
+// The kernel rounds each row's blocks of activations to int16 (MatMulNBits' int8 path rounds
+// them to 8 bits); the function body multiplies them as float32.
 struct MatMul8Bits {
   int64_t k = 0, n = 0, block_size = 0;
   OrtStatus* init(const OrtKernelInfo* info);

@@ -201,3 +201,14 @@ def test_bad_inputs_get_a_named_error(change, message):
     model.ir_version = 10
     with pytest.raises(Exception, match=message):
         _session(model, "native").run(None, {"a": np.ones((1, 20), np.float32)})
+
+
+@requires_ort_kernels
+def test_a_block_too_long_for_exact_int32_sums_is_refused():
+    """A block's int32 lane sums are exact up to 1024 weights (64 pairs of 32767 * 255 a lane)."""
+    model, _ = _matmulnbits_model(4096, 4, 2048, "symmetric")
+    assert to_matmul_8bits(model) == 1
+    with pytest.raises(
+        Exception, match="multiple of 16 up to 1024, got K=4096, N=4, block_size=2048"
+    ):
+        _session(model, "native")

@@ -24,9 +24,12 @@ CHATS = (
 )
 NEW_TOKENS = 20
 # What the defaults may cost on the verify text (first 256 tokens), against the float32 export:
-# measured int8 / int4 (docs/quantization.md), with room for another CPU's kernels.
+# measured int8 / int4 (docs/quantization.md), with room for another CPU's kernels. int8
+# (MatMul8Bits, its own kernel on every x86 CPU): top-1 0.988, KL 2.9e-4 measured; issue 32's
+# goal is top-1 >= 0.98; the earlier default (rtn, int8 activations: top-1 0.965, KL 0.0051)
+# fails it.
 BOUNDS = {
-    "int8": {"ppl_increase": 0.02, "top1_agreement": 0.95, "kl": 0.01},
+    "int8": {"ppl_increase": 0.02, "top1_agreement": 0.98, "kl": 0.002},
     "int4": {"ppl_increase": 0.10, "top1_agreement": 0.80, "kl": 0.08},
 }
 
