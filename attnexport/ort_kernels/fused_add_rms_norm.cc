@@ -19,14 +19,14 @@ namespace {
 // total[0:n] <- T(x + residual); returns the sum of the squares of the rounded values.
 template <typename T>
 float add_rows(const T* x, const T* residual, T* total, int64_t n) {
-  f32x16 squares{};
+  Accumulator16 squares;
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     store16_float(total + i, load16_float(x + i) + load16_float(residual + i));
     const f32x16 t = load16_float(total + i);
-    squares += t * t;
+    squares.add_product(t, t);
   }
-  float sum = horizontal_sum(squares);
+  float sum = horizontal_sum(squares.value());
   for (; i < n; ++i) {
     total[i] = from_float<T>(to_float(x[i]) + to_float(residual[i]));
     const float t = to_float(total[i]);
@@ -44,7 +44,12 @@ void norm_rows(const T* x, const T* residual, const T* weight, T* out, T* total,
     const float scale = std::sqrt(sum_squares / static_cast<float>(hidden) + epsilon);
     const T* t = total + offset;
     T* dst = out + offset;
-    for (int64_t i = 0; i < hidden; ++i)
+    int64_t i = 0;
+    if constexpr (std::is_same_v<T, float>) {  // (the loop below is not vectorized)
+      const f32x16 scales = splat16(scale);
+      for (; i + 16 <= hidden; i += 16) store16(dst + i, load16(weight + i) * (load16(t + i) / scales));
+    }
+    for (; i < hidden; ++i)
       dst[i] = from_float<T>(to_float(weight[i]) * to_float(from_float<T>(to_float(t[i]) / scale)));
   }
 }

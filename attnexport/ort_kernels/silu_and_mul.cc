@@ -13,9 +13,10 @@ namespace attnexport {
 namespace {
 
 inline f32x16 silu16(f32x16 g) {
-  const f32x16 magnitude = g < 0.0f ? -g : g;
+  const f32x16 zero{};
+  const f32x16 magnitude = where_less(g, zero, -g, g);
   const f32x16 e = exp_nonpositive<f32x16, i32x16>(-magnitude);
-  const f32x16 numerator = g < 0.0f ? e : splat16(1.0f);
+  const f32x16 numerator = where_less(g, zero, e, splat16(1.0f));
   return g * (numerator / (1.0f + e));
 }
 

@@ -17,10 +17,44 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef float f32x16_unaligned __attribute__((vector_size(64), aligned(4)));
 typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x8_unaligned __attribute__((vector_size(32), aligned(4)));
 typedef float f32x4 __attribute__((vector_size(16)));
 
+// The halves of a 16-lane vector, and a 16-lane vector from its halves. Through a union
+// (type punning g++ defines): g++ 12 compiles a shuffle of the upper half lane by lane and a
+// memcpy of a computed vector through the stack and `rep movsl`.
+union f32x16_halves {
+  f32x16 whole;
+  f32x8 half[2];
+};
+inline f32x8 low_half(f32x16 v) {
+  f32x16_halves u;
+  u.whole = v;
+  return u.half[0];
+}
+inline f32x8 high_half(f32x16 v) {
+  f32x16_halves u;
+  u.whole = v;
+  return u.half[1];
+}
+inline f32x16 join_halves(f32x8 low, f32x8 high) {
+  f32x16_halves u;
+  u.half[0] = low, u.half[1] = high;
+  return u.whole;
+}
+
 inline f32x16 load16(const float* p) { return *reinterpret_cast<const f32x16_unaligned*>(p); }
-inline void store16(float* p, f32x16 v) { *reinterpret_cast<f32x16_unaligned*>(p) = v; }
+inline void store16(float* p, f32x16 v) {
+#if defined(__AVX512F__)
+  *reinterpret_cast<f32x16_unaligned*>(p) = v;
+#else
+  // Two 8-lane stores: g++ 12 copies a computed 16-lane vector to 4-byte-aligned memory through
+  // the stack and `rep movsl` where the target's registers hold 8 lanes (perf: most of an
+  // RMSNorm row's time).
+  *reinterpret_cast<f32x8_unaligned*>(p) = low_half(v);
+  *reinterpret_cast<f32x8_unaligned*>(p + 8) = high_half(v);
+#endif
+}
 // (Not f32x16{} + x: without -ffast-math that is an addition of 0, for x = -0.)
 inline f32x16 splat16(float x) { return f32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
@@ -58,12 +92,64 @@ inline f32x16 horizontal_sums16(const f32x16 (&v)[16]) {
                                  25, 27, 29, 31);
 }
 
+inline f32x8 splat8(float x) { return f32x8{x, x, x, x, x, x, x, x}; }
+// a < b ? x : y, lane-wise. g++ 12 lowers a comparison or ?: on a 64-byte vector lane by lane
+// (scalar compares and branches: 4-8x slower) where the target has no 64-byte registers (AVX2);
+// on 32-byte halves it emits vcmpps / vblendvps, hence the split there.
+template <typename V>
+inline V where_less(V a, V b, V x, V y) {
+#if !defined(__AVX512F__)
+  if constexpr (sizeof(V) == 64) {
+    f32x8 as[2], bs[2], xs[2], ys[2], out[2];
+    std::memcpy(as, &a, sizeof a), std::memcpy(bs, &b, sizeof b);
+    std::memcpy(xs, &x, sizeof x), std::memcpy(ys, &y, sizeof y);
+    for (int h = 0; h < 2; ++h) out[h] = as[h] < bs[h] ? xs[h] : ys[h];
+    V result;
+    std::memcpy(&result, out, sizeof result);
+    return result;
+  } else
+#endif
+  {
+    return a < b ? x : y;
+  }
+}
+
+// 16 float32 lanes carried from one loop iteration to the next (a running sum or maximum).
+// g++ 12 keeps a loop-carried f32x16 on the stack where the target's registers hold 8 lanes
+// (AVX2) and moves it through general registers every iteration (perf: most of an RMSNorm row
+// and of the attention's softmax); there it is two 8-lane halves, which stay in registers. The
+// lane-wise arithmetic is the same either way.
+#if defined(__AVX512F__)
+struct Accumulator16 {
+  f32x16 lanes;
+  explicit Accumulator16(f32x16 start = f32x16{}) : lanes(start) {}
+  void add(f32x16 x) { lanes += x; }
+  void add_product(f32x16 a, f32x16 b) { lanes += a * b; }
+  void take_larger(f32x16 x) { lanes = where_less(lanes, x, x, lanes); }
+  f32x16 value() const { return lanes; }
+};
+#else
+struct Accumulator16 {
+  f32x8 low, high;
+  explicit Accumulator16(f32x16 start = f32x16{}) : low(low_half(start)), high(high_half(start)) {}
+  void add(f32x16 x) { low += low_half(x), high += high_half(x); }
+  void add_product(f32x16 a, f32x16 b) {
+    low += low_half(a) * low_half(b), high += high_half(a) * high_half(b);
+  }
+  void take_larger(f32x16 x) {
+    const f32x8 x_low = low_half(x), x_high = high_half(x);
+    low = low < x_low ? x_low : low, high = high < x_high ? x_high : high;
+  }
+  f32x16 value() const { return join_halves(low, high); }
+};
+#endif
+
 // exp(x) for x <= 0 to ~1 ulp, lane-wise: 2^n * e^r with n = round(x / ln2), |r| <= ln2 / 2,
 // e^r by its degree-7 Taylor polynomial. Arguments below -87 give exp(-87) ~ 1.6e-38 (as a
 // softmax weight, nothing). Adding and subtracting 1.5 * 2^23 rounds to the nearest integer.
 template <typename V, typename I>
 inline V exp_nonpositive(V x) {
-  x = x < -87.0f ? V{} - 87.0f : x;
+  x = where_less(x, V{} - 87.0f, V{} - 87.0f, x);
   const V n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
   const V r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
   V p = V{} + 1.0f / 5040.0f;
