@@ -105,10 +105,15 @@ template <int R, int C>
 inline void dot_tile(const Rows& rows, int64_t first_row, const Weights& w, int64_t column,
                      float* out, int64_t ldo) {
   const int64_t padded = w.blocks * w.block_size;
+  static_assert(C <= 4, "a row's zero-point terms are the lanes of one f32x4");
   f32x8 acc[R][C];
-  float zero_term[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = f32x8{}, zero_term[r][c] = 0.0f;
+  // Lane c: column c's zero-point term. (As float zero_term[R][C], g++ 12 packed the terms
+  // into general registers two by two on every block: as much time as the multiply-adds.)
+  f32x4 zero_terms[R];
+  for (int r = 0; r < R; ++r) {
+    zero_terms[r] = f32x4{};
+    for (int c = 0; c < C; ++c) acc[r][c] = f32x8{};
+  }
   const int16_t* a = rows.q.data() + first_row * padded;
   const uint8_t* q = w.q + column * padded;
   for (int64_t b = 0; b < w.blocks; ++b) {
@@ -130,19 +135,23 @@ inline void dot_tile(const Rows& rows, int64_t first_row, const Weights& w, int6
           dots[r][c] = _mm256_add_epi32(dots[r][c], _mm256_madd_epi16(x, weight[c]));
       }
     }
+    float weight_scales[C];
+    f32x4 offsets{};
     for (int c = 0; c < C; ++c) {
       const int64_t index = (column + c) * w.blocks + b;
-      const float weight_scale = w.scales[index], offset = -w.zero(index) * weight_scale;
-      for (int r = 0; r < R; ++r) {
-        const int64_t row_block = (first_row + r) * w.blocks + b;
-        const float scale = weight_scale * rows.scale[row_block];
-        acc[r][c] += to_floats(dots[r][c]) * f32x8{scale, scale, scale, scale, scale, scale, scale, scale};
-        zero_term[r][c] += offset * rows.scaled_sum[row_block];
-      }
+      weight_scales[c] = w.scales[index];
+      offsets[c] = -w.zero(index) * weight_scales[c];
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t row_block = (first_row + r) * w.blocks + b;
+      const float row_scale = rows.scale[row_block], scaled_sum = rows.scaled_sum[row_block];
+      zero_terms[r] += offsets * scaled_sum;
+      for (int c = 0; c < C; ++c)
+        acc[r][c] += to_floats(dots[r][c]) * splat8(weight_scales[c] * row_scale);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[r * ldo + c] = lane_sum(acc[r][c]) + zero_term[r][c];
+    for (int c = 0; c < C; ++c) out[r * ldo + c] = lane_sum(acc[r][c]) + zero_terms[r][c];
 }
 
 // Rows two at a time by 2 columns, one row by 4: the integer and float accumulators stay in
