@@ -169,6 +169,8 @@ void rows_by_columns(const Rows& rows, int64_t first_row, const Weights& w, int6
 void columns(const Rows& rows, int64_t count, const Weights& w, int64_t first_column,
              int64_t end_column, float* out, int64_t n) {
   int64_t row = 0;
+  for (; row + 4 <= count; row += 4)
+    rows_by_columns<4>(rows, row, w, first_column, end_column, out + row * n, n);
   for (; row + 2 <= count; row += 2)
     rows_by_columns<2>(rows, row, w, first_column, end_column, out + row * n, n);
   if (row < count) rows_by_columns<1>(rows, row, w, first_column, end_column, out + row * n, n);
