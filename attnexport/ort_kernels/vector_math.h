@@ -99,14 +99,9 @@ inline f32x8 splat8(float x) { return f32x8{x, x, x, x, x, x, x, x}; }
 template <typename V>
 inline V where_less(V a, V b, V x, V y) {
 #if !defined(__AVX512F__)
-  if constexpr (sizeof(V) == 64) {
-    f32x8 as[2], bs[2], xs[2], ys[2], out[2];
-    std::memcpy(as, &a, sizeof a), std::memcpy(bs, &b, sizeof b);
-    std::memcpy(xs, &x, sizeof x), std::memcpy(ys, &y, sizeof y);
-    for (int h = 0; h < 2; ++h) out[h] = as[h] < bs[h] ? xs[h] : ys[h];
-    V result;
-    std::memcpy(&result, out, sizeof result);
-    return result;
+  if constexpr (std::is_same_v<V, f32x16>) {
+    return join_halves(low_half(a) < low_half(b) ? low_half(x) : low_half(y),
+                       high_half(a) < high_half(b) ? high_half(x) : high_half(y));
   } else
 #endif
   {
@@ -236,17 +231,17 @@ inline f32x16 load16_float(const T* p) {
 #if defined(__AVX512F__)
     const i32x16 wide = reinterpret_cast<i32x16>(
         _mm512_maskz_cvtepi8_epi32(0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    return __builtin_convertvector(wide, f32x16);
 #elif defined(__AVX2__)
     const i32x8 low = reinterpret_cast<i32x8>(
         _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
     const i32x8 high = reinterpret_cast<i32x8>(
         _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
-    const i32x16 wide =
-        __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return join_halves(__builtin_convertvector(low, f32x8), __builtin_convertvector(high, f32x8));
 #else
     const i32x16 wide = __builtin_convertvector(*reinterpret_cast<const i8x16*>(p), i32x16);
-#endif
     return __builtin_convertvector(wide, f32x16);
+#endif
   } else if constexpr (std::is_same_v<T, BFloat16>) {
     // (g++ 12 widens a u16x16 as two 8-lane halves and an insert: vpmovzxwd zmm here)
 #if defined(__AVX512F__)
@@ -264,7 +259,7 @@ inline f32x16 load16_float(const T* p) {
     const __m128i* halves = reinterpret_cast<const __m128i*>(p);
     const f32x8 low = reinterpret_cast<f32x8>(_mm256_cvtph_ps(_mm_loadu_si128(halves)));
     const f32x8 high = reinterpret_cast<f32x8>(_mm256_cvtph_ps(_mm_loadu_si128(halves + 1)));
-    return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return join_halves(low, high);
 #else
     // g++ 12 widens a _Float16 vector lane by lane even where vcvtph2ps exists, hence the
     // intrinsics above; this is the portable path.
