@@ -434,41 +434,6 @@ constexpr int value_block(int NV, int HG) {
   return block;
 }
 
-// The value pass of step_rows with AVX2: the same multiply-adds in the same order, on 8-lane
-// halves. g++ 12 keeps an array of 16-lane accumulators on the stack when the target's registers
-// hold 8 lanes, and moved it through general registers on every key (perf: the loop was stack
-// traffic; a decode layer at batch 32 took 1.3 ms).
-template <typename R, int NV, int HG, int VB>
-void accumulate_values_in_halves(const RowStep& p, const R* const* values, float* const (&s)[HG],
-                                 const float (&rescale)[HG]) {
-  constexpr int64_t W = NV * 16;
-  for (int v0 = 0; v0 < NV; v0 += VB) {
-    f32x8 acc[HG][2 * VB];
-    for (int g = 0; g < HG; ++g)
-      for (int v = 0; v < VB; ++v) {
-        const f32x16 previous = load16(p.outputs + g * W + (v0 + v) * 16) * rescale[g];
-        acc[g][2 * v] = low_half(previous);
-        acc[g][2 * v + 1] = high_half(previous);
-      }
-    for (int64_t k = p.a; k < p.e; ++k) {
-      const R* value = values[k] + v0 * 16;
-      f32x8 w[HG];
-      for (int g = 0; g < HG; ++g) w[g] = splat8(s[g][k]);
-      for (int v = 0; v < VB; ++v) {
-        const f32x16 x = load16_float(value + v * 16);
-        const f32x8 low = low_half(x), high = high_half(x);
-        for (int g = 0; g < HG; ++g) {
-          acc[g][2 * v] += w[g] * low;
-          acc[g][2 * v + 1] += w[g] * high;
-        }
-      }
-    }
-    for (int g = 0; g < HG; ++g)
-      for (int v = 0; v < VB; ++v)
-        store16(p.outputs + g * W + (v0 + v) * 16, join_halves(acc[g][2 * v], acc[g][2 * v + 1]));
-  }
-}
-
 // The rows hold R elements (the cache's own type read in place, or float rows widened into
 // scratch). Each key and value vector is loaded and widened once for the HG rows, which take
 // it from a register: widening 16-bit or int8 rows into a float copy first took about as many
@@ -548,26 +513,22 @@ void step_rows(const RowStep& p) {
   }
 
   constexpr int VB = value_block(NV, HG);
-  if constexpr (!kWideRegisters) {
-    accumulate_values_in_halves<R, NV, HG, VB>(p, values, s, rescale);
-    return;
-  }
   for (int v0 = 0; v0 < NV; v0 += VB) {
-    f32x16 acc[HG][VB];
+    Accumulator16 acc[HG][VB];  // (as f32x16 on AVX2, g++ kept them on the stack: 1.6x slower)
     for (int g = 0; g < HG; ++g)
       for (int v = 0; v < VB; ++v)
-        acc[g][v] = load16(p.outputs + g * W + (v0 + v) * 16) * rescale[g];
+        acc[g][v] = Accumulator16(load16(p.outputs + g * W + (v0 + v) * 16) * rescale[g]);
     for (k = p.a; k < p.e; ++k) {
       const R* value = values[k] + v0 * 16;
       f32x16 w[HG];
       for (int g = 0; g < HG; ++g) w[g] = splat16(s[g][k]);
       for (int v = 0; v < VB; ++v) {
         const f32x16 x = load16_float(value + v * 16);
-        for (int g = 0; g < HG; ++g) acc[g][v] += w[g] * x;
+        for (int g = 0; g < HG; ++g) acc[g][v].add_product(w[g], x);
       }
     }
     for (int g = 0; g < HG; ++g)
-      for (int v = 0; v < VB; ++v) store16(p.outputs + g * W + (v0 + v) * 16, acc[g][v]);
+      for (int v = 0; v < VB; ++v) store16(p.outputs + g * W + (v0 + v) * 16, acc[g][v].value());
   }
 }
 

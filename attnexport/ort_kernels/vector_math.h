@@ -11,7 +11,8 @@
 
 namespace attnexport {
 
-// 16 float32 lanes (one AVX-512 register, two AVX2 ones: the compiler splits it as needed).
+// 16 float32 lanes (one AVX-512 register, two AVX2 ones). g++ 12 splits some of their
+// operations badly for AVX2: see low_half, store16, where_less and Accumulator16.
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
@@ -133,7 +134,7 @@ struct Accumulator16 {
   }
   void take_larger(f32x16 x) {
     const f32x8 x_low = low_half(x), x_high = high_half(x);
-    low = low < x_low ? x_low : low, high = high < x_high ? x_high : high;
+    low = where_less(low, x_low, x_low, low), high = where_less(high, x_high, x_high, high);
   }
   f32x16 value() const { return join_halves(low, high); }
 };
