@@ -371,7 +371,8 @@ inline void widen_row(const C* src, float* dst, int64_t D, int64_t W, float scal
 // Asks for the rows of KV head `head` of slots [k0, k1) of a sequence (into every cache
 // level). A decode step's rows come from memory (the weights evicted them), one row per slot of
 // num_kv_heads rows, each slot on its own page for large heads, where the hardware prefetcher
-// does not follow: asking for the next chunk ahead keeps its rows in flight.
+// does not follow: asking for the next chunk ahead keeps its rows in flight (the AVX-512 build;
+// the AVX2 one asks a few keys ahead instead, see kPrefetchKeys).
 // Rows of KV heads [head, head + heads): adjacent in a slot.
 template <typename C>
 inline void prefetch_rows(const C* cache, const int32_t* table, int64_t k0, int64_t k1,
@@ -405,77 +406,46 @@ struct RowStep {
   float soft_cap;
   const float* slopes;  // HG ALiBi slopes, or null
   int64_t position;     // of the query token
-};
+  };
 
-// Query rows of a group that share each loaded (and widened) key and value vector: their
-// HG * NV query vectors stay in registers up to 16 (4 rows at NV = 8, their queries read from
-// memory, measured 0.8x of 2 rows there).
+// Query rows of a group that share each loaded (and widened) key and value vector, so that
+// a group's keys and values are read (and widened) once, not once per query head.
 //
-// With AVX2 a 16-float vector takes two of only 16 registers: the AVX-512 blocking (3 rows of
-// 4 query vectors, 16 keys' products held for one transposing sum) spilled most of the loop
-// to the stack (perf: the hottest instructions were stack loads and stores), and a decode step
-// of the 135M model (9/3/64 heads, batch 8, 32 keys, one thread) took 3-10x the time of
-// onnxruntime's GroupQueryAttention. There one row at a time keeps its query in registers and
-// each key's products are summed alone.
+// AVX-512 (step_rows_wide): HG * NV query vectors stay in registers up to 16 (4 rows at NV = 4,
+// 2 at NV = 8: 4 rows there, their queries read from memory, measured 0.8x of 2 rows), 16 keys'
+// products held for one transposing sum.
+//
+// AVX2 (step_rows_narrow), where a 16-float vector takes two of only 16 registers: the same
+// blocking spilled most of the loop to the stack, and one row at a time re-read (and re-widened)
+// the keys and values once per query head, 3x for a 9-over-3-heads model. There the rows work
+// on 8-lane vectors: 3 rows x 4 keys of 8-lane products in 12 registers, each query vector read
+// from memory as the multiply-add's operand, each key vector loaded once for the 3 rows.
 #ifdef __AVX512F__
 constexpr bool kWideRegisters = true;
 #else
 constexpr bool kWideRegisters = false;
 #endif
 constexpr int rows_per_step(int NV) {
-  return !kWideRegisters ? 1 : NV <= 4 ? 4 : NV <= 8 ? 2 : 1;
+  return !kWideRegisters ? 3 : NV <= 4 ? 4 : NV <= 8 ? 2 : 1;
 }
-// Vectors of a value row accumulated per pass over the keys: HG * VB accumulators stay in
-// registers (at most 16 of the 32; 4 with AVX2's 16 half-width ones), VB a divisor of NV.
-constexpr int value_block(int NV, int HG) {
-  const int most = kWideRegisters ? 16 : 4;
-  int block = NV;
-  while (block > 1 && (block * HG > most || NV % block != 0)) --block;
+// Vectors of a value row accumulated per pass over the keys (VB, a divisor of the row's
+// vectors): HG * VB accumulators stay in registers, at most 16 of AVX-512's 32 registers, or
+// 12 of AVX2's 16 (8-lane vectors: 3 rows' weights and a value vector take the rest).
+constexpr int value_block(int vectors, int HG, int most) {
+  int block = vectors;
+  while (block > 1 && (block * HG > most || vectors % block != 0)) --block;
   return block;
 }
 
-// The rows hold R elements (the cache's own type read in place, or float rows widened into
-// scratch). Each key and value vector is loaded and widened once for the HG rows, which take
-// it from a register: widening 16-bit or int8 rows into a float copy first took about as many
-// instructions as the attention's multiply-adds. int8 scales are applied to the scores (keys)
-// and to the softmax weights (values), not per element.
-template <typename R, int NV, int HG>
-void step_rows(const RowStep& p) {
-  constexpr int64_t W = NV * 16;
-  const R* const* keys = reinterpret_cast<const R* const*>(p.keys) - p.k0;
-  const R* const* values = reinterpret_cast<const R* const*>(p.values) - p.k0;
-  float* s[HG];
-  for (int g = 0; g < HG; ++g) s[g] = p.scores + g * p.score_stride - p.a;  // s[g][k], k in [a, e)
-  f32x16 q[HG][NV];  // (loaded once: the stores below may alias p.queries for the compiler)
-  for (int g = 0; g < HG; ++g)
-    for (int v = 0; v < NV; ++v) q[g][v] = load16(p.queries + g * W + v * 16);
-  auto dot = [&](const R* key, f32x16 (&acc)[HG]) {
-    const f32x16 x = load16_float(key);
-    for (int g = 0; g < HG; ++g) acc[g] = q[g][0] * x;
-    for (int v = 1; v < NV; ++v) {
-      const f32x16 y = load16_float(key + v * 16);
-      for (int g = 0; g < HG; ++g) acc[g] += q[g][v] * y;
-    }
-  };
-  int64_t k = p.a;
-  for (; kWideRegisters && k + 16 <= p.e; k += 16) {  // 16 keys' products, summed together
-    f32x16 products[HG][16];
-    for (int i = 0; i < 16; ++i) {
-      f32x16 acc[HG];
-      dot(keys[k + i], acc);
-      for (int g = 0; g < HG; ++g) products[g][i] = acc[g];
-    }
-    for (int g = 0; g < HG; ++g) store16(s[g] + k, horizontal_sums16(products[g]));
-  }
-  for (; k < p.e; ++k) {
-    f32x16 acc[HG];
-    dot(keys[k], acc);
-    for (int g = 0; g < HG; ++g) s[g][k] = horizontal_sum(acc[g]);
-  }
-
-  float rescale[HG];
+// The online softmax update of the HG rows' scores s[g][k], k in [a, e): scaled (int8 keys),
+// soft-capped, ALiBi-biased, then replaced by their weights exp(s - max), times the value
+// scales of int8 rows; each row's running maximum and sum are updated and rescale[g] is the
+// factor its accumulated output takes for the new maximum.
+template <int HG>
+void update_softmax(const RowStep& p, float* const (&s)[HG], float (&rescale)[HG]) {
   for (int g = 0; g < HG; ++g) {
     float* sg = s[g];
+    int64_t k;
     if (p.key_scales != nullptr) {
       const float* scales = p.key_scales - p.k0;
       for (k = p.a; k < p.e; ++k) sg[k] *= scales[k];
@@ -511,25 +481,169 @@ void step_rows(const RowStep& p) {
       for (k = p.a; k < p.e; ++k) sg[k] *= scales[k];
     }
   }
+}
 
-  constexpr int VB = value_block(NV, HG);
+// The rows hold R elements (the cache's own type read in place, or float rows widened into
+// scratch). Each key and value vector is loaded and widened once for the HG rows, which take
+// it from a register: widening 16-bit or int8 rows into a float copy first took about as many
+// instructions as the attention's multiply-adds. int8 scales are applied to the scores (keys)
+// and to the softmax weights (values), not per element.
+template <typename R, int NV, int HG>
+void step_rows_wide(const RowStep& p) {
+  constexpr int64_t W = NV * 16;
+  const R* const* keys = reinterpret_cast<const R* const*>(p.keys) - p.k0;
+  const R* const* values = reinterpret_cast<const R* const*>(p.values) - p.k0;
+  float* s[HG];
+  for (int g = 0; g < HG; ++g) s[g] = p.scores + g * p.score_stride - p.a;  // s[g][k], k in [a, e)
+  f32x16 q[HG][NV];  // (loaded once: the stores below may alias p.queries for the compiler)
+  for (int g = 0; g < HG; ++g)
+    for (int v = 0; v < NV; ++v) q[g][v] = load16(p.queries + g * W + v * 16);
+  auto dot = [&](const R* key, f32x16 (&acc)[HG]) {
+    const f32x16 x = load16_float(key);
+    for (int g = 0; g < HG; ++g) acc[g] = q[g][0] * x;
+    for (int v = 1; v < NV; ++v) {
+      const f32x16 y = load16_float(key + v * 16);
+      for (int g = 0; g < HG; ++g) acc[g] += q[g][v] * y;
+    }
+  };
+  int64_t k = p.a;
+  for (; k + 16 <= p.e; k += 16) {  // 16 keys' products, summed together
+    f32x16 products[HG][16];
+    for (int i = 0; i < 16; ++i) {
+      f32x16 acc[HG];
+      dot(keys[k + i], acc);
+      for (int g = 0; g < HG; ++g) products[g][i] = acc[g];
+    }
+    for (int g = 0; g < HG; ++g) store16(s[g] + k, horizontal_sums16(products[g]));
+  }
+  for (; k < p.e; ++k) {
+    f32x16 acc[HG];
+    dot(keys[k], acc);
+    for (int g = 0; g < HG; ++g) s[g][k] = horizontal_sum(acc[g]);
+  }
+
+  float rescale[HG];
+  update_softmax<HG>(p, s, rescale);
+
+  constexpr int VB = value_block(NV, HG, 16);
   for (int v0 = 0; v0 < NV; v0 += VB) {
-    Accumulator16 acc[HG][VB];  // (as f32x16 on AVX2, g++ kept them on the stack: 1.6x slower)
+    f32x16 acc[HG][VB];
     for (int g = 0; g < HG; ++g)
       for (int v = 0; v < VB; ++v)
-        acc[g][v] = Accumulator16(load16(p.outputs + g * W + (v0 + v) * 16) * rescale[g]);
+        acc[g][v] = load16(p.outputs + g * W + (v0 + v) * 16) * rescale[g];
     for (k = p.a; k < p.e; ++k) {
       const R* value = values[k] + v0 * 16;
       f32x16 w[HG];
       for (int g = 0; g < HG; ++g) w[g] = splat16(s[g][k]);
       for (int v = 0; v < VB; ++v) {
         const f32x16 x = load16_float(value + v * 16);
-        for (int g = 0; g < HG; ++g) acc[g][v].add_product(w[g], x);
+        for (int g = 0; g < HG; ++g) acc[g][v] += w[g] * x;
       }
     }
     for (int g = 0; g < HG; ++g)
-      for (int v = 0; v < VB; ++v) store16(p.outputs + g * W + (v0 + v) * 16, acc[g][v].value());
+      for (int v = 0; v < VB; ++v) store16(p.outputs + g * W + (v0 + v) * 16, acc[g][v]);
   }
+}
+
+#ifndef __AVX512F__
+typedef float f32x4_unaligned __attribute__((vector_size(16), aligned(4)));
+
+// The sums of the lanes of 4 vectors: lane i is ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 +
+// a7)) of v[i] (vhaddps order; a key's score does not depend on which keys share its block).
+inline f32x4 horizontal_sums4(const f32x8 (&v)[4]) {
+  auto pairs = [](f32x8 x, f32x8 y) {  // [x01 x23 y01 y23 | x45 x67 y45 y67]
+    return __builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14) +
+           __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15);
+  };
+  const f32x8 sums = pairs(pairs(v[0], v[1]), pairs(v[2], v[3]));
+  return __builtin_shufflevector(sums, sums, 0, 1, 2, 3) +
+         __builtin_shufflevector(sums, sums, 4, 5, 6, 7);
+}
+
+// The rows a few keys ahead are asked for as the loops go (every cache level): a decode step's
+// rows come from memory, and asking for a whole chunk's rows at once before reading it
+// (prefetch_rows) bought nothing here, where asking as the loop goes took 0.75-0.8x the time
+// (one layer's decode at 9/3/64 heads, batch 8 x 1024 keys and 32 x 128, float32; int8 0.86x).
+constexpr int64_t kPrefetchKeys = 8;
+template <typename R>
+inline void prefetch_row(const R* row, int vectors) {  // `vectors` 8-element vectors of R
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int at = 0; at < vectors * 8 * static_cast<int>(sizeof(R)); at += 64)
+    __builtin_prefetch(bytes + at, 0, 3);
+}
+
+template <typename R, int NV, int HG>
+void step_rows_narrow(const RowStep& p) {
+  constexpr int64_t W = NV * 16;
+  constexpr int H = 2 * NV;  // 8-lane vectors of a row
+  const R* const* keys = reinterpret_cast<const R* const*>(p.keys) - p.k0;
+  const R* const* values = reinterpret_cast<const R* const*>(p.values) - p.k0;
+  float* s[HG];
+  for (int g = 0; g < HG; ++g) s[g] = p.scores + g * p.score_stride - p.a;  // s[g][k], k in [a, e)
+  const float* q = p.queries;
+  auto query = [&](int g, int c) {
+    return *reinterpret_cast<const f32x8_unaligned*>(q + g * W + c * 8);
+  };
+  int64_t k = p.a;
+  for (; k + 4 <= p.e; k += 4) {
+    f32x8 acc[HG][4] = {};
+    const R* key[4] = {keys[k], keys[k + 1], keys[k + 2], keys[k + 3]};
+    for (int i = 0; i < 4; ++i)
+      if (k + kPrefetchKeys + i < p.e) prefetch_row(keys[k + kPrefetchKeys + i], H);
+    for (int c = 0; c < H; ++c) {  // (HG query vectors, 1 key vector, 12 sums: 16 registers)
+      f32x8 qc[HG];
+      for (int g = 0; g < HG; ++g) qc[g] = query(g, c);
+      for (int i = 0; i < 4; ++i) {
+        const f32x8 x = load8_float(key[i] + c * 8);
+        for (int g = 0; g < HG; ++g) acc[g][i] += qc[g] * x;
+      }
+    }
+    for (int g = 0; g < HG; ++g)
+      *reinterpret_cast<f32x4_unaligned*>(s[g] + k) = horizontal_sums4(acc[g]);
+  }
+  for (; k < p.e; ++k) {
+    f32x8 acc[HG][4] = {};
+    for (int c = 0; c < H; ++c) {
+      const f32x8 x = load8_float(keys[k] + c * 8);
+      for (int g = 0; g < HG; ++g) acc[g][0] += query(g, c) * x;
+    }
+    for (int g = 0; g < HG; ++g) s[g][k] = horizontal_sums4(acc[g])[0];
+  }
+
+  float rescale[HG];
+  update_softmax<HG>(p, s, rescale);
+
+  constexpr int VB = value_block(H, HG, 12);
+  for (int c0 = 0; c0 < H; c0 += VB) {
+    f32x8 acc[HG][VB];
+    for (int g = 0; g < HG; ++g)
+      for (int v = 0; v < VB; ++v)
+        acc[g][v] = *reinterpret_cast<const f32x8_unaligned*>(p.outputs + g * W + (c0 + v) * 8) *
+                    rescale[g];
+    for (k = p.a; k < p.e; ++k) {
+      const R* value = values[k] + c0 * 8;
+      if (k + kPrefetchKeys < p.e) prefetch_row(values[k + kPrefetchKeys] + c0 * 8, VB);
+      f32x8 w[HG];
+      for (int g = 0; g < HG; ++g) w[g] = splat8(s[g][k]);
+      for (int v = 0; v < VB; ++v) {
+        const f32x8 x = load8_float(value + v * 8);
+        for (int g = 0; g < HG; ++g) acc[g][v] += w[g] * x;
+      }
+    }
+    for (int g = 0; g < HG; ++g)
+      for (int v = 0; v < VB; ++v)
+        *reinterpret_cast<f32x8_unaligned*>(p.outputs + g * W + (c0 + v) * 8) = acc[g][v];
+  }
+}
+#endif
+
+template <typename R, int NV, int HG>
+void step_rows(const RowStep& p) {
+#ifdef __AVX512F__
+  step_rows_wide<R, NV, HG>(p);
+#else
+  step_rows_narrow<R, NV, HG>(p);
+#endif
 }
 
 template <typename R, int NV>
@@ -618,7 +732,7 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
   const int64_t slot_stride = num_kv_heads * D;
   // Chunks start at block boundaries: [c0, c1) with c0 a multiple of block_size.
   const int64_t first_chunk = first_key / block_size * block_size;
-  // While a chunk is read, the next one's rows (of all the item's heads) are asked for.
+  // While a chunk is read, the next one's rows (of all the item's heads) are asked for (AVX-512).
   auto prefetch = [&](int64_t c0) {
     if (c0 >= end_key) return;
     const int64_t k0 = std::max(c0, first_key), k1 = std::min(c0 + chunk, end_key);
@@ -627,7 +741,7 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
   };
   for (int64_t c0 = first_chunk; c0 < end_key; c0 += chunk) {
     const int64_t k0 = std::max(c0, first_key), k1 = std::min(c0 + chunk, end_key);
-    prefetch(c0 + chunk);
+    if constexpr (kWideRegisters) prefetch(c0 + chunk);  // (AVX2: as the rows are read)
     for (int64_t h = item.kv_begin; h < item.kv_end; ++h) {
       // The chunk's rows of head h: key_rows[k - k0] for k in [k0, k1). (Raw pointers: each
       // use of a thread_local costs a __tls_get_addr call in a shared library.)

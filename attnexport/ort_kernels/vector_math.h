@@ -269,6 +269,28 @@ inline f32x16 load16_float(const T* p) {
   }
 }
 
+// 8 elements of a storage type as float32 lanes (AVX2 and F16C, which both variants have):
+// the AVX2 kernels work on 8-lane vectors where a 16-lane one would take two of their 16
+// registers (see paged_attention.cc).
+#if defined(__AVX2__)
+template <typename T>
+inline f32x8 load8_float(const T* p) {
+  if constexpr (sizeof(T) == sizeof(float)) {
+    return *reinterpret_cast<const f32x8_unaligned*>(p);
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    const i32x8 wide = reinterpret_cast<i32x8>(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    return __builtin_convertvector(wide, f32x8);
+  } else if constexpr (std::is_same_v<T, BFloat16>) {
+    return reinterpret_cast<f32x8>(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  } else {
+    return reinterpret_cast<f32x8>(
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+}
+#endif
+
 template <typename T>
 inline void store16_float(T* p, f32x16 v) {
   if constexpr (sizeof(T) == sizeof(float)) {
