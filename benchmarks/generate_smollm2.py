@@ -1,8 +1,11 @@
 """``benchmarks/generate.py --model smollm2``: the real SmolLM2-135M-Instruct checkpoint
 (benchmarks/smollm2.py) against the CPU peers (benchmarks/peers.py), by precision class:
 
-* fp32: ``ours fp32``; llama.cpp F32, OpenVINO fp32, onnxruntime-genai fp32, vLLM CPU fp32;
-* 8-bit: ``ours int8`` (``--weights int8``); llama.cpp Q8_0, OpenVINO int8, onnxruntime-genai int8;
+* fp32: ``ours fp32``, ``ours fp32-kv8`` (``--kv-cache-dtype int8``: OpenVINO's CPU cache is u8,
+  llama.cpp's float16); llama.cpp F32, OpenVINO fp32, onnxruntime-genai fp32, vLLM CPU fp32;
+* 8-bit: ``ours int8`` (``--weights int8``), ``ours int8-fast`` (also
+  ``--no-weights-batch-invariant``: calls of 4 rows or more multiply float32 activations by
+  dequantized weight panels); llama.cpp Q8_0, OpenVINO int8, onnxruntime-genai int8;
 * 4-bit: ``ours int4`` (``--weights int4``), ``ours int4-kv8`` (also ``--kv-cache-dtype int8``);
   llama.cpp Q4_0, OpenVINO int4 (group 64, ratio 1.0), onnxruntime-genai int4.
 
@@ -34,7 +37,9 @@ CLASSES = ("fp32", "8-bit", "4-bit")
 # Our legs: name -> (class, `attnexport export` flags beyond the checkpoint).
 OURS = {
     "fp32": ("fp32", []),
+    "fp32-kv8": ("fp32", ["--kv-cache-dtype", "int8"]),
     "int8": ("8-bit", ["--weights", "int8"]),
+    "int8-fast": ("8-bit", ["--weights", "int8", "--no-weights-batch-invariant"]),
     "int4": ("4-bit", ["--weights", "int4"]),
     "int4-kv8": ("4-bit", ["--weights", "int4", "--kv-cache-dtype", "int8"]),
 }

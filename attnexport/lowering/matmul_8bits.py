@@ -74,14 +74,16 @@ def matmul_8bits_function(opset: int) -> onnx.FunctionProto:
         ["Y"],
         nodes,
         [helper.make_opsetid("", opset)],
-        attributes=["K", "N", "block_size"],
+        attributes=["K", "N", "block_size", "batch_invariant"],
     )
 
 
-def to_matmul_8bits(model: onnx.ModelProto) -> int:
+def to_matmul_8bits(model: onnx.ModelProto, batch_invariant: bool = True) -> int:
     """Rewrites, in place, every 8-bit ``MatMulNBits`` of the main graph into
     ``attnexport.MatMul8Bits`` on the same initializers (module doc), adding the function body
-    and the domain's opset import; returns how many.
+    and the domain's opset import; returns how many. ``batch_invariant=False`` writes the
+    attribute ``batch_invariant=0``: the native kernel may then multiply calls of many rows as
+    float32 (the weights dequantized into panels), whose numbers differ from the int16 path's.
 
     Raises:
         ValueError: a node with ``g_idx`` or a bias (the quantizer writes neither).
@@ -105,6 +107,8 @@ def to_matmul_8bits(model: onnx.ModelProto) -> int:
         for index in reversed(range(len(node.attribute))):  # K, N and block_size stay
             if node.attribute[index].name in ("bits", "accuracy_level"):
                 del node.attribute[index]
+        if not batch_invariant:
+            node.attribute.append(helper.make_attribute("batch_invariant", 0))
         rewritten += 1
     if not rewritten:
         return 0

@@ -388,7 +388,8 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
             f"{len(layers) - len(keep)} MatMulNBits nodes)"
         )
     if quantization.activations == "int16":
-        to_matmul_8bits(quantized)  # before the padding: its kernel is batch-invariant
+        # before the padding: its kernel is batch-invariant unless told otherwise
+        to_matmul_8bits(quantized, quantization.batch_invariant)
     if quantization.batch_invariant:
         pad_matmulnbits_rows(quantized)
     # After the padding: the offsets' own MatMulNBits reads the padded rows' block sums, so

@@ -11,9 +11,11 @@ namespace attnexport {
 // scales [N * blocks] float32, zero_points uint8 [N * blocks], float32 [N * blocks] or one
 // uint8 for every block; W[k, n] = (b[n, k] - zero_point[n, k / block_size]) * scale[...].
 // The kernel rounds each row's blocks of activations to int16 (MatMulNBits' int8 path rounds
-// them to 8 bits); the function body multiplies them as float32.
+// them to 8 bits); the function body multiplies them as float32. With the attribute
+// batch_invariant = 0, calls of many rows multiply float32 activations by float32 panels of the
+// dequantized weights (faster there; a row's numbers then depend on its call's row count).
 struct MatMul8Bits {
-  int64_t k = 0, n = 0, block_size = 0;
+  int64_t k = 0, n = 0, block_size = 0, batch_invariant = 1;
   OrtStatus* init(const OrtKernelInfo* info);
   OrtStatus* compute(OrtKernelContext* context) const;
 };

@@ -88,9 +88,9 @@ def _session(model: onnx.ModelProto, kernels: str) -> ort.InferenceSession:
     )
 
 
-def _matmul_8bits(k, n, block, zero_points, kernels):
+def _matmul_8bits(k, n, block, zero_points, kernels, batch_invariant=True):
     model, weight = _matmulnbits_model(k, n, block, zero_points)
-    assert to_matmul_8bits(model) == 1
+    assert to_matmul_8bits(model, batch_invariant) == 1
     assert [(node.domain, node.op_type) for node in model.graph.node] == [("attnexport", OP_TYPE)]
     onnx.checker.check_model(model, full_check=True)
     return _session(model, kernels), weight
@@ -121,6 +121,47 @@ def test_a_row_is_the_same_bits_alone_and_in_any_batch(zero_points):
     batch = session.run(None, {"a": a})[0]
     for rows in (slice(0, 1), slice(3, 4), slice(2, 5), slice(5, 11), slice(12, 13)):
         assert np.array_equal(session.run(None, {"a": a[rows]})[0], batch[rows])
+
+
+@pytest.mark.parametrize("kernels", ORT_KERNEL_MODES)
+@pytest.mark.parametrize("zero_points", ZERO_POINTS)
+@pytest.mark.parametrize("k, n, block", [(576, 96, 32), (577, 33, 32), (100, 7, 16), (40, 5, 128)])
+def test_without_batch_invariance_calls_of_many_rows_are_float32_products(
+    k, n, block, zero_points, kernels
+):
+    """``batch_invariant=0``: from 4 rows on, the native kernel multiplies float32 activations by
+    the dequantized weights (float32 rounding only, far inside the int16 rounding's bound);
+    fewer rows keep the int16 path (its bound)."""
+    session, weight = _matmul_8bits(k, n, block, zero_points, kernels, batch_invariant=False)
+    assert helper.get_attribute_value(session_node_attribute(k, n, block, zero_points)) == 0
+    a = torch.randn(40, k, generator=torch.Generator().manual_seed(3))
+    expected = a.double() @ torch.from_numpy(weight).T
+    float32_bound = 1e-6 * (a.double().abs() @ torch.from_numpy(np.abs(weight)).T)
+    rounding_bound = _rounding_bound(a, weight, block)
+    for rows in (1, 3, 4, 5, 9, 40):
+        y = torch.from_numpy(session.run(None, {"a": a[:rows].numpy()})[0])
+        error = (y.double() - expected[:rows]).abs()
+        bound = float32_bound if rows >= 4 or kernels == "bodies" else rounding_bound
+        assert (error <= bound[:rows]).all(), (rows, (error - bound[:rows]).max())
+
+
+def session_node_attribute(k, n, block, zero_points):
+    """The ``batch_invariant`` attribute ``to_matmul_8bits(..., False)`` writes."""
+    model, _ = _matmulnbits_model(k, n, block, zero_points)
+    to_matmul_8bits(model, batch_invariant=False)
+    (node,) = model.graph.node
+    return next(a for a in node.attribute if a.name == "batch_invariant")
+
+
+@requires_ort_kernels
+def test_without_batch_invariance_a_row_is_the_same_bits_in_any_call_of_4_rows_or_more():
+    session, _ = _matmul_8bits(577, 70, 32, "uint8", "native", batch_invariant=False)
+    a = torch.randn(13, 577, generator=torch.Generator().manual_seed(4)).numpy()
+    batch = session.run(None, {"a": a})[0]
+    for rows in (slice(0, 4), slice(3, 8), slice(2, 11), slice(6, 13)):
+        assert np.array_equal(session.run(None, {"a": a[rows]})[0], batch[rows])
+    invariant, _ = _matmul_8bits(577, 70, 32, "uint8", "native")
+    assert not np.array_equal(invariant.run(None, {"a": a})[0], batch)  # (another path)
 
 
 @pytest.mark.parametrize("kernels", ORT_KERNEL_MODES)
