@@ -25,7 +25,6 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "kernel_api.h"
@@ -200,13 +199,8 @@ void dequantize_columns(const Weights& w, int64_t first, int64_t end, int64_t k,
       const float scale = w.scales[index], zero = w.zero(index);
       const int64_t start = b * w.block_size, stop = std::min(start + w.block_size, k);
       int64_t i = start;
-      for (; i + 8 <= stop; i += 8) {
-        const f32x8 values = __builtin_convertvector(
-            reinterpret_cast<i32x8>(
-                _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i)))),
-            f32x8);
-        *reinterpret_cast<f32x8_unaligned*>(out + i) = (values - zero) * scale;
-      }
+      for (; i + 8 <= stop; i += 8)
+        *reinterpret_cast<f32x8_unaligned*>(out + i) = (load8_float(q + i) - zero) * scale;
       for (; i < stop; ++i) out[i] = (static_cast<float>(q[i]) - zero) * scale;
     }
     for (int64_t i = k; i < stride; ++i) out[i] = 0.0f;
@@ -332,13 +326,6 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
                         block_size};
   const auto* x = static_cast<const float*>(a.data);
   auto* y = static_cast<float*>(out.data);
-  // Work items of 16 columns (every row): a decoded token's [576 x 960] projection is 60 items.
-  constexpr int64_t kColumnsPerItem = 16;
-  const int64_t items = (n + kColumnsPerItem - 1) / kColumnsPerItem;
-  auto columns_of = [&](size_t i) {
-    const int64_t first = static_cast<int64_t>(i) * kColumnsPerItem;
-    return std::pair<int64_t, int64_t>(first, std::min(first + kColumnsPerItem, n));
-  };
   if (!batch_invariant && rows >= kPanelRows) {
     // Items of kPanelRowBlock rows by kPanelColumns columns, a row block's items adjacent.
     const int64_t column_items = (n + kPanelColumns - 1) / kPanelColumns;
@@ -359,9 +346,12 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
   ATTNEXPORT_RETURN_IF_ERROR(for_row_ranges(context, rows, k, [&](int64_t first, int64_t end) {
     round_rows(x, first, end, k, blocks, block_size, rounded);
   }));
+  // Work items of 16 columns (every row): a decoded token's [576 x 960] projection is 60 items.
+  constexpr int64_t kColumnsPerItem = 16;
+  const int64_t items = (n + kColumnsPerItem - 1) / kColumnsPerItem;
   auto item = [&](size_t i) {
-    const auto [first, end] = columns_of(i);
-    columns(rounded, rows, weights, first, end, y, n);
+    const int64_t first = static_cast<int64_t>(i) * kColumnsPerItem;
+    columns(rounded, rows, weights, first, std::min(first + kColumnsPerItem, n), y, n);
   };
   return parallel_for(context, static_cast<size_t>(items), item);
 }

@@ -256,6 +256,7 @@ inline f32x16 load16_float(const T* p) {
     std::memcpy(&v, &wide, sizeof v);
     return v;
   } else {
+    static_assert(std::is_same_v<T, Half>, "load16_float: float, Half, BFloat16 or int8");
 #if defined(__F16C__)  // (g++ 12's _mm512_cvtph_ps trips -Werror=maybe-uninitialized)
     const __m128i* halves = reinterpret_cast<const __m128i*>(p);
     const f32x8 low = reinterpret_cast<f32x8>(_mm256_cvtph_ps(_mm_loadu_si128(halves)));
@@ -281,10 +282,15 @@ inline f32x8 load8_float(const T* p) {
     const i32x8 wide = reinterpret_cast<i32x8>(
         _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
     return __builtin_convertvector(wide, f32x8);
+  } else if constexpr (std::is_same_v<T, uint8_t>) {
+    const i32x8 wide = reinterpret_cast<i32x8>(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    return __builtin_convertvector(wide, f32x8);
   } else if constexpr (std::is_same_v<T, BFloat16>) {
     return reinterpret_cast<f32x8>(_mm256_slli_epi32(
         _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
   } else {
+    static_assert(std::is_same_v<T, Half>, "load8_float: float, Half, BFloat16, int8 or uint8");
     return reinterpret_cast<f32x8>(
         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }

@@ -133,7 +133,6 @@ def test_without_batch_invariance_calls_of_many_rows_are_float32_products(
     the dequantized weights (float32 rounding only, far inside the int16 rounding's bound);
     fewer rows keep the int16 path (its bound)."""
     session, weight = _matmul_8bits(k, n, block, zero_points, kernels, batch_invariant=False)
-    assert helper.get_attribute_value(session_node_attribute(k, n, block, zero_points)) == 0
     a = torch.randn(70, k, generator=torch.Generator().manual_seed(3))
     expected = a.double() @ torch.from_numpy(weight).T
     float32_bound = 1e-6 * (a.double().abs() @ torch.from_numpy(np.abs(weight)).T)
@@ -145,12 +144,13 @@ def test_without_batch_invariance_calls_of_many_rows_are_float32_products(
         assert (error <= bound[:rows]).all(), (rows, (error - bound[:rows]).max())
 
 
-def session_node_attribute(k, n, block, zero_points):
-    """The ``batch_invariant`` attribute ``to_matmul_8bits(..., False)`` writes."""
-    model, _ = _matmulnbits_model(k, n, block, zero_points)
-    to_matmul_8bits(model, batch_invariant=False)
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_the_node_says_batch_invariant_0_only_when_asked(batch_invariant):
+    model, _ = _matmulnbits_model(96, 10, 32, "uint8")
+    to_matmul_8bits(model, batch_invariant)
     (node,) = model.graph.node
-    return next(a for a in node.attribute if a.name == "batch_invariant")
+    written = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert written.get("batch_invariant", 1) == int(batch_invariant)
 
 
 @requires_ort_kernels
