@@ -39,6 +39,7 @@ from onnxscript.rewriter.rules.common import _basic_rules
 
 from attnexport.lowering.onnx_passes import is_constant_matrix, is_standard, standard_nodes
 from attnexport.lowering.registry import DOMAIN
+from attnexport.lowering.rule_matching import anchored_rule
 
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 _INT64_MAX = 2**63 - 1
@@ -520,10 +521,10 @@ _LAYOUT = (
 )
 
 FUSION_RULES: dict[str, tuple[pattern.RewriteRule, ...]] = {
-    "rotary": (RotaryEmbedding.rule(),),
-    "qkv_rotary": (QkvRotaryEmbedding.rule(),),
-    "silu_and_mul": (SiluAndMul.rule(),),
-    "rms_norm_marker": (RmsNorm.rule(),),
+    "rotary": (anchored_rule(RotaryEmbedding),),
+    "qkv_rotary": (anchored_rule(QkvRotaryEmbedding),),
+    "silu_and_mul": (anchored_rule(SiluAndMul),),
+    "rms_norm_marker": (anchored_rule(RmsNorm),),
 }
 """The pattern rules, in the order :func:`fuse` applies them (each one to a fixed point)."""
 

@@ -9,7 +9,8 @@ Pipeline (each step answers a trap of docs/traps.md)::
     connect_caches_directly   drop torch's no-op copies between caches and their users
     expose_cache_writes       last write of cache input X -> graph output X_out
     transpose_weights         Transpose(W) of a Linear weight -> the initializer W.T (names kept)
-    optimize_ir               onnxscript's optimizer (after exposing, so nothing is dropped)
+    optimize_ir               onnxscript's optimizer (after exposing, so nothing is dropped;
+                              its multi-output rules matched in linear time: rule_matching)
     gemm_to_matmul            nn.Linear's Gemm -> MatMul on a constant [in, out] weight (what
                               onnxruntime's weight quantizer rewrites)
     fusions.fuse              rewrite rules: transformers' standard-op patterns -> the fused
@@ -33,7 +34,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
-from attnexport.lowering import fusions, naming, onnx_passes
+from attnexport.lowering import fusions, naming, onnx_passes, rule_matching
 from attnexport.lowering.export import DIM_NAMES_META, export_program, without_stack_traces
 from attnexport.lowering.model_contract import GraphContract, cache_geometry
 from attnexport.lowering.passes import check_program, functionalize_cache_writes
@@ -193,10 +194,8 @@ def to_onnx(
     onnx_passes.connect_caches_directly(model)
     cache_outputs = onnx_passes.expose_cache_writes(model, caches.written)
 
-    import onnxscript.optimizer
-
     onnx_passes.transpose_weights(model)
-    onnxscript.optimizer.optimize_ir(model)
+    rule_matching.optimize(model)
     onnx_passes.gemm_to_matmul(model)
     step("fusions, names, target")
     fired = fusions.fuse(model) if fuse else {}
