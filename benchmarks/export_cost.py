@@ -33,7 +33,13 @@ sys.path.insert(0, str(HERE))
 import peers  # noqa: E402
 
 CLI = "import sys; from attnexport.cli import main; sys.exit(main())"
-OURS = {"ours-fp32": [], "ours-int4": ["--weights", "int4"], "ours-int8": ["--weights", "int8"]}
+OURS = {
+    "ours-fp32": [],
+    "ours-int4": ["--weights", "int4"],
+    "ours-int8": ["--weights", "int8"],
+    # the transformers path (any decoder's): transformers' model traced, then the rewrite rules
+    "ours-fp32-transformers": ["--impl", "transformers"],
+}
 PEER_LEGS = {
     "genai-fp32": ("genai", "fp32"),
     "genai-int4": ("genai", "int4"),

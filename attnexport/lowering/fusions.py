@@ -144,12 +144,21 @@ def _fuse_group(graph: ir.Graph, nodes: list[ir.Node], biases) -> None:
     weights = [n.inputs[1] for n in nodes]
     columns = [w.const_value.shape[1] for w in weights]
     name = _fused_name([w.name or "weight" for w in weights])
-    array = np.concatenate([w.const_value.numpy() for w in weights], axis=1)
+    sources = [w.const_value for w in weights]
+    shape = ir.Shape((sources[0].shape[0], sum(columns)))
+    # computed when the file is written, one fused weight at a time: concatenated here, every
+    # q/k/v and gate/up projection would be held twice until the save (the torch weights, or
+    # their lazy transposes, beside the fused copies: 1.3x the weights on SmolLM2)
     matrix = ir.Value(
         name=name,
-        shape=ir.Shape(array.shape),
+        shape=shape,
         type=weights[0].type,
-        const_value=ir.tensor(array, name=name),
+        const_value=ir.LazyTensor(
+            lambda: ir.tensor(np.concatenate([t.numpy() for t in sources], axis=1), name=name),
+            dtype=sources[0].dtype,
+            shape=shape,
+            name=name,
+        ),
     )
     graph.register_initializer(matrix)
     first = nodes[0]
