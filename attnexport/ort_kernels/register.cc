@@ -8,6 +8,7 @@
 
 #include <onnxruntime_c_api.h>
 
+#include <atomic>
 #include <cstdint>
 #include <new>
 #include <string>
@@ -29,11 +30,19 @@ constexpr ONNXTensorElementDataType kInt32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32
 constexpr ONNXTensorElementDataType kAnyType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
 
 // Sets output `index` to a tensor of `type` with `dims`; a dim < 0 is the symbol of that axis.
+// A dim < 0 without a symbol (an input dim onnxruntime knows nothing of) gets a symbol of its
+// own: onnxruntime 1.32 records an unnamed -1 as the fixed size -1, which its constant folding
+// then bakes into the Shape of everything downstream (a tiny PhiMoE export failed to load, its
+// router's ConstantOfShape of a negative shape).
 OrtStatus* set_output_shape(OrtShapeInferContext* context, size_t index,
                             ONNXTensorElementDataType type, const std::vector<int64_t>& dims,
                             const std::vector<std::string>& symbols) {
+  static std::atomic<int64_t> unnamed{0};
+  std::vector<std::string> named(symbols);
+  for (size_t i = 0; i < dims.size() && i < named.size(); ++i)
+    if (dims[i] < 0 && named[i].empty()) named[i] = "attnexport_unknown_" + std::to_string(unnamed++);
   std::vector<const char*> names;
-  for (const std::string& symbol : symbols) names.push_back(symbol.c_str());
+  for (const std::string& symbol : named) names.push_back(symbol.c_str());
   OrtTensorTypeAndShapeInfo* info = nullptr;
   ATTNEXPORT_RETURN_IF_ERROR(api().CreateTensorTypeAndShapeInfo(&info));
   OrtStatus* status = api().SetTensorElementType(info, type);
