@@ -392,9 +392,11 @@ def generation_defaults(source: Path | None, model) -> dict:
     ``transformers.generate`` would take them: ``generation_config.json`` first, then
     ``config.json``. A zoo model has its config's decoder start token and nothing else.
 
+    End tokens past the model's vocabulary are left out (none can be generated).
+
     Raises:
-        ArtifactError: a value that is not a token id of the model's vocabulary (every request
-            would be refused), naming the file and the key.
+        ArtifactError: a value that is not a token id, or (but for end tokens) one outside the
+            model's vocabulary (every request would be refused), naming the file and the key.
         UnsafePathError: one of the files is a link out of the checkpoint.
     """
     config = getattr(model, "config", None)
@@ -412,8 +414,12 @@ def generation_defaults(source: Path | None, model) -> dict:
         if not isinstance(values, dict):
             raise ArtifactError(f"{path}: expected a JSON object")
         if "eos_token_id" in values:
-            eos = _token_ids(values["eos_token_id"], path, "eos_token_id", vocab_size)
-            defaults["eos_token_ids"] = list(dict.fromkeys(eos))
+            # An end token past the vocabulary can never be generated: left out, as it changes
+            # nothing (checkpoints shrunk from a family's defaults keep its end tokens).
+            eos = _token_ids(values["eos_token_id"], path, "eos_token_id", None)
+            defaults["eos_token_ids"] = [
+                t for t in dict.fromkeys(eos) if vocab_size is None or t < vocab_size
+            ]
         for key in GENERATION_TOKENS:
             if key in values:
                 defaults[key] = _single_token(values, key, path, vocab_size)

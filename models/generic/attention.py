@@ -13,6 +13,9 @@ op's (``seq_lens``, ``query_start_loc``).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +29,12 @@ STEP_KWARG = "attnexport_step"
 """The model keyword argument that carries the :class:`PagedStep` to every attention call."""
 SLOT_ATTRIBUTE = "_attnexport_cache_slot"
 """Set on each attention module by the probe: the index of its caches in ``kv_caches``."""
+_ACTIVE_STEP: contextvars.ContextVar[PagedStep | None] = contextvars.ContextVar(
+    "attnexport_active_step", default=None
+)
 
+_OWN_MASK = "_attnexport_own_mask"
+"""Set in a call's options when the model handed the attention function a mask."""
 # Keyword arguments of transformers' attention calls that ask for something paged_attention
 # does not compute; a layer passing one of them (not None) is refused.
 _UNSUPPORTED_ARGUMENTS = {
@@ -116,6 +124,11 @@ def _layer_call(module, query, key, value, options: dict) -> LayerCall:
         for name, why in _UNSUPPORTED_ARGUMENTS.items()
         if options.get(name) is not None
     ]
+    if options.get(_OWN_MASK):
+        refusals.append(
+            "attention_mask: the model builds a mask of its own (a bias or a pattern on the "
+            "scores, which the paged ops would not apply)"
+        )
     if options.get("is_causal", getattr(module, "is_causal", True)) is False:
         refusals.append("is_causal=False: bidirectional attention (an encoder layer)")
     if key.shape[-1] != value.shape[-1]:
@@ -155,15 +168,33 @@ def paged_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: ``[1, H, T, D]`` heads in, ``([1, T, H, D],
-    None)`` out (no attention weights). ``attention_mask`` is None (no mask is built) and
-    ignored; the step comes in ``kwargs[STEP_KWARG]``."""
+    None)`` out (no attention weights). ``attention_mask`` is None (no mask is built): a
+    model that builds one itself (Doge's learned per-key bias) is refused, as the paged ops
+    would not apply it. The step comes in ``kwargs[STEP_KWARG]`` (or from :func:`stepping`)."""
     step = kwargs.get(STEP_KWARG)
     if not isinstance(step, PagedStep):
+        step = _ACTIVE_STEP.get()
+    if step is None:
         raise UnsupportedModelError(
-            f"{type(module).__name__}: the model does not pass its keyword arguments on to its "
-            "attention function, so the paged caches cannot reach it"
+            f"{type(module).__name__}: called outside a forward of the transformers path "
+            "(no paged step given)"
         )
+    if attention_mask is not None:
+        kwargs = {**kwargs, _OWN_MASK: True}
     return step.attend(module, query, key, value, kwargs), None
+
+
+@contextlib.contextmanager
+def stepping(step: PagedStep) -> Iterator[None]:
+    """``step`` for every attention call of the model forward run inside. The step also goes
+    in the model's keyword arguments, but some decoder layers drop those before their attention
+    (StableLM's, Nemotron's): their calls find it here. (A context variable: read while
+    torch.export traces, it leaves nothing in the graph.)"""
+    token = _ACTIVE_STEP.set(step)
+    try:
+        yield
+    finally:
+        _ACTIVE_STEP.reset(token)
 
 
 def register_attention() -> None:

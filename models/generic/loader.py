@@ -5,7 +5,9 @@ and the parity probe of :mod:`.parity`."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -128,7 +130,7 @@ def load_transformers_checkpoint(
     # a shard that is a link or a path out of the directory.
     loader.weight_files(directory)
     register_attention()
-    with _quiet_loading():
+    with _quiet_loading(), _building(cls):
         hf_model, info = cls.from_pretrained(
             directory,
             config=config,
@@ -154,10 +156,26 @@ def transformers_model_from_config(
     register_attention()
     config._attn_implementation = ATTENTION
     config._experts_implementation = "batched_mm"
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _building(cls):
         torch.manual_seed(seed)
         hf_model = cls._from_config(config, dtype=dtype)
     return _wrap(hf_model, probe)
+
+
+@contextlib.contextmanager
+def _building(cls) -> Iterator[None]:
+    """transformers building ``cls`` with the paged attention: a model that looks its attention
+    class up by implementation name in a table of its own (GIT) has no entry for ours, a
+    KeyError, which is a refusal."""
+    try:
+        yield
+    except KeyError as error:
+        if error.args != (ATTENTION,):
+            raise
+        raise UnsupportedModelError(
+            f"{cls.__name__}: its attention is written without transformers' AttentionInterface "
+            f"(it picks its attention class from a table of its own, which has no {ATTENTION!r})"
+        ) from None
 
 
 def _wrap(hf_model, probe: bool) -> TransformersDecoder:

@@ -14,7 +14,13 @@ from torch import nn
 from attnexport.models.base import layer_caches
 from attnexport.models.decoder import DecoderModel
 from attnexport.models.errors import UnsupportedModelError
-from attnexport.models.generic.attention import SLOT_ATTRIBUTE, STEP_KWARG, LayerCall, PagedStep
+from attnexport.models.generic.attention import (
+    SLOT_ATTRIBUTE,
+    STEP_KWARG,
+    LayerCall,
+    PagedStep,
+    stepping,
+)
 from attnexport.models.layers import PagedMetadata
 
 PROBE_TOKENS = 2
@@ -56,7 +62,7 @@ class TransformersDecoder(DecoderModel):
         step = PagedStep()
         ids = torch.arange(PROBE_TOKENS).unsqueeze(0) % self.vocab_size
         device = next(self.parameters()).device
-        with torch.no_grad():
+        with torch.no_grad(), stepping(step):
             self.hf_model(
                 input_ids=ids.to(device),
                 position_ids=torch.arange(PROBE_TOKENS, device=device).unsqueeze(0),
@@ -101,13 +107,14 @@ class TransformersDecoder(DecoderModel):
         the ``logits_indices`` rows."""
         step = PagedStep(metadata, layer_caches(kv_caches))
         keep = {"logits_to_keep": logits_indices} if self._keeps_logits else {}
-        logits = self.hf_model(
-            input_ids=input_ids.unsqueeze(0),
-            position_ids=positions.unsqueeze(0),
-            use_cache=False,
-            **keep,
-            **{STEP_KWARG: step},
-        ).logits[0]
+        with stepping(step):
+            logits = self.hf_model(
+                input_ids=input_ids.unsqueeze(0),
+                position_ids=positions.unsqueeze(0),
+                use_cache=False,
+                **keep,
+                **{STEP_KWARG: step},
+            ).logits[0]
         if not self._keeps_logits:
             logits = logits.index_select(0, logits_indices)
         return logits

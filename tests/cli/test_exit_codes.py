@@ -41,8 +41,9 @@ def _with_config(checkpoint, tmp_path, **changes):
         ({"rms_norm_eps": -1e-6}, "rms_norm_eps"),
         ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
         ({"rope_parameters": {"rope_theta": "fast", "rope_type": "default"}}, "config.json"),
-        # every request would be refused: an id outside the vocabulary (or not an id)
-        ({"eos_token_id": [2, 10**9]}, "eos_token_id"),
+        # not a token id (an end token past the vocabulary is left out instead:
+        # test_end_tokens_past_the_vocabulary_are_left_out)
+        ({"eos_token_id": [2, -5]}, "eos_token_id"),
         ({"eos_token_id": "2"}, "eos_token_id"),
         ({"forced_eos_token_id": -1}, "forced_eos_token_id"),
     ],
@@ -104,6 +105,24 @@ def test_bad_generation_config_values_exit_2(checkpoint, tmp_path, capsys):
     assert code == 2
     assert_one_line_error(err, "export", str(path / "generation_config.json"), "eos_token_id")
     assert not (tmp_path / "out").exists()
+
+
+def test_end_tokens_past_the_vocabulary_are_left_out(checkpoint, tmp_path, capsys):
+    """A checkpoint shrunk from a family's defaults keeps the family's end tokens (GLM's
+    151329 with a vocabulary of 128): they can never be generated, so the export leaves them
+    out instead of refusing the checkpoint. A negative id is still refused."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, path)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, vocab, 10**6]}))
+    code, _, err = run_cli(capsys, "export", path, "--out", tmp_path / "out")
+    assert code == 0, err
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["generation"]["eos_token_ids"] == [3]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, -1]}))
+    code, _, err = run_cli(capsys, "export", path, "--out", tmp_path / "again")
+    assert code == 2
+    assert_one_line_error(err, "export", "eos_token_id")
 
 
 @pytest.mark.parametrize(

@@ -131,8 +131,10 @@ REFUSED = {
         Family("blenderbot-small", "", {"d_model": 64, "decoder_layers": 1, "encoder_layers": 1}),
         r"logits differ from transformers' own",
     ),
-    # its attention layers drop the model's keyword arguments (the step cannot reach them)
-    "nemotron": (Family("nemotron", ""), r"does not pass its keyword arguments"),
+    # a learned per-key bias in a mask of its own (the paged ops would drop it)
+    "doge": (Family("doge", ""), r"attention_mask: the model builds a mask of its own"),
+    # its attention class comes from a table of its own, not the AttentionInterface
+    "git": (Family("git", ""), r"picks its attention class from a table of its own"),
     # differential attention calls the attention function twice per layer
     "diffllama": (Family("diffllama", ""), r"runs more than once per forward"),
 }
