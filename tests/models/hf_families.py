@@ -99,14 +99,14 @@ FAMILIES: dict[str, Family] = {
         Family("ministral", "sliding window on every layer", {"sliding_window": 5}, default=False),
         Family("exaone", "EXAONE 3 (Llama class, its own config)", default=False),
         Family("stablelm", "decoder layers that drop the model's keyword arguments, LayerNorm"),
-        Family("nemotron", "Nemotron's layers drop the keyword arguments too; ReLU^2", default=False),
+        Family("nemotron", "layers that drop the keyword arguments too; ReLU^2", default=False),
         Family("mixtral", "mixture of experts (top-2 of 4)", MOE),
         Family("qwen2_moe", "experts plus a gated shared expert", MOE, default=False),
         Family("olmoe", "experts, q/k norms over the projection", MOE, default=False),
         Family("qwen3_moe", "experts with q/k norms per head", MOE, default=False),
         Family("granitemoe", "experts with Granite's multipliers", MOE, default=False),
         Family("ernie4_5_moe", "experts on ERNIE 4.5", MOE, default=False),
-        Family("phimoe", "sparsemixer routing (a scatter of the router logits)", MOE, default=False),
+        Family("phimoe", "sparsemixer routing (a scatter of router logits)", MOE, default=False),
     )
 }
 
