@@ -11,6 +11,7 @@ import inspect
 import torch
 from torch import nn
 
+from attnexport.errors import UserError
 from attnexport.models.base import layer_caches
 from attnexport.models.decoder import DecoderModel
 from attnexport.models.errors import UnsupportedModelError
@@ -62,15 +63,25 @@ class TransformersDecoder(DecoderModel):
         step = PagedStep()
         ids = torch.arange(PROBE_TOKENS).unsqueeze(0) % self.vocab_size
         device = next(self.parameters()).device
-        with torch.no_grad(), stepping(step):
-            self.hf_model(
-                input_ids=ids.to(device),
-                position_ids=torch.arange(PROBE_TOKENS, device=device).unsqueeze(0),
-                use_cache=False,
-                **{STEP_KWARG: step},
-            )
-        calls = step.recorded
         name = type(self.hf_model).__name__
+        try:
+            with torch.no_grad(), stepping(step):
+                self.hf_model(
+                    input_ids=ids.to(device),
+                    position_ids=torch.arange(PROBE_TOKENS, device=device).unsqueeze(0),
+                    use_cache=False,
+                    **{STEP_KWARG: step},
+                )
+        except UserError:
+            raise
+        except (AttributeError, TypeError, ValueError, RuntimeError, IndexError) as error:
+            # transformers' code failing on what the path gives it (no dense mask: MPT calls
+            # .to() on the mask it expects)
+            raise UnsupportedModelError(
+                f"{name}: its forward fails on the paged attention, which builds no dense mask "
+                f"({type(error).__name__}: {error})"
+            ) from None
+        calls = step.recorded
         if not calls:
             raise UnsupportedModelError(
                 f"{name}: no layer called the attention interface (its attention is written "

@@ -28,19 +28,34 @@ def _lengths(model) -> tuple[int, int]:
     return longest, max(MIN_LENGTHS[1], longest - 3)
 
 
+REFERENCE_ATTENTION = ("eager", "sdpa")
+"""transformers' own attention implementations the probe compares with, in order: eager, and
+SDPA where a model's eager path fails (DeepSeek-V3's MLA with fewer KV heads than heads
+repeats its keys again in eager attention; its SDPA path, generate's default, runs)."""
+
+
 @torch.no_grad()
 def _transformers_logits(model, tokens: list[int]) -> torch.Tensor:
-    """transformers' own logits of one sequence, with its eager attention."""
+    """transformers' own logits of one sequence, with its own attention
+    (:data:`REFERENCE_ATTENTION`); UnsupportedModelError when none of them runs."""
     from attnexport.models.generic.attention import ATTENTION
 
     config = model.hf_model.config
-    config._attn_implementation = "eager"
-    try:
-        device = next(model.parameters()).device
-        out = model.hf_model(input_ids=torch.tensor([tokens], device=device), use_cache=False)
-    finally:
-        config._attn_implementation = ATTENTION
-    return out.logits[0].float().cpu()
+    device = next(model.parameters()).device
+    failures = []
+    for implementation in REFERENCE_ATTENTION:
+        config._attn_implementation = implementation
+        try:
+            out = model.hf_model(input_ids=torch.tensor([tokens], device=device), use_cache=False)
+            return out.logits[0].float().cpu()
+        except (RuntimeError, ValueError, TypeError, IndexError) as error:
+            failures.append(f"{implementation}: {type(error).__name__}: {error}")
+        finally:
+            config._attn_implementation = ATTENTION
+    raise UnsupportedModelError(
+        f"{type(model.hf_model).__name__}: transformers' own attention does not run it, so the "
+        f"parity probe has nothing to compare with ({'; '.join(failures)})"
+    )
 
 
 @torch.no_grad()

@@ -29,6 +29,20 @@ TINY = dict(
     tie_word_embeddings=False,
 )
 """The sizes every family starts from (names its config class does not know are ignored)."""
+MLA = dict(
+    head_dim=None,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=4,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+)
+"""Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3): low-rank q and kv projections, a
+rotated part and a plain part of each key head (head size 8 + 8), 4 routed experts."""
 MOE = dict(
     num_experts=4,
     num_local_experts=4,
@@ -53,7 +67,10 @@ class Family:
     def config(self):
         import transformers
 
-        return transformers.AutoConfig.for_model(self.model_type, **{**TINY, **self.overrides})
+        sizes = {**TINY, **self.overrides}  # an override of None leaves the config's default
+        return transformers.AutoConfig.for_model(
+            self.model_type, **{k: v for k, v in sizes.items() if v is not None}
+        )
 
 
 FAMILIES: dict[str, Family] = {
@@ -106,6 +123,13 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3_moe", "experts with q/k norms per head", MOE, default=False),
         Family("granitemoe", "experts with Granite's multipliers", MOE, default=False),
         Family("ernie4_5_moe", "experts on ERNIE 4.5", MOE, default=False),
+        Family(
+            "deepseek_v3",
+            "multi-head latent attention, grouped expert routing",
+            {**MLA, **MOE},
+            default=False,
+        ),
+        Family("minicpm3", "multi-head latent attention, dense", MLA, default=False),
         Family("phimoe", "sparsemixer routing (a scatter of router logits)", MOE, default=False),
     )
 }

@@ -135,6 +135,8 @@ REFUSED = {
     "doge": (Family("doge", ""), r"attention_mask: the model builds a mask of its own"),
     # its attention class comes from a table of its own, not the AttentionInterface
     "git": (Family("git", ""), r"picks its attention class from a table of its own"),
+    # its forward needs the dense mask the path does not build (and computes ALiBi itself)
+    "mpt": (Family("mpt", ""), r"builds no dense mask"),
     # differential attention calls the attention function twice per layer
     "diffllama": (Family("diffllama", ""), r"runs more than once per forward"),
 }
