@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PHASE_FILE = "phase"
 STEPS = 6
 FALLBACK_SIZES = ({}, {"head_dim": None}, {"head_dim": None, "num_key_value_heads": None})
 """Changes to the tiny sizes of ``tests/models/hf_families.py``, tried in turn until
@@ -98,6 +99,7 @@ def try_one(model_type: str, work: Path) -> dict:
     from tests.models.hf_reference import greedy_generate
 
     checkpoint, out = work / "checkpoint", work / "export"
+    (work / PHASE_FILE).write_text("building")
     for fallback in FALLBACK_SIZES:
         try:
             built = _build(model_type, {**fallback, **FAMILY_SIZES.get(model_type, {})})
@@ -113,6 +115,7 @@ def try_one(model_type: str, work: Path) -> dict:
             failure = {"status": "no tiny checkpoint", "detail": detail}
     else:
         return failure
+    (work / PHASE_FILE).write_text("exporting")
     code, _, err = _cli("export", checkpoint, "--out", out)
     if code == 2:
         return {"status": "refused", "detail": _first_line(err)}
@@ -146,6 +149,11 @@ def run_type(model_type: str, timeout: float) -> dict:
             else:
                 detail = _first_line(done.stderr) or f"exit {done.returncode}"
                 result = {"status": "ERROR", "detail": f"worker died: {detail}"}
+        phase = Path(work, PHASE_FILE)
+        if result["status"] == "ERROR" and phase.is_file() and phase.read_text() == "building":
+            # transformers' own model (a multimodal config's default vision tower) took the
+            # memory or the time: nothing of attnexport ran
+            result = {"status": "no tiny checkpoint", "detail": f"building: {result['detail']}"}
     return {"type": model_type, **result, "seconds": round(time.perf_counter() - start, 1)}
 
 
