@@ -29,18 +29,9 @@ TINY = dict(
     tie_word_embeddings=False,
 )
 """The sizes every family starts from (names its config class does not know are ignored)."""
-MLA = dict(
-    head_dim=None,
-    q_lora_rank=32,
-    kv_lora_rank=16,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
-    v_head_dim=16,
-    n_routed_experts=4,
-    n_group=1,
-    topk_group=1,
-    first_k_dense_replace=1,
-)
+MLA = dict(head_dim=None, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16)
+MLA |= dict(qk_nope_head_dim=8, n_routed_experts=4, n_group=1, topk_group=1)
+MLA |= dict(first_k_dense_replace=1)
 """Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3): low-rank q and kv projections, a
 rotated part and a plain part of each key head (head size 8 + 8), 4 routed experts."""
 MOE = dict(
