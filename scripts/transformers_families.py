@@ -37,9 +37,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PHASE_FILE = "phase"
 STEPS = 6
-FALLBACK_SIZES = ({}, {"head_dim": None}, {"head_dim": None, "num_key_value_heads": None})
+FALLBACK_SIZES = (
+    {},
+    {"head_dim": "default"},
+    {"head_dim": "default", "num_key_value_heads": "default"},
+)
 """Changes to the tiny sizes of ``tests/models/hf_families.py``, tried in turn until
-transformers builds and runs the model (None: the config's own default)."""
+transformers builds and runs the model ("default": the config class's own)."""
 FAMILY_SIZES = {
     "codegen": {"rotary_dim": 8},
     "gptj": {"rotary_dim": 8},
@@ -77,9 +81,10 @@ def _build(model_type: str, changes: dict):
     import transformers
 
     sys.path.insert(0, str(ROOT))
-    from tests.models.hf_families import FAMILIES, Family
+    from tests.models.hf_families import CONFIG_DEFAULT, FAMILIES, Family
 
     known = FAMILIES.get(model_type)
+    changes = {k: CONFIG_DEFAULT if v == "default" else v for k, v in changes.items()}
     overrides = {**changes, **(known.overrides if known else {})}
     torch.manual_seed(0)
     config = Family(model_type, "", overrides).config()

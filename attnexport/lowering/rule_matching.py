@@ -1,4 +1,5 @@
-"""Rewrite rules with several output nodes, matched in linear time.
+"""onnxscript's rewrite rules as the lowering runs them: those of several output nodes
+matched in linear time, the no-op ones on exact constants.
 
 onnxscript's ``SimplePatternMatcher`` (0.7.2) matches a pattern of several output nodes (a
 ``Split`` and its consumers, two ``Slice`` of one tensor) from every node of the graph it
@@ -81,16 +82,71 @@ def _anchored_copy(rule: pattern.RewriteRule) -> pattern.RewriteRule:
     return clone
 
 
+def _exact(value: float) -> pattern.Constant:
+    return pattern.Constant(value, rel_tol=0.0, abs_tol=0.0)
+
+
+def _mul_by_1(op, x):
+    return op.Mul(x, _exact(1))
+
+
+def _add_0(op, x):
+    return op.Add(x, _exact(0))
+
+
+def _sub_0(op, x):
+    return op.Sub(x, _exact(0))
+
+
+def _div_by_1(op, x):
+    return op.Div(x, _exact(1))
+
+
+def _identity(op, x, **_):
+    return op.Identity(x)
+
+
+def _exact_no_op_rules() -> list[pattern.RewriteRule]:
+    """``x * 1``, ``x + 0``, ``x - 0``, ``x / 1`` -> ``x`` for those constants exactly.
+    onnxscript's own no-op rules match their constants within 1e-8 (absolute) and 1e-5
+    (relative): they dropped the ``+ 1e-8`` of Helium's RMSNorm, whose padding row (zeros) then
+    came out NaN (``rsqrt(0)`` times 0), and would drop a scale of ``1 + 1e-6``."""
+    rules = []
+    for target in (_mul_by_1, _add_0):
+        rules.extend(pattern.RewriteRule(target, _identity).commute())
+    rules.extend(pattern.RewriteRule(target, _identity) for target in (_sub_0, _div_by_1))
+    return rules
+
+
+def _optimizer_rules(default: tuple) -> tuple:
+    """onnxscript's default rules, its approximate no-op ones replaced by exact ones and the
+    multi-output ones matched by :class:`AnchoredMatcher`."""
+    from onnxscript.rewriter.rules.common import _no_op
+
+    # its no-op rules on a constant (x * 1, x + 0, x - 0, x / 1; not the Dropout ones)
+    approximate = {
+        id(rule)
+        for rule in _no_op.rules.rules
+        if any(
+            isinstance(value, pattern.Constant)
+            for node in getattr(rule, "_target_pattern", ())
+            for value in node.inputs
+        )
+    }
+    kept = [rule for rule in default if id(rule) not in approximate]
+    return (*_exact_no_op_rules(), *(_anchored_copy(rule) for rule in kept))
+
+
 @contextlib.contextmanager
 def _anchored_default_rules() -> Iterator[None]:
-    """onnxscript's default rewrite rules (which ``optimize_ir`` reads when it runs) matched
-    by :class:`AnchoredMatcher` for the duration; an onnxscript without that tuple is left
-    alone (its optimizer then runs as it would)."""
+    """onnxscript's default rewrite rules (which ``optimize_ir`` reads when it runs) as
+    :func:`_optimizer_rules` makes them, for the duration; an onnxscript without that tuple is
+    left alone (its optimizer then runs as it would)."""
     default = getattr(rewriter, "_DEFAULT_REWRITE_RULES", None)
     if not isinstance(default, tuple):
         yield
         return
-    rewriter._DEFAULT_REWRITE_RULES = tuple(_anchored_copy(rule) for rule in default)
+    rewriter._DEFAULT_REWRITE_RULES = _optimizer_rules(default)
     try:
         yield
     finally:
@@ -98,8 +154,8 @@ def _anchored_default_rules() -> Iterator[None]:
 
 
 def optimize(model: ir.Model) -> None:
-    """onnxscript's optimizer (``optimize_ir``, in place) with its multi-output rules matched
-    by :class:`AnchoredMatcher`."""
+    """onnxscript's optimizer (``optimize_ir``, in place) with its no-op rules exact and its
+    multi-output rules matched by :class:`AnchoredMatcher` (:func:`_optimizer_rules`)."""
     import onnxscript.optimizer
 
     with _anchored_default_rules():

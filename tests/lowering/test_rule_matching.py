@@ -90,3 +90,40 @@ def test_anchored_rules_match_what_the_stock_rules_match(pairs):
     ).apply_to_model(anchored)
     assert count == anchored_count == pairs
     assert _ops(anchored) == _ops(stock)
+
+
+def _add_constant_model(op_type: str, constant: float) -> ir.Model:
+    """``y = op_type(x, c)`` on ``x [2, 8]``, then ``Sqrt`` (so the graph is not empty)."""
+    nodes = [
+        helper.make_node(op_type, ["x", "c"], ["t"]),
+        helper.make_node("Sqrt", ["t"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "constant",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor("c", TensorProto.FLOAT, [], [constant])],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    return ir.serde.deserialize_model(proto)
+
+
+@pytest.mark.parametrize("op_type, constant", [("Add", 1e-8), ("Mul", 1.000001), ("Sub", 1e-9)])
+def test_an_epsilon_is_not_taken_for_a_no_op(op_type, constant):
+    """Regression: onnxscript's no-op rules match ``x + 0`` within 1e-8 and ``x * 1`` within
+    1e-5: its optimizer dropped the ``+ 1e-8`` of Helium's RMSNorm, and a zero row came out
+    NaN. The lowering's optimizer keeps such a node; onnxscript's own drops it (the case is
+    the one the fix is about)."""
+    stock, ours = _add_constant_model(op_type, constant), _add_constant_model(op_type, constant)
+    onnxscript.optimizer.optimize_ir(stock)
+    rule_matching.optimize(ours)
+    assert op_type not in _ops(stock)
+    assert op_type in _ops(ours)
+
+
+@pytest.mark.parametrize("op_type, constant", [("Add", 0.0), ("Mul", 1.0), ("Div", 1.0)])
+def test_an_exact_no_op_is_still_removed(op_type, constant):
+    model = _add_constant_model(op_type, constant)
+    rule_matching.optimize(model)
+    assert _ops(model) == ["Sqrt"]

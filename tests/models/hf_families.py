@@ -29,7 +29,12 @@ TINY = dict(
     tie_word_embeddings=False,
 )
 """The sizes every family starts from (names its config class does not know are ignored)."""
-MLA = dict(head_dim=None, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16)
+CONFIG_DEFAULT = object()
+"""An override that leaves a size to the config class's own default (a head size of hidden /
+heads, ...)."""
+MLA = dict(
+    head_dim=CONFIG_DEFAULT, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16
+)
 MLA |= dict(qk_nope_head_dim=8, n_routed_experts=4, n_group=1, topk_group=1)
 MLA |= dict(first_k_dense_replace=1)
 """Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3): low-rank q and kv projections, a
@@ -58,9 +63,9 @@ class Family:
     def config(self):
         import transformers
 
-        sizes = {**TINY, **self.overrides}  # an override of None leaves the config's default
+        sizes = {**TINY, **self.overrides}
         return transformers.AutoConfig.for_model(
-            self.model_type, **{k: v for k, v in sizes.items() if v is not None}
+            self.model_type, **{k: v for k, v in sizes.items() if v is not CONFIG_DEFAULT}
         )
 
 
