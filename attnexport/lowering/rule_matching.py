@@ -121,12 +121,17 @@ def _exact_no_op_rules() -> list[pattern.RewriteRule]:
 def _optimizer_rules(default: tuple) -> tuple:
     """onnxscript's default rules, its approximate no-op ones replaced by exact ones and the
     multi-output ones matched by :class:`AnchoredMatcher`."""
-    from onnxscript.rewriter.rules.common import _no_op
+    try:
+        from onnxscript.rewriter.rules.common import _no_op
 
+        no_op_rules = _no_op.rules.rules
+    except (ImportError, AttributeError):
+        # an onnxscript laid out otherwise: its no-op rules stay, after the exact ones
+        no_op_rules = []
     # its no-op rules on a constant (x * 1, x + 0, x - 0, x / 1; not the Dropout ones)
     approximate = {
         id(rule)
-        for rule in _no_op.rules.rules
+        for rule in no_op_rules
         if any(
             isinstance(value, pattern.Constant)
             for node in getattr(rule, "_target_pattern", ())
@@ -138,7 +143,7 @@ def _optimizer_rules(default: tuple) -> tuple:
 
 
 @contextlib.contextmanager
-def _anchored_default_rules() -> Iterator[None]:
+def _lowering_default_rules() -> Iterator[None]:
     """onnxscript's default rewrite rules (which ``optimize_ir`` reads when it runs) as
     :func:`_optimizer_rules` makes them, for the duration; an onnxscript without that tuple is
     left alone (its optimizer then runs as it would)."""
@@ -158,5 +163,5 @@ def optimize(model: ir.Model) -> None:
     multi-output rules matched by :class:`AnchoredMatcher` (:func:`_optimizer_rules`)."""
     import onnxscript.optimizer
 
-    with _anchored_default_rules():
+    with _lowering_default_rules():
         onnxscript.optimizer.optimize_ir(model)
