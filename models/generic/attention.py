@@ -1,8 +1,8 @@
 """The attention function the transformers path registers with transformers'
 ``AttentionInterface``: every attention layer of a transformers model loaded with
 ``attn_implementation=ATTENTION`` calls it with its query, key and value heads (after the
-model's own RoPE and q/k norms) and the model's keyword arguments, among them the step
-(:data:`STEP_KWARG`): the paged metadata and the layer's caches. It writes the new keys and
+model's own RoPE and q/k norms) and its options; the step (the paged metadata and the layer's
+caches) is the one :func:`stepping` set for the forward. It writes the new keys and
 values with ``attnexport::reshape_and_cache`` and attends with ``attnexport::paged_attention``;
 scaling, sliding window and soft-cap come from the layer's own arguments.
 
@@ -25,16 +25,12 @@ from attnexport.models.layers import LayerCache, PagedAttention, PagedMetadata
 
 ATTENTION = "attnexport_paged"
 """The name of the attention implementation (``config._attn_implementation``)."""
-STEP_KWARG = "attnexport_step"
-"""The model keyword argument that carries the :class:`PagedStep` to every attention call."""
 SLOT_ATTRIBUTE = "_attnexport_cache_slot"
 """Set on each attention module by the probe: the index of its caches in ``kv_caches``."""
 _ACTIVE_STEP: contextvars.ContextVar[PagedStep | None] = contextvars.ContextVar(
     "attnexport_active_step", default=None
 )
 
-_OWN_MASK = "_attnexport_own_mask"
-"""Set in a call's options when the model handed the attention function a mask."""
 # Keyword arguments of transformers' attention calls that ask for something paged_attention
 # does not compute; a layer passing one of them (not None) is refused.
 _UNSUPPORTED_ARGUMENTS = {
@@ -65,8 +61,7 @@ class LayerCall:
 
 @dataclass
 class PagedStep:
-    """One forward's paged state, handed to every attention call through the model's keyword
-    arguments (:data:`STEP_KWARG`).
+    """One forward's paged state, handed to every attention call by :func:`stepping`.
 
     With ``caches`` None the step only records each call (:class:`LayerCall`) and returns zeros
     of the attention output's shape: the probe that learns a model's cache geometry before any
@@ -124,7 +119,7 @@ def _layer_call(module, query, key, value, options: dict) -> LayerCall:
         for name, why in _UNSUPPORTED_ARGUMENTS.items()
         if options.get(name) is not None
     ]
-    if options.get(_OWN_MASK):
+    if options.get("attention_mask") is not None:
         refusals.append(
             "attention_mask: the model builds a mask of its own (a bias or a pattern on the "
             "scores, which the paged ops would not apply)"
@@ -170,26 +165,23 @@ def paged_attention_forward(
     """transformers' attention-function signature: ``[1, H, T, D]`` heads in, ``([1, T, H, D],
     None)`` out (no attention weights). ``attention_mask`` is None (no mask is built): a
     model that builds one itself (Doge's learned per-key bias) is refused, as the paged ops
-    would not apply it. The step comes in ``kwargs[STEP_KWARG]`` (or from :func:`stepping`)."""
-    step = kwargs.get(STEP_KWARG)
-    if not isinstance(step, PagedStep):
-        step = _ACTIVE_STEP.get()
+    would not apply it. The step is the one :func:`stepping` set."""
+    step = _ACTIVE_STEP.get()
     if step is None:
         raise UnsupportedModelError(
             f"{type(module).__name__}: called outside a forward of the transformers path "
             "(no paged step given)"
         )
-    if attention_mask is not None:
-        kwargs = {**kwargs, _OWN_MASK: True}
-    return step.attend(module, query, key, value, kwargs), None
+    return step.attend(
+        module, query, key, value, {**kwargs, "attention_mask": attention_mask}
+    ), None
 
 
 @contextlib.contextmanager
 def stepping(step: PagedStep) -> Iterator[None]:
-    """``step`` for every attention call of the model forward run inside. The step also goes
-    in the model's keyword arguments, but some decoder layers drop those before their attention
-    (StableLM's, Nemotron's): their calls find it here. (A context variable: read while
-    torch.export traces, it leaves nothing in the graph.)"""
+    """``step`` for every attention call of the model forward run inside. A context variable,
+    not a model keyword argument: some decoder layers drop those before their attention
+    (StableLM's, Nemotron's). Read while torch.export traces, it leaves nothing in the graph."""
     token = _ACTIVE_STEP.set(step)
     try:
         yield

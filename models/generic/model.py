@@ -17,7 +17,6 @@ from attnexport.models.decoder import DecoderModel
 from attnexport.models.errors import UnsupportedModelError
 from attnexport.models.generic.attention import (
     SLOT_ATTRIBUTE,
-    STEP_KWARG,
     LayerCall,
     PagedStep,
     stepping,
@@ -70,7 +69,6 @@ class TransformersDecoder(DecoderModel):
                     input_ids=ids.to(device),
                     position_ids=torch.arange(PROBE_TOKENS, device=device).unsqueeze(0),
                     use_cache=False,
-                    **{STEP_KWARG: step},
                 )
         except UserError:
             raise
@@ -114,8 +112,8 @@ class TransformersDecoder(DecoderModel):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """The transformers model on the step's tokens as one row ``[1, T]`` with their
-        positions, the paged state in its keyword arguments. Returns ``[N, vocab]`` logits of
-        the ``logits_indices`` rows."""
+        positions, the paged state set for its attention calls (``stepping``). Returns
+        ``[N, vocab]`` logits of the ``logits_indices`` rows."""
         step = PagedStep(metadata, layer_caches(kv_caches))
         keep = {"logits_to_keep": logits_indices} if self._keeps_logits else {}
         with stepping(step):
@@ -124,7 +122,6 @@ class TransformersDecoder(DecoderModel):
                 position_ids=positions.unsqueeze(0),
                 use_cache=False,
                 **keep,
-                **{STEP_KWARG: step},
             ).logits[0]
         if not self._keeps_logits:
             logits = logits.index_select(0, logits_indices)

@@ -5,7 +5,7 @@ parity check they go through: greedy tokens and logits of transformers against t
 
 ``FAMILIES`` is what ``tests/models/test_transformers_path.py`` runs and what
 ``scripts/transformers_families.py`` tries (with every other causal-LM model type transformers
-ships) to write the table of docs/models.md.
+ships) for the sweep of docs/models.md.
 """
 
 from __future__ import annotations
