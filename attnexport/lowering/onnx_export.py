@@ -22,7 +22,6 @@ Pipeline (each step answers a trap of docs/traps.md)::
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -34,11 +33,10 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
-from attnexport.lowering import fusions, naming, onnx_passes, rule_matching
-from attnexport.lowering.export import DIM_NAMES_META, export_program, without_stack_traces
+from attnexport.lowering import fusions, naming, onnx_passes, onnx_translation, rule_matching
+from attnexport.lowering.export import DIM_NAMES_META, export_program
 from attnexport.lowering.model_contract import GraphContract, cache_geometry
 from attnexport.lowering.passes import check_program, functionalize_cache_writes
-from attnexport.lowering.quiet import quieted
 from attnexport.lowering.targets import apply_target, check_target
 from attnexport.model_interface import CacheSpec
 
@@ -173,21 +171,7 @@ def to_onnx(
     functional, _ = functionalize_cache_writes(program)
     from attnexport.lowering.registry import translation_table
 
-    # torch.onnx's registry warns about every torchvision op it cannot find.
-    with (
-        quieted("torch.onnx._internal.exporter._registration", logging.ERROR),
-        without_stack_traces(),
-    ):
-        onnx_program = torch.onnx.export(
-            functional,
-            (),
-            dynamo=True,
-            optimize=False,
-            verbose=False,
-            opset_version=opset_version,
-            custom_translation_table=translation_table(),
-        )
-    model = onnx_program.model
+    model, _direct = onnx_translation.translate(functional, translation_table(), opset_version)
     torch_weights = list(model.graph.initializers.values())
     step("cache outputs, weights, onnxscript optimizer")
     onnx_passes.drop_absent_scale_outputs(model)

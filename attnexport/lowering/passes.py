@@ -17,6 +17,7 @@ import operator
 from dataclasses import dataclass
 
 import torch
+from torch._guards import detect_fake_mode
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
@@ -203,6 +204,21 @@ def _copy_program(ep: ExportedProgram) -> ExportedProgram:
     )
 
 
+def _fake_result(overload, arguments: list):
+    """What ``overload`` returns on the recorded fake values of ``arguments`` (None where one
+    has none): the twin's node metadata, which the translation reads for its output types."""
+    values = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in arguments]
+    if any(
+        isinstance(a, torch.fx.Node) and v is None for a, v in zip(arguments, values, strict=True)
+    ):
+        return None
+    mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    if mode is None:
+        return None
+    with mode:
+        return overload(*values)
+
+
 def functionalize_cache_writes(ep: ExportedProgram) -> tuple[ExportedProgram, int]:
     """A copy of ``ep`` where every in-place cache write (``reshape_and_cache``) is its
     functional twin (``reshape_and_cache_functional``) + ``aten.copy_`` of its outputs into the
@@ -219,6 +235,7 @@ def functionalize_cache_writes(ep: ExportedProgram) -> tuple[ExportedProgram, in
         with graph.inserting_before(node):
             written = graph.call_function(functional, tuple(arguments))
             written.meta.update(node.meta)
+            written.meta["val"] = _fake_result(functional, arguments)
             caches = [arguments[i] for i in cache_indices if arguments[i] is not None]
             for index, cache in enumerate(caches):
                 new_cache = graph.call_function(operator.getitem, (written, index))
