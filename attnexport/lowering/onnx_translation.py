@@ -203,12 +203,57 @@ def functional_program(program: ExportedProgram) -> ExportedProgram:
     )
 
 
+def _promotes(value, dtype: torch.dtype | None) -> bool:
+    """Whether torch.onnx's type promotion would cast argument ``value`` (its recorded value for
+    a node) to ``dtype``: a tensor of another dtype, a number or symbol of another kind."""
+    if dtype is None:
+        return False
+    if isinstance(value, (list, tuple)):
+        return any(_promotes(item, dtype) for item in value)
+    if isinstance(value, torch.fx.Node):
+        value = value.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return value.dtype != dtype
+    from torch.onnx._internal.fx import type_utils
+
+    scalar = type_utils.from_scalar_type_to_torch_dtype(type(value))
+    return scalar is not None and scalar != dtype
+
+
+def needs_type_promotion(module: torch.fx.GraphModule) -> bool:
+    """Whether torch.onnx's ``insert_type_promotion_nodes`` would change ``module``: the same
+    rules and test of each argument, read from the recorded values instead of re-running every
+    node under fake tensors (the pass took 1.1 s of the transformers path's SmolLM2 export and
+    changed nothing). Any doubt (a node without recorded values) answers True."""
+    from torch.onnx._internal.fx.passes import type_promotion
+
+    table = type_promotion.TypePromotionTable()
+    for node in module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        rule = type_promotion.get_type_promotion_rule(node, table)
+        if rule is None:
+            continue
+        if any(n.meta.get("val") is None for n in node.all_input_nodes):
+            return True
+        args = torch.fx.node.map_arg(node.args, lambda n: n.meta["val"])
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: n.meta["val"])
+        promotion = rule.preview_type_promotion(tuple(args), dict(kwargs))
+        if any(
+            _promotes(arg, promotion.args_dtypes.get(i)) for i, arg in enumerate(node.args)
+        ) or any(_promotes(arg, promotion.kwargs_dtypes.get(k)) for k, arg in node.kwargs.items()):
+            return True
+    return False
+
+
 @contextlib.contextmanager
 def _direct_preparation(used: list[bool]) -> Iterator[None]:
     """Swaps torch.onnx's program preparation for one that skips the retrace where
     :func:`direct_blockers` allows; ``used`` gets whether it did."""
     try:
         from torch.onnx._internal.exporter import _core, _fx_passes
+        from torch.onnx._internal.fx import type_utils  # noqa: F401 (read by _promotes)
+        from torch.onnx._internal.fx.passes import type_promotion  # noqa: F401
     except ImportError:  # a torch without the exporter's layout: the usual path
         yield
         return
@@ -224,7 +269,8 @@ def _direct_preparation(used: list[bool]) -> Iterator[None]:
             return original(exported_program, registry=registry)
         used.append(True)
         prepared = functional_program(exported_program)
-        _fx_passes.insert_type_promotion_nodes(prepared.graph_module)
+        if needs_type_promotion(prepared.graph_module):
+            _fx_passes.insert_type_promotion_nodes(prepared.graph_module)
         return prepared
 
     with _hook_lock:

@@ -112,8 +112,14 @@ class _AttentionThen(PagedAttentionOnly):
 def _decomposed_ops(out, _cache):
     """Ops with no translation of their own, which the retrace decomposes."""
     wide = out.to(torch.float64).detach()
-    mask = (out > 0) & (out < 1) | (out < -1)
-    return torch.square(torch.min(wide, wide.flip(0)) * mask)
+    mask = (out > 0.0) & (out < 1.0) | (out < -1.0)
+    squares = torch.square(torch.min(wide, wide.flip(0)))
+    return torch.where(mask, squares, -squares)
+
+
+def _mixed_dtypes(out, _cache):
+    """An integer tensor added to a float one: torch.onnx's type promotion casts it."""
+    return out + (out > 0).to(torch.int64) * 3
 
 
 def _in_place_on_an_intermediate(out, _cache):
@@ -154,9 +160,25 @@ def _translated_by_torch_onnx():
     return registry.is_registered
 
 
-def test_ops_the_retrace_decomposes_translate_as_their_decomposition(tmp_path, translations):
-    blockers, got, expected = _export_and_run(_AttentionThen(_decomposed_ops), tmp_path)
-    assert blockers == [] and translations == [True]
+@pytest.mark.parametrize(
+    ("after", "promotes"),
+    [(_decomposed_ops, False), (_mixed_dtypes, True)],
+    ids=["decomposed-ops", "mixed-dtypes"],
+)
+def test_programs_with_a_translation_for_every_op_skip_the_retrace(
+    tmp_path, translations, monkeypatch, after, promotes
+):
+    """Ops the retrace would decompose translate as their decomposition; the type promotion
+    pass runs where it has something to cast, and only there."""
+    promotions = []
+    needs = onnx_translation.needs_type_promotion
+    monkeypatch.setattr(
+        onnx_translation,
+        "needs_type_promotion",
+        lambda module: promotions.append(needs(module)) or promotions[-1],
+    )
+    blockers, got, expected = _export_and_run(_AttentionThen(after), tmp_path)
+    assert blockers == [] and translations == [True] and promotions == [promotes]
     torch.testing.assert_close(got, expected, **tolerance(torch.float32))
 
 
