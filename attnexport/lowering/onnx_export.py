@@ -4,7 +4,9 @@ Pipeline (each step answers a trap of docs/traps.md)::
 
     export_program            torch.export + cache checks (caches are forward inputs)
     functionalize_cache_writes in-place reshape_and_cache -> functional twin + copy_
-    torch.onnx.export         optimize=False, custom translations -> attnexport nodes
+    torch.onnx.export         optimize=False, custom translations -> attnexport nodes (its
+                              decomposition retrace skipped where nothing needs it:
+                              onnx_translation)
     drop_absent_scale_outputs float-cache writes keep their two cache outputs only
     connect_caches_directly   drop torch's no-op copies between caches and their users
     expose_cache_writes       last write of cache input X -> graph output X_out
