@@ -35,6 +35,7 @@ from torch.export.graph_signature import (
 )
 
 from attnexport.lowering.export import without_stack_traces
+from attnexport.lowering.passes import program_over
 from attnexport.lowering.quiet import quieted
 
 logger = logging.getLogger(__name__)
@@ -187,19 +188,13 @@ def functional_program(program: ExportedProgram) -> ExportedProgram:
         for name, value in mutations
     ]
     program.graph_module.recompile()
-    return ExportedProgram(
-        root=program.graph_module,
-        graph=graph,
-        graph_signature=ExportGraphSignature(
+    return program_over(
+        program,
+        program.graph_module,
+        ExportGraphSignature(
             input_specs=list(signature.input_specs),
             output_specs=[*output_specs, *signature.output_specs],
         ),
-        state_dict=program.state_dict,
-        range_constraints=program.range_constraints,
-        module_call_graph=program.module_call_graph,
-        example_inputs=program.example_inputs,
-        constants=program.constants,
-        verifiers=program.verifiers,
     )
 
 

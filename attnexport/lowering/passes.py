@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch._guards import detect_fake_mode
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import ExportGraphSignature, InputKind
 
 from attnexport.lowering.registry import torch_op_specs
 
@@ -191,10 +191,17 @@ def _copy_program(ep: ExportedProgram) -> ExportedProgram:
     graph.output(output)
     module = torch.fx.GraphModule(ep.graph_module, graph)
     module.meta.update(ep.graph_module.meta)
+    return program_over(ep, module, copy.deepcopy(ep.graph_signature))
+
+
+def program_over(
+    ep: ExportedProgram, module: torch.fx.GraphModule, signature: ExportGraphSignature
+) -> ExportedProgram:
+    """``ep`` with another graph module and signature (its weights, constants and shapes)."""
     return ExportedProgram(
         root=module,
         graph=module.graph,
-        graph_signature=copy.deepcopy(ep.graph_signature),
+        graph_signature=signature,
         state_dict=ep.state_dict,
         range_constraints=ep.range_constraints,
         module_call_graph=ep.module_call_graph,

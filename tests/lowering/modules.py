@@ -4,7 +4,7 @@ each step's inputs (ragged batches, shuffled blocks, padding slots) from per-seq
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -188,9 +188,18 @@ class VarlenEncoder(nn.Module):
 class PagedAttentionOnly(nn.Module):
     """The two ops and nothing else (no weights): any dtype onnxruntime's CPU kernels take."""
 
-    def __init__(self, scale: float = 0.3, sliding_window: int = -1, soft_cap: float = 0.0):
+    def __init__(
+        self,
+        scale: float = 0.3,
+        sliding_window: int = -1,
+        soft_cap: float = 0.0,
+        after: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ):
+        """``after(attention output, key cache)``: what the module returns instead of the
+        attention output, when given."""
         super().__init__()
         self.scale, self.sliding_window, self.soft_cap = scale, sliding_window, soft_cap
+        self.after = after
 
     def forward(
         self,
@@ -206,7 +215,7 @@ class PagedAttentionOnly(nn.Module):
     ):
         metadata = (block_tables, seq_lens, query_start_loc)
         caches = (key_cache, value_cache)
-        return write_and_attend(
+        out = write_and_attend(
             query,
             key,
             value,
@@ -217,6 +226,7 @@ class PagedAttentionOnly(nn.Module):
             sliding_window=self.sliding_window,
             logits_soft_cap=self.soft_cap,
         )
+        return out if self.after is None else self.after(out, key_cache)
 
 
 # --------------------------------------------------------------------------- step planning

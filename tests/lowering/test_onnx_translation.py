@@ -85,30 +85,6 @@ def test_a_decoder_stack_skips_the_retrace_and_runs_as_with_it(tmp_path, transla
             torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
 
 
-class _AttentionThen(PagedAttentionOnly):
-    """:class:`PagedAttentionOnly`, then ``after(attention output, key cache)``."""
-
-    def __init__(self, after) -> None:
-        super().__init__()
-        self.after = after
-
-    def forward(
-        self,
-        query,
-        key,
-        value,
-        slot_mapping,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        key_cache,
-        value_cache,
-    ):
-        metadata = (slot_mapping, block_tables, seq_lens, query_start_loc)
-        out = super().forward(query, key, value, *metadata, key_cache, value_cache)
-        return self.after(out, key_cache)
-
-
 def _decomposed_ops(out, _cache):
     """Ops with no translation of their own, which the retrace decomposes."""
     wide = out.to(torch.float64).detach()
@@ -177,7 +153,7 @@ def test_programs_with_a_translation_for_every_op_skip_the_retrace(
         "needs_type_promotion",
         lambda module: promotions.append(needs(module)) or promotions[-1],
     )
-    blockers, got, expected = _export_and_run(_AttentionThen(after), tmp_path)
+    blockers, got, expected = _export_and_run(PagedAttentionOnly(after=after), tmp_path)
     assert blockers == [] and translations == [True] and promotions == [promotes]
     torch.testing.assert_close(got, expected, **tolerance(torch.float32))
 
@@ -193,6 +169,6 @@ def test_programs_with_a_translation_for_every_op_skip_the_retrace(
 def test_programs_it_would_translate_differently_take_the_retrace(
     tmp_path, translations, after, blocker
 ):
-    blockers, got, expected = _export_and_run(_AttentionThen(after), tmp_path)
+    blockers, got, expected = _export_and_run(PagedAttentionOnly(after=after), tmp_path)
     assert blockers == [blocker] and translations == [False]
     torch.testing.assert_close(got, expected, **tolerance(torch.float32))
