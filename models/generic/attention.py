@@ -50,6 +50,7 @@ class LayerCall:
     num_heads: int
     num_kv_heads: int
     head_size: int
+    """The caches' head size: the key heads' or the value heads', the larger (the other padded)."""
     value_head_size: int
     dtype: torch.dtype
     scale: float
@@ -109,8 +110,20 @@ class PagedStep:
         # transpose and reshape of the model's own code, leaving [T, heads, D] straight from
         # the projection (attnexport.lowering.fusions)
         heads = [x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in (query, key, value)]
+        # Key and value heads of different sizes (MLA: DeepSeek-V3's 192 and 128) share one
+        # cache head size: the smaller ones padded with zeros, which add nothing to a query-key
+        # product (the scale is the layer's own) and give output columns that are cut off, as
+        # transformers' flash-attention path does for these models.
+        heads = [_padded(x, call.head_size) for x in heads]
         out = attention(*heads, key_cache, value_cache, self.metadata)
-        return out.reshape(1, -1, call.num_heads, call.head_size)
+        out = out.reshape(1, -1, call.num_heads, call.head_size)
+        return out[..., : call.value_head_size] if call.value_head_size < call.head_size else out
+
+
+def _padded(heads: torch.Tensor, size: int) -> torch.Tensor:
+    """``heads [T, H, d]`` with zero columns up to ``[T, H, size]``."""
+    missing = size - heads.shape[-1]
+    return torch.nn.functional.pad(heads, (0, missing)) if missing else heads
 
 
 def _layer_call(module, query, key, value, options: dict) -> LayerCall:
@@ -126,11 +139,6 @@ def _layer_call(module, query, key, value, options: dict) -> LayerCall:
         )
     if options.get("is_causal", getattr(module, "is_causal", True)) is False:
         refusals.append("is_causal=False: bidirectional attention (an encoder layer)")
-    if key.shape[-1] != value.shape[-1]:
-        refusals.append(
-            f"key head size {key.shape[-1]} != value head size {value.shape[-1]} (the paged "
-            "cache holds one head size)"
-        )
     if key.shape[-1] != query.shape[-1]:
         refusals.append(f"query head size {query.shape[-1]} != key head size {key.shape[-1]}")
     if query.shape[1] % key.shape[1]:
@@ -144,7 +152,7 @@ def _layer_call(module, query, key, value, options: dict) -> LayerCall:
         module=module,
         num_heads=int(query.shape[1]),
         num_kv_heads=int(key.shape[1]),
-        head_size=int(key.shape[-1]),
+        head_size=max(int(key.shape[-1]), int(value.shape[-1])),
         value_head_size=int(value.shape[-1]),
         dtype=query.dtype,
         scale=float(scaling),

@@ -36,9 +36,11 @@ MLA = dict(
     head_dim=CONFIG_DEFAULT, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16
 )
 MLA |= dict(qk_nope_head_dim=8, n_routed_experts=4, n_group=1, topk_group=1)
-MLA |= dict(first_k_dense_replace=1)
+MLA |= dict(first_k_dense_replace=1, num_key_value_heads=4)
 """Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3): low-rank q and kv projections, a
-rotated part and a plain part of each key head (head size 8 + 8), 4 routed experts."""
+rotated part and a plain part of each key head (head size 8 + 8), as many KV heads as query
+heads (as these models have: transformers' attention expands the latent to every head, and with
+fewer KV heads its eager and SDPA paths repeat them again and fail), 4 routed experts."""
 MOE = dict(
     num_experts=4,
     num_local_experts=4,
@@ -121,9 +123,9 @@ FAMILIES: dict[str, Family] = {
         Family("ernie4_5_moe", "experts on ERNIE 4.5", MOE, default=False),
         Family(
             "deepseek_v3",
-            "multi-head latent attention, grouped expert routing",
-            {**MLA, **MOE},
-            default=False,
+            "multi-head latent attention with value heads narrower than the key heads (16 and "
+            "8, as 192 and 128 in DeepSeek-V3), grouped expert routing",
+            {**MLA, **MOE, "v_head_dim": 8},
         ),
         Family("minicpm3", "multi-head latent attention, dense", MLA, default=False),
         Family("phimoe", "sparsemixer routing (a scatter of router logits)", MOE, default=False),
