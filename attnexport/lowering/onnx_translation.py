@@ -282,19 +282,15 @@ def translate(
     """torch.onnx's ONNX model of the functionalized ``program`` (``optimize=False``, the
     attnexport ``translations``); returns it and whether the retrace was skipped."""
     used: list[bool] = []
+    table = dict(translations)
     # torch.onnx's registry warns about every torchvision op it cannot find.
     with (
         quieted("torch.onnx._internal.exporter._registration", logging.ERROR),
         without_stack_traces(),
         _direct_preparation(used),
     ):
+        options = {"dynamo": True, "optimize": False, "verbose": False}
         onnx_program = torch.onnx.export(
-            program,
-            (),
-            dynamo=True,
-            optimize=False,
-            verbose=False,
-            opset_version=opset_version,
-            custom_translation_table=dict(translations),
+            program, (), opset_version=opset_version, custom_translation_table=table, **options
         )
     return onnx_program.model, bool(used)

@@ -198,16 +198,13 @@ def program_over(
     ep: ExportedProgram, module: torch.fx.GraphModule, signature: ExportGraphSignature
 ) -> ExportedProgram:
     """``ep`` with another graph module and signature (its weights, constants and shapes)."""
+    kept = ("state_dict", "range_constraints", "module_call_graph", "example_inputs")
+    kept += ("constants", "verifiers")
     return ExportedProgram(
         root=module,
         graph=module.graph,
         graph_signature=signature,
-        state_dict=ep.state_dict,
-        range_constraints=ep.range_constraints,
-        module_call_graph=ep.module_call_graph,
-        example_inputs=ep.example_inputs,
-        constants=ep.constants,
-        verifiers=ep.verifiers,
+        **{name: getattr(ep, name) for name in kept},
     )
 
 

@@ -215,16 +215,9 @@ class PagedAttentionOnly(nn.Module):
     ):
         metadata = (block_tables, seq_lens, query_start_loc)
         caches = (key_cache, value_cache)
+        mask = {"sliding_window": self.sliding_window, "logits_soft_cap": self.soft_cap}
         out = write_and_attend(
-            query,
-            key,
-            value,
-            caches,
-            slot_mapping,
-            metadata,
-            self.scale,
-            sliding_window=self.sliding_window,
-            logits_soft_cap=self.soft_cap,
+            query, key, value, caches, slot_mapping, metadata, self.scale, **mask
         )
         return out if self.after is None else self.after(out, key_cache)
 
