@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from attnexport.artifact.errors import ArtifactError
 from attnexport.artifact.files import ONNX_FILE, PT2_FILE, TOKENIZER_FILES
@@ -194,6 +195,10 @@ def _export_artifact(
     return manifest
 
 
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
 def _write_export(
     model, stage: Path, options: ExportOptions, kv_cache_dtype, step: Callable[[str], None]
 ) -> dict:
@@ -209,7 +214,17 @@ def _write_export(
     timings = {}
     step("torch.export")
     start = time.perf_counter()
-    program = lowering.export_program(model, sample.args, dynamic_shapes=sample.dynamic_shapes)
+    try:
+        program = lowering.export_program(model, sample.args, dynamic_shapes=sample.dynamic_shapes)
+    except GuardOnDataDependentSymNode as error:
+        from attnexport.models.errors import UnsupportedModelError
+
+        name = type(getattr(model, "hf_model", model)).__name__
+        raise UnsupportedModelError(
+            f"{name}: torch.export cannot trace its forward: it branches on the values of "
+            f"tensors (data-dependent control flow), which one graph for every step cannot "
+            f"hold ({_first_line(error)})"
+        ) from None
     timings["torch.export"] = round(time.perf_counter() - start, 3)
     files = {}
     if "pt2" in options.formats:

@@ -25,6 +25,7 @@ from attnexport.tolerances import model_tolerance
 from tests.models.executors import Exports, paged_runner
 from tests.models.hf_families import (
     BLOCK_SIZE,
+    CONFIG_DEFAULT,
     FAMILIES,
     GREEDY_STEPS,
     PROMPTS,
@@ -151,6 +152,21 @@ def test_unsupported_models_are_refused_with_the_reason(name, tmp_path):
 
 
 # ----------------------------------------------------------------------------- the CLI
+
+
+def test_a_forward_torch_export_cannot_trace_is_refused_by_name(tmp_path, capsys):
+    """LongCat-Flash's experts branch on the routing's values (its zero-computation experts):
+    torch.export fails on a data-dependent guard, which ``export`` names as the model's
+    limit (exit 2), not an internal error."""
+    from tests.cli.helpers import run_cli
+
+    sizes = {"head_dim": CONFIG_DEFAULT, "num_key_value_heads": CONFIG_DEFAULT}
+    sizes |= {"n_routed_experts": 4, "zero_expert_num": 2, "moe_topk": 2}
+    build_checkpoint(Family("longcat_flash", "", sizes), tmp_path / "checkpoint")
+    code, _, err = run_cli(capsys, "export", tmp_path / "checkpoint", "--out", tmp_path / "out")
+    assert code == 2, err
+    assert "LongcatFlashForCausalLM: torch.export cannot trace its forward" in err, err
+    assert "data-dependent" in err and "internal error" not in err
 
 
 def test_export_picks_the_transformers_path_for_a_family_the_zoo_lacks(tmp_path, capsys):
