@@ -32,7 +32,9 @@ sys.path.insert(0, str(HERE))
 
 import peers  # noqa: E402
 
-CLI = "import sys; from attnexport.cli import main; sys.exit(main())"
+CLI = ("-m", "attnexport")
+"""The command line as the ``attnexport`` console script runs it (``attnexport.cli.entry``; a
+tree given with ``--ours`` needs its ``attnexport/__main__.py``, 2026-11-28 on)."""
 OURS = {
     "ours-fp32": [],
     "ours-int4": ["--weights", "int4"],
@@ -103,8 +105,7 @@ def leg_command(leg: str, tree: Path, checkpoint: Path, out: Path) -> tuple[list
         env = peers.peer_env(extra={"PYTHONPATH": str(tree)})
         return [
             sys.executable,
-            "-c",
-            CLI,
+            *CLI,
             "export",
             str(checkpoint),
             "--out",
@@ -113,7 +114,7 @@ def leg_command(leg: str, tree: Path, checkpoint: Path, out: Path) -> tuple[list
         ], env
     if leg == "ours-verify":
         env = peers.peer_env(extra={"PYTHONPATH": str(tree)})
-        return [sys.executable, "-c", CLI, "verify", str(out)], env
+        return [sys.executable, *CLI, "verify", str(out)], env
     name, fmt = PEER_LEGS[leg]
     return peers.conversion_command(name, checkpoint, fmt, out), peers.peer_env()
 

@@ -1,5 +1,5 @@
 """The ``attnexport`` command line."""
 
-from attnexport.cli.main import main
+from attnexport.cli.main import entry, main
 
-__all__ = ["main"]
+__all__ = ["entry", "main"]

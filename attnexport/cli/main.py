@@ -4,6 +4,7 @@ into one line on stderr with exit code 2 (the traceback only with ``--debug``)."
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
 import traceback
@@ -60,10 +61,21 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def entry() -> None:
+    """The ``attnexport`` console script and ``python -m attnexport``: :func:`main`, then the
+    exit. Python's teardown at exit runs full cycle collections over every object still alive
+    (torch, and after an export its graphs): 1.1 s of SmolLM2-135M's 6.2 s ``export``. Frozen
+    first (``gc.freeze``), they are left to the operating system, which frees the process
+    anyway. Not in :func:`main`, which tests and scripts call many times in one process."""
+    code = main()
+    gc.freeze()
+    sys.exit(code)
+
+
 def _one_line(error: BaseException) -> str:
     text = str(error).strip() or type(error).__name__
     return " ".join(text.split())
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -1,0 +1,5 @@
+"""``python -m attnexport``: the command line (:func:`attnexport.cli.entry`)."""
+
+from attnexport.cli import entry
+
+entry()
