@@ -199,8 +199,10 @@ class PagedAttention(nn.Module):
         key_cache: LayerCache,
         value_cache: LayerCache,
         metadata: PagedMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query ``[T, H * D]`` or ``[T, H, D]`` -> ``[T, H * D]``, reading the cache only."""
+        """query ``[T, H * D]`` or ``[T, H, D]`` -> ``[T, H * D]``, reading the cache only;
+        ``sinks`` [H]: attention sinks (a logit per head in each softmax), or None."""
         (key_cache, key_scales), (value_cache, value_scales) = (
             _split(key_cache),
             _split(value_cache),
@@ -226,6 +228,7 @@ class PagedAttention(nn.Module):
             self.sliding_window,
             self.logits_soft_cap,
             **scales,
+            **({} if sinks is None else {"sinks": sinks}),
         )
         return out.flatten(1)
 
@@ -237,11 +240,12 @@ class PagedAttention(nn.Module):
         key_cache: LayerCache,
         value_cache: LayerCache,
         metadata: PagedMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Writes the new keys/values, then attends: self-attention of a decoder layer.
         Shapes as in :meth:`write` and :meth:`attend`."""
         self.write(key, value, key_cache, value_cache, metadata.slot_mapping)
-        return self.attend(query, key_cache, value_cache, metadata)
+        return self.attend(query, key_cache, value_cache, metadata, sinks)
 
 
 class VarlenAttention(nn.Module):

@@ -37,6 +37,8 @@ class AttentionCase:
     """Blocks in the cache beyond those the batch needs."""
     cache_dtype: torch.dtype | None = None
     """The KV caches' dtype; None: ``dtype``. int8 caches come with scale caches."""
+    sinks: bool = False
+    """paged_attention's attention sinks (a logit per head in each softmax)."""
 
     def with_(self, **changes) -> AttentionCase:
         return replace(self, **changes)
@@ -64,6 +66,8 @@ class AttentionCase:
             parts.append(f"pad{self.padded_tokens}")
         if self.cache_dtype is not None and self.cache_dtype != self.dtype:
             parts.append("cache-" + str(self.cache_dtype).removeprefix("torch."))
+        if self.sinks:
+            parts.append("sinks")
         return "-".join(parts)
 
 
@@ -119,6 +123,8 @@ def make_paged_inputs(case: AttentionCase, device="cpu", seed: int = 0) -> dict:
     kwargs = attention_kwargs(case, device)
     if scales["key_scale_cache"] is not None:
         kwargs.update(scales)
+    if case.sinks:  # about the logits' size: some rows' sink outweighs their keys
+        kwargs["sinks"] = torch.linspace(-1.0, 3.0, case.num_heads, device=device)
     return {
         **scales,
         "query": _random((total_new, case.num_heads, d), case.dtype, g, device),
@@ -238,6 +244,12 @@ def standard_cases() -> list[AttentionCase]:
         cases.append(mixed.with_(dtype=dtype, alibi=True, sliding_window=9, logits_soft_cap=5.0))
     cases.append(mixed.with_(alibi=True, sliding_window=6, logits_soft_cap=3.0))
     cases.append(mixed.with_(slot_dtype=torch.int32, padded_tokens=3))
+    for batch in ("prefill", "decode", "chunked", "mixed", "empty_seq"):  # attention sinks
+        cases.append(AttentionCase(batch, *BATCHES[batch], sinks=True))
+    cases.append(mixed.with_(sinks=True, num_heads=8, sliding_window=6, logits_soft_cap=3.0))
+    cases.append(mixed.with_(sinks=True, dtype=torch.bfloat16))
+    # a context long enough that the native kernel splits its decode (>= 32 blocks of 16)
+    cases.append(AttentionCase("decode", (1, 1), (700, 40), sinks=True))
     cases.append(AttentionCase("cross", (3, 1, 6), (5, 9, 0), causal=False))
     cases.append(
         AttentionCase("cross", (3, 1, 6), (5, 9, 0), causal=False, alibi=True, sliding_window=4)

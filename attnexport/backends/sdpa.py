@@ -176,8 +176,10 @@ def grouped_attention(
     scale: float,
     alibi_slopes: torch.Tensor | None,
     logits_soft_cap: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Masked attention of a padded batch, computed in the dtype of ``key``.
+    """Masked attention of a padded batch, computed in the dtype of ``key``; ``sinks`` [H]: a
+    logit per head in each softmax (of a key whose value is zero).
 
     Args:
         query: ``[B, Q, H, D]``.
@@ -212,7 +214,13 @@ def grouped_attention(
         logits5.add_((slopes * masks.distance[None, :, None]).to(work_dtype))
     if masks.invisible is not None:
         logits5.masked_fill_(masks.invisible[None, :, None], float("-inf"))
-    weights = torch.softmax(logits, dim=-1)
+    if sinks is None:
+        weights = torch.softmax(logits, dim=-1)
+    else:  # the sink's column joins the softmax, then is dropped
+        sink = sinks.to(work_dtype).view(num_kv_heads, 1, group, 1, 1)
+        sink = sink.expand(num_kv_heads, num_seqs, group, num_queries, 1)
+        weights = torch.softmax(torch.cat([logits5, sink], dim=-1), dim=-1)[..., :num_keys]
+        weights = weights.reshape(logits.shape)
     if masks.no_key is not None:
         weights.view_as(logits5).masked_fill_(masks.no_key[None, :, None, :, None], 0.0)
     out = torch.empty(rows.shape, dtype=work_dtype, device=query.device)  # [Hkv, B, G*Q, D]
@@ -338,6 +346,7 @@ class SdpaBackend(AttentionBackend):
         devices=frozenset({"cpu", "cuda"}),
         dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64}),
         cache_dtypes=frozenset(CACHE_DTYPES),
+        sinks=True,
         notes=(
             "reference-quality pure PyTorch; fp32 logits for half-precision inputs",
             "KV caches of any cache dtype (float32, float16, bfloat16, int8 with scales)",
@@ -379,6 +388,7 @@ class SdpaBackend(AttentionBackend):
                 call.scale,
                 call.alibi_slopes,
                 call.logits_soft_cap,
+                call.sinks,
             )
             if chunk.tokens is None:
                 out[chunk.start : chunk.stop] = result[:, 0]
@@ -460,5 +470,6 @@ class SdpaBackend(AttentionBackend):
                 scale,
                 alibi_slopes,
                 logits_soft_cap,
+                getattr(options, "sinks", None),
             )
             out[start:stop] = result[0]

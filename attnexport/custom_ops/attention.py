@@ -36,7 +36,7 @@ def options(call: AttentionOptions) -> tuple[float, bool, torch.Tensor | None, i
 
 def check_options(call: AttentionOptions) -> None:
     """Static checks of the logits options (``query``: ``[T, H, D]``, H slopes for ALiBi)."""
-    scale, query, slopes = call.scale, call.query, call.alibi_slopes
+    scale, query = call.scale, call.query
     if not isinstance(scale, (int, float)) or scale != scale or abs(scale) == float("inf"):
         raise ValueError(f"scale: expected a finite float, got {scale!r}")
     if call.sliding_window == 0:
@@ -46,18 +46,23 @@ def check_options(call: AttentionOptions) -> None:
         raise ValueError(
             f"logits_soft_cap: expected 0.0 (disabled) or a positive finite cap, got {cap!r}"
         )
-    if slopes is not None:
-        num_heads = query.shape[1]
-        checks.expect_floating("alibi_slopes", slopes)
-        checks.expect_rank("alibi_slopes", slopes, 1, "[num_heads]")
-        checks.expect(
-            slopes.shape[0] == num_heads,
-            lambda: (
-                f"alibi_slopes: expected shape [{num_heads}] (one slope per query head), "
-                f"got {tuple(slopes.shape)}"
-            ),
-        )
-        checks.expect_same_device(("query", "alibi_slopes"), (query, slopes))
+    check_per_head("alibi_slopes", call.alibi_slopes, query)
+
+
+def check_per_head(name: str, values: torch.Tensor | None, query: torch.Tensor) -> None:
+    """Checks optional argument ``name``: one float per query head of ``query`` [T, H, D]."""
+    if values is None:
+        return
+    num_heads = query.shape[1]
+    checks.expect_floating(name, values)
+    checks.expect_rank(name, values, 1, "[num_heads]")
+    checks.expect(
+        values.shape[0] == num_heads,
+        lambda: (
+            f"{name}: expected shape [{num_heads}] (one per query head), got {tuple(values.shape)}"
+        ),
+    )
+    checks.expect_same_device(("query", name), (query, values))
 
 
 def describe(
@@ -83,6 +88,7 @@ def describe(
         alibi=call.alibi_slopes is not None,
         sliding_window=call.sliding_window >= 0,
         soft_cap=call.logits_soft_cap > 0,
+        sinks=getattr(call, "sinks", None) is not None,
         decode_only=summary.decode_only,
         chunked_prefill=summary.has_context,
         cache_contiguous=cache_contiguous,

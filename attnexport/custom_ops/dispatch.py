@@ -56,6 +56,8 @@ class AttentionCall(NamedTuple):
     alibi: bool = False
     sliding_window: bool = False
     soft_cap: bool = False
+    sinks: bool = False
+    """A learned logit per head in the softmax's denominator (paged_attention's ``sinks``)."""
     decode_only: bool = False
     """Every sequence has at most one query token."""
     chunked_prefill: bool = False
@@ -81,6 +83,8 @@ class BackendCapabilities:
     alibi: bool = True
     sliding_window: bool = True
     soft_cap: bool = True
+    sinks: bool = False
+    """Attention sinks (paged_attention's ``sinks``); off unless a backend says it runs them."""
     non_causal: bool = True
     chunked_prefill: bool = True
     cache_dtypes: frozenset[torch.dtype] = frozenset()
@@ -123,6 +127,7 @@ class BackendCapabilities:
                 (call.alibi, self.alibi, "ALiBi"),
                 (call.sliding_window, self.sliding_window, "sliding window"),
                 (call.soft_cap, self.soft_cap, "logits soft-cap"),
+                (call.sinks, self.sinks, "attention sinks"),
                 (not call.causal, self.non_causal, "non-causal attention"),
                 (call.chunked_prefill, self.chunked_prefill, "chunked prefill"),
             ):
@@ -155,6 +160,7 @@ class BackendCapabilities:
             ("ALiBi", yes(self.alibi)),
             ("sliding window", yes(self.sliding_window)),
             ("soft-cap", yes(self.soft_cap)),
+            ("attention sinks", yes(self.sinks)),
             ("non-causal", yes(self.non_causal)),
             ("chunked prefill", yes(self.chunked_prefill)),
             (

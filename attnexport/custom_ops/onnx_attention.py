@@ -56,6 +56,16 @@ ALIBI = Port(
 )
 
 
+SINKS = Port(
+    "sinks",
+    "A",
+    "[num_heads] float32 attention sinks: a logit per head in each row's softmax, of a key "
+    "whose value is zero (a query that sees no key still gets zeros).",
+    optional=True,
+    sinks=True,
+)
+
+
 def type_constraints(tensors: str) -> tuple[tuple[str, tuple[str, ...], str], ...]:
     """T (``tensors`` dtype), I (int32 indices), A (float32 ALiBi slopes)."""
     return (
@@ -354,6 +364,7 @@ def attend(
     output: str,
     shape_flags: list[ir.Value],
     scales: tuple[ValueLike, ValueLike] | None = None,
+    sinks: ValueLike | None = None,
 ) -> ir.Value:
     """The per-layer part: query [T, H, D], keys/values [N * Hkv, D] of any dtype (rows as in
     ``plan``) -> ``output`` [T, H, D] in the query's dtype. Math in float32; the only copies
@@ -374,7 +385,18 @@ def attend(
     logits = b.MatMul(q, b.Transpose(k, perm=[0, 1, 3, 2]))  # [S, Hkv, Q * G, L]
     logits = soft_cap(b, b.Mul(logits, b.attribute("scale", "float")))
     logits = alibi(b, logits, slopes, plan, dims)
-    weights = b.Softmax(b.Add(logits, plan.bias), axis=-1)
+    logits = b.Add(logits, plan.bias)
+    if sinks is None:
+        weights = b.Softmax(logits, axis=-1)
+    else:  # the sink's column [S, Hkv, Q * G, 1] (row q * G + g: sink[kv_head * G + g])
+        # joins the softmax, then is dropped
+        head_sinks = b.Concat(b.ints([1]), dims.kv_heads, b.ints([1]), dims.group, axis=0)
+        sink = b.Reshape(b.Cast(sinks, to=FLOAT), head_sinks)  # [1, Hkv, 1, G]
+        rows = b.Div(b.Shape(logits, start=2, end=3), dims.group)  # Q
+        sink = b.Expand(sink, b.Concat(b.Shape(logits, end=2), rows, dims.group, axis=0))
+        sink = b.Reshape(sink, b.Concat(b.Shape(logits, end=3), b.ints([1]), axis=0))
+        with_sink = b.Softmax(b.Concat(logits, sink, axis=-1), axis=-1)
+        weights = b.Slice(with_sink, b.ints([0]), b.Shape(logits, start=3, end=4), b.ints([3]))
     out = b.Where(plan.has_key, b.MatMul(weights, v), b.float_scalar(0.0))  # [S, Hkv, Q*G, D]
     packed = b.Gather(b.Reshape(out, group_width), plan.out_index, axis=0)  # [T', Hkv, G * D]
     # The query's own shape, not [-1, H, D]: T' = the last query offset must be T.

@@ -51,6 +51,9 @@ class Port:
     """A scale cache of int8 KV caches: present iff the caches are int8 (a model has one cache
     dtype, so its nodes all have these inputs or none); a graph input read (and, for a write,
     updated) in place like a cache. Looked up in the torch op by name, not position."""
+    sinks: bool = False
+    """Attention sinks: present iff the model's attention has them (its nodes all have the
+    input or none); the last input, after the scale caches."""
 
 
 _CACHE_DIMS = ("num_blocks", "block_size", "num_kv_heads", "head_size")
@@ -168,13 +171,22 @@ class OnnxOp:
             attributes=[attribute(a) for a in self.attributes],
         )
 
-    def function(self, opset: int, scaled: bool = False) -> ir.Function:
+    def function(self, opset: int, scaled: bool = False, sinks: bool = False) -> ir.Function:
         """The node's standard-op body for a model of standard opset ``opset``; ``scaled``:
         the variant for int8 caches (with the scale-cache inputs and outputs), else the one
-        for float caches (without them)."""
+        for float caches (without them); ``sinks``: with the attention-sink input, which then
+        follows the scale-cache inputs, unused without int8 caches (a function's inputs are
+        bound by position)."""
         body = self.scaled_body if scaled and self.scaled_body is not None else self.body
         keep = scaled and self.scaled_body is not None
-        b = Builder([p.name for p in self.inputs if keep or not p.scale])
+        sinks = sinks and any(p.sinks for p in self.inputs)
+        b = Builder(
+            [
+                p.name
+                for p in self.inputs
+                if (keep or sinks or not p.scale) and (sinks or not p.sinks)
+            ]
+        )
         body(b)
         return b.function(
             self.node,

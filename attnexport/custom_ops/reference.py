@@ -39,8 +39,10 @@ def attend(
     sliding_window: int,
     logits_soft_cap: float,
     compute_dtype: torch.dtype = torch.float64,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one sequence: query [q, H, D] over key/value [L, Hkv, D].
+    """Attention of one sequence: query [q, H, D] over key/value [L, Hkv, D]; ``sinks`` [H]:
+    a logit per head in each softmax, the logit of a key whose value is zero.
 
     Returns [q, H, D] in ``compute_dtype``. A query that sees no key gets zeros.
     """
@@ -61,7 +63,11 @@ def attend(
 
     visible = visible_keys(query_positions, key.shape[0], causal, sliding_window)
     logits = logits.masked_fill(~visible[None], float("-inf"))
+    if sinks is not None:  # the sink's column joins the softmax, then is dropped
+        sink = sinks.to(compute_dtype)[:, None, None].expand(*logits.shape[:2], 1)
+        logits = torch.cat([logits, sink], dim=-1)
     weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows with no visible key -> 0
+    weights = weights[..., : key.shape[0]]
     return torch.einsum("hqk,khd->qhd", weights, v)
 
 

@@ -77,6 +77,8 @@ def _why_not(attention: ir.Node, write: ir.Node | None) -> str | None:
         return "num_heads, head_size or num_kv_heads is not static"
     if not _is_zero(attention.inputs[6] if len(attention.inputs) > 6 else None):
         return "ALiBi (com.microsoft.PagedAttention has no slope input)"
+    if len(attention.inputs) > 9 and attention.inputs[9] is not None:
+        return "attention sinks (com.microsoft.PagedAttention has no sink input)"
     if _attribute(attention, "sliding_window", -1) == 1:
         return "sliding_window=1 (a one-key window was not checked against the CUDA kernel)"
     block_size = _static(attention.inputs[1], 1)

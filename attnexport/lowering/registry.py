@@ -50,12 +50,13 @@ def register_schemas() -> None:
             onnx.defs.register_schema(schema)
 
 
-def all_bodies(opset: int, scaled: bool = False) -> list[ir.Function]:
+def all_bodies(opset: int, scaled: bool = False, sinks: bool = False) -> list[ir.Function]:
     """The bodies of every attnexport node, for a model of standard opset ``opset`` (>= 18);
-    ``scaled``: the variants for int8 KV caches (nodes with scale-cache inputs)."""
+    ``scaled``: the variants for int8 KV caches (nodes with scale-cache inputs); ``sinks``:
+    for attention with sinks (nodes with the sink input)."""
     if opset < 18:
         raise ValueError(f"opset: expected a standard ONNX opset >= 18, got {opset}")
-    return [spec.function(opset, scaled) for spec in onnx_ops().values()]
+    return [spec.function(opset, scaled, sinks) for spec in onnx_ops().values()]
 
 
 def torch_op_specs() -> dict[str, tuple[OnnxOp, bool]]:

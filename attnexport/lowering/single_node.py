@@ -52,10 +52,15 @@ def single_node_session(
         ]
 
     graph_inputs, graph_outputs = values(inputs), values(outputs)
+    # The node's inputs in its ports' order, an omitted optional one left empty (a float-cache
+    # node with attention sinks has no scale caches before its sinks).
+    ports = onnx_ops()[op_type].inputs
+    given = {value.name: value for value in graph_inputs}
+    last = max(i for i, port in enumerate(ports) if port.name in given)
     node = ir.Node(
         DOMAIN,
         op_type,
-        graph_inputs,
+        [given.get(port.name) for port in ports[: last + 1]],
         attributes=ir.convenience.convert_attributes(geometry | attributes),
         outputs=graph_outputs,
     )
@@ -66,8 +71,9 @@ def single_node_session(
         opset_imports={"": opset, DOMAIN: 1},
         name=op_type,
     )
-    scaled = any(onnx_ops()[op_type].inputs[i].scale for i in range(len(graph_inputs)))
-    model = ir.Model(graph, ir_version=10, functions=all_bodies(opset, scaled))
+    scaled = any(port.scale and port.name in given for port in ports)
+    sinks = any(port.sinks and port.name in given for port in ports)
+    model = ir.Model(graph, ir_version=10, functions=all_bodies(opset, scaled, sinks))
     written = {n.removesuffix("_out"): n for n in outputs if n.endswith("_out")}
     model.metadata_props.update(GraphContract("attnexport", tuple(written), written).to_props())
     proto = ir.serde.serialize_model(model)

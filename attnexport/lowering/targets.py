@@ -33,23 +33,43 @@ def _used_ops(model: ir.Model) -> set[str]:
     }
 
 
-def _scaled(model: ir.Model) -> bool:
-    """Whether the graph's paged nodes have scale-cache inputs (int8 KV caches). One model has
-    one cache dtype: a graph whose nodes disagree is refused (an ONNX function has one body)."""
+def _all_or_none(model: ir.Model, kind: str, refusal: str) -> bool:
+    """Whether the graph's attnexport nodes with optional inputs of port ``kind`` (``scale``:
+    the int8 caches' scale caches; ``sinks``: attention sinks) have them. A graph whose nodes
+    disagree is refused with ``refusal``: an ONNX function has one body, and the body cannot
+    test for an omitted input."""
     from attnexport.lowering.registry import onnx_ops
 
     ops = onnx_ops()
-    found = {
-        ops[node.op_type].has_scales(list(node.inputs))
-        for node in ir.traversal.RecursiveGraphIterator(model.graph)
-        if node.domain == DOMAIN and any(p.scale for p in ops[node.op_type].inputs)
-    }
+    found = set()
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.domain != DOMAIN:
+            continue
+        ports = [i for i, port in enumerate(ops[node.op_type].inputs) if getattr(port, kind)]
+        if ports:
+            inputs = node.inputs
+            found.add(any(i < len(inputs) and inputs[i] is not None for i in ports))
     if len(found) > 1:
-        raise ValueError(
-            "kv caches: some paged nodes have scale caches (int8) and others not; a model "
-            "must use one KV cache dtype"
-        )
+        raise ValueError(refusal)
     return found == {True}
+
+
+def _scaled(model: ir.Model) -> bool:
+    """Whether the graph's paged nodes have scale-cache inputs (int8 KV caches)."""
+    refusal = (
+        "kv caches: some paged nodes have scale caches (int8) and others not; a model must use "
+        "one KV cache dtype"
+    )
+    return _all_or_none(model, "scale", refusal)
+
+
+def _sinks(model: ir.Model) -> bool:
+    """Whether the graph's attention nodes have attention sinks."""
+    refusal = (
+        "attention sinks: some attention nodes have them and others not; the layers of a "
+        "model must all have sinks or none"
+    )
+    return _all_or_none(model, "sinks", refusal)
 
 
 def attach_bodies(model: ir.Model) -> None:
@@ -60,7 +80,7 @@ def attach_bodies(model: ir.Model) -> None:
         model.opset_imports.pop(DOMAIN, None)
         return
     model.opset_imports[DOMAIN] = DOMAIN_VERSION
-    for function in all_bodies(model.opset_imports[""], _scaled(model)):
+    for function in all_bodies(model.opset_imports[""], _scaled(model), _sinks(model)):
         if function.name in used:
             model.functions[function.identifier()] = function
 

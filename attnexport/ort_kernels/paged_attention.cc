@@ -61,6 +61,7 @@ enum Input : size_t {
   kSlopes,
   kKeyScales,
   kValueScales,
+  kSinks,
 };
 
 namespace {
@@ -104,8 +105,8 @@ OrtStatus* PagedAttention::init(const OrtKernelInfo* info) {
 
 OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
   Tensor query, key_cache, value_cache, tables, seq_lens, query_start, slopes, key_scales,
-      value_scales;
-  bool has_key_scales = false, has_value_scales = false;
+      value_scales, sinks;
+  bool has_key_scales = false, has_value_scales = false, has_sinks = false;
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, kQuery, &query));
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, kKeyCache, &key_cache));
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, kValueCache, &value_cache));
@@ -116,6 +117,7 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
   ATTNEXPORT_RETURN_IF_ERROR(read_optional_input(context, kKeyScales, &key_scales, &has_key_scales));
   ATTNEXPORT_RETURN_IF_ERROR(
       read_optional_input(context, kValueScales, &value_scales, &has_value_scales));
+  ATTNEXPORT_RETURN_IF_ERROR(read_optional_input(context, kSinks, &sinks, &has_sinks));
 
   // Every check runs before any memory is read through an index.
   const int64_t tokens = query.dims.empty() ? 0 : query.dims[0];
@@ -147,6 +149,14 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
   if (!is_float_type(slopes.type))
     return invalid("PagedAttention: alibi_slopes: expected float32, float16 or bfloat16");
   for (int64_t h = 0; h < num_heads; ++h) slope_values[h] = load_element(slopes.data, slopes.type, h);
+  std::vector<float> sink_values;
+  if (has_sinks) {
+    ATTNEXPORT_RETURN_IF_ERROR(expect_shape(sinks, "sinks", {num_heads}, "[num_heads]"));
+    if (!is_float_type(sinks.type))
+      return invalid("PagedAttention: sinks: expected float32, float16 or bfloat16");
+    sink_values.resize(num_heads);
+    for (int64_t h = 0; h < num_heads; ++h) sink_values[h] = load_element(sinks.data, sinks.type, h);
+  }
 
   Batch batch{query.data,
               type,
@@ -160,7 +170,9 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
               {},
               max_blocks,
               nullptr,
-              0};
+              0,
+              nullptr,
+              std::move(sink_values)};
   if (std::any_of(slope_values.begin(), slope_values.end(), [](float s) { return s != 0.0f; }))
     batch.slopes = std::move(slope_values);
 
@@ -301,7 +313,7 @@ void PagedAttention::combine_splits(const Batch& batch, const Split& split) cons
       sum += weight * part[1];
       for (int64_t d = 0; d < W; ++d) total[d] += weight * part[2 + d];
     }
-    const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
+    const float inverse = softmax_inverse(batch, h, sum, max);
     for (int64_t d = 0; d < D; ++d)
       store_element(batch.out, batch.query_type, first_row + h * D + d, total[d] * inverse);
   }
@@ -820,7 +832,7 @@ void PagedAttention::attend(const Batch& batch, const WorkItem& item) const {
       const int64_t dst = ((seq_start + item.first_query + j) * num_heads + h * group) * D;
       for (int64_t g = 0; g < group; ++g) {
         const int64_t r = (h - item.kv_begin) * head_rows + j * group + g;
-        const float inverse = sums[r] > 0.0f ? 1.0f / sums[r] : 0.0f;
+        const float inverse = softmax_inverse(batch, h * group + g, sums[r], maxes[r]);
         for (int64_t d = 0; d < D; ++d)
           store_element(batch.out, batch.query_type, dst + g * D + d, outputs[r * W + d] * inverse);
       }

@@ -5,6 +5,7 @@
 
 #include <onnxruntime_c_api.h>
 
+#include <cmath>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -56,7 +57,17 @@ struct Batch {
   int64_t multiply_adds;  // an upper bound for the whole batch
   // Per partial slot: num_heads rows of [maximum, sum, W output lanes] (W = padded head size).
   float* partials = nullptr;
+  std::vector<float> sinks;  // per head; empty: no attention sinks
 };
+
+// 1 / the softmax denominator of head `head`'s row whose keys' weights exp(s - max) sum to
+// `sum`: with attention sinks, the sink joins it as a key of logit sinks[head] and zero value.
+// A row that sees no key (sum 0) is zeros, sinks or not.
+inline float softmax_inverse(const Batch& batch, int64_t head, float sum, float max) {
+  if (!(sum > 0.0f)) return 0.0f;
+  if (batch.sinks.empty()) return 1.0f / sum;
+  return 1.0f / (sum + std::exp(batch.sinks[head] - max));
+}
 
 // The prefill path's plan (paged_prefill.cc). Every (sequence, KV head) of a sequence with more
 // than one query has the keys its queries can see, [first, first + count), packed once as

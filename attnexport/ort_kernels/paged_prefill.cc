@@ -238,7 +238,7 @@ void PagedAttention::attend_tile(const Batch& batch, const PrefillPlan& plan,
     const int64_t dst = ((seq_start + tile.first_query + j) * num_heads + h * group) * D;
     for (int64_t g = 0; g < group; ++g) {
       const int64_t r = j * group + g;
-      const float inverse = sums[r] > 0.0f ? 1.0f / sums[r] : 0.0f;
+      const float inverse = softmax_inverse(batch, h * group + g, sums[r], maxes[r]);
       for (int64_t d = 0; d < D; ++d)
         store_element(batch.out, batch.query_type, dst + g * D + d, outputs[r * W + d] * inverse);
     }

@@ -209,11 +209,12 @@ struct Op : OrtCustomOp {
 
 // Float inputs take any type here (the kernels check: float32, float16, bfloat16, int8 caches),
 // so that the schema onnxruntime derives from these accepts every model the function bodies
-// accept. The scale caches of int8 caches are optional trailing inputs (and outputs).
+// accept. The scale caches of int8 caches are optional trailing inputs (and outputs); the
+// attention sinks an optional input after them.
 Op<PagedAttention> paged_attention_op(
     "PagedAttention",
-    {kAnyType, kAnyType, kAnyType, kInt32, kInt32, kInt32, kAnyType, kAnyType, kAnyType}, {0},
-    nullptr, 7);
+    {kAnyType, kAnyType, kAnyType, kInt32, kInt32, kInt32, kAnyType, kAnyType, kAnyType, kAnyType},
+    {0}, nullptr, 7);
 Op<ReshapeAndCache> reshape_and_cache_op(
     "ReshapeAndCache", {kAnyType, kAnyType, kAnyType, kAnyType, kAnyType, kAnyType, kAnyType},
     {2, 3, 5, 6}, infer_cache_outputs, 5, 2);

@@ -34,8 +34,6 @@ _ACTIVE_STEP: contextvars.ContextVar[PagedStep | None] = contextvars.ContextVar(
 # Keyword arguments of transformers' attention calls that ask for something paged_attention
 # does not compute; a layer passing one of them (not None) is refused.
 _UNSUPPORTED_ARGUMENTS = {
-    "s_aux": "attention sinks (a learned logit per head added to the softmax)",
-    "sinks": "attention sinks (a learned logit per head added to the softmax)",
     "position_bias": "a relative position bias added to the attention scores",
     "block_indices": "block-sparse attention (indices of the attended key blocks)",
     "indices": "sparse attention (indices of the attended keys)",
@@ -115,9 +113,16 @@ class PagedStep:
         # product (the scale is the layer's own) and give output columns that are cut off, as
         # transformers' flash-attention path does for these models.
         heads = [_padded(x, call.head_size) for x in heads]
-        out = attention(*heads, key_cache, value_cache, self.metadata)
+        out = attention(*heads, key_cache, value_cache, self.metadata, _sinks(options))
         out = out.reshape(1, -1, call.num_heads, call.head_size)
         return out[..., : call.value_head_size] if call.value_head_size < call.head_size else out
+
+
+def _sinks(options: dict) -> torch.Tensor | None:
+    """The layer's attention sinks ``[H]`` (GPT-OSS hands them to its attention function as
+    ``s_aux``), or None."""
+    sinks = options.get("s_aux")
+    return options.get("sinks") if sinks is None else sinks
 
 
 def _padded(heads: torch.Tensor, size: int) -> torch.Tensor:

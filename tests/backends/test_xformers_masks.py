@@ -286,6 +286,7 @@ def _skip_refused(op: str, case: AttentionCase, summary, facts) -> None:
         alibi=case.alibi,
         sliding_window=case.sliding_window >= 0,
         soft_cap=case.logits_soft_cap > 0,
+        sinks=case.sinks and op == "paged_attention",
         decode_only=summary.decode_only,
         chunked_prefill=summary.has_context,
     )

@@ -139,6 +139,13 @@ PAGED_ERRORS = {
         TypeError,
         "alibi_slopes",
     ),
+    "sinks shape": (
+        _set("sinks", torch.ones(4, 1)),
+        ValueError,
+        "sinks: expected a 1-D tensor [num_heads]",
+    ),
+    "sinks per head": (_set("sinks", torch.ones(3)), ValueError, "sinks: expected shape [4]"),
+    "sinks dtype": (_set("sinks", torch.ones(4, dtype=torch.int32)), TypeError, "sinks"),
     "window zero": (_set("sliding_window", 0), ValueError, "sliding_window"),
     "negative soft cap": (_set("logits_soft_cap", -1.0), ValueError, "logits_soft_cap"),
     "nan scale": (_set("scale", float("nan")), ValueError, "scale: expected a finite float"),

@@ -51,6 +51,8 @@ def _paged_inputs(case: AttentionCase) -> tuple[dict, dict]:
     x = make_paged_inputs(case)
     names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "query_start_loc")
     inputs = {n: x[n] for n in names} | {"alibi_slopes": _slopes(case, x["kwargs"])}
+    if case.sinks:
+        inputs["sinks"] = x["kwargs"]["sinks"]
     return inputs, x["kwargs"]
 
 

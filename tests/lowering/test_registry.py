@@ -74,26 +74,39 @@ def test_cache_arguments_are_the_paged_ops_caches():
     }
 
 
+_SINKS = ("PagedAttention",)
+_VARIANTS = [
+    (body, scaled, sinks)
+    for scaled, sinks in ((False, False), (True, False), (False, True), (True, True))
+    for body in all_bodies(18, scaled=scaled, sinks=sinks)
+    if (not scaled or body.name in _SCALED) and (not sinks or body.name in _SINKS)
+]
+
+
 @pytest.mark.parametrize(
-    "body",
-    [*all_bodies(18), *(f for f in all_bodies(18, scaled=True) if f.name in _SCALED)],
-    ids=lambda f: f"{f.name}-{len(f.inputs)}",
+    ("body", "scaled", "sinks"),
+    _VARIANTS,
+    ids=[f"{b.name}-{len(b.inputs)}{'-sinks' * sinks}" for b, _, sinks in _VARIANTS],
 )
-def test_bodies_implement_their_schemas(body: ir.Function):
+def test_bodies_implement_their_schemas(body: ir.Function, scaled: bool, sinks: bool):
     """Each body takes the schema's inputs and makes its outputs; the float-cache variant of a
     node with optional scale-cache ports leaves those out (int8 caches have a body of their
-    own: an ONNX function body cannot test for an omitted input)."""
+    own: an ONNX function body cannot test for an omitted input), unless it has the
+    attention-sink input, which comes after them (inputs are bound by position)."""
     register_schemas()
     schema = onnx.defs.get_schema(body.name, 1, DOMAIN)
-    spec = onnx_ops()[body.name]
-    scaled = len(body.inputs) == len(spec.inputs) and bool(spec.scale_inputs)
-    ports = {p.name: p for p in (*spec.inputs, *spec.outputs)}
+    ports = {p.name: p for p in (*onnx_ops()[body.name].inputs, *onnx_ops()[body.name].outputs)}
 
-    def expected(params):
-        return [p.name for p in params if scaled or not ports[p.name].scale]
+    def expected(params, inputs: bool):
+        return [
+            p.name
+            for p in params
+            if (scaled or (sinks and inputs) or not ports[p.name].scale)
+            and (sinks or not ports[p.name].sinks)
+        ]
 
-    assert [i.name for i in body.inputs] == expected(schema.inputs)
-    assert [o.name for o in body.outputs] == expected(schema.outputs)
+    assert [i.name for i in body.inputs] == expected(schema.inputs, inputs=True)
+    assert [o.name for o in body.outputs] == expected(schema.outputs, inputs=False)
     assert set(body.attributes) == set(schema.attributes)
     for name, attribute in body.attributes.items():
         default = schema.attributes[name].default_value
@@ -109,7 +122,8 @@ def test_int8_cache_ports_are_optional_and_trailing():
         spec = onnx_ops()[name]
         scales = [p for p in spec.inputs if p.scale]
         assert [p.name for p in scales] == ["key_scale_cache", "value_scale_cache"]
-        assert all(p.optional for p in scales) and spec.inputs[-2:] == tuple(scales)
+        inputs = [p for p in spec.inputs if not p.sinks]  # the sinks come after them
+        assert all(p.optional for p in scales) and tuple(inputs[-2:]) == tuple(scales)
         assert spec.scaled_body is not None
 
 

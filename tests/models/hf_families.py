@@ -128,6 +128,12 @@ FAMILIES: dict[str, Family] = {
             {**MLA, **MOE, "v_head_dim": 8},
         ),
         Family("minicpm3", "multi-head latent attention, dense", MLA, default=False),
+        Family(
+            "gpt_oss",
+            "attention sinks, sliding and full layers, experts with a clamped SwiGLU",
+            {**MOE, "sliding_window": 5},
+        ),
+        Family("flint", "attention sinks", default=False),
         Family("phimoe", "sparsemixer routing (a scatter of router logits)", MOE, default=False),
     )
 }

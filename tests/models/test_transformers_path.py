@@ -118,8 +118,6 @@ def test_a_tied_embedding_is_stored_once_and_gives_transformers_tokens(tmp_path)
 # ----------------------------------------------------------------------------- refusals
 
 REFUSED = {
-    # attention sinks: a learned logit per head in the softmax's denominator
-    "flint": (Family("flint", ""), r"s_aux: attention sinks"),
     # convolution layers keep a state across steps
     "lfm2": (
         Family("lfm2", "", {"layer_types": ["conv", "full_attention"]}),

@@ -17,7 +17,7 @@ from attnexport.custom_ops.spec import OpSpec
 SCHEMA = (
     "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
     f"Tensor seq_lens, Tensor query_start_loc, {attention.OPTION_ARGS.format('True')}, "
-    "Tensor? key_scale_cache=None, Tensor? value_scale_cache=None) -> Tensor"
+    "Tensor? key_scale_cache=None, Tensor? value_scale_cache=None, Tensor? sinks=None) -> Tensor"
 )
 
 
@@ -54,6 +54,10 @@ class PagedAttentionCall(NamedTuple):
     (it reads back as ``float(q) * scale``)."""
     value_scale_cache: torch.Tensor | None = None
     """As key_scale_cache, for value_cache."""
+    sinks: torch.Tensor | None = None
+    """Optional ``[H]`` float: attention sinks (GPT-OSS), a logit per head that joins each
+    row's softmax as a key of zero value: the weights become ``exp(s_k) / (exp(sink[h]) +
+    sum_k' exp(s_k'))``, and a query that sees no key still gets zeros."""
 
 
 def check(call: PagedAttentionCall) -> checks.BatchSummary | None:
@@ -94,6 +98,7 @@ def check(call: PagedAttentionCall) -> checks.BatchSummary | None:
         ),
     )
     attention.check_options(call)
+    attention.check_per_head("sinks", call.sinks, query)
     if checks.is_fake(query, key_cache, block_tables, seq_lens, query_start_loc):
         return None
 
@@ -223,7 +228,13 @@ def reference(*args, compute_dtype: torch.dtype = torch.float64, **kwargs) -> to
         # The queries are the last num_queries positions of the sequence.
         positions = torch.arange(seq_len - num_queries, seq_len, device=query.device)
         out[start:end] = attend(
-            query[start:end], key, value, positions, *attention.options(call), compute_dtype
+            query[start:end],
+            key,
+            value,
+            positions,
+            *attention.options(call),
+            compute_dtype,
+            sinks=call.sinks,
         )
     return out
 

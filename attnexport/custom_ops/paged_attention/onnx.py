@@ -7,6 +7,9 @@ block ids it reads first.
 
 from __future__ import annotations
 
+import onnx
+from onnxscript import opset18 as op
+
 from attnexport.custom_ops import onnx_attention as core
 from attnexport.custom_ops.onnx_builder import BOOL, INT64, Builder, arange, differs, refuse_if
 from attnexport.custom_ops.onnx_spec import (
@@ -41,9 +44,12 @@ def translate(
     logits_soft_cap: float = 0.0,
     key_scale_cache=None,
     value_scale_cache=None,
+    sinks=None,
 ):
     """attnexport::paged_attention(...) -> Tensor"""
     scales = () if key_scale_cache is None else (key_scale_cache, value_scale_cache)
+    if sinks is not None:  # the last input: the scale caches' places stay empty without them
+        scales = (key_scale_cache, value_scale_cache, op.Cast(sinks, to=onnx.TensorProto.FLOAT))
     return attnexport().PagedAttention(
         query,
         key_cache,
@@ -125,7 +131,10 @@ def _body(b: Builder, scaled: bool) -> None:
             flags.append(differs(b, b.Shape(name), b.Shape("key_cache", end=3)))
         # [num_blocks * block_size * Hkv, 1]: the scale of each row above.
         scales = tuple(b.Flatten(n, axis=3) for n in ("key_scale_cache", "value_scale_cache"))
-    core.attend(b, "query", keys, values, "alibi_slopes", plan, dims, "output", flags, scales)
+    sinks = "sinks" if any(v.name == "sinks" for v in b.inputs) else None
+    core.attend(
+        b, "query", keys, values, "alibi_slopes", plan, dims, "output", flags, scales, sinks
+    )
 
 
 _SEQS = ("num_seqs",)
@@ -141,7 +150,9 @@ ONNX_OPS = (
             "p - k < sliding_window). A query that sees no key outputs zeros. The caches may "
             "have a dtype of their own (read widened to float32); int8 caches come with their "
             "float32 scale caches [num_blocks, block_size, Hkv] (inputs 7, 8; a row reads as "
-            "float(q) * scale)."
+            "float(q) * scale). Attention sinks (input 9, after the scale caches or their "
+            "empty places) join each row's softmax as a logit per head of a key whose value "
+            "is zero."
         ),
         summary="Attention of packed ragged queries over a paged KV cache.",
         inputs=(
@@ -162,6 +173,7 @@ ONNX_OPS = (
             ),
             core.ALIBI,
             *scale_caches(names=False),
+            core.SINKS,
         ),
         outputs=(Port("output", "T", "[num_tokens, num_heads, head_size]"),),
         type_constraints=(
