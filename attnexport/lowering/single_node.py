@@ -56,6 +56,9 @@ def single_node_session(
     # node with attention sinks has no scale caches before its sinks).
     ports = onnx_ops()[op_type].inputs
     given = {value.name: value for value in graph_inputs}
+    unknown = set(given) - {port.name for port in ports}
+    if unknown:
+        raise ValueError(f"inputs: {sorted(unknown)} are not inputs of {op_type}")
     last = max(i for i, port in enumerate(ports) if port.name in given)
     node = ir.Node(
         DOMAIN,
