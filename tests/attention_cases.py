@@ -249,7 +249,7 @@ def standard_cases() -> list[AttentionCase]:
     cases.append(mixed.with_(sinks=True, num_heads=8, sliding_window=6, logits_soft_cap=3.0))
     cases.append(mixed.with_(sinks=True, dtype=torch.bfloat16))
     # a context long enough that the native kernel splits its decode (>= 32 blocks of 16)
-    cases.append(AttentionCase("decode", (1, 1), (700, 40), sinks=True))
+    cases.append(AttentionCase("split_decode", (1, 1), (700, 40), sinks=True))
     cases.append(AttentionCase("cross", (3, 1, 6), (5, 9, 0), causal=False))
     cases.append(
         AttentionCase("cross", (3, 1, 6), (5, 9, 0), causal=False, alibi=True, sliding_window=4)

@@ -67,11 +67,11 @@ SINKS = Port(
 
 
 def type_constraints(tensors: str) -> tuple[tuple[str, tuple[str, ...], str], ...]:
-    """T (``tensors`` dtype), I (int32 indices), A (float32 ALiBi slopes)."""
+    """T (``tensors`` dtype), I (int32 indices), A (float32 ALiBi slopes, attention sinks)."""
     return (
         ("T", FLOAT_TYPES, f"{tensors} dtype."),
         ("I", ("tensor(int32)",), "Index type."),
-        ("A", ("tensor(float)",), "ALiBi slope type."),
+        ("A", ("tensor(float)",), "ALiBi slope and attention sink type."),
     )
 
 

@@ -115,16 +115,7 @@ def direct_blockers(program: ExportedProgram, is_registered: Callable[[object], 
         ):
             blockers.append(f"subgraph {node.target}")
         if node.op == "placeholder" and node.name in written:
-            foreign = [
-                user
-                for user in node.users
-                if not (
-                    isinstance(user.target, torch._ops.OpOverload)
-                    and (
-                        user.target.namespace == "attnexport" or user.target == _aten.copy_.default
-                    )
-                )
-            ]
+            foreign = [user for user in node.users if not _reads_or_writes_caches(user)]
             if foreign:
                 blockers.append(f"cache {node.name} read by {foreign[0].target}")
         if node.op != "call_function":
@@ -160,9 +151,9 @@ def functional_program(program: ExportedProgram) -> ExportedProgram:
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        for cache, value in latest.items():
-            if cache in node.all_input_nodes:
-                node.replace_input_with(cache, value)
+        for source in node.all_input_nodes:
+            if source in latest:
+                node.replace_input_with(source, latest[source])
         target = node.target
         if target in _IDENTITIES:
             node.replace_all_uses_with(node.args[0])

@@ -107,9 +107,11 @@ def test_backends_command_lists_ipex(capsys):
 @needs_ipex
 @pytest.mark.parametrize("case", standard_cases(), ids=lambda c: c.id)
 def test_matches_sdpa(case: AttentionCase):
-    if case.sinks:
-        pytest.skip("attention sinks: IPEX's kernels have none (the sdpa backend runs them)")
     x = make_paged_inputs(case)
+    if case.sinks:  # IPEX's kernels have none: refused by name (auto takes sdpa)
+        with use_backend("ipex"), pytest.raises(BackendUnsupportedError, match="attention sinks"):
+            attnexport.paged_attention(*paged_args(x), **x["kwargs"])
+        return
     v = make_varlen_inputs(case)
     varlen = (v["query"], v["key"], v["value"], v["cu_seqlens_q"], v["cu_seqlens_k"])
     outputs = {}

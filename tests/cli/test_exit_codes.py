@@ -258,3 +258,18 @@ def test_a_decoder_start_token_outside_the_vocabulary_is_a_user_error(tmp_path, 
     )
     assert code == 2
     assert_one_line_error(err, "run", "decoder_start_token_id 999 is outside the vocabulary")
+
+
+def test_the_console_entry_exits_with_the_commands_code(tmp_path):
+    """``python -m attnexport`` (the console script's ``entry``, which freezes the heap before
+    the exit) exits with the command's code: 2 and the one-line error for a user error, 0 for
+    ``--version``."""
+    import subprocess
+
+    missing = tmp_path / "missing"
+    command = [sys.executable, "-m", "attnexport", "export", str(missing), "--out", "out"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert_one_line_error(result.stderr, "export", "is not a directory")
+    version = subprocess.run([sys.executable, "-m", "attnexport", "--version"], capture_output=True)
+    assert version.returncode == 0 and version.stdout.startswith(b"attnexport ")

@@ -39,8 +39,9 @@ MLA |= dict(qk_nope_head_dim=8, n_routed_experts=4, n_group=1, topk_group=1)
 MLA |= dict(first_k_dense_replace=1, num_key_value_heads=4)
 """Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3): low-rank q and kv projections, a
 rotated part and a plain part of each key head (head size 8 + 8), as many KV heads as query
-heads (as these models have: transformers' attention expands the latent to every head, and with
-fewer KV heads its eager and SDPA paths repeat them again and fail), 4 routed experts."""
+heads (as these models have: transformers expands the latent to every head, and with fewer KV
+heads its eager attention repeats them again and fails, its SDPA attention too once the value
+heads are narrower than the keys), 4 routed experts."""
 MOE = dict(
     num_experts=4,
     num_local_experts=4,
