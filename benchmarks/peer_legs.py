@@ -127,6 +127,10 @@ def leg_openvino(request: dict) -> dict:
     scheduler.max_num_seqs = max(len(prompts), scheduler.max_num_seqs)
     scheduler.enable_prefix_caching = False
     properties = {"INFERENCE_NUM_THREADS": threads}
+    if request["format"] == "fp32":
+        # Its CPU plugin computes in bfloat16 by default where the CPU has AVX512_BF16 or AMX
+        # (an "fp32" model would run at half the precision there): the fp32 class is float32.
+        properties["INFERENCE_PRECISION_HINT"] = "f32"
     pipe = ovg.ContinuousBatchingPipeline(request["model"], scheduler, "CPU", properties)
 
     def run(prompts: list[list[int]], new: int) -> dict:
@@ -162,7 +166,12 @@ def leg_openvino(request: dict) -> dict:
     result = run(prompts, new)
     core = ov.Core()
     kv = core.get_property("CPU", "KV_CACHE_PRECISION")
-    return result | {"describe": f"OpenVINO GenAI {ovg.__version__}, KV cache {kv}"}
+    compute = properties.get("INFERENCE_PRECISION_HINT") or core.get_property(
+        "CPU", "INFERENCE_PRECISION_HINT"
+    )
+    return result | {
+        "describe": f"OpenVINO GenAI {ovg.__version__}, KV cache {kv}, compute {compute}"
+    }
 
 
 # ----------------------------------------------------------------------------- vLLM
