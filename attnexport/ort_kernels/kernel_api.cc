@@ -122,6 +122,19 @@ OrtStatus* read_input(OrtKernelContext* context, size_t index, Tensor* out) {
   return api().GetTensorMutableData(const_cast<OrtValue*>(value), &out->data);
 }
 
+OrtStatus* read_constant_input(const OrtKernelInfo* info, size_t index, Tensor* out,
+                               bool* constant) {
+  *out = Tensor{};
+  int is_constant = 0;
+  const OrtValue* value = nullptr;
+  ATTNEXPORT_RETURN_IF_ERROR(
+      api().KernelInfoGetConstantInput_tensor(info, index, &is_constant, &value));
+  *constant = is_constant != 0 && value != nullptr;
+  if (!*constant) return nullptr;
+  ATTNEXPORT_RETURN_IF_ERROR(describe(value, out));
+  return api().GetTensorMutableData(const_cast<OrtValue*>(value), &out->data);
+}
+
 OrtStatus* read_optional_input(OrtKernelContext* context, size_t index, Tensor* out, bool* present) {
   *out = Tensor{};
   *present = false;

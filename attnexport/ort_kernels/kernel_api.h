@@ -39,6 +39,10 @@ const char* type_name(ONNXTensorElementDataType type);
 
 // Reads input `index`; returns an error status (nullptr on success).
 OrtStatus* read_input(OrtKernelContext* context, size_t index, Tensor* out);
+// Reads input `index` at kernel creation when the graph holds it as a constant (an initializer):
+// *constant says whether it does (and *out is empty when not).
+OrtStatus* read_constant_input(const OrtKernelInfo* info, size_t index, Tensor* out,
+                               bool* constant);
 // Reads optional input `index`: *present is false (and *out empty) when the node leaves it out
 // (fewer inputs, or the empty name "").
 OrtStatus* read_optional_input(OrtKernelContext* context, size_t index, Tensor* out, bool* present);

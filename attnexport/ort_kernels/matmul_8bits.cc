@@ -7,7 +7,8 @@
 // ~14x slower at decode). Here each row of `a` is rounded once per call to int16 per block of
 // K (its scale the block's largest magnitude / 32767: a rounding 256 times finer than int8's,
 // below float32's own error on these sums), and each block of a column is an integer dot
-// product (vpmaddwd: 16 products per instruction, the weights widened from bytes in registers),
+// product (vpmaddwd: 16 products per instruction, 32 in the AVX-512 build; the weights widened
+// from bytes in registers),
 // scaled into float32 accumulators:
 //
 //   y[r, n] = sum_b  s_w[n, b] * s_a[r, b] * sum_k qa[r, k] * qw[n, k]
@@ -16,14 +17,18 @@
 // Float32 multiply-adds of dequantized weights measured 1.8x slower at one row (a
 // conversion and a multiply-add per weight besides the product).
 //
-// Each output is accumulated lane-wise in K order and summed across lanes at the end, from its
-// row's own rounding: a row's numbers do not depend on how many rows the call has or which tile
-// computes them (batch invariance, tested bit for bit).
+// Each output is computed from its row's own rounding in one fixed sequence whatever the call's
+// row count or tile: a row's numbers do not depend on its batch (batch invariance, tested bit
+// for bit). The AVX2 build accumulates a column's 8 lanes in float32 block by block and sums
+// them at the end; the AVX-512 build (blocks of a multiple of 32) sums each block's products
+// exactly in int32 per column and scales them in vectors of 16 columns (transposed_rows and
+// few_rows: two ways to the same integers, hence the same bits).
 
 #include "matmul_8bits.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -32,24 +37,42 @@
 namespace attnexport {
 namespace {
 
-// 256-bit integer and float vectors on both the AVX2 and AVX-512 builds (a block of 16 weights
-// is one step; MatMulNBits' smallest block).
-constexpr int64_t kStep = 16;
 // A block's int32 lane sums stay exact up to 1024 weights: 64 pairs of 32767 * 255 per lane.
 constexpr int64_t kMaxBlock = 1024;
 
-// Weights w[0..16) widened to int16.
-inline __m256i load_weights(const uint8_t* w) {
-  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-}
+// The AVX2 build's integer path (and the AVX-512 build's for blocks of 16): 256-bit vectors, a
+// step of 16 weights (MatMulNBits' smallest block), lanes per column.
+struct Narrow {
+  using Int = __m256i;
+  using Float = f32x8;
+  static constexpr int64_t kStep = 16;
+  static Int multiply(Int a, Int b) { return _mm256_madd_epi16(a, b); }
+  // Weights w[0..16) widened to int16.
+  static Int load_weights(const uint8_t* w) {
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  }
+  static Int load_activations(const int16_t* a) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+  }
+  static Int multiply_add(Int sum, Int a, Int b) {
+    return _mm256_add_epi32(sum, _mm256_madd_epi16(a, b));
+  }
+  static Float to_floats(Int v) {
+    return __builtin_convertvector(reinterpret_cast<i32x8>(v), f32x8);
+  }
+  static Float splat(float x) { return splat8(x); }
+  // The lanes' sum, pairwise in a fixed order.
+  static float sum(f32x8 v) {
+    const f32x4 half =
+        __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    return (half[0] + half[2]) + (half[1] + half[3]);
+  }
+  // Columns per tile of R rows: the integer accumulators stay in the 16 vector registers (the
+  // float ones, touched once a block, may not). Four rows share each widened weight vector:
+  // 1.13x two rows' tiles at 8 to 128 rows; six rows spill (1.0x).
+  static constexpr int columns(int rows) { return rows == 1 ? 4 : 2; }
+};
 
-inline f32x8 to_floats(__m256i v) { return __builtin_convertvector(reinterpret_cast<i32x8>(v), f32x8); }
-
-// The lanes' sum, pairwise in a fixed order.
-inline float lane_sum(f32x8 v) {
-  const f32x4 half = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-  return (half[0] + half[2]) + (half[1] + half[3]);
-}
 
 // A call's rows of `a`, rounded: int16 [rows, blocks * block_size] (zero past K), the scale of
 // each row's block and the scaled sum of its rounded values (for the zero points' term).
@@ -94,6 +117,7 @@ struct Weights {
   const float* float_zeros;     // [n * blocks], or nullptr: zero points in zero_bytes
   const uint8_t* zero_bytes;    // [n * blocks], or [1] when zero_stride is 0
   int64_t zero_stride, blocks, block_size;
+  const float* lanes = nullptr;  // MatMul8Bits::lane_parameters, or nullptr
 
   float zero(int64_t index) const {
     return float_zeros != nullptr ? float_zeros[index]
@@ -102,38 +126,44 @@ struct Weights {
 };
 
 // out[r][c] (r < R, c < C) = row first_row + r of `a` . column `column` + c of W.
-template <int R, int C>
+template <class V, int R, int C>
 inline void dot_tile(const Rows& rows, int64_t first_row, const Weights& w, int64_t column,
                      float* out, int64_t ldo) {
   const int64_t padded = w.blocks * w.block_size;
   static_assert(C <= 4, "a row's zero-point terms are the lanes of one f32x4");
-  f32x8 acc[R][C];
+  typename V::Float acc[R][C];
   // Lane c: column c's zero-point term. (As float zero_term[R][C], g++ 12 packed the terms
   // into general registers two by two on every block: as much time as the multiply-adds.)
   f32x4 zero_terms[R];
   for (int r = 0; r < R; ++r) {
     zero_terms[r] = f32x4{};
-    for (int c = 0; c < C; ++c) acc[r][c] = f32x8{};
+    for (int c = 0; c < C; ++c) acc[r][c] = typename V::Float{};
   }
   const int16_t* a = rows.q.data() + first_row * padded;
   const uint8_t* q = w.q + column * padded;
   for (int64_t b = 0; b < w.blocks; ++b) {
-    __m256i dots[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) dots[r][c] = _mm256_setzero_si256();
+    typename V::Int dots[R][C];
     const int64_t start = b * w.block_size;
     // The next tile's columns, one block ahead of their use: each column is a stream of K
     // bytes, too short for the hardware prefetcher to follow (SmolLM2 int8 decode at batch 1:
     // 37 -> 57 tokens/s).
     for (int c = 0; c < C; ++c)
       _mm_prefetch(reinterpret_cast<const char*>(q + (C + c) * padded + start), _MM_HINT_T0);
-    for (int64_t i = start; i < start + w.block_size; i += kStep) {
-      __m256i weight[C];
-      for (int c = 0; c < C; ++c) weight[c] = load_weights(q + c * padded + i);
+    // The block's first step starts the sums (a block of 32 is one step of the wide vectors).
+    {
+      typename V::Int weight[C];
+      for (int c = 0; c < C; ++c) weight[c] = V::load_weights(q + c * padded + start);
       for (int r = 0; r < R; ++r) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + r * padded + i));
-        for (int c = 0; c < C; ++c)
-          dots[r][c] = _mm256_add_epi32(dots[r][c], _mm256_madd_epi16(x, weight[c]));
+        const typename V::Int x = V::load_activations(a + r * padded + start);
+        for (int c = 0; c < C; ++c) dots[r][c] = V::multiply(x, weight[c]);
+      }
+    }
+    for (int64_t i = start + V::kStep; i < start + w.block_size; i += V::kStep) {
+      typename V::Int weight[C];
+      for (int c = 0; c < C; ++c) weight[c] = V::load_weights(q + c * padded + i);
+      for (int r = 0; r < R; ++r) {
+        const typename V::Int x = V::load_activations(a + r * padded + i);
+        for (int c = 0; c < C; ++c) dots[r][c] = V::multiply_add(dots[r][c], x, weight[c]);
       }
     }
     float weight_scales[C];
@@ -148,24 +178,23 @@ inline void dot_tile(const Rows& rows, int64_t first_row, const Weights& w, int6
       const float row_scale = rows.scale[row_block], scaled_sum = rows.scaled_sum[row_block];
       zero_terms[r] += offsets * scaled_sum;
       for (int c = 0; c < C; ++c)
-        acc[r][c] += to_floats(dots[r][c]) * splat8(weight_scales[c] * row_scale);
+        acc[r][c] += V::to_floats(dots[r][c]) * V::splat(weight_scales[c] * row_scale);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[r * ldo + c] = lane_sum(acc[r][c]) + zero_terms[r][c];
+    for (int c = 0; c < C; ++c) out[r * ldo + c] = V::sum(acc[r][c]) + zero_terms[r][c];
 }
 
-// Rows four (then two) at a time by 2 columns, one row by 4: the integer accumulators stay in
-// the 16 vector registers (the float ones, touched once a block, may not). Four rows share each
-// widened weight vector: 1.13x two rows' tiles at 8 to 128 rows; six rows spill (1.0x).
-template <int R>
+// Rows R at a time by V::columns(R) columns, then the columns left one at a time.
+template <class V, int R>
 void rows_by_columns(const Rows& rows, int64_t first_row, const Weights& w, int64_t first_column,
                      int64_t end_column, float* out, int64_t ldo) {
-  constexpr int kColumnTile = R == 1 ? 4 : 2;
+  constexpr int kColumnTile = V::columns(R);
   int64_t column = first_column;
   for (; column + kColumnTile <= end_column; column += kColumnTile)
-    dot_tile<R, kColumnTile>(rows, first_row, w, column, out + column, ldo);
-  for (; column < end_column; ++column) dot_tile<R, 1>(rows, first_row, w, column, out + column, ldo);
+    dot_tile<V, R, kColumnTile>(rows, first_row, w, column, out + column, ldo);
+  for (; column < end_column; ++column)
+    dot_tile<V, R, 1>(rows, first_row, w, column, out + column, ldo);
 }
 
 // The float32 panel path (nodes with batch_invariant = 0, calls of kPanelRows rows or more):
@@ -208,7 +237,7 @@ void dequantize_columns(const Weights& w, int64_t first, int64_t end, int64_t k,
 }
 
 // out[r][c] (r < R, c < C) = row first_row + r of `a` . panel column c: 8 lanes in K order, then
-// lane_sum and the scalar tail, the same order for every R and C.
+// Narrow::sum and the scalar tail, the same order for every R and C.
 template <int R, int C>
 inline void panel_tile(const float* a, int64_t k, const float* panel, int64_t stride, float* out,
                        int64_t ldo) {
@@ -227,7 +256,7 @@ inline void panel_tile(const float* a, int64_t k, const float* panel, int64_t st
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
-      float sum = lane_sum(acc[r][c]);
+      float sum = Narrow::sum(acc[r][c]);
       for (int64_t i = whole; i < k; ++i) sum += a[r * k + i] * panel[c * stride + i];
       out[r * ldo + c] = sum;
     }
@@ -260,17 +289,404 @@ void panel_columns(const float* a, int64_t count, int64_t k, const Weights& w, i
     panel_rows<1>(a + row * k, k, panel.data(), stride, columns, out + row * n + first, n);
 }
 
+template <class V>
 void columns(const Rows& rows, int64_t count, const Weights& w, int64_t first_column,
              int64_t end_column, float* out, int64_t n) {
   int64_t row = 0;
   for (; row + 4 <= count; row += 4)
-    rows_by_columns<4>(rows, row, w, first_column, end_column, out + row * n, n);
+    rows_by_columns<V, 4>(rows, row, w, first_column, end_column, out + row * n, n);
   for (; row + 2 <= count; row += 2)
-    rows_by_columns<2>(rows, row, w, first_column, end_column, out + row * n, n);
-  if (row < count) rows_by_columns<1>(rows, row, w, first_column, end_column, out + row * n, n);
+    rows_by_columns<V, 2>(rows, row, w, first_column, end_column, out + row * n, n);
+  if (row < count) rows_by_columns<V, 1>(rows, row, w, first_column, end_column, out + row * n, n);
+}
+
+#if defined(__AVX512BW__)
+// The AVX-512 build's integer path for blocks that are a multiple of 32: a vector's 16 lanes are
+// 16 columns. Each step transposes 32 weights of 16 columns so that vector p holds every
+// column's pair of weights k + 2p, k + 2p + 1 (as int16), and a row's pair of activations,
+// broadcast, multiplies all 16 columns in one vpmaddwd: a block's dot products come out summed
+// per column, and the per-block epilogue (convert, scale, add) is one vector for 16 columns
+// instead of one per column (the lanes-per-column layout above, widened to 512 bits, spent most
+// of its time there: SmolLM2's [576 x 1536] projections at 128 rows, 2.3x slower than this).
+// The sums are exact, so a row's numbers are the epilogue's on the same integers whichever
+// way they were made (batch invariance).
+constexpr int64_t kLaneColumns = 16;
+constexpr int64_t kPairStep = 32;  // weights of a column per transposed step: 16 pairs
+// Rows per pass over a work item's blocks: their sums (128 bytes a row) and a step's
+// activations (64 bytes a row) stay in L1; the transposition is redone per pass.
+// kPrefetchBytes: how far ahead of a step each of the item's 16 column streams is asked for.
+constexpr int64_t kLaneRowBlock = 64;
+// Rows from which a step's weights are transposed (below: a row's dots column by column).
+constexpr int64_t kTransposeRows = 4;
+constexpr int64_t kPrefetchBytes = 128;
+
+// r[p] lane c <- r[c] lane p. (Shuffles of vector types: g++ 12's unpack intrinsics trip
+// -Werror=maybe-uninitialized.)
+inline void transpose16(i32x16 (&r)[16]) {
+  i32x16 t[16];
+  for (int i = 0; i < 8; ++i) {  // unpack{lo,hi}_epi32
+    t[2 * i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 16, 1, 17, 4, 20, 5, 21, 8, 24,
+                                       9, 25, 12, 28, 13, 29);
+    t[2 * i + 1] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 2, 18, 3, 19, 6, 22, 7, 23, 10,
+                                           26, 11, 27, 14, 30, 15, 31);
+  }
+  for (int i = 0; i < 4; ++i)  // unpack{lo,hi}_epi64
+    for (int j = 0; j < 2; ++j) {
+      r[4 * i + 2 * j] = __builtin_shufflevector(t[4 * i + j], t[4 * i + j + 2], 0, 1, 16, 17, 4, 5,
+                                                 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+      r[4 * i + 2 * j + 1] = __builtin_shufflevector(t[4 * i + j], t[4 * i + j + 2], 2, 3, 18, 19,
+                                                     6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    }
+  for (int i = 0; i < 2; ++i)  // shuffle_i32x4 0x88, 0xdd
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = __builtin_shufflevector(r[8 * i + j], r[8 * i + 4 + j], 0, 1, 2, 3, 8, 9, 10,
+                                             11, 16, 17, 18, 19, 24, 25, 26, 27);
+      t[8 * i + 4 + j] = __builtin_shufflevector(r[8 * i + j], r[8 * i + 4 + j], 4, 5, 6, 7, 12, 13,
+                                                 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = __builtin_shufflevector(t[j], t[8 + j], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25,
+                                   26, 27);
+    r[8 + j] = __builtin_shufflevector(t[j], t[8 + j], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23,
+                                       28, 29, 30, 31);
+  }
+}
+
+// The block parameters of columns [first, first + columns) for blocks [b0, b0 + 16) as lanes:
+// scales[j] lane c = the scale of column first + c in block b0 + j, offsets[j] = -zero * scale
+// (zero past `columns` and past the last block). Loaded 16 blocks of a column at a time and
+// transposed: a gather per block (16 scattered loads) took 40% of a one-row call, scalar
+// copies a third.
+__attribute__((noinline)) void column_parameters(const Weights& w, int64_t first, int columns, int64_t b0,
+                              f32x16 (&scales)[kLaneColumns], f32x16 (&offsets)[kLaneColumns]) {
+  const int64_t count = std::min(kLaneColumns, w.blocks - b0);
+  // Blocks [b0, b0 + count) of a column. (Masked loads of the last blocks measured 10x a plain
+  // load here, every column's parameters starting mid-line.)
+  const auto blocks_of = [&](const float* column) {
+    if (count == kLaneColumns) return reinterpret_cast<i32x16>(load16(column));
+    f32x16 v{};
+    for (int64_t j = 0; j < count; ++j) v[j] = column[j];
+    return reinterpret_cast<i32x16>(v);
+  };
+  i32x16 s[kLaneColumns], z[kLaneColumns];
+  for (int c = 0; c < kLaneColumns; ++c)
+    s[c] = c < columns ? blocks_of(w.scales + (first + c) * w.blocks + b0) : i32x16{};
+  transpose16(s);
+  if (w.float_zeros != nullptr) {
+    for (int c = 0; c < kLaneColumns; ++c)
+      z[c] = c < columns ? blocks_of(w.float_zeros + (first + c) * w.blocks + b0) : i32x16{};
+    transpose16(z);
+  } else {
+    for (int j = 0; j < kLaneColumns; ++j) {
+      f32x16 zero{};
+      for (int c = 0; c < columns && j < count; ++c) zero[c] = w.zero((first + c) * w.blocks + b0 + j);
+      z[j] = reinterpret_cast<i32x16>(zero);
+    }
+  }
+  for (int j = 0; j < kLaneColumns; ++j) {
+    scales[j] = reinterpret_cast<f32x16>(s[j]);
+    offsets[j] = -reinterpret_cast<f32x16>(z[j]) * scales[j];
+  }
+}
+
+// Floats a block of a work item takes in MatMul8Bits::lane_parameters: its 16 scales, and their
+// offsets (-zero * scale) unless one zero point serves every block.
+inline int64_t lane_parameters_per_block(const Weights& w) {
+  return w.zero_stride == 0 ? kLaneColumns : 2 * kLaneColumns;
+}
+
+// The block parameters of a work item's 16 columns, block by block: from the copy in the lanes'
+// layout made at kernel creation (a stream of 128 bytes a block), else transposed here 16
+// blocks at a time. The values are the same either way.
+struct LaneParameters {
+  const Weights& w;
+  int64_t first;
+  int columns;
+  f32x16 scales[kLaneColumns], offsets[kLaneColumns];
+
+  void at(int64_t b, f32x16& scale, f32x16& offset) {
+    if (w.lanes != nullptr) {
+      const int64_t per_block = lane_parameters_per_block(w);
+      const float* p = w.lanes + ((first / kLaneColumns) * w.blocks + b) * per_block;
+      scale = load16(p);
+      offset = per_block == kLaneColumns ? -splat16(w.zero(0)) * scale : load16(p + kLaneColumns);
+      return;
+    }
+    if (b % kLaneColumns == 0) column_parameters(w, first, columns, b, scales, offsets);
+    scale = scales[b % kLaneColumns], offset = offsets[b % kLaneColumns];
+  }
+
+  // Lanes c0 .. c0 + 3 of at(b).
+  void at4(int64_t b, int c0, __m128& scale, __m128& offset) {
+    if (w.lanes != nullptr) {
+      const int64_t per_block = lane_parameters_per_block(w);
+      const float* p = w.lanes + ((first / kLaneColumns) * w.blocks + b) * per_block + c0;
+      scale = _mm_loadu_ps(p);
+      offset = per_block == kLaneColumns ? _mm_mul_ps(_mm_set1_ps(-w.zero(0)), scale)
+                                         : _mm_loadu_ps(p + kLaneColumns);
+      return;
+    }
+    f32x16 scale16, offset16;
+    at(b, scale16, offset16);
+    scale = _mm_loadu_ps(&scale16[c0]);
+    offset = _mm_loadu_ps(&offset16[c0]);
+  }
+};
+
+// The first 64-byte boundary in `packed` (std::vector<float> aligns to 16 bytes; a block's
+// vectors that straddle cache lines touch one line more each).
+inline size_t lane_parameters_start(const float* packed) {
+  return (64 - reinterpret_cast<uintptr_t>(packed) % 64) % 64 / sizeof(float);
+}
+
+// [items][blocks][scales, offsets][16 lanes] (no offsets for one zero point), from
+// lane_parameters_start on: every work item's LaneParameters, for kernel creation.
+std::vector<float> pack_lane_parameters(const Weights& w, int64_t n) {
+  const int64_t items = (n + kLaneColumns - 1) / kLaneColumns, per_block = lane_parameters_per_block(w);
+  std::vector<float> storage(static_cast<size_t>(items * w.blocks * per_block + kLaneColumns));
+  float* packed_start = storage.data() + lane_parameters_start(storage.data());
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t first = item * kLaneColumns;
+    f32x16 scales[kLaneColumns], offsets[kLaneColumns];
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      if (b % kLaneColumns == 0)
+        column_parameters(w, first, static_cast<int>(std::min(kLaneColumns, n - first)), b,
+                          scales, offsets);
+      float* p = packed_start + (item * w.blocks + b) * per_block;
+      store16(p, scales[b % kLaneColumns]);
+      if (per_block > kLaneColumns) store16(p + kLaneColumns, offsets[b % kLaneColumns]);
+    }
+  }
+  return storage;
+}
+
+// Asks for the block parameters of columns [first, first + 32): this work item's, read at its
+// first block (their misses, not the products, were half of a one-row call on a 28 MB logits
+// projection), and the next's.
+inline void prefetch_parameters(const Weights& w, int64_t first, int64_t n) {
+  if (w.lanes != nullptr) {
+    // The next item's copy in the lanes' layout (a stream of 64 or 128 bytes a block).
+    const int64_t per_item = w.blocks * lane_parameters_per_block(w);
+    const float* next = w.lanes + (first / kLaneColumns + 1) * per_item;
+    if (first + kLaneColumns < n)
+      for (int64_t i = 0; i < per_item; i += 16)
+        _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
+    return;
+  }
+  const int64_t end = std::min(first + 4 * kLaneColumns, n);
+  const auto lines = [&](const void* base) {
+    const char* start = static_cast<const char*>(base) + first * w.blocks * 4;
+    const char* stop = static_cast<const char*>(base) + end * w.blocks * 4;
+    for (const char* line = start; line < stop; line += 64) _mm_prefetch(line, _MM_HINT_T0);
+  };
+  lines(w.scales);
+  if (w.float_zeros != nullptr) lines(w.float_zeros);
+}
+
+inline __m512i broadcast_pair(const int16_t* a) {
+  int32_t pair;
+  std::memcpy(&pair, a, sizeof pair);
+  return _mm512_set1_epi32(pair);
+}
+
+// One block's contribution to a row's 16 columns: the block's dot products (exact int32), scaled
+// by the columns' and the row's scales, and the zero points' term. The one place both ways of
+// computing the dots below meet: a row's numbers are these operations on the same integers
+// whichever way, hence the same bits in any batch.
+// (Explicit multiply-adds: few_rows does the same on 4 lanes, and its numbers must be these.)
+inline void add_block(f32x16& products, f32x16& zero_terms, i32x16 dots, f32x16 scales,
+                      f32x16 offsets, float row_scale, float scaled_sum) {
+  products = reinterpret_cast<f32x16>(
+      _mm512_fmadd_ps(reinterpret_cast<__m512>(__builtin_convertvector(dots, f32x16)),
+                      reinterpret_cast<__m512>(scales * splat16(row_scale)),
+                      reinterpret_cast<__m512>(products)));
+  zero_terms = reinterpret_cast<f32x16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(offsets),
+                                                        reinterpret_cast<__m512>(splat16(scaled_sum)),
+                                                        reinterpret_cast<__m512>(zero_terms)));
+}
+
+// add_block on 4 lanes (columns c0 .. c0 + 3 of a work item): the same operations lane by lane.
+inline void add_block4(__m128& products, __m128& zero_terms, __m128i dots, __m128 scales,
+                       __m128 offsets, float row_scale, float scaled_sum) {
+  products = _mm_fmadd_ps(_mm_cvtepi32_ps(dots), _mm_mul_ps(scales, _mm_set1_ps(row_scale)),
+                          products);
+  zero_terms = _mm_fmadd_ps(offsets, _mm_set1_ps(scaled_sum), zero_terms);
+}
+
+inline void store_columns(float* out, int columns, f32x16 products, f32x16 zero_terms) {
+  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << columns) - 1),
+                        reinterpret_cast<__m512>(products + zero_terms));
+}
+
+// Rows [first_row, end_row) (kTransposeRows or more) of columns [first, first + columns),
+// columns <= 16: each step's weights transposed once (64 shuffles), then a row's 16 columns in
+// 16 multiply-adds of its broadcast activation pairs.
+void transposed_rows(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
+                     int64_t first, int columns, float* out, int64_t n) {
+  prefetch_parameters(w, first, n);
+  const int64_t padded = w.blocks * w.block_size, steps = w.block_size / kPairStep;
+  f32x16 products[kLaneRowBlock], zero_terms[kLaneRowBlock];
+  i32x16 dots[kLaneRowBlock];
+  const int64_t count = end_row - first_row;
+  for (int64_t r = 0; r < count; ++r) products[r] = zero_terms[r] = f32x16{};
+  const uint8_t* q = w.q + first * padded;
+  LaneParameters parameters{w, first, columns, {}, {}};
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    f32x16 scales, offsets;
+    parameters.at(b, scales, offsets);
+    for (int64_t step = 0; step < steps; ++step) {
+      const int64_t k = b * w.block_size + step * kPairStep;
+      // Each column is a stream of K bytes, too short for the hardware prefetcher to follow.
+      if (k % 64 == 0)
+        for (int c = 0; c < columns; ++c)
+          _mm_prefetch(reinterpret_cast<const char*>(q + c * padded + k + kPrefetchBytes),
+                       _MM_HINT_T0);
+      i32x16 t[kLaneColumns];
+      for (int c = 0; c < kLaneColumns; ++c)
+        t[c] = columns == kLaneColumns || c < columns
+                   ? reinterpret_cast<i32x16>(_mm512_cvtepu8_epi16(
+                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * padded + k))))
+                   : i32x16{};
+      transpose16(t);
+      for (int64_t r = 0; r < count; ++r) {
+        const int16_t* a = rows.q.data() + (first_row + r) * padded + k;
+        __m512i dot = _mm512_madd_epi16(broadcast_pair(a), reinterpret_cast<__m512i>(t[0]));
+        for (int p = 1; p < kLaneColumns; ++p)
+          dot = _mm512_add_epi32(dot, _mm512_madd_epi16(broadcast_pair(a + 2 * p),
+                                                        reinterpret_cast<__m512i>(t[p])));
+        dots[r] = step > 0 ? dots[r] + reinterpret_cast<i32x16>(dot) : reinterpret_cast<i32x16>(dot);
+        if (step + 1 == steps) {
+          const int64_t row_block = (first_row + r) * w.blocks + b;
+          add_block(products[r], zero_terms[r], dots[r], scales, offsets, rows.scale[row_block],
+                    rows.scaled_sum[row_block]);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < count; ++r)
+    store_columns(out + (first_row + r) * n + first, columns, products[r], zero_terms[r]);
+}
+
+// The four sums of d[0..4)'s lanes, exact.
+inline __m128i lane_sums4(const __m512i (&d)[4]) {
+  __m256i half[4];
+  for (int c = 0; c < 4; ++c) {
+    const i32x16 v = reinterpret_cast<i32x16>(d[c]);
+    half[c] = reinterpret_cast<__m256i>(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                                        __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+  }
+  const i32x8 pairs = reinterpret_cast<i32x8>(_mm256_hadd_epi32(
+      _mm256_hadd_epi32(half[0], half[1]), _mm256_hadd_epi32(half[2], half[3])));
+  return reinterpret_cast<__m128i>(__builtin_shufflevector(pairs, pairs, 0, 1, 2, 3) +
+                                   __builtin_shufflevector(pairs, pairs, 4, 5, 6, 7));
+}
+
+// Columns [c0, c0 + C) (C <= 4) of row `row`: the C columns read side by side through K (the
+// next tile's asked for a block ahead, as a row of weights streams from memory best), each
+// block's dots summed across lanes and added to 4-lane sums on the spot.
+template <int C>
+void few_rows_tile(const Rows& rows, int64_t row, const Weights& w, const uint8_t* q,
+                   LaneParameters& parameters, int c0, float* out) {
+  const int64_t padded = w.blocks * w.block_size;
+  const int16_t* a = rows.q.data() + row * padded;
+  __m128 products = _mm_setzero_ps(), zero_terms = _mm_setzero_ps();
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    const int64_t start = b * w.block_size;
+    for (int c = 0; c < C; ++c)
+      _mm_prefetch(reinterpret_cast<const char*>(q + (c0 + C + c) * padded + start), _MM_HINT_T0);
+    __m512i d[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                    _mm512_setzero_si512()};
+    for (int64_t i = start; i < start + w.block_size; i += kPairStep) {
+      const __m512i x = _mm512_loadu_si512(a + i);
+      for (int c = 0; c < C; ++c)
+        d[c] = _mm512_add_epi32(d[c], _mm512_madd_epi16(x, _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+                                                                reinterpret_cast<const __m256i*>(
+                                                                    q + (c0 + c) * padded + i)))));
+    }
+    __m128 scales, offsets;
+    parameters.at4(b, c0, scales, offsets);
+    const int64_t row_block = row * w.blocks + b;
+    add_block4(products, zero_terms, lane_sums4(d), scales, offsets, rows.scale[row_block],
+               rows.scaled_sum[row_block]);
+  }
+  alignas(16) float sums[4];
+  _mm_store_ps(sums, _mm_add_ps(products, zero_terms));
+  for (int c = 0; c < C; ++c) out[c0 + c] = sums[c];
+}
+
+// Rows [first_row, end_row) (fewer than kTransposeRows) of columns [first, first + columns): a
+// row's block dots four columns at a time, their epilogue add_block's on 4 lanes. (No
+// transposition to amortize over one row; 16 column streams at once, or the dots kept for one
+// 16-lane epilogue after them, read a 28 MB logits projection at half the speed.)
+void few_rows(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
+              int64_t first, int columns, float* out, int64_t n) {
+  prefetch_parameters(w, first, n);
+  const uint8_t* q = w.q + first * w.blocks * w.block_size;
+  LaneParameters parameters{w, first, columns, {}, {}};
+  for (int64_t row = first_row; row < end_row; ++row) {
+    float* y = out + row * n + first;
+    int c0 = 0;
+    for (; c0 + 4 <= columns; c0 += 4) few_rows_tile<4>(rows, row, w, q, parameters, c0, y);
+    if (columns - c0 == 3) few_rows_tile<3>(rows, row, w, q, parameters, c0, y);
+    if (columns - c0 == 2) few_rows_tile<2>(rows, row, w, q, parameters, c0, y);
+    if (columns - c0 == 1) few_rows_tile<1>(rows, row, w, q, parameters, c0, y);
+  }
+}
+#endif
+
+// Whether the AVX-512 build's integer path takes the node's blocks. Where it does, it also
+// serves the nodes that need no batch invariance: it is 2-2.4x the float32 panel path from 4
+// rows to 512 (Zen 5, SmolLM2's [576 x 3072] projection), which is there for CPUs whose integer
+// products are no faster than float ones (AVX2 on 128-bit units).
+constexpr bool wide_integer_path(int64_t block_size) {
+#if defined(__AVX512BW__)
+  return block_size % kPairStep == 0;
+#else
+  return block_size < 0;
+#endif
+}
+
+// Columns [first_column, end_column) of every row, on the widest integer path this build has for
+// the node's block size.
+void integer_columns(const Rows& rows, int64_t count, const Weights& w, int64_t first_column,
+                     int64_t end_column, float* out, int64_t n) {
+#if defined(__AVX512BW__)
+  if (wide_integer_path(w.block_size)) {
+    for (int64_t first = first_column; first < end_column; first += kLaneColumns)
+      for (int64_t row = 0; row < count; row += kLaneRowBlock)
+        (count - row >= kTransposeRows ? transposed_rows : few_rows)(
+            rows, row, std::min(row + kLaneRowBlock, count), w, first,
+            static_cast<int>(std::min(kLaneColumns, end_column - first)), out, n);
+    return;
+  }
+#endif
+  columns<Narrow>(rows, count, w, first_column, end_column, out, n);
 }
 
 }  // namespace
+
+// The block parameters of `scales` and `zero_points` as Weights (q left null), or the error that
+// names what is wrong with them.
+OrtStatus* weights_of(const Tensor& scales, const Tensor& zero_points, int64_t n, int64_t blocks,
+                      int64_t block_size, Weights* out) {
+  if (scales.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || scales.numel() != n * blocks)
+    return invalid("MatMul8Bits: scales: expected float32 [" + std::to_string(n * blocks) +
+                   "], got " + type_name(scales.type) + " " + scales.shape());
+  const bool float_zero_points = zero_points.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  if (!(float_zero_points || zero_points.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8) ||
+      !(zero_points.numel() == n * blocks || (!float_zero_points && zero_points.numel() == 1)))
+    return invalid("MatMul8Bits: zero_points: expected uint8 [1] or uint8 or float32 [" +
+                   std::to_string(n * blocks) + "], got " + type_name(zero_points.type) + " " +
+                   zero_points.shape());
+  *out = Weights{nullptr,
+                 static_cast<const float*>(scales.data),
+                 float_zero_points ? static_cast<const float*>(zero_points.data) : nullptr,
+                 float_zero_points ? nullptr : static_cast<const uint8_t*>(zero_points.data),
+                 zero_points.numel() == 1 ? 0 : 1,
+                 blocks,
+                 block_size};
+  return nullptr;
+}
 
 OrtStatus* MatMul8Bits::init(const OrtKernelInfo* info) {
   ATTNEXPORT_RETURN_IF_ERROR(int_attribute(info, "K", &k));
@@ -278,11 +694,30 @@ OrtStatus* MatMul8Bits::init(const OrtKernelInfo* info) {
   ATTNEXPORT_RETURN_IF_ERROR(int_attribute(info, "block_size", &block_size));
   if (OrtStatus* s = int_attribute(info, "batch_invariant", &batch_invariant))
     api().ReleaseStatus(s);  // (optional: 1)
-  if (k <= 0 || n <= 0 || block_size % kStep != 0 || block_size > kMaxBlock)
+  if (k <= 0 || n <= 0 || block_size % Narrow::kStep != 0 || block_size > kMaxBlock)
     return invalid("MatMul8Bits: expected K > 0, N > 0 and a block_size that is a multiple of " +
-                   std::to_string(kStep) + " up to " + std::to_string(kMaxBlock) +
+                   std::to_string(Narrow::kStep) + " up to " + std::to_string(kMaxBlock) +
                    ", got K=" + std::to_string(k) +
                    ", N=" + std::to_string(n) + ", block_size=" + std::to_string(block_size));
+#if defined(__AVX512BW__)
+  // Initializer scales and zero points (every export's): their lanes' copy, once. (Transposed on
+  // every call, their loads and shuffles took as long as the products of a one-row call.)
+  // Inputs the graph computes, or invalid ones, are left to compute().
+  if (block_size % kPairStep == 0) {
+    Tensor scales, zero_points;
+    bool constant_scales = false, constant_zero_points = false;
+    ATTNEXPORT_RETURN_IF_ERROR(read_constant_input(info, 2, &scales, &constant_scales));
+    ATTNEXPORT_RETURN_IF_ERROR(read_constant_input(info, 3, &zero_points, &constant_zero_points));
+    Weights weights;
+    const int64_t blocks = (k + block_size - 1) / block_size;
+    if (constant_scales && constant_zero_points) {
+      if (OrtStatus* status = weights_of(scales, zero_points, n, blocks, block_size, &weights))
+        api().ReleaseStatus(status);
+      else
+        lane_parameters = pack_lane_parameters(weights, n);
+    }
+  }
+#endif
   return nullptr;
 }
 
@@ -300,15 +735,13 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
     return invalid("MatMul8Bits: b: expected uint8 [" + std::to_string(n) + ", " +
                    std::to_string(blocks) + ", " + std::to_string(block_size) + "], got " +
                    type_name(b.type) + " " + b.shape());
-  if (scales.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || scales.numel() != n * blocks)
-    return invalid("MatMul8Bits: scales: expected float32 [" + std::to_string(n * blocks) +
-                   "], got " + type_name(scales.type) + " " + scales.shape());
-  const bool float_zero_points = zero_points.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-  if (!(float_zero_points || zero_points.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8) ||
-      !(zero_points.numel() == n * blocks || (!float_zero_points && zero_points.numel() == 1)))
-    return invalid("MatMul8Bits: zero_points: expected uint8 [1] or uint8 or float32 [" +
-                   std::to_string(n * blocks) + "], got " + type_name(zero_points.type) + " " +
-                   zero_points.shape());
+  Weights weights;
+  ATTNEXPORT_RETURN_IF_ERROR(weights_of(scales, zero_points, n, blocks, block_size, &weights));
+  weights.q = static_cast<const uint8_t*>(b.data);
+#if defined(__AVX512BW__)
+  if (!lane_parameters.empty())
+    weights.lanes = lane_parameters.data() + lane_parameters_start(lane_parameters.data());
+#endif
   std::vector<int64_t> out_dims = a.dims;
   out_dims.back() = n;
   Tensor out;
@@ -316,17 +749,9 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
   const int64_t rows = a.numel() / k;
   if (rows == 0) return nullptr;
 
-  const bool one_zero = zero_points.numel() == 1;
-  const Weights weights{static_cast<const uint8_t*>(b.data),
-                        static_cast<const float*>(scales.data),
-                        float_zero_points ? static_cast<const float*>(zero_points.data) : nullptr,
-                        float_zero_points ? nullptr : static_cast<const uint8_t*>(zero_points.data),
-                        one_zero ? 0 : 1,
-                        blocks,
-                        block_size};
   const auto* x = static_cast<const float*>(a.data);
   auto* y = static_cast<float*>(out.data);
-  if (!batch_invariant && rows >= kPanelRows) {
+  if (!batch_invariant && rows >= kPanelRows && !wide_integer_path(block_size)) {
     // Items of kPanelRowBlock rows by kPanelColumns columns, a row block's items adjacent.
     const int64_t column_items = (n + kPanelColumns - 1) / kPanelColumns;
     const int64_t row_blocks = (rows + kPanelRowBlock - 1) / kPanelRowBlock;
@@ -351,7 +776,7 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
   const int64_t items = (n + kColumnsPerItem - 1) / kColumnsPerItem;
   auto item = [&](size_t i) {
     const int64_t first = static_cast<int64_t>(i) * kColumnsPerItem;
-    columns(rounded, rows, weights, first, std::min(first + kColumnsPerItem, n), y, n);
+    integer_columns(rounded, rows, weights, first, std::min(first + kColumnsPerItem, n), y, n);
   };
   return parallel_for(context, static_cast<size_t>(items), item);
 }

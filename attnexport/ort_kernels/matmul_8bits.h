@@ -3,6 +3,7 @@
 #include <onnxruntime_c_api.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace attnexport {
 
@@ -16,6 +17,9 @@ namespace attnexport {
 // dequantized weights (faster there; a row's numbers then depend on its call's row count).
 struct MatMul8Bits {
   int64_t k = 0, n = 0, block_size = 0, batch_invariant = 1;
+  // The AVX-512 build's copy of the block parameters in its lanes' layout, made at kernel
+  // creation when the scales and zero points are initializers (matmul_8bits.cc); else empty.
+  std::vector<float> lane_parameters;
   OrtStatus* init(const OrtKernelInfo* info);
   OrtStatus* compute(OrtKernelContext* context) const;
 };

@@ -88,6 +88,13 @@ def _session(model: onnx.ModelProto, kernels: str) -> ort.InferenceSession:
     )
 
 
+def _float32_panels(kernels: str, block: int) -> bool:
+    """Whether a ``batch_invariant = 0`` node multiplies calls of 4 rows or more as float32 here:
+    the native kernel's AVX2 variant, and blocks of 16; the AVX-512 variant's integer path for
+    blocks of 32 and more is faster than the panels and serves those nodes too."""
+    return kernels == "native" and not (ort_kernels.kernel_isa() == "avx512" and block % 32 == 0)
+
+
 def _matmul_8bits(k, n, block, zero_points, kernels, batch_invariant=True):
     model, weight = _matmulnbits_model(k, n, block, zero_points)
     assert to_matmul_8bits(model, batch_invariant) == 1
@@ -130,8 +137,8 @@ def test_without_batch_invariance_calls_of_many_rows_are_float32_products(
     k, n, block, zero_points, kernels
 ):
     """``batch_invariant=0``: from 4 rows on, the native kernel multiplies float32 activations by
-    the dequantized weights (float32 rounding only, far inside the int16 rounding's bound);
-    fewer rows keep the int16 path (its bound)."""
+    the dequantized weights where that path runs (float32 rounding only, far inside the int16
+    rounding's bound); fewer rows, and the AVX-512 integer path, keep the int16 bound."""
     session, weight = _matmul_8bits(k, n, block, zero_points, kernels, batch_invariant=False)
     a = torch.randn(70, k, generator=torch.Generator().manual_seed(3))
     expected = a.double() @ torch.from_numpy(weight).T
@@ -140,7 +147,8 @@ def test_without_batch_invariance_calls_of_many_rows_are_float32_products(
     for rows in (1, 3, 4, 5, 9, 70):  # (70: two blocks of rows)
         y = torch.from_numpy(session.run(None, {"a": a[:rows].numpy()})[0])
         error = (y.double() - expected[:rows]).abs()
-        bound = float32_bound if rows >= 4 or kernels == "bodies" else rounding_bound
+        panels = rows >= 4 and _float32_panels(kernels, block)
+        bound = float32_bound if panels or kernels == "bodies" else rounding_bound
         assert (error <= bound[:rows]).all(), (rows, (error - bound[:rows]).max())
 
 
@@ -161,7 +169,8 @@ def test_without_batch_invariance_a_row_is_the_same_bits_in_any_call_of_4_rows_o
     for rows in (slice(0, 4), slice(3, 8), slice(2, 11), slice(60, 70), slice(1, 131)):
         assert np.array_equal(session.run(None, {"a": a[rows]})[0], batch[rows])
     invariant, _ = _matmul_8bits(577, 70, 32, "uint8", "native")
-    assert not np.array_equal(invariant.run(None, {"a": a})[0], batch)  # (another path)
+    same_path = not _float32_panels("native", 32)
+    assert np.array_equal(invariant.run(None, {"a": a})[0], batch) == same_path
 
 
 @pytest.mark.parametrize("kernels", ORT_KERNEL_MODES)
@@ -254,3 +263,74 @@ def test_a_block_too_long_for_exact_int32_sums_is_refused():
         Exception, match="multiple of 16 up to 1024, got K=4096, N=4, block_size=2048"
     ):
         _session(model, "native")
+
+
+@requires_ort_kernels
+@pytest.mark.parametrize("zero_points", ZERO_POINTS)
+@pytest.mark.parametrize("k, n, block", [(577, 70, 32), (1536, 40, 64)])
+def test_block_parameters_from_initializers_or_inputs_give_the_same_bits(k, n, block, zero_points):
+    """The AVX-512 variant copies initializer scales and zero points into its lanes' layout when
+    the session is made, and transposes them on every call otherwise (scales a graph computes):
+    the same numbers, one row or many."""
+    model, _ = _matmulnbits_model(k, n, block, zero_points)
+    assert to_matmul_8bits(model) == 1
+    fed = onnx.ModelProto()
+    fed.CopyFrom(model)
+    parameters = [i for i in fed.graph.initializer if i.name in ("scales", "zero_points")]
+    values = {i.name: numpy_helper.to_array(i) for i in parameters}
+    for initializer in parameters:
+        fed.graph.initializer.remove(initializer)
+        fed.graph.input.append(
+            helper.make_tensor_value_info(
+                initializer.name, initializer.data_type, list(initializer.dims)
+            )
+        )
+    a = torch.randn(13, k, generator=torch.Generator().manual_seed(5)).numpy()
+    for rows in (1, 2, 13):
+        constant = _session(model, "native").run(None, {"a": a[:rows]})[0]
+        computed = _session(fed, "native").run(None, {"a": a[:rows], **values})[0]
+        assert np.array_equal(constant, computed)
+
+
+@requires_ort_kernels
+def test_invalid_initializer_parameters_of_a_wide_block_get_the_named_error():
+    """Initializers that do not fit the node are left alone when the session is made (no copy)
+    and named when it runs, as for any other block size."""
+    model, _ = _matmulnbits_model(64, 4, 32, "float32")
+    assert to_matmul_8bits(model) == 1
+    (scales,) = [i for i in model.graph.initializer if i.name == "scales"]
+    scales.CopyFrom(numpy_helper.from_array(np.ones(7, np.float32), "scales"))
+    with pytest.raises(Exception, match=r"MatMul8Bits: scales: expected float32 \[8\]"):
+        _session(model, "native").run(None, {"a": np.ones((1, 64), np.float32)})
+
+
+@requires_ort_kernels
+@pytest.mark.skipif(
+    ort_kernels.kernel_isa() != "avx512", reason="the AVX2 variant is the default on this CPU"
+)
+def test_the_avx2_variant_passes_these_tests_too():
+    """This CPU runs the AVX-512 variant by default; the AVX2 one (its own integer and panel
+    paths) runs this module again in a process of its own (the variable is read when a session
+    registers the library)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, ort_kernels.ISA_VARIABLE: "avx2"}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            __file__,
+            "-k",
+            "not avx2_variant",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
