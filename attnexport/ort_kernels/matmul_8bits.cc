@@ -89,9 +89,23 @@ void round_rows(const float* a, int64_t first, int64_t end, int64_t k, int64_t b
     int16_t* q = rows.q.data() + r * padded;
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t start = b * block_size, stop = start + block_size < k ? start + block_size : k;
+      // 8 lanes at a time, then the rest one by one (the same numbers: the largest magnitude
+      // is exact in any order, and vcvtps2dq rounds as nearbyint does, to nearest even; one
+      // value at a time this was a tenth of a 128-row call's time on AVX-512).
+      const __m256 sign = _mm256_set1_ps(-0.0f), infinity = _mm256_set1_ps(INFINITY);
+      __m256 largest8 = _mm256_setzero_ps(), not_finite8 = _mm256_setzero_ps();
+      int64_t i = start;
+      for (; i + 8 <= stop; i += 8) {
+        const __m256 magnitude = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i));
+        largest8 = _mm256_max_ps(largest8, magnitude);
+        not_finite8 = _mm256_or_ps(not_finite8, _mm256_cmp_ps(magnitude, infinity, _CMP_NLT_UQ));
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, largest8);
       float largest = 0.0f;
-      bool finite = true;
-      for (int64_t i = start; i < stop; ++i) {
+      for (float lane : lanes) largest = std::fmax(largest, lane);
+      bool finite = _mm256_movemask_ps(not_finite8) == 0;
+      for (; i < stop; ++i) {
         finite = finite && std::isfinite(x[i]);
         largest = std::fmax(largest, std::fabs(x[i]));
       }
@@ -100,7 +114,22 @@ void round_rows(const float* a, int64_t first, int64_t end, int64_t k, int64_t b
       const float scale = finite ? largest / 32767.0f : NAN;
       const float inverse = finite && largest > 0.0f ? 32767.0f / largest : 0.0f;
       int32_t sum = 0;
-      for (int64_t i = start; i < stop; ++i) {
+      i = start;
+      if (finite) {
+        const __m256 inverse8 = _mm256_set1_ps(inverse);
+        __m256i sum8 = _mm256_setzero_si256();
+        for (; i + 8 <= stop; i += 8) {
+          const __m256i rounded = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), inverse8));
+          sum8 = _mm256_add_epi32(sum8, rounded);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i),
+                           _mm_packs_epi32(_mm256_castsi256_si128(rounded),
+                                           _mm256_extracti128_si256(rounded, 1)));
+        }
+        alignas(32) int32_t sums[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(sums), sum8);
+        for (int32_t lane : sums) sum += lane;
+      }
+      for (; i < stop; ++i) {
         q[i] = finite ? static_cast<int16_t>(std::nearbyint(x[i] * inverse)) : 0;
         sum += q[i];
       }
