@@ -40,6 +40,7 @@ OURS = {
     "fp32-kv8": ("fp32", ["--kv-cache-dtype", "int8"]),
     "int8": ("8-bit", ["--weights", "int8"]),
     "int8-fast": ("8-bit", ["--weights", "int8", "--no-weights-batch-invariant"]),
+    "int8-kv8": ("8-bit", ["--weights", "int8", "--kv-cache-dtype", "int8"]),
     "int4": ("4-bit", ["--weights", "int4"]),
     "int4-kv8": ("4-bit", ["--weights", "int4", "--kv-cache-dtype", "int8"]),
 }
