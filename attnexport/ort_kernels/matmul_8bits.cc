@@ -343,10 +343,10 @@ constexpr int64_t kLaneColumns = 16;
 constexpr int64_t kPairStep = 32;  // weights of a column per transposed step: 16 pairs
 // Rows per pass over a work item's blocks: their sums (128 bytes a row) and a step's
 // activations (64 bytes a row) stay in L1; the transposition is redone per pass.
-// kPrefetchBytes: how far ahead of a step each of the item's 16 column streams is asked for.
 constexpr int64_t kLaneRowBlock = 64;
 // Rows from which a step's weights are transposed (below: a row's dots column by column).
 constexpr int64_t kTransposeRows = 4;
+// How far ahead of a transposed step each of the item's 16 column streams is asked for.
 constexpr int64_t kPrefetchBytes = 128;
 
 // r[p] lane c <- r[c] lane p. (Shuffles of vector types: g++ 12's unpack intrinsics trip
@@ -489,12 +489,13 @@ std::vector<float> pack_lane_parameters(const Weights& w, int64_t n) {
   return storage;
 }
 
-// Asks for the block parameters of columns [first, first + 32): this work item's, read at its
-// first block (their misses, not the products, were half of a one-row call on a 28 MB logits
-// projection), and the next's.
+// Asks for block parameters ahead of their use: the next work item's copy in the lanes' layout
+// (64 or 128 bytes a block, read a block at a time), or, without the copy, this item's and the
+// next's scales and zero points, which column_parameters reads 16 blocks of a column at once.
+// (Misses on them, not the products, were half of a one-row call on the 28 MB logits projection
+// before the copy; with it, this prefetch measured within noise, and is kept as cheap.)
 inline void prefetch_parameters(const Weights& w, int64_t first, int64_t n) {
   if (w.lanes != nullptr) {
-    // The next item's copy in the lanes' layout (a stream of 64 or 128 bytes a block).
     const int64_t per_item = w.blocks * lane_parameters_per_block(w);
     const float* next = w.lanes + (first / kLaneColumns + 1) * per_item;
     if (first + kLaneColumns < n)
@@ -502,7 +503,7 @@ inline void prefetch_parameters(const Weights& w, int64_t first, int64_t n) {
         _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
     return;
   }
-  const int64_t end = std::min(first + 4 * kLaneColumns, n);
+  const int64_t end = std::min(first + 2 * kLaneColumns, n);
   const auto lines = [&](const void* base) {
     const char* start = static_cast<const char*>(base) + first * w.blocks * 4;
     const char* stop = static_cast<const char*>(base) + end * w.blocks * 4;
