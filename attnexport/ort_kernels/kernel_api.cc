@@ -113,13 +113,18 @@ static OrtStatus* describe(const OrtValue* value, Tensor* out) {
   return status;
 }
 
+// *out = `value`'s type, dims and data.
+static OrtStatus* read_value(const OrtValue* value, Tensor* out) {
+  ATTNEXPORT_RETURN_IF_ERROR(describe(value, out));
+  // Inputs are only read; GetTensorMutableData is the one accessor that takes a const input.
+  return api().GetTensorMutableData(const_cast<OrtValue*>(value), &out->data);
+}
+
 OrtStatus* read_input(OrtKernelContext* context, size_t index, Tensor* out) {
   const OrtValue* value = nullptr;
   ATTNEXPORT_RETURN_IF_ERROR(api().KernelContext_GetInput(context, index, &value));
   if (value == nullptr) return invalid("input " + std::to_string(index) + " is missing");
-  ATTNEXPORT_RETURN_IF_ERROR(describe(value, out));
-  // Inputs are only read; GetTensorMutableData is the one accessor that takes a const input.
-  return api().GetTensorMutableData(const_cast<OrtValue*>(value), &out->data);
+  return read_value(value, out);
 }
 
 OrtStatus* read_constant_input(const OrtKernelInfo* info, size_t index, Tensor* out,
@@ -130,9 +135,7 @@ OrtStatus* read_constant_input(const OrtKernelInfo* info, size_t index, Tensor* 
   ATTNEXPORT_RETURN_IF_ERROR(
       api().KernelInfoGetConstantInput_tensor(info, index, &is_constant, &value));
   *constant = is_constant != 0 && value != nullptr;
-  if (!*constant) return nullptr;
-  ATTNEXPORT_RETURN_IF_ERROR(describe(value, out));
-  return api().GetTensorMutableData(const_cast<OrtValue*>(value), &out->data);
+  return *constant ? read_value(value, out) : nullptr;
 }
 
 OrtStatus* read_optional_input(OrtKernelContext* context, size_t index, Tensor* out, bool* present) {
@@ -145,8 +148,7 @@ OrtStatus* read_optional_input(OrtKernelContext* context, size_t index, Tensor* 
   ATTNEXPORT_RETURN_IF_ERROR(api().KernelContext_GetInput(context, index, &value));
   if (value == nullptr) return nullptr;
   *present = true;
-  ATTNEXPORT_RETURN_IF_ERROR(describe(value, out));
-  return api().GetTensorMutableData(const_cast<OrtValue*>(value), &out->data);
+  return read_value(value, out);
 }
 
 OrtStatus* output_count(OrtKernelContext* context, size_t* count) {

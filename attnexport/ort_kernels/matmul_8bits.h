@@ -13,8 +13,9 @@ namespace attnexport {
 // uint8 for every block; W[k, n] = (b[n, k] - zero_point[n, k / block_size]) * scale[...].
 // The kernel rounds each row's blocks of activations to int16 (MatMulNBits' int8 path rounds
 // them to 8 bits); the function body multiplies them as float32. With the attribute
-// batch_invariant = 0, calls of many rows multiply float32 activations by float32 panels of the
-// dequantized weights (faster there; a row's numbers then depend on its call's row count).
+// batch_invariant = 0, the AVX2 build (and blocks of 16) multiplies calls of many rows as float32
+// activations by float32 panels of the dequantized weights (faster there; a row's numbers then
+// depend on its call's row count); the AVX-512 build's integer path is faster than the panels.
 struct MatMul8Bits {
   int64_t k = 0, n = 0, block_size = 0, batch_invariant = 1;
   // The AVX-512 build's copy of the block parameters in its lanes' layout, made at kernel
