@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,22 @@ requires_ort_kernels = pytest.mark.skipif(
 )
 # How onnxruntime runs the attnexport nodes: their standard-op bodies, or the native kernels.
 ORT_KERNEL_MODES = ["bodies", pytest.param("native", marks=requires_ort_kernels)]
+# Where the AVX-512 variant of the native kernels is the default: a module's tests of kernels with
+# an AVX2 path of their own run again under that variant (rerun_under_avx2).
+requires_avx512_kernels = pytest.mark.skipif(
+    ort_kernels.unavailable_reason() is not None or ort_kernels.kernel_isa() != "avx512",
+    reason="the AVX2 variant is the default on this CPU (or the kernels are not built)",
+)
+
+
+def rerun_under_avx2(module: str, skip: str) -> None:
+    """Runs the test module at ``module`` again in a process of its own with the native kernels'
+    AVX2 variant (the variable is read when a session registers the library), but the tests
+    whose names contain ``skip`` (the caller); asserts that they pass."""
+    env = {**os.environ, ort_kernels.ISA_VARIABLE: "avx2"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", module]
+    done = subprocess.run([*command, "-k", f"not {skip}"], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stdout[-3000:]
 
 
 def assert_close_to_reference(actual: torch.Tensor, reference: torch.Tensor) -> None:

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "add_block_offsets.h"
 #include "fused_add_rms_norm.h"
 #include "kernel_api.h"
 #include "matmul_8bits.h"
@@ -122,6 +123,17 @@ OrtStatus* infer_matmul_8bits(OrtShapeInferContext* context) {
   return set_output_shape(context, 0, type, dims, symbols);
 }
 
+// AddBlockOffsets: the shape and type of y (input 0), its unnamed dims given symbols (an input's
+// dims copied as they are keep an unnamed -1, which the Slice of a batch-invariance row after
+// the node then read as the fixed size -1: onnxruntime 1.32 aborted in its shape inference).
+OrtStatus* infer_like_first_input(OrtShapeInferContext* context) {
+  ONNXTensorElementDataType type;
+  std::vector<int64_t> dims;
+  std::vector<std::string> symbols;
+  ATTNEXPORT_RETURN_IF_ERROR(input_shape(context, 0, &type, &dims, &symbols));
+  return set_output_shape(context, 0, type, dims, symbols);
+}
+
 // ReshapeAndCache: each cache output (and scale cache output, with int8 caches) has its
 // input's type and shape: outputs 0, 1 like inputs 2, 3; outputs 2, 3 like inputs 5, 6 where the
 // node has them.
@@ -226,6 +238,8 @@ Op<SiluAndMul> silu_and_mul_op("SiluAndMul", {kAnyType}, {0}, infer_halved_last_
 Op<FusedAddRMSNorm> fused_add_rms_norm_op("FusedAddRMSNorm", {kAnyType, kAnyType, kAnyType}, {0, 0});
 Op<MatMul8Bits> matmul_8bits_op("MatMul8Bits", {kAnyType, kAnyType, kAnyType, kAnyType}, {0},
                                 infer_matmul_8bits);
+Op<AddBlockOffsets> add_block_offsets_op("AddBlockOffsets", {kAnyType, kAnyType, kAnyType, kAnyType},
+                                         {0}, infer_like_first_input);
 
 }  // namespace
 }  // namespace attnexport
@@ -248,5 +262,6 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &silu_and_mul_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &fused_add_rms_norm_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &matmul_8bits_op));
+  ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &add_block_offsets_op));
   return ort->AddCustomOpDomain(options, domain);
 }

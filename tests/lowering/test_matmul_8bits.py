@@ -16,7 +16,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from attnexport import ort_kernels
 from attnexport.lowering.matmul_8bits import OP_TYPE, to_matmul_8bits
-from tests.helpers import ORT_KERNEL_MODES, requires_ort_kernels
+from tests.helpers import (
+    ORT_KERNEL_MODES,
+    requires_avx512_kernels,
+    requires_ort_kernels,
+    rerun_under_avx2,
+)
 
 ZERO_POINTS = ["symmetric", "uint8", "float32"]
 
@@ -304,33 +309,8 @@ def test_invalid_initializer_parameters_of_a_wide_block_get_the_named_error():
         _session(model, "native").run(None, {"a": np.ones((1, 64), np.float32)})
 
 
-@requires_ort_kernels
-@pytest.mark.skipif(
-    ort_kernels.kernel_isa() != "avx512", reason="the AVX2 variant is the default on this CPU"
-)
+@requires_avx512_kernels
 def test_the_avx2_variant_passes_these_tests_too():
-    """This CPU runs the AVX-512 variant by default; the AVX2 one (its own integer and panel
-    paths) runs this module again in a process of its own (the variable is read when a session
-    registers the library)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, ort_kernels.ISA_VARIABLE: "avx2"}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            __file__,
-            "-k",
-            "not avx2_variant",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    assert done.returncode == 0, done.stdout[-3000:]
+    """This CPU runs the AVX-512 variant by default; the AVX2 one has integer and panel paths
+    of its own."""
+    rerun_under_avx2(__file__, "avx2_variant")

@@ -90,9 +90,12 @@ def test_every_projection_becomes_matmulnbits(float_onnx, tmp_path, fmt, bits):
             ("attnexport", "MatMul8Bits")
         ]
         return
-    # hqq's float zero points become one 8-bit offset MatMulNBits per layer
+    # hqq's float zero points become one attnexport.AddBlockOffsets per layer
     # (float_zero_points); the logits projection is round to nearest.
-    assert ops["MatMulNBits"] == LAYERS + LAYERS - 1
+    assert ops["MatMulNBits"] == LAYERS and ops["AddBlockOffsets"] == LAYERS - 1
+    assert [(f.domain, f.name) for f in model.functions if f.name == "AddBlockOffsets"] == [
+        ("attnexport", "AddBlockOffsets")
+    ]
     # Batch invariance: every MatMulNBits reads one padding row more than it is given.
     assert ops["Slice"] >= LAYERS
     nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
@@ -112,8 +115,8 @@ def test_keep_float_and_lm_head(float_onnx, tmp_path):
         "lm_head",
     ]
     ops = _ops(path)
-    # 5 float layers, and an hqq offset MatMulNBits (float_zero_points) per quantized layer
-    assert ops["MatMulNBits"] == 2 * (LAYERS - 5) and ops["MatMul"] == 5
+    # 5 float layers, and hqq's offsets (float_zero_points) beside every quantized layer
+    assert ops["MatMulNBits"] == ops["AddBlockOffsets"] == LAYERS - 5 and ops["MatMul"] == 5
     assert entry["quantized_layers"] == LAYERS - 5
 
 
