@@ -122,6 +122,7 @@ VARIANTS: dict[str, list[str]] = {
         "--weights-algorithm", "rtn", "--weights-asymmetric", "--weights-accuracy-level", "1"
     ),
     "int4 (default)": _int4(),
+    "int4, int16 activations": _int4("--weights-activations", "int16"),
     **{f"int4 rtn sym b{b}": _rtn(True, b) for b in (16, 32, 64, 128)},
     **{f"int4 rtn asym b{b}": _rtn(False, b) for b in (16, 32, 64, 128)},
     **{f"int4 k_quant b{b}": _fitted("k_quant", b) for b in (32, 64)},

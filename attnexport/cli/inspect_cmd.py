@@ -145,6 +145,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kernel(weights: dict) -> str:
+    """The attnexport op of a quantization with int16 activations (its layers' width)."""
+    return "MatMul4Bits" if weights.get("bits") == 4 else "MatMul8Bits"
+
+
 def weights_line(weights: dict) -> str:
     """The manifest's ``weights`` object in one line (the options an older export did not
     record are left out)."""
@@ -155,7 +160,8 @@ def weights_line(weights: dict) -> str:
     ]
     if "algorithm" in weights:
         options.append(f"algorithm {weights['algorithm']}")
-    # int16 activations: attnexport.MatMul8Bits, to which accuracy levels and offsets do not apply
+    # int16 activations: attnexport.MatMul8Bits / MatMul4Bits, to which accuracy levels and
+    # offsets do not apply
     matmul_8bits = weights.get("activations") == "int16"
     if matmul_8bits:
         options.append("int16 activations")
@@ -171,7 +177,7 @@ def weights_line(weights: dict) -> str:
         options.append("batch-invariant" if weights["batch_invariant"] else "not batch-invariant")
     floats = ", ".join(weights.get("float_layers") or []) or "none"
     return (
-        f"weights: {weights['format']} ({'MatMul8Bits' if matmul_8bits else 'MatMulNBits'}, "
+        f"weights: {weights['format']} ({_kernel(weights) if matmul_8bits else 'MatMulNBits'}, "
         f"{', '.join(options)}), "
         f"{weights.get('quantized_layers')} layers quantized; float: {floats}"
     )

@@ -29,25 +29,57 @@ from onnx import TensorProto, helper, numpy_helper
 from attnexport.model_contract import DOMAIN, DOMAIN_VERSION
 
 OP_TYPE = "MatMul8Bits"
-SYMMETRIC_ZERO_POINT = "matmul_8bits_zero_point_128"
-"""The one uint8 zero point (128) that every symmetric node reads."""
+OP_TYPES = {8: OP_TYPE, 4: "MatMul4Bits"}
+"""The op of each weight width: ``MatMul4Bits`` is ``MatMul8Bits`` on MatMulNBits' 4-bit
+storage (``B [N, blocks, block_size / 2]``, weight ``2j`` of a block in byte ``j``'s low nibble,
+``2j + 1`` in its high one), zero points one a byte (not packed two to a byte)."""
+SYMMETRIC_ZERO_POINTS = {8: "matmul_8bits_zero_point_128", 4: "matmul_4bits_zero_point_8"}
+"""The one uint8 zero point (128, or 8 for 4 bits) that every symmetric node reads."""
+SYMMETRIC_ZERO_POINT = SYMMETRIC_ZERO_POINTS[8]
 
 
-def matmul_8bits_function(opset: int) -> onnx.FunctionProto:
-    """The function body of ``attnexport.MatMul8Bits`` in standard ops of ``opset`` (>= 18)."""
+def matmul_8bits_function(opset: int, bits: int = 8) -> onnx.FunctionProto:
+    """The function body of ``attnexport.MatMul8Bits`` (``bits=4``: ``MatMul4Bits``, whose
+    body first unpacks the nibbles) in standard ops of ``opset`` (>= 18)."""
 
     def const(name: str, values: list[int]) -> onnx.NodeProto:
         return helper.make_node(
             "Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64))
         )
 
+    unpack, weights = [], "B"
+    if bits == 4:
+        weights = "b_bytes"
+
+        def byte(name: str, value: int) -> onnx.NodeProto:
+            return helper.make_node(
+                "Constant", [], [name], value=numpy_helper.from_array(np.array(value, np.uint8))
+            )
+
+        unpack = [
+            byte("low_mask", 0x0F),
+            byte("nibble_bits", 4),
+            const("last_axis", [-1]),
+            helper.make_node("BitwiseAnd", ["B", "low_mask"], ["low"]),
+            helper.make_node("BitShift", ["B", "nibble_bits"], ["high"], direction="RIGHT"),
+            helper.make_node("Unsqueeze", ["low", "last_axis"], ["low_pairs"]),
+            helper.make_node("Unsqueeze", ["high", "last_axis"], ["high_pairs"]),
+            helper.make_node("Concat", ["low_pairs", "high_pairs"], ["pairs"], axis=-1),
+            helper.make_node("Shape", ["B"], ["packed_shape"]),
+            helper.make_node("Slice", ["packed_shape", "zero", "two"], ["packed_n_blocks"]),
+            helper.make_node(
+                "Concat", ["packed_n_blocks", "minus_one"], ["unpacked_shape"], axis=0
+            ),
+            helper.make_node("Reshape", ["pairs", "unpacked_shape"], [weights]),
+        ]
     nodes = [
         const("zero", [0]),
         const("one", [1]),
         const("two", [2]),
         const("minus_one", [-1]),
         const("last", [np.iinfo(np.int64).max]),
-        helper.make_node("Shape", ["B"], ["b_shape"]),  # [N, blocks, block_size]
+        *unpack,
+        helper.make_node("Shape", [weights], ["b_shape"]),  # [N, blocks, block_size]
         helper.make_node("Slice", ["b_shape", "zero", "two"], ["n_blocks"]),
         helper.make_node("Concat", ["n_blocks", "one"], ["column_shape"], axis=0),
         helper.make_node("Reshape", ["scales", "column_shape"], ["scale_columns"]),
@@ -55,7 +87,7 @@ def matmul_8bits_function(opset: int) -> onnx.FunctionProto:
         helper.make_node("Shape", ["scales"], ["scales_shape"]),
         helper.make_node("Expand", ["zero_floats", "scales_shape"], ["zero_each"]),
         helper.make_node("Reshape", ["zero_each", "column_shape"], ["zero_columns"]),
-        helper.make_node("Cast", ["B"], ["b_floats"], to=TensorProto.FLOAT),
+        helper.make_node("Cast", [weights], ["b_floats"], to=TensorProto.FLOAT),
         helper.make_node("Sub", ["b_floats", "zero_columns"], ["centered"]),
         helper.make_node("Mul", ["centered", "scale_columns"], ["blocks_nk"]),
         helper.make_node("Slice", ["b_shape", "zero", "one"], ["n"]),
@@ -69,7 +101,7 @@ def matmul_8bits_function(opset: int) -> onnx.FunctionProto:
     ]
     return helper.make_function(
         DOMAIN,
-        OP_TYPE,
+        OP_TYPES[bits],
         ["A", "B", "scales", "zero_points"],
         ["Y"],
         nodes,
@@ -78,9 +110,12 @@ def matmul_8bits_function(opset: int) -> onnx.FunctionProto:
     )
 
 
-def to_matmul_8bits(model: onnx.ModelProto, batch_invariant: bool = True) -> int:
-    """Rewrites, in place, every 8-bit ``MatMulNBits`` of the main graph into
-    ``attnexport.MatMul8Bits`` on the same initializers (module doc), adding the function body
+def to_matmul_8bits(
+    model: onnx.ModelProto, batch_invariant: bool = True, bits: tuple[int, ...] = (8,)
+) -> int:
+    """Rewrites, in place, every ``MatMulNBits`` of the main graph whose weights have one of
+    ``bits`` (8, 4) into ``attnexport.MatMul8Bits`` / ``MatMul4Bits`` on the same weights and
+    scales (module doc; 4-bit zero points unpacked to one a byte), adding the function bodies
     and the domain's opset import; returns how many. ``batch_invariant=False`` writes the
     attribute ``batch_invariant=0``: the native kernel may then multiply calls of many rows as
     float32 (the weights dequantized into panels), whose numbers differ from the int16 path's.
@@ -89,32 +124,54 @@ def to_matmul_8bits(model: onnx.ModelProto, batch_invariant: bool = True) -> int
         ValueError: a node with ``g_idx`` or a bias (the quantizer writes neither).
     """
     graph = model.graph
-    rewritten, symmetric_zero_point = 0, None
+    initializers = {i.name: i for i in graph.initializer}
+    rewritten: dict[int, int] = {}
     for node in graph.node:
-        if node.op_type != "MatMulNBits" or helper.get_node_attr_value(node, "bits") != 8:
+        width = helper.get_node_attr_value(node, "bits") if node.op_type == "MatMulNBits" else 0
+        if width not in bits:
             continue
         if len(node.input) > 4:
             raise ValueError(f"{node.name}: MatMulNBits with g_idx or bias")
         if len(node.input) < 4 or not node.input[3]:
-            if symmetric_zero_point is None:
-                symmetric_zero_point = numpy_helper.from_array(
-                    np.array([128], np.uint8), SYMMETRIC_ZERO_POINT
+            name = SYMMETRIC_ZERO_POINTS[width]
+            if name not in initializers:
+                initializers[name] = numpy_helper.from_array(
+                    np.array([2 ** (width - 1)], np.uint8), name
                 )
-                graph.initializer.append(symmetric_zero_point)
+                graph.initializer.append(initializers[name])
             del node.input[3:]
-            node.input.append(SYMMETRIC_ZERO_POINT)
-        node.op_type, node.domain = OP_TYPE, DOMAIN
+            node.input.append(name)
+        elif width == 4 and initializers[node.input[3]].data_type == TensorProto.UINT8:
+            node.input[3] = _unpacked_zero_points(graph, initializers, node)
+        node.op_type, node.domain = OP_TYPES[width], DOMAIN
         for index in reversed(range(len(node.attribute))):  # K, N and block_size stay
             if node.attribute[index].name in ("bits", "accuracy_level"):
                 del node.attribute[index]
         if not batch_invariant:
             node.attribute.append(helper.make_attribute("batch_invariant", 0))
-        rewritten += 1
+        rewritten[width] = rewritten.get(width, 0) + 1
     if not rewritten:
         return 0
     opsets = {o.domain: o.version for o in model.opset_import}
     if DOMAIN not in opsets:
         model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
-    if not any(f.domain == DOMAIN and f.name == OP_TYPE for f in model.functions):
-        model.functions.append(matmul_8bits_function(opsets.get("", 18)))
-    return rewritten
+    for width in rewritten:
+        if not any(f.domain == DOMAIN and f.name == OP_TYPES[width] for f in model.functions):
+            model.functions.append(matmul_8bits_function(opsets.get("", 18), width))
+    return sum(rewritten.values())
+
+
+def _unpacked_zero_points(graph: onnx.GraphProto, initializers: dict, node: onnx.NodeProto) -> str:
+    """The name of a ``[N * blocks]`` uint8 initializer holding ``node``'s 4-bit zero points one
+    a byte (MatMulNBits packs them two to a byte, each column's padded to whole bytes)."""
+    n, k, block = (helper.get_node_attr_value(node, a) for a in ("N", "K", "block_size"))
+    blocks = -(-k // block)
+    packed = numpy_helper.to_array(initializers[node.input[3]]).reshape(n, -1)
+    unpacked = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, -1)[:, :blocks]
+    name = f"{node.input[3]}_unpacked"
+    if name not in initializers:
+        initializers[name] = numpy_helper.from_array(
+            np.ascontiguousarray(unpacked).reshape(-1), name
+        )
+        graph.initializer.append(initializers[name])
+    return name

@@ -99,8 +99,9 @@ class WeightQuantization:
             else ``block_size``).
         offsets: how the offsets of float zero points (``hqq``) are stored, one of
             :data:`ZERO_POINT_OFFSETS` (:mod:`attnexport.lowering.float_zero_points`).
-        activations: one of :data:`ACTIVATIONS`; ``"int16"`` (``int8`` only) writes every 8-bit
-            layer as ``attnexport.MatMul8Bits`` (``accuracy_level`` then does not apply).
+        activations: one of :data:`ACTIVATIONS`; ``"int16"`` writes every quantized layer as
+            ``attnexport.MatMul8Bits`` or ``MatMul4Bits`` (``accuracy_level`` and ``offsets``
+            then do not apply).
         keep_float: ``fnmatch`` patterns of the layer names that stay float.
         batch_invariant: give every MatMulNBits at least two rows, so that a sequence's
             numbers do not depend on the batch it runs in
@@ -156,11 +157,6 @@ class WeightQuantization:
         ):
             if value not in choices:
                 raise QuantizationError(f"{flag}: expected {', '.join(choices)}, got {value!r}")
-        if self.activations == "int16" and self.bits != 8:
-            raise QuantizationError(
-                "--weights-activations int16: only with --weights int8 (attnexport.MatMul8Bits "
-                "has 8-bit weights; int4 keeps float32 activations at --weights-accuracy-level 1)"
-            )
         if self.algorithm in FITTED and self.symmetric:
             raise QuantizationError(
                 f"--weights-algorithm {self.algorithm}: fits a zero point per block; "
@@ -389,7 +385,7 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
         )
     if quantization.activations == "int16":
         # before the padding: its kernel is batch-invariant unless told otherwise
-        to_matmul_8bits(quantized, quantization.batch_invariant)
+        to_matmul_8bits(quantized, quantization.batch_invariant, bits=(4, 8))
     if quantization.batch_invariant:
         pad_matmulnbits_rows(quantized)
     # After the padding: the offsets' own MatMulNBits reads the padded rows' block sums, so

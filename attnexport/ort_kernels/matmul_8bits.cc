@@ -44,9 +44,38 @@ constexpr int64_t kMaxBlock = 1024;
 // float vectors, lanes per column (a block of 16 weights is one step; MatMulNBits' smallest block).
 constexpr int64_t kStep = 16;
 
-// Weights w[0..16) widened to int16.
-inline __m256i load_weights(const uint8_t* w) {
-  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+// Bytes of a column's first k weights (k even, as every block is).
+template <int kBits>
+constexpr int64_t weight_bytes(int64_t k) {
+  return k * kBits / 8;
+}
+
+// 4-bit weights come two to a byte, weight 2j in byte j's low nibble and 2j + 1 in its high one
+// (MatMulNBits' packing): with byte j zero-extended to 32-bit lane j, (x | x << 12) & 0x000F000F
+// puts the low nibble in the lane's low int16 and the high nibble in its high one, so the lanes
+// hold the weights as int16 in order.
+#if defined(__AVX2__)
+inline __m256i nibbles_to_int16(__m256i bytes_as_lanes) {
+  return _mm256_and_si256(_mm256_or_si256(bytes_as_lanes, _mm256_slli_epi32(bytes_as_lanes, 12)),
+                          _mm256_set1_epi32(0x000F000F));
+}
+#endif
+
+// Weights [i, i + 16) of a column widened to int16 (`column`: its first byte).
+template <int kBits>
+inline __m256i load_weights(const uint8_t* column, int64_t i) {
+  if constexpr (kBits == 4)
+    return nibbles_to_int16(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column + i / 2))));
+  else
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(column + i)));
+}
+
+// Weight i of a column, for the scalar tails.
+template <int kBits>
+inline int weight_at(const uint8_t* column, int64_t i) {
+  if constexpr (kBits == 4) return (column[i / 2] >> (4 * (i % 2))) & 0x0F;
+  else return column[i];
 }
 
 inline f32x8 to_floats(__m256i v) { return __builtin_convertvector(reinterpret_cast<i32x8>(v), f32x8); }
@@ -138,10 +167,10 @@ struct Weights {
 };
 
 // out[r][c] (r < R, c < C) = row first_row + r of `a` . column `column` + c of W.
-template <int R, int C>
+template <int kBits, int R, int C>
 inline void dot_tile(const Rows& rows, int64_t first_row, const Weights& w, int64_t column,
                      float* out, int64_t ldo) {
-  const int64_t padded = w.blocks * w.block_size;
+  const int64_t padded = w.blocks * w.block_size, column_bytes = weight_bytes<kBits>(padded);
   static_assert(C <= 4, "a row's zero-point terms are the lanes of one f32x4");
   f32x8 acc[R][C];
   // Lane c: column c's zero-point term. (As float zero_term[R][C], g++ 12 packed the terms
@@ -152,7 +181,7 @@ inline void dot_tile(const Rows& rows, int64_t first_row, const Weights& w, int6
     for (int c = 0; c < C; ++c) acc[r][c] = f32x8{};
   }
   const int16_t* a = rows.q.data() + first_row * padded;
-  const uint8_t* q = w.q + column * padded;
+  const uint8_t* q = w.q + column * column_bytes;
   for (int64_t b = 0; b < w.blocks; ++b) {
     __m256i dots[R][C];
     for (int r = 0; r < R; ++r)
@@ -162,10 +191,12 @@ inline void dot_tile(const Rows& rows, int64_t first_row, const Weights& w, int6
     // bytes, too short for the hardware prefetcher to follow (SmolLM2 int8 decode at batch 1:
     // 37 -> 57 tokens/s).
     for (int c = 0; c < C; ++c)
-      _mm_prefetch(reinterpret_cast<const char*>(q + (C + c) * padded + start), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(q + (C + c) * column_bytes +
+                                                 weight_bytes<kBits>(start)),
+                   _MM_HINT_T0);
     for (int64_t i = start; i < start + w.block_size; i += kStep) {
       __m256i weight[C];
-      for (int c = 0; c < C; ++c) weight[c] = load_weights(q + c * padded + i);
+      for (int c = 0; c < C; ++c) weight[c] = load_weights<kBits>(q + c * column_bytes, i);
       for (int r = 0; r < R; ++r) {
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + r * padded + i));
         for (int c = 0; c < C; ++c)
@@ -194,14 +225,15 @@ inline void dot_tile(const Rows& rows, int64_t first_row, const Weights& w, int6
 // Rows four (then two) at a time by 2 columns, one row by 4: the integer accumulators stay in
 // the 16 vector registers (the float ones, touched once a block, may not). Four rows share each
 // widened weight vector: 1.13x two rows' tiles at 8 to 128 rows; six rows spill (1.0x).
-template <int R>
+template <int kBits, int R>
 void rows_by_columns(const Rows& rows, int64_t first_row, const Weights& w, int64_t first_column,
                      int64_t end_column, float* out, int64_t ldo) {
   constexpr int kColumnTile = R == 1 ? 4 : 2;
   int64_t column = first_column;
   for (; column + kColumnTile <= end_column; column += kColumnTile)
-    dot_tile<R, kColumnTile>(rows, first_row, w, column, out + column, ldo);
-  for (; column < end_column; ++column) dot_tile<R, 1>(rows, first_row, w, column, out + column, ldo);
+    dot_tile<kBits, R, kColumnTile>(rows, first_row, w, column, out + column, ldo);
+  for (; column < end_column; ++column)
+    dot_tile<kBits, R, 1>(rows, first_row, w, column, out + column, ldo);
 }
 
 // The float32 panel path (nodes with batch_invariant = 0, calls of kPanelRows rows or more):
@@ -224,20 +256,22 @@ constexpr int64_t kPanelColumns = 6;
 constexpr int64_t kPanelRowBlock = 64;
 
 // panel[c * stride + i] = W[i, first + c] for i < K (zero up to stride), c < end - first.
+template <int kBits>
 void dequantize_columns(const Weights& w, int64_t first, int64_t end, int64_t k, int64_t stride,
                         float* panel) {
-  const int64_t padded = w.blocks * w.block_size;
+  const int64_t column_bytes = weight_bytes<kBits>(w.blocks * w.block_size);
   for (int64_t column = first; column < end; ++column) {
     float* out = panel + (column - first) * stride;
-    const uint8_t* q = w.q + column * padded;
+    const uint8_t* q = w.q + column * column_bytes;
     for (int64_t b = 0; b < w.blocks; ++b) {
       const int64_t index = column * w.blocks + b;
       const float scale = w.scales[index], zero = w.zero(index);
       const int64_t start = b * w.block_size, stop = std::min(start + w.block_size, k);
       int64_t i = start;
-      for (; i + 8 <= stop; i += 8)
-        *reinterpret_cast<f32x8_unaligned*>(out + i) = (load8_float(q + i) - zero) * scale;
-      for (; i < stop; ++i) out[i] = (static_cast<float>(q[i]) - zero) * scale;
+      if constexpr (kBits == 8)
+        for (; i + 8 <= stop; i += 8)
+          *reinterpret_cast<f32x8_unaligned*>(out + i) = (load8_float(q + i) - zero) * scale;
+      for (; i < stop; ++i) out[i] = (static_cast<float>(weight_at<kBits>(q, i)) - zero) * scale;
     }
     for (int64_t i = k; i < stride; ++i) out[i] = 0.0f;
   }
@@ -280,12 +314,13 @@ void panel_rows(const float* a, int64_t k, const float* panel, int64_t stride, i
   for (; c < columns; ++c) panel_tile<R, 1>(a, k, panel + c * stride, stride, out + c, ldo);
 }
 
+template <int kBits>
 void panel_columns(const float* a, int64_t count, int64_t k, const Weights& w, int64_t first,
                    int64_t end, float* out, int64_t n) {
   const int64_t stride = (k + 7) / 8 * 8;
   thread_local std::vector<float> panel;
   panel.resize(static_cast<size_t>((end - first) * stride));
-  dequantize_columns(w, first, end, k, stride, panel.data());
+  dequantize_columns<kBits>(w, first, end, k, stride, panel.data());
   const int64_t columns = end - first;
   int64_t row = 0;
   for (; row + 4 <= count; row += 4)
@@ -296,14 +331,16 @@ void panel_columns(const float* a, int64_t count, int64_t k, const Weights& w, i
     panel_rows<1>(a + row * k, k, panel.data(), stride, columns, out + row * n + first, n);
 }
 
+template <int kBits>
 void columns(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
              int64_t first_column, int64_t end_column, float* out, int64_t n) {
   int64_t row = first_row;
   for (; row + 4 <= end_row; row += 4)
-    rows_by_columns<4>(rows, row, w, first_column, end_column, out + row * n, n);
+    rows_by_columns<kBits, 4>(rows, row, w, first_column, end_column, out + row * n, n);
   for (; row + 2 <= end_row; row += 2)
-    rows_by_columns<2>(rows, row, w, first_column, end_column, out + row * n, n);
-  if (row < end_row) rows_by_columns<1>(rows, row, w, first_column, end_column, out + row * n, n);
+    rows_by_columns<kBits, 2>(rows, row, w, first_column, end_column, out + row * n, n);
+  if (row < end_row)
+    rows_by_columns<kBits, 1>(rows, row, w, first_column, end_column, out + row * n, n);
 }
 
 #if defined(__AVX512BW__)
@@ -408,7 +445,12 @@ struct LaneParameters {
   const Weights& w;
   int64_t first;
   int columns;
+  // Filled by at() 16 blocks at a time where there is no copy; left uninitialized (zeroing
+  // 2 KB per work item was 3% of a one-row call).
   f32x16 scales[kLaneColumns], offsets[kLaneColumns];
+
+  LaneParameters(const Weights& weights, int64_t first_column, int column_count)
+      : w(weights), first(first_column), columns(column_count) {}
 
   void at(int64_t b, f32x16& scale, f32x16& offset) {
     if (w.lanes != nullptr) {
@@ -478,6 +520,19 @@ inline void prefetch_next_parameters(const Weights& w, int64_t first, int64_t n)
     _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
 }
 
+// Weights [k, k + 32) of a column widened to int16 (`column`: its first byte).
+template <int kBits>
+inline __m512i load32_weights(const uint8_t* column, int64_t k) {
+  if constexpr (kBits == 4) {
+    // (the maskz form and vector shifts: g++ 12's plain ones trip -Werror=maybe-uninitialized)
+    const i32x16 x = reinterpret_cast<i32x16>(_mm512_maskz_cvtepu8_epi32(
+        0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(column + k / 2))));
+    return reinterpret_cast<__m512i>((x | (x << 12)) & 0x000F000F);
+  } else {
+    return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(column + k)));
+  }
+}
+
 inline __m512i broadcast_pair(const int16_t* a) {
   int32_t pair;
   std::memcpy(&pair, a, sizeof pair);
@@ -516,31 +571,33 @@ inline void store_columns(float* out, int columns, f32x16 products, f32x16 zero_
 // Rows [first_row, end_row) (kTransposeRows or more) of columns [first, first + columns),
 // columns <= 16: each step's weights transposed once (64 shuffles), then a row's 16 columns in
 // 16 multiply-adds of its broadcast activation pairs.
+template <int kBits>
 void transposed_rows(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
                      int64_t first, int columns, float* out, int64_t n) {
   prefetch_next_parameters(w, first, n);
   const int64_t padded = w.blocks * w.block_size, steps = w.block_size / kPairStep;
+  const int64_t column_bytes = weight_bytes<kBits>(padded);
   f32x16 products[kLaneRowBlock], zero_terms[kLaneRowBlock];
   i32x16 dots[kLaneRowBlock];
   const int64_t count = end_row - first_row;
   for (int64_t r = 0; r < count; ++r) products[r] = zero_terms[r] = f32x16{};
-  const uint8_t* q = w.q + first * padded;
-  LaneParameters parameters{w, first, columns, {}, {}};
+  const uint8_t* q = w.q + first * column_bytes;
+  LaneParameters parameters(w, first, columns);
   for (int64_t b = 0; b < w.blocks; ++b) {
     f32x16 scales, offsets;
     parameters.at(b, scales, offsets);
     for (int64_t step = 0; step < steps; ++step) {
       const int64_t k = b * w.block_size + step * kPairStep;
       // Each column is a stream of K bytes, too short for the hardware prefetcher to follow.
-      if (k % 64 == 0)
+      if (weight_bytes<kBits>(k) % 64 == 0)
         for (int c = 0; c < columns; ++c)
-          _mm_prefetch(reinterpret_cast<const char*>(q + c * padded + k + kPrefetchBytes),
+          _mm_prefetch(reinterpret_cast<const char*>(q + c * column_bytes + weight_bytes<kBits>(k) +
+                                                     kPrefetchBytes),
                        _MM_HINT_T0);
       i32x16 t[kLaneColumns];
       for (int c = 0; c < kLaneColumns; ++c)
         t[c] = columns == kLaneColumns || c < columns
-                   ? reinterpret_cast<i32x16>(_mm512_cvtepu8_epi16(
-                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * padded + k))))
+                   ? reinterpret_cast<i32x16>(load32_weights<kBits>(q + c * column_bytes, k))
                    : i32x16{};
       transpose16(t);
       for (int64_t r = 0; r < count; ++r) {
@@ -579,24 +636,25 @@ inline __m128i lane_sums4(const __m512i (&d)[4]) {
 // Columns [c0, c0 + C) (C <= 4) of row `row`: the C columns read side by side through K (the
 // next tile's asked for a block ahead, as a row of weights streams from memory best), each
 // block's dots summed across lanes and added to 4-lane sums on the spot.
-template <int C>
+template <int kBits, int C>
 void few_rows_tile(const Rows& rows, int64_t row, const Weights& w, const uint8_t* q,
                    LaneParameters& parameters, int c0, float* out) {
-  const int64_t padded = w.blocks * w.block_size;
+  const int64_t padded = w.blocks * w.block_size, column_bytes = weight_bytes<kBits>(padded);
   const int16_t* a = rows.q.data() + row * padded;
   __m128 products = _mm_setzero_ps(), zero_terms = _mm_setzero_ps();
   for (int64_t b = 0; b < w.blocks; ++b) {
     const int64_t start = b * w.block_size;
     for (int c = 0; c < C; ++c)
-      _mm_prefetch(reinterpret_cast<const char*>(q + (c0 + C + c) * padded + start), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(q + (c0 + C + c) * column_bytes +
+                                                 weight_bytes<kBits>(start)),
+                   _MM_HINT_T0);
     __m512i d[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
                     _mm512_setzero_si512()};
     for (int64_t i = start; i < start + w.block_size; i += kPairStep) {
       const __m512i x = _mm512_loadu_si512(a + i);
       for (int c = 0; c < C; ++c)
-        d[c] = _mm512_add_epi32(d[c], _mm512_madd_epi16(x, _mm512_cvtepu8_epi16(_mm256_loadu_si256(
-                                                                reinterpret_cast<const __m256i*>(
-                                                                    q + (c0 + c) * padded + i)))));
+        d[c] = _mm512_add_epi32(
+            d[c], _mm512_madd_epi16(x, load32_weights<kBits>(q + (c0 + c) * column_bytes, i)));
     }
     __m128 scales, offsets;
     parameters.at4(b, c0, scales, offsets);
@@ -613,18 +671,19 @@ void few_rows_tile(const Rows& rows, int64_t row, const Weights& w, const uint8_
 // row's block dots four columns at a time, their epilogue add_block's on 4 lanes. (No
 // transposition to amortize over one row; 16 column streams at once, or the dots kept for one
 // 16-lane epilogue after them, read a 28 MB logits projection at half the speed.)
+template <int kBits>
 void few_rows(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
               int64_t first, int columns, float* out, int64_t n) {
   prefetch_next_parameters(w, first, n);
-  const uint8_t* q = w.q + first * w.blocks * w.block_size;
-  LaneParameters parameters{w, first, columns, {}, {}};
+  const uint8_t* q = w.q + first * weight_bytes<kBits>(w.blocks * w.block_size);
+  LaneParameters parameters(w, first, columns);
   for (int64_t row = first_row; row < end_row; ++row) {
     float* y = out + row * n + first;
     int c0 = 0;
-    for (; c0 + 4 <= columns; c0 += 4) few_rows_tile<4>(rows, row, w, q, parameters, c0, y);
-    if (columns - c0 == 3) few_rows_tile<3>(rows, row, w, q, parameters, c0, y);
-    if (columns - c0 == 2) few_rows_tile<2>(rows, row, w, q, parameters, c0, y);
-    if (columns - c0 == 1) few_rows_tile<1>(rows, row, w, q, parameters, c0, y);
+    for (; c0 + 4 <= columns; c0 += 4) few_rows_tile<kBits, 4>(rows, row, w, q, parameters, c0, y);
+    if (columns - c0 == 3) few_rows_tile<kBits, 3>(rows, row, w, q, parameters, c0, y);
+    if (columns - c0 == 2) few_rows_tile<kBits, 2>(rows, row, w, q, parameters, c0, y);
+    if (columns - c0 == 1) few_rows_tile<kBits, 1>(rows, row, w, q, parameters, c0, y);
   }
 }
 #endif
@@ -644,32 +703,33 @@ constexpr bool wide_integer_path(int64_t block_size) {
 
 // Columns [first_column, end_column) of every row, on the widest integer path this build has for
 // the node's block size.
+template <int kBits>
 void integer_columns(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
                      int64_t first_column, int64_t end_column, float* out, int64_t n) {
 #if defined(__AVX512BW__)
   if (wide_integer_path(w.block_size)) {
     for (int64_t first = first_column; first < end_column; first += kLaneColumns)
       for (int64_t row = first_row; row < end_row; row += kLaneRowBlock)
-        (end_row - row >= kTransposeRows ? transposed_rows : few_rows)(
+        (end_row - row >= kTransposeRows ? transposed_rows<kBits> : few_rows<kBits>)(
             rows, row, std::min(row + kLaneRowBlock, end_row), w, first,
             static_cast<int>(std::min(kLaneColumns, end_column - first)), out, n);
     return;
   }
 #endif
-  columns(rows, first_row, end_row, w, first_column, end_column, out, n);
+  columns<kBits>(rows, first_row, end_row, w, first_column, end_column, out, n);
 }
 
 // The block parameters of `scales` and `zero_points` as Weights (q left null), or the error that
 // names what is wrong with them.
-OrtStatus* weights_of(const Tensor& scales, const Tensor& zero_points, int64_t n, int64_t blocks,
-                      int64_t block_size, Weights* out) {
+OrtStatus* weights_of(const std::string& op, const Tensor& scales, const Tensor& zero_points,
+                      int64_t n, int64_t blocks, int64_t block_size, Weights* out) {
   if (scales.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || scales.numel() != n * blocks)
-    return invalid("MatMul8Bits: scales: expected float32 [" + std::to_string(n * blocks) +
+    return invalid(op + ": scales: expected float32 [" + std::to_string(n * blocks) +
                    "], got " + type_name(scales.type) + " " + scales.shape());
   const bool float_zero_points = zero_points.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   if (!(float_zero_points || zero_points.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8) ||
       !(zero_points.numel() == n * blocks || (!float_zero_points && zero_points.numel() == 1)))
-    return invalid("MatMul8Bits: zero_points: expected uint8 [1] or uint8 or float32 [" +
+    return invalid(op + ": zero_points: expected uint8 [1] or uint8 or float32 [" +
                    std::to_string(n * blocks) + "], got " + type_name(zero_points.type) + " " +
                    zero_points.shape());
   *out = Weights{nullptr,
@@ -691,7 +751,7 @@ OrtStatus* MatMul8Bits::init(const OrtKernelInfo* info) {
   if (OrtStatus* s = int_attribute(info, "batch_invariant", &batch_invariant))
     api().ReleaseStatus(s);  // (optional: 1)
   if (k <= 0 || n <= 0 || block_size % kStep != 0 || block_size > kMaxBlock)
-    return invalid("MatMul8Bits: expected K > 0, N > 0 and a block_size that is a multiple of " +
+    return invalid(op_name() + ": expected K > 0, N > 0 and a block_size that is a multiple of " +
                    std::to_string(kStep) + " up to " + std::to_string(kMaxBlock) +
                    ", got K=" + std::to_string(k) +
                    ", N=" + std::to_string(n) + ", block_size=" + std::to_string(block_size));
@@ -707,7 +767,8 @@ OrtStatus* MatMul8Bits::init(const OrtKernelInfo* info) {
     Weights weights;
     const int64_t blocks = (k + block_size - 1) / block_size;
     if (constant_scales && constant_zero_points) {
-      if (OrtStatus* status = weights_of(scales, zero_points, n, blocks, block_size, &weights))
+      if (OrtStatus* status =
+              weights_of(op_name(), scales, zero_points, n, blocks, block_size, &weights))
         api().ReleaseStatus(status);
       else
         lane_parameters = pack_lane_parameters(weights, n);
@@ -725,14 +786,16 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 3, &zero_points));
   const int64_t blocks = (k + block_size - 1) / block_size;
   if (a.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || a.dims.empty() || a.dims.back() != k)
-    return invalid("MatMul8Bits: a: expected float32 [..., " + std::to_string(k) + "], got " +
+    return invalid(op_name() + ": a: expected float32 [..., " + std::to_string(k) + "], got " +
                    type_name(a.type) + " " + a.shape());
-  if (b.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 || b.numel() != n * blocks * block_size)
-    return invalid("MatMul8Bits: b: expected uint8 [" + std::to_string(n) + ", " +
-                   std::to_string(blocks) + ", " + std::to_string(block_size) + "], got " +
-                   type_name(b.type) + " " + b.shape());
+  if (b.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 ||
+      b.numel() != n * blocks * block_size * bits / 8)
+    return invalid(op_name() + ": b: expected uint8 [" + std::to_string(n) + ", " +
+                   std::to_string(blocks) + ", " + std::to_string(block_size * bits / 8) +
+                   "], got " + type_name(b.type) + " " + b.shape());
   Weights weights;
-  ATTNEXPORT_RETURN_IF_ERROR(weights_of(scales, zero_points, n, blocks, block_size, &weights));
+  ATTNEXPORT_RETURN_IF_ERROR(
+      weights_of(op_name(), scales, zero_points, n, blocks, block_size, &weights));
   weights.q = static_cast<const uint8_t*>(b.data);
 #if defined(__AVX512BW__)
   if (!lane_parameters.empty())
@@ -754,8 +817,11 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
     auto panel_item = [&](size_t i) {
       const int64_t row = static_cast<int64_t>(i) / column_items * kPanelRowBlock;
       const int64_t first = static_cast<int64_t>(i) % column_items * kPanelColumns;
-      panel_columns(x + row * k, std::min(kPanelRowBlock, rows - row), k, weights, first,
-                    std::min(first + kPanelColumns, n), y + row * n, n);
+      const int64_t count = std::min(kPanelRowBlock, rows - row), end = std::min(first + kPanelColumns, n);
+      if (bits == 4)
+        panel_columns<4>(x + row * k, count, k, weights, first, end, y + row * n, n);
+      else
+        panel_columns<8>(x + row * k, count, k, weights, first, end, y + row * n, n);
     };
     return parallel_for(context, static_cast<size_t>(row_blocks * column_items), panel_item);
   }
@@ -777,8 +843,12 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
   auto item = [&](size_t i) {
     const int64_t row = static_cast<int64_t>(i) / column_items * kRowsPerItem;
     const int64_t first = static_cast<int64_t>(i) % column_items * kColumnsPerItem;
-    integer_columns(rounded, row, std::min(row + kRowsPerItem, rows), weights, first,
-                    std::min(first + kColumnsPerItem, n), y, n);
+    const int64_t end_row = std::min(row + kRowsPerItem, rows);
+    const int64_t end = std::min(first + kColumnsPerItem, n);
+    if (bits == 4)
+      integer_columns<4>(rounded, row, end_row, weights, first, end, y, n);
+    else
+      integer_columns<8>(rounded, row, end_row, weights, first, end, y, n);
   };
   return parallel_for(context, static_cast<size_t>(row_blocks * column_items), item);
 }

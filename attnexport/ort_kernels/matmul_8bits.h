@@ -3,6 +3,7 @@
 #include <onnxruntime_c_api.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace attnexport {
@@ -18,11 +19,21 @@ namespace attnexport {
 // depend on its call's row count); the AVX-512 build's integer path is faster than the panels.
 struct MatMul8Bits {
   int64_t k = 0, n = 0, block_size = 0, batch_invariant = 1;
+  int64_t bits = 8;  // of the weights: 8, or 4 for MatMul4Bits
   // The AVX-512 build's copy of the block parameters in its lanes' layout, made at kernel
   // creation when the scales and zero points are initializers (matmul_8bits.cc); else empty.
   std::vector<float> lane_parameters;
   OrtStatus* init(const OrtKernelInfo* info);
   OrtStatus* compute(OrtKernelContext* context) const;
+  std::string op_name() const { return bits == 4 ? "MatMul4Bits" : "MatMul8Bits"; }
+};
+
+// attnexport.MatMul4Bits: MatMul8Bits on 4-bit weights, MatMulNBits' 4-bit storage: b
+// [N, blocks, block_size / 2] uint8, weight 2j of a block in byte j's low nibble and 2j + 1 in
+// its high one; zero points float32 [N * blocks] (HQQ's), uint8 [N * blocks] (one a byte, not
+// MatMulNBits' packed nibbles) or one uint8 for every block (8: symmetric).
+struct MatMul4Bits : MatMul8Bits {
+  MatMul4Bits() { bits = 4; }
 };
 
 }  // namespace attnexport

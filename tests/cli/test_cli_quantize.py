@@ -93,7 +93,6 @@ def test_run_generates_with_quantized_weights(int4_export, capsys):
         (["--lm-head", "int8"], "only with --weights int4 or int8"),
         (["--weights", "int4", "--weights-algorithm", "hqq", "--weights-symmetric"], "asymmetric"),
         (["--weights", "int4", "--weights-block-size", "20"], "--weights-block-size"),
-        (["--weights", "int4", "--weights-activations", "int16"], "--weights-activations int16"),
         (["--weights", "int8", "--format", "both"], "--format onnx"),
         (["--weights", "int4", "--weights-keep-float", "nothing.*"], "matches no layer"),
     ],

@@ -15,7 +15,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from attnexport import ort_kernels
-from attnexport.lowering.matmul_8bits import OP_TYPE, to_matmul_8bits
+from attnexport.lowering.matmul_8bits import OP_TYPE, OP_TYPES, to_matmul_8bits
 from tests.helpers import (
     ORT_KERNEL_MODES,
     requires_avx512_kernels,
@@ -24,23 +24,31 @@ from tests.helpers import (
 )
 
 ZERO_POINTS = ["symmetric", "uint8", "float32"]
+BITS = [8, 4]  # MatMul8Bits, and MatMul4Bits: the same kernel on MatMulNBits' 4-bit storage
 
 
-def _matmulnbits_model(k: int, n: int, block: int, zero_points: str, seed: int = 0):
-    """A one-node model ``y = MatMulNBits(a)`` with random 8-bit storage at accuracy level 4,
-    and the float64 ``[n, k]`` weight it stands for."""
+def _matmulnbits_model(k: int, n: int, block: int, zero_points: str, seed: int = 0, bits: int = 8):
+    """A one-node model ``y = MatMulNBits(a)`` with random ``bits``-bit storage at accuracy level
+    4, and the float64 ``[n, k]`` weight it stands for."""
     rng = np.random.default_rng(seed)
     blocks = -(-k // block)
-    q = rng.integers(0, 256, (n, blocks, block), dtype=np.uint8)
+    q = rng.integers(0, 256, (n, blocks, block * bits // 8), dtype=np.uint8)
     scales = ((rng.random(n * blocks) + 0.5) * 0.01).astype(np.float32)
     initializers = [numpy_helper.from_array(q, "q"), numpy_helper.from_array(scales, "scales")]
-    zero = np.full(n * blocks, 128.0)
+    middle = 2 ** (bits - 1)
+    zero, stored = np.full(n * blocks, float(middle)), None
     if zero_points == "uint8":
-        zero = rng.integers(100, 156, n * blocks).astype(np.uint8)
+        zero = rng.integers(middle - middle // 4, middle + middle // 4, n * blocks).astype(np.uint8)
+        stored = zero
+        if bits == 4:  # two to a byte, each column's padded to whole bytes
+            columns = np.zeros((n, -(-blocks // 2) * 2), np.uint8)
+            columns[:, :blocks] = zero.reshape(n, blocks)
+            stored = (columns[:, 0::2] | columns[:, 1::2] << 4).reshape(-1)
     elif zero_points == "float32":
-        zero = (rng.random(n * blocks) * 60 + 98).astype(np.float32)
-    if zero_points != "symmetric":
-        initializers.append(numpy_helper.from_array(zero, "zero_points"))
+        zero = (rng.random(n * blocks) * middle * 0.5 + middle * 0.75).astype(np.float32)
+        stored = zero
+    if stored is not None:
+        initializers.append(numpy_helper.from_array(stored, "zero_points"))
     node = helper.make_node(
         "MatMulNBits",
         ["a", "q", "scales", *(["zero_points"] if zero_points != "symmetric" else [])],
@@ -48,7 +56,7 @@ def _matmulnbits_model(k: int, n: int, block: int, zero_points: str, seed: int =
         domain="com.microsoft",
         K=k,
         N=n,
-        bits=8,
+        bits=bits,
         block_size=block,
         accuracy_level=4,
     )
@@ -63,6 +71,8 @@ def _matmulnbits_model(k: int, n: int, block: int, zero_points: str, seed: int =
         graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
     )
     model.ir_version = 10
+    if bits == 4:  # weight 2j in byte j's low nibble, 2j + 1 in its high one
+        q = np.stack([q & 0x0F, q >> 4], axis=-1).reshape(n, blocks, block)
     columns = (
         q.astype(np.float64) - zero.astype(np.float64).reshape(n, blocks, 1)
     ) * scales.astype(np.float64).reshape(n, blocks, 1)
@@ -100,22 +110,27 @@ def _float32_panels(kernels: str, block: int) -> bool:
     return kernels == "native" and not (ort_kernels.kernel_isa() == "avx512" and block % 32 == 0)
 
 
-def _matmul_8bits(k, n, block, zero_points, kernels, batch_invariant=True):
-    model, weight = _matmulnbits_model(k, n, block, zero_points)
-    assert to_matmul_8bits(model, batch_invariant) == 1
-    assert [(node.domain, node.op_type) for node in model.graph.node] == [("attnexport", OP_TYPE)]
+def _matmul_8bits(k, n, block, zero_points, kernels, batch_invariant=True, bits=8):
+    model, weight = _matmulnbits_model(k, n, block, zero_points, bits=bits)
+    assert to_matmul_8bits(model, batch_invariant, bits=(bits,)) == 1
+    assert [(node.domain, node.op_type) for node in model.graph.node] == [
+        ("attnexport", OP_TYPES[bits])
+    ]
     onnx.checker.check_model(model, full_check=True)
     return _session(model, kernels), weight
 
 
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("kernels", ORT_KERNEL_MODES)
 @pytest.mark.parametrize("zero_points", ZERO_POINTS)
 @pytest.mark.parametrize(
     "k, n, block",
     [(576, 96, 32), (577, 33, 32), (100, 7, 16), (1536, 40, 64), (40, 5, 128)],
 )
-def test_matches_the_float64_product_of_the_dequantized_weight(k, n, block, zero_points, kernels):
-    session, weight = _matmul_8bits(k, n, block, zero_points, kernels)
+def test_matches_the_float64_product_of_the_dequantized_weight(
+    k, n, block, zero_points, kernels, bits
+):
+    session, weight = _matmul_8bits(k, n, block, zero_points, kernels, bits=bits)
     a = torch.randn(9, k, generator=torch.Generator().manual_seed(1))
     expected = a.double() @ torch.from_numpy(weight).T
     bound = _rounding_bound(a, weight, block)
@@ -126,25 +141,29 @@ def test_matches_the_float64_product_of_the_dequantized_weight(k, n, block, zero
 
 
 @requires_ort_kernels
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("zero_points", ZERO_POINTS)
-def test_a_row_is_the_same_bits_alone_and_in_any_batch(zero_points):
-    session, _ = _matmul_8bits(577, 70, 32, zero_points, "native")
+def test_a_row_is_the_same_bits_alone_and_in_any_batch(zero_points, bits):
+    session, _ = _matmul_8bits(577, 70, 32, zero_points, "native", bits=bits)
     a = torch.randn(13, 577, generator=torch.Generator().manual_seed(2)).numpy()
     batch = session.run(None, {"a": a})[0]
     for rows in (slice(0, 1), slice(3, 4), slice(2, 5), slice(5, 11), slice(12, 13)):
         assert np.array_equal(session.run(None, {"a": a[rows]})[0], batch[rows])
 
 
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("kernels", ORT_KERNEL_MODES)
 @pytest.mark.parametrize("zero_points", ZERO_POINTS)
 @pytest.mark.parametrize("k, n, block", [(576, 96, 32), (577, 33, 32), (100, 7, 16), (40, 5, 128)])
 def test_without_batch_invariance_calls_of_many_rows_are_float32_products(
-    k, n, block, zero_points, kernels
+    k, n, block, zero_points, kernels, bits
 ):
     """``batch_invariant=0``: from 4 rows on, the native kernel multiplies float32 activations by
     the dequantized weights where that path runs (float32 rounding only, far inside the int16
     rounding's bound); fewer rows, and the AVX-512 integer path, keep the int16 bound."""
-    session, weight = _matmul_8bits(k, n, block, zero_points, kernels, batch_invariant=False)
+    session, weight = _matmul_8bits(
+        k, n, block, zero_points, kernels, batch_invariant=False, bits=bits
+    )
     a = torch.randn(70, k, generator=torch.Generator().manual_seed(3))
     expected = a.double() @ torch.from_numpy(weight).T
     float32_bound = 1e-6 * (a.double().abs() @ torch.from_numpy(np.abs(weight)).T)
@@ -200,14 +219,15 @@ def test_activations_are_rounded_finer_than_int8(kernels):
     assert int16_activations <= _rounding_bound(a, weight, 32).max()
 
 
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("kernels", ORT_KERNEL_MODES)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_a_non_finite_activation_makes_its_row_nan_and_no_other(kernels, bad):
+def test_a_non_finite_activation_makes_its_row_nan_and_no_other(kernels, bad, bits):
     """int16 steps have no NaN or infinity: the kernel must not round one into a finite number
     (float32 arithmetic, the body's, gives NaN or infinities: every output of the row is
     non-finite either way)."""
     for batch_invariant, rows in ((True, 3), (False, 5)):  # (5 rows: the float32 panels)
-        session, _ = _matmul_8bits(96, 10, 32, "float32", kernels, batch_invariant)
+        session, _ = _matmul_8bits(96, 10, 32, "float32", kernels, batch_invariant, bits)
         a = torch.randn(rows, 96, generator=torch.Generator().manual_seed(4)).numpy()
         a[1, 40] = bad
         y = session.run(None, {"a": a})[0]
@@ -271,17 +291,20 @@ def test_a_block_too_long_for_exact_int32_sums_is_refused():
 
 
 @requires_ort_kernels
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("zero_points", ZERO_POINTS)
 @pytest.mark.parametrize("k, n, block", [(577, 70, 32), (1536, 40, 64)])
-def test_block_parameters_from_initializers_or_inputs_give_the_same_bits(k, n, block, zero_points):
+def test_block_parameters_from_initializers_or_inputs_give_the_same_bits(
+    k, n, block, zero_points, bits
+):
     """The AVX-512 variant copies initializer scales and zero points into its lanes' layout when
     the session is made, and transposes them on every call otherwise (scales a graph computes):
     the same numbers, one row or many."""
-    model, _ = _matmulnbits_model(k, n, block, zero_points)
-    assert to_matmul_8bits(model) == 1
+    model, _ = _matmulnbits_model(k, n, block, zero_points, bits=bits)
+    assert to_matmul_8bits(model, bits=(bits,)) == 1
     fed = onnx.ModelProto()
     fed.CopyFrom(model)
-    parameters = [i for i in fed.graph.initializer if i.name in ("scales", "zero_points")]
+    parameters = [i for i in fed.graph.initializer if i.name.startswith(("scales", "zero_points"))]
     values = {i.name: numpy_helper.to_array(i) for i in parameters}
     for initializer in parameters:
         fed.graph.initializer.remove(initializer)

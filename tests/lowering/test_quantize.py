@@ -102,6 +102,18 @@ def test_every_projection_becomes_matmulnbits(float_onnx, tmp_path, fmt, bits):
     assert {a.name: a.i for a in nodes[0].attribute}["bits"] == bits
 
 
+def test_int4_with_int16_activations_is_matmul_4bits_on_every_layer(float_onnx, tmp_path):
+    """hqq's float zero points read as they are (no offsets), the int8 logits projection as
+    MatMul8Bits, no padding row (the kernels compute every row alike)."""
+    path, entry = _quantized(float_onnx, tmp_path, WeightQuantization("int4", activations="int16"))
+    assert entry["activations"] == "int16"
+    ops = _ops(path)
+    assert ops["MatMul4Bits"] == LAYERS - 1 and ops["MatMul8Bits"] == 1
+    assert ops["MatMulNBits"] == ops["AddBlockOffsets"] == ops["Slice"] == 0
+    model = onnx.load(str(path))
+    assert {f.name for f in model.functions} >= {"MatMul4Bits", "MatMul8Bits"}
+
+
 def test_keep_float_and_lm_head(float_onnx, tmp_path):
     quantization = WeightQuantization(
         "int4", keep_float=("model.layers.0.*",), lm_head="float", block_size=16
@@ -133,8 +145,6 @@ def test_bad_options_are_named(float_onnx, tmp_path):
         WeightQuantization("int4", algorithm="gptq")
     with pytest.raises(QuantizationError, match="--lm-head: expected float, int8, int4"):
         WeightQuantization("int4", lm_head="int2")
-    with pytest.raises(QuantizationError, match="--weights-activations int16: only with --weights"):
-        WeightQuantization("int4", activations="int16")
     with pytest.raises(QuantizationError, match="--weights-activations: expected int16, int8"):
         WeightQuantization("int8", activations="float32")
     with pytest.raises(QuantizationError, match="pass --weights-asymmetric"):
@@ -170,12 +180,13 @@ def _logits(runner, spec) -> torch.Tensor:
     return torch.cat(rows)
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("fmt, activations", [("int4", None), ("int8", None), ("int4", "int16")])
 @pytest.mark.parametrize("kernels", ["native", "bodies"])
 def test_quantized_model_generates_close_to_the_float_eager_model(
-    llama, float_onnx, tmp_path, fmt, kernels
+    llama, float_onnx, tmp_path, fmt, activations, kernels
 ):
-    path, _ = _quantized(float_onnx, tmp_path, WeightQuantization(fmt))
+    """Each format's default, and int4 with int16 activations (attnexport.MatMul4Bits)."""
+    path, _ = _quantized(float_onnx, tmp_path, WeightQuantization(fmt, activations=activations))
     outputs = _engine(OrtExecutor(path, kernels=kernels, num_threads=1)).generate(
         PROMPTS, SamplingParams(max_tokens=6)
     )
