@@ -95,8 +95,9 @@ def test_a_tied_embedding_is_stored_once(gpt2, tmp_path, head):
         assert table in {n.input[0] for n in nodes["Gather"]}
     else:
         (gather,) = nodes["GatherBlockQuantized"]
-        # int8: attnexport.MatMul8Bits on MatMulNBits' storage; int4: MatMulNBits
-        assert gather.input[0] in {n.input[1] for n in nodes["MatMulNBits"] + nodes["MatMul8Bits"]}
+        # int16 activations (int8's default): attnexport.MatMul8Bits / MatMul4Bits on
+        # MatMulNBits' storage
+        assert gather.input[0] in {n.input[1] for n in nodes[f"MatMul{head[3]}Bits"]}
         assert table not in {i.name for i in model.graph.initializer}
         assert not nodes["Gemm"]
 
