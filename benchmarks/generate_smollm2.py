@@ -6,8 +6,10 @@
 * 8-bit: ``ours int8`` (``--weights int8``), ``ours int8-fast`` (also
   ``--no-weights-batch-invariant``: calls of 4 rows or more multiply float32 activations by
   dequantized weight panels); llama.cpp Q8_0, OpenVINO int8, onnxruntime-genai int8;
-* 4-bit: ``ours int4`` (``--weights int4``), ``ours int4-kv8`` (also ``--kv-cache-dtype int8``);
-  llama.cpp Q4_0, OpenVINO int4 (group 64, ratio 1.0), onnxruntime-genai int4.
+* 4-bit: ``ours int4`` (``--weights int4``), ``ours int4-kv8`` (also ``--kv-cache-dtype int8``),
+  ``ours int4-a16`` and ``int4-a16-kv8`` (also ``--weights-activations int16``:
+  attnexport.MatMul4Bits); llama.cpp Q4_0, OpenVINO int4 (group 64, ratio 1.0),
+  onnxruntime-genai int4.
 
 Every leg runs in its own process (a peer's in its own environment) on the same random
 prompts (token ids, seed 0; a warm-up generation of 4 tokens on other prompts of the same shape
@@ -43,6 +45,11 @@ OURS = {
     "int8-kv8": ("8-bit", ["--weights", "int8", "--kv-cache-dtype", "int8"]),
     "int4": ("4-bit", ["--weights", "int4"]),
     "int4-kv8": ("4-bit", ["--weights", "int4", "--kv-cache-dtype", "int8"]),
+    "int4-a16": ("4-bit", ["--weights", "int4", "--weights-activations", "int16"]),
+    "int4-a16-kv8": (
+        "4-bit",
+        ["--weights", "int4", "--weights-activations", "int16", "--kv-cache-dtype", "int8"],
+    ),
 }
 PEER_TITLES = {"llamacpp": "llama.cpp", "openvino": "OpenVINO", "vllm": "vLLM", "genai": "genai"}
 LEG_TIMEOUT_S = 3600
