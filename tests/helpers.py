@@ -32,6 +32,20 @@ requires_avx512_kernels = pytest.mark.skipif(
 )
 
 
+def one_model_session(model, kernels: str, threads: int = 2):
+    """An onnxruntime CPU session of the in-memory ONNX ``model`` whose attnexport nodes run as
+    ``kernels`` says (one of ORT_KERNEL_MODES: ``"native"`` registers the kernel library)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    if kernels == "native":
+        ort_kernels.register(options)
+    return ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+
+
 def rerun_under_avx2(module: str, skip: str) -> None:
     """Runs the test module at ``module`` again in a process of its own with the native kernels'
     AVX2 variant (the variable is read when a session registers the library), but the tests

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from attnexport import ort_kernels
 from attnexport.lowering.float_zero_points import OP_TYPE, add_block_offsets_function
 from attnexport.model_contract import DOMAIN, DOMAIN_VERSION
 from tests.helpers import (
     ORT_KERNEL_MODES,
+    one_model_session,
     requires_avx512_kernels,
     requires_ort_kernels,
     rerun_under_avx2,
@@ -63,16 +62,6 @@ def _model(
     return model, offsets.astype(np.float64) * row_scales
 
 
-def _session(model: onnx.ModelProto, kernels: str) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 2
-    if kernels == "native":
-        ort_kernels.register(options)
-    return ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
-
-
 def _inputs(rows: int, k: int, n: int, seed: int = 1) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {
@@ -108,7 +97,7 @@ def _expected(
 def test_matches_the_float64_sum(k, n, block, offset_block, kernels):
     model, table = _model(k, n, block, offset_block)
     onnx.checker.check_model(model, full_check=True)
-    session = _session(model, kernels)
+    session = one_model_session(model, kernels)
     for rows in (0, 1, 2, 3, 5, 70):
         feeds = _inputs(rows, k, n)
         (z,) = session.run(None, feeds)
@@ -123,7 +112,7 @@ def test_matches_the_float64_sum(k, n, block, offset_block, kernels):
 def test_a_row_is_the_same_bits_alone_and_in_any_batch():
     """Calls of one or two rows dequantize the offsets as they read them; more rows read a
     dequantized tile: the same products in the same order."""
-    session = _session(_model(577, 200, 32, 16)[0], "native")
+    session = one_model_session(_model(577, 200, 32, 16)[0], "native")
     feeds = _inputs(131, 577, 200, seed=2)
     (batch,) = session.run(None, feeds)
     for rows in (slice(0, 1), slice(3, 5), slice(2, 5), slice(5, 11), slice(1, 131)):
@@ -133,7 +122,7 @@ def test_a_row_is_the_same_bits_alone_and_in_any_batch():
 
 @pytest.mark.parametrize("kernels", ORT_KERNEL_MODES)
 def test_a_non_finite_activation_spoils_its_row_and_no_other(kernels):
-    session = _session(_model(96, 70, 32, 16)[0], kernels)
+    session = one_model_session(_model(96, 70, 32, 16)[0], kernels)
     feeds = _inputs(4, 96, 70)
     feeds["a"][2, 40] = np.inf
     (z,) = session.run(None, feeds)
@@ -153,7 +142,7 @@ def test_a_non_finite_activation_spoils_its_row_and_no_other(kernels):
 )
 def test_bad_inputs_get_a_named_error(overrides, feeds, message):
     model, _ = _model(96, 70, 32, 32, **overrides)
-    session = _session(model, "native")
+    session = one_model_session(model, "native")
     inputs = {**_inputs(2, 96, 70), **feeds}
     with pytest.raises(Exception, match="AddBlockOffsets") as error:
         session.run(None, inputs)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
@@ -18,6 +17,7 @@ from attnexport import ort_kernels
 from attnexport.lowering.matmul_8bits import OP_TYPE, OP_TYPES, to_matmul_8bits
 from tests.helpers import (
     ORT_KERNEL_MODES,
+    one_model_session,
     requires_avx512_kernels,
     requires_ort_kernels,
     rerun_under_avx2,
@@ -93,16 +93,6 @@ def _rounding_bound(a: torch.Tensor, weight: np.ndarray, block: int) -> torch.Te
     return 0.5 * steps @ per_block.T + 1e-6 * (a.double().abs() @ weights[:, :k].T)
 
 
-def _session(model: onnx.ModelProto, kernels: str) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 2
-    if kernels == "native":
-        ort_kernels.register(options)
-    return ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
-
-
 def _float32_panels(kernels: str, block: int) -> bool:
     """Whether a ``batch_invariant = 0`` node multiplies calls of 4 rows or more as float32 here:
     the native kernel's AVX2 variant, and blocks of 16; the AVX-512 variant's integer path for
@@ -117,7 +107,7 @@ def _matmul_8bits(k, n, block, zero_points, kernels, batch_invariant=True, bits=
         ("attnexport", OP_TYPES[bits])
     ]
     onnx.checker.check_model(model, full_check=True)
-    return _session(model, kernels), weight
+    return one_model_session(model, kernels), weight
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -212,9 +202,9 @@ def test_activations_are_rounded_finer_than_int8(kernels):
     def error(session):
         return (torch.from_numpy(session.run(None, {"a": a.numpy()})[0]) - expected).abs().max()
 
-    int8_activations = error(_session(model, "bodies"))
+    int8_activations = error(one_model_session(model, "bodies"))
     assert to_matmul_8bits(model) == 1
-    int16_activations = error(_session(model, kernels))
+    int16_activations = error(one_model_session(model, kernels))
     assert int16_activations < int8_activations / 20, (int16_activations, int8_activations)
     assert int16_activations <= _rounding_bound(a, weight, 32).max()
 
@@ -276,7 +266,7 @@ def test_bad_inputs_get_a_named_error(change, message):
     )
     model.ir_version = 10
     with pytest.raises(Exception, match=message):
-        _session(model, "native").run(None, {"a": np.ones((1, 20), np.float32)})
+        one_model_session(model, "native").run(None, {"a": np.ones((1, 20), np.float32)})
 
 
 @requires_ort_kernels
@@ -287,7 +277,7 @@ def test_a_block_too_long_for_exact_int32_sums_is_refused():
     with pytest.raises(
         Exception, match="multiple of 16 up to 1024, got K=4096, N=4, block_size=2048"
     ):
-        _session(model, "native")
+        one_model_session(model, "native")
 
 
 @requires_ort_kernels
@@ -315,8 +305,8 @@ def test_block_parameters_from_initializers_or_inputs_give_the_same_bits(
         )
     a = torch.randn(13, k, generator=torch.Generator().manual_seed(5)).numpy()
     for rows in (1, 2, 13):
-        constant = _session(model, "native").run(None, {"a": a[:rows]})[0]
-        computed = _session(fed, "native").run(None, {"a": a[:rows], **values})[0]
+        constant = one_model_session(model, "native").run(None, {"a": a[:rows]})[0]
+        computed = one_model_session(fed, "native").run(None, {"a": a[:rows], **values})[0]
         assert np.array_equal(constant, computed)
 
 
@@ -329,7 +319,7 @@ def test_invalid_initializer_parameters_of_a_wide_block_get_the_named_error():
     (scales,) = [i for i in model.graph.initializer if i.name == "scales"]
     scales.CopyFrom(numpy_helper.from_array(np.ones(7, np.float32), "scales"))
     with pytest.raises(Exception, match=r"MatMul8Bits: scales: expected float32 \[8\]"):
-        _session(model, "native").run(None, {"a": np.ones((1, 64), np.float32)})
+        one_model_session(model, "native").run(None, {"a": np.ones((1, 64), np.float32)})
 
 
 @requires_avx512_kernels
