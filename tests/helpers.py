@@ -25,10 +25,30 @@ requires_ort_kernels = pytest.mark.skipif(
 # How onnxruntime runs the attnexport nodes: their standard-op bodies, or the native kernels.
 ORT_KERNEL_MODES = ["bodies", pytest.param("native", marks=requires_ort_kernels)]
 # Where the AVX-512 variant of the native kernels is the default: a module's tests of kernels with
-# an AVX2 path of their own run again under that variant (rerun_under_avx2).
+# an AVX2 path of their own run again under that variant (rerun_with).
 requires_avx512_kernels = pytest.mark.skipif(
     ort_kernels.unavailable_reason() is not None or ort_kernels.kernel_isa() != "avx512",
     reason="the AVX2 variant is the default on this CPU (or the kernels are not built)",
+)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            line = next((x for x in cpuinfo if x.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.split(":", 1)[-1].split())
+
+
+# Where the AVX-512 variant runs on a CPU with AVX512_VNNI: its MatMul8Bits/MatMul4Bits products
+# take vpdpwssd, and the tests run again without it (ATTNEXPORT_VNNI=0).
+requires_vnni_kernels = pytest.mark.skipif(
+    ort_kernels.unavailable_reason() is not None
+    or ort_kernels.kernel_isa() != "avx512"
+    or "avx512_vnni" not in _cpu_flags()
+    or os.environ.get("ATTNEXPORT_VNNI") == "0",
+    reason="the kernels' AVX-512 variant does not run with AVX512_VNNI here",
 )
 
 
@@ -46,13 +66,16 @@ def one_model_session(model, kernels: str, threads: int = 2):
     )
 
 
-def rerun_under_avx2(module: str, skip: str) -> None:
-    """Runs the test module at ``module`` again in a process of its own with the native kernels'
-    AVX2 variant (the variable is read when a session registers the library), but the tests
-    whose names contain ``skip`` (the caller); asserts that they pass."""
-    env = {**os.environ, ort_kernels.ISA_VARIABLE: "avx2"}
+def rerun_with(module: str, skip: str, **variables: str) -> None:
+    """Runs the test module at ``module`` again in a process of its own with the environment
+    ``variables`` set (the native kernels read ATTNEXPORT_ISA when a session registers the
+    library, ATTNEXPORT_VNNI once a process), but the tests whose names contain ``skip`` (the
+    caller); asserts that they pass."""
+    env = {**os.environ, **variables}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", module]
-    done = subprocess.run([*command, "-k", f"not {skip}"], capture_output=True, text=True, env=env)
+    done = subprocess.run(
+        [*command, "-k", f"not ({skip})"], capture_output=True, text=True, env=env
+    )
     assert done.returncode == 0, done.stdout[-3000:]
 
 

@@ -17,7 +17,7 @@ from tests.helpers import (
     one_model_session,
     requires_avx512_kernels,
     requires_ort_kernels,
-    rerun_under_avx2,
+    rerun_with,
 )
 
 
@@ -153,4 +153,4 @@ def test_bad_inputs_get_a_named_error(overrides, feeds, message):
 def test_the_avx2_variant_passes_these_tests_too():
     """This CPU runs the AVX-512 variant by default; the AVX2 one reads the table a row at a
     time."""
-    rerun_under_avx2(__file__, "avx2_variant")
+    rerun_with(__file__, "avx2_variant", ATTNEXPORT_ISA="avx2")

@@ -7,6 +7,11 @@ the activations to int8, 256 times coarser."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -20,7 +25,8 @@ from tests.helpers import (
     one_model_session,
     requires_avx512_kernels,
     requires_ort_kernels,
-    rerun_under_avx2,
+    requires_vnni_kernels,
+    rerun_with,
 )
 
 ZERO_POINTS = ["symmetric", "uint8", "float32"]
@@ -326,4 +332,37 @@ def test_invalid_initializer_parameters_of_a_wide_block_get_the_named_error():
 def test_the_avx2_variant_passes_these_tests_too():
     """This CPU runs the AVX-512 variant by default; the AVX2 one has integer and panel paths
     of its own."""
-    rerun_under_avx2(__file__, "avx2_variant")
+    rerun_with(__file__, "avx2_variant", ATTNEXPORT_ISA="avx2")
+
+
+@requires_vnni_kernels
+def test_without_vnni_these_tests_pass_too():
+    """On this CPU the integer path of 4 rows or more multiplies with vpdpwssd; without it
+    (ATTNEXPORT_VNNI=0), with vpmaddwd and vpaddd."""
+    rerun_with(__file__, "avx2_variant or without_vnni", ATTNEXPORT_VNNI="0")
+
+
+@requires_vnni_kernels
+@pytest.mark.parametrize("bits", BITS)
+def test_vnni_and_its_absence_give_the_same_bits(bits, tmp_path):
+    """vpdpwssd sums the same integers as vpmaddwd and vpaddd: the outputs of a process without
+    it equal this one's bit for bit."""
+    session, _ = _matmul_8bits(577, 70, 32, "float32", "native", bits=bits)
+    a = torch.randn(37, 577, generator=torch.Generator().manual_seed(6)).numpy()
+    np.save(tmp_path / "a.npy", a)
+    script = (
+        "import sys, numpy as np\n"
+        "from tests.lowering.test_matmul_8bits import _matmul_8bits\n"
+        f"session, _ = _matmul_8bits(577, 70, 32, 'float32', 'native', bits={bits})\n"
+        "np.save(sys.argv[2], session.run(None, {'a': np.load(sys.argv[1])})[0])\n"
+    )
+    env = {**os.environ, "ATTNEXPORT_VNNI": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "a.npy"), str(tmp_path / "y.npy")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert np.array_equal(np.load(tmp_path / "y.npy"), session.run(None, {"a": a})[0])
