@@ -187,9 +187,9 @@ def rows_agree(
 
 def _padded_groups(graph: onnx.GraphProto):
     """``(concat, slice, matmuls)`` per padding row of :func:`pad_matmulnbits_rows`: the
-    MatMulNBits nodes that read the padded rows (the projection's, and the offsets' of
-    :mod:`~attnexport.lowering.float_zero_points` over their block sums) before the Slice that
-    drops the row."""
+    MatMulNBits nodes that read the padded rows before the Slice that drops the row (the
+    projection's; in files exported before ``attnexport.AddBlockOffsets``, also the 8-bit
+    offsets' of :mod:`~attnexport.lowering.float_zero_points` over their block sums)."""
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:

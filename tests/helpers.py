@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import onnxruntime as ort
 import pytest
 import torch
 
@@ -32,7 +33,9 @@ requires_avx512_kernels = pytest.mark.skipif(
 )
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux names them (``avx512f``, ``avx512_vnni``, ...); empty
+    where /proc/cpuinfo is not there."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             line = next((x for x in cpuinfo if x.startswith("flags")), "")
@@ -46,7 +49,7 @@ def _cpu_flags() -> set[str]:
 requires_vnni_kernels = pytest.mark.skipif(
     ort_kernels.unavailable_reason() is not None
     or ort_kernels.kernel_isa() != "avx512"
-    or "avx512_vnni" not in _cpu_flags()
+    or "avx512_vnni" not in cpu_flags()
     or os.environ.get("ATTNEXPORT_VNNI") == "0",
     reason="the kernels' AVX-512 variant does not run with AVX512_VNNI here",
 )
@@ -55,8 +58,6 @@ requires_vnni_kernels = pytest.mark.skipif(
 def one_model_session(model, kernels: str, threads: int = 2):
     """An onnxruntime CPU session of the in-memory ONNX ``model`` whose attnexport nodes run as
     ``kernels`` says (one of ORT_KERNEL_MODES: ``"native"`` registers the kernel library)."""
-    import onnxruntime as ort
-
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     if kernels == "native":

@@ -32,8 +32,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from attnexport.lowering.domain_functions import add_function_body
 from attnexport.lowering.lm_head import block_quantize
-from attnexport.model_contract import DOMAIN, DOMAIN_VERSION
+from attnexport.model_contract import DOMAIN
 
 OFFSET_FORMATS = ("float32", "int8")
 OP_TYPE = "AddBlockOffsets"
@@ -164,11 +165,7 @@ def split_float_zero_points(
         graph.node.extend(nodes)
         graph.initializer.extend(added)
     if rewritten and offsets == "int8":
-        opsets = {o.domain: o.version for o in model.opset_import}
-        if DOMAIN not in opsets:
-            model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
-        if not any(f.domain == DOMAIN and f.name == OP_TYPE for f in model.functions):
-            model.functions.append(add_block_offsets_function(opsets.get("", 18)))
+        add_function_body(model, OP_TYPE, add_block_offsets_function)
     return rewritten
 
 

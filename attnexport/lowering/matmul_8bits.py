@@ -22,11 +22,14 @@ dequantized, then ``MatMul``), which it folds into a float32 weight at load.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from attnexport.model_contract import DOMAIN, DOMAIN_VERSION
+from attnexport.lowering.domain_functions import add_function_body
+from attnexport.model_contract import DOMAIN
 
 OP_TYPE = "MatMul8Bits"
 OP_TYPES = {8: OP_TYPE, 4: "MatMul4Bits"}
@@ -35,7 +38,6 @@ storage (``B [N, blocks, block_size / 2]``, weight ``2j`` of a block in byte ``j
 ``2j + 1`` in its high one), zero points one a byte (not packed two to a byte)."""
 SYMMETRIC_ZERO_POINTS = {8: "matmul_8bits_zero_point_128", 4: "matmul_4bits_zero_point_8"}
 """The one uint8 zero point (128, or 8 for 4 bits) that every symmetric node reads."""
-SYMMETRIC_ZERO_POINT = SYMMETRIC_ZERO_POINTS[8]
 
 
 def matmul_8bits_function(opset: int, bits: int = 8) -> onnx.FunctionProto:
@@ -152,12 +154,8 @@ def to_matmul_8bits(
         rewritten[width] = rewritten.get(width, 0) + 1
     if not rewritten:
         return 0
-    opsets = {o.domain: o.version for o in model.opset_import}
-    if DOMAIN not in opsets:
-        model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
     for width in rewritten:
-        if not any(f.domain == DOMAIN and f.name == OP_TYPES[width] for f in model.functions):
-            model.functions.append(matmul_8bits_function(opsets.get("", 18), width))
+        add_function_body(model, OP_TYPES[width], partial(matmul_8bits_function, bits=width))
     return sum(rewritten.values())
 
 

@@ -383,14 +383,14 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
             f"{path}: onnxruntime's quantizer left {left or count} (expected "
             f"{len(layers) - len(keep)} MatMulNBits nodes)"
         )
+    # Before the padding, so that only MatMulNBits gets the padding row: MatMul8Bits and
+    # MatMul4Bits (batch-invariant unless told otherwise), AddBlockOffsets and the float32
+    # offsets' standard ops compute every row alike and read the rows they are given.
     if quantization.activations == "int16":
-        # before the padding: its kernel is batch-invariant unless told otherwise
         to_matmul_8bits(quantized, quantization.batch_invariant, bits=(4, 8))
+    split_float_zero_points(quantized, quantization.offsets)
     if quantization.batch_invariant:
         pad_matmulnbits_rows(quantized)
-    # After the padding: the offsets' own MatMulNBits reads the padded rows' block sums, so
-    # it never runs one row either.
-    split_float_zero_points(quantized, quantization.offsets)
     external = sum(len(i.raw_data) for i in quantized.graph.initializer) > EXTERNAL_DATA_BYTES
     data = path.with_name(f"{path.name}.data")
     if data.exists():

@@ -1,5 +1,5 @@
-// attnexport.MatMul8Bits for onnxruntime's CPU execution provider: 8-bit weights times
-// activations kept at 16 bits.
+// attnexport.MatMul8Bits and MatMul4Bits for onnxruntime's CPU execution provider: 8-bit (or
+// 4-bit, widened from their nibbles in registers) weights times activations kept at 16 bits.
 //
 // Written here because no library offers it on the CPU: onnxruntime's MatMulNBits either rounds
 // the activations to int8 per block (accuracy_level 4: what costs the 8-bit export its agreement
@@ -22,7 +22,8 @@
 // for bit). The AVX2 build accumulates a column's 8 lanes in float32 block by block and sums
 // them at the end; the AVX-512 build (blocks of a multiple of 32) sums each block's products
 // exactly in int32 per column and scales them in vectors of 16 columns (transposed_rows and
-// few_rows: two ways to the same integers, hence the same bits).
+// few_rows: two ways to the same integers, hence the same bits; transposed_rows takes
+// AVX512_VNNI's vpdpwssd where the CPU has it, the same integers again).
 
 #include "matmul_8bits.h"
 
@@ -869,7 +870,8 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
     auto panel_item = [&](size_t i) {
       const int64_t row = static_cast<int64_t>(i) / column_items * kPanelRowBlock;
       const int64_t first = static_cast<int64_t>(i) % column_items * kPanelColumns;
-      const int64_t count = std::min(kPanelRowBlock, rows - row), end = std::min(first + kPanelColumns, n);
+      const int64_t count = std::min(kPanelRowBlock, rows - row);
+      const int64_t end = std::min(first + kPanelColumns, n);
       if (bits == 4)
         panel_columns<4>(x + row * k, count, k, weights, first, end, y + row * n, n);
       else

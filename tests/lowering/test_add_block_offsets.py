@@ -5,6 +5,10 @@ numbers do not depend on its batch; bad inputs get a named error before any arit
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -147,6 +151,54 @@ def test_bad_inputs_get_a_named_error(overrides, feeds, message):
     with pytest.raises(Exception, match="AddBlockOffsets") as error:
         session.run(None, inputs)
     assert message in str(error.value)
+
+
+@requires_ort_kernels
+def test_a_slice_of_the_output_of_padded_rows_loads(tmp_path):
+    """The node's inputs a batch-invariance row longer (a Concat: a rows dim without a name) and
+    a Slice of its output: onnxruntime 1.32 aborted the process while loading this when the
+    kernel's shape inference passed the unnamed dim on as it was (fixed size -1). In a child
+    process, so that an abort fails this test rather than the run."""
+    model, _ = _model(96, 70, 32, 32)
+    graph = model.graph
+    graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.zeros((1, 70), np.float32), "y_zeros"),
+            numpy_helper.from_array(np.zeros((1, 96), np.float32), "a_zeros"),
+            numpy_helper.from_array(np.array([0], np.int64), "start"),
+            numpy_helper.from_array(np.array([-1], np.int64), "end"),
+        ]
+    )
+    (node,) = graph.node
+    node.input[0], node.input[1], node.output[0] = "y_padded", "a_padded", "z_padded"
+    graph.node.extend(
+        [
+            helper.make_node("Concat", ["y", "y_zeros"], ["y_padded"], axis=0),
+            helper.make_node("Concat", ["a", "a_zeros"], ["a_padded"], axis=0),
+            helper.make_node("Slice", ["z_padded", "start", "end", "start"], ["z"]),
+        ]
+    )
+    nodes = list(graph.node)
+    graph.ClearField("node")
+    graph.node.extend([*nodes[1:3], nodes[0], nodes[3]])
+    onnx.checker.check_model(model, full_check=True)
+    onnx.save(model, str(tmp_path / "padded.onnx"))
+    script = (
+        "import sys, numpy as np\n"
+        "from tests.helpers import one_model_session\n"
+        "import onnx\n"
+        "session = one_model_session(onnx.load(sys.argv[1]), 'native')\n"
+        "feeds = {'y': np.ones((3, 70), np.float32), 'a': np.ones((3, 96), np.float32)}\n"
+        "assert session.run(None, feeds)[0].shape == (3, 70)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "padded.onnx")],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 @requires_avx512_kernels

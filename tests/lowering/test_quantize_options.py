@@ -240,10 +240,11 @@ def test_the_padding_keeps_every_row_off_the_one_row_kernel():
 
 @requires_ort_kernels
 def test_an_int4_export_loads_with_its_padding_rows_and_the_native_kernels(llama, tmp_path):
-    """The padding row's Slice reads attnexport.AddBlockOffsets' output: onnxruntime 1.32
-    aborted the process while loading the file as it is (the rows the runtime does not drop)
-    when the kernel's shape inference passed on an unnamed dim. In a child process, so that an
-    abort fails this test rather than the run."""
+    """The file as it is (the rows the runtime does not drop): the padding rows' Concat and Slice
+    around the MatMulNBits beside attnexport.AddBlockOffsets. When the kernel's shape inference
+    passed an unnamed dim on as it was, onnxruntime 1.32 refused this file (a Concat after the
+    node: "Negative dimension value"; test_add_block_offsets has the Slice that aborted the
+    process). In a child process, so that an abort fails this test rather than the run."""
     path = _quantized(llama, tmp_path, WeightQuantization("int4"))
     ops = collections.Counter(n.op_type for n in onnx.load(str(path)).graph.node)
     assert ops["AddBlockOffsets"] > 0 and ops["Slice"] > 0

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from attnexport import ort_kernels
-from tests.helpers import requires_ort_kernels
+from tests.helpers import cpu_flags, requires_ort_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 17, 3, 88, 41, 9, 60], [12, 2], list(range(20, 45))]
@@ -74,8 +74,7 @@ def _generate(model: Path, kernels: str, out: Path, isa: str | None) -> tuple[di
 
 
 def _cpu_has_avx512() -> bool:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    return all(f" {flag}" in flags for flag in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
+    return {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()
 
 
 def test_the_default_variant_is_the_widest_the_cpu_runs(monkeypatch):
