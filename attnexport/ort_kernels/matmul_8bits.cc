@@ -39,7 +39,8 @@
 namespace attnexport {
 namespace {
 
-// A block's int32 lane sums stay exact up to 1024 weights: 64 pairs of 32767 * 255 per lane.
+// A block's int32 lane sums stay exact up to 1024 weights where a lane sums a column's block in
+// 16 (64 pairs of 32767 * 255); wide_integer_path's single lanes say how far theirs do.
 constexpr int64_t kMaxBlock = 1024;
 
 // The AVX2 build's integer path (and the AVX-512 build's for blocks of 16): 256-bit integer and
@@ -744,12 +745,18 @@ void few_rows(const Rows& rows, int64_t first_row, int64_t end_row, const Weight
 // Whether the AVX-512 build's integer path takes the node's blocks. Where it does, it also
 // serves the nodes that need no batch invariance: it is 2-2.4x the float32 panel path from 4
 // rows to 512 (Zen 5, SmolLM2's [576 x 3072] projection), which is there for CPUs whose integer
-// products are no faster than float ones (AVX2 on 128-bit units).
-constexpr bool wide_integer_path(int64_t block_size) {
+// products are no faster than float ones (AVX2 on 128-bit units). A column's whole block is
+// summed in one int32 lane there, exact only while block_size * 32767 * (2^bits - 1) < 2^31:
+// 8-bit blocks up to 256 (a block of 512 wrapped to the wrong sign), 4-bit ones up to 1024
+// (kMaxBlock); longer 8-bit blocks take the lanes-per-column path (block_size / 8 products a
+// lane).
+constexpr bool wide_integer_path(int64_t block_size, int64_t bits) {
 #if defined(__AVX512BW__)
-  return block_size % kPairStep == 0;
+  return block_size % kPairStep == 0 &&
+         block_size * 32767 * ((int64_t{1} << bits) - 1) <= int64_t{0x7FFFFFFF};
 #else
   (void)block_size;
+  (void)bits;
   return false;
 #endif
 }
@@ -760,7 +767,7 @@ template <int kBits>
 void integer_columns(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
                      int64_t first_column, int64_t end_column, float* out, int64_t n) {
 #if defined(__AVX512BW__)
-  if (wide_integer_path(w.block_size)) {
+  if (wide_integer_path(w.block_size, kBits)) {
     for (int64_t first = first_column; first < end_column; first += kLaneColumns)
       for (int64_t row = first_row; row < end_row; row += kLaneRowBlock)
         (end_row - row >= kTransposeRows ? transposed_rows<kBits> : few_rows<kBits>)(
@@ -812,7 +819,7 @@ OrtStatus* MatMul8Bits::init(const OrtKernelInfo* info) {
   // Initializer scales and zero points (every export's): their lanes' copy, once. (Transposed on
   // every call, their loads and shuffles took as long as the products of a one-row call.)
   // Inputs the graph computes, or invalid ones, are left to compute().
-  if (block_size % kPairStep == 0) {
+  if (wide_integer_path(block_size, bits)) {
     Tensor scales, zero_points;
     bool constant_scales = false, constant_zero_points = false;
     ATTNEXPORT_RETURN_IF_ERROR(read_constant_input(info, 2, &scales, &constant_scales));
@@ -863,7 +870,7 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
 
   const auto* x = static_cast<const float*>(a.data);
   auto* y = static_cast<float*>(out.data);
-  if (!batch_invariant && rows >= kPanelRows && !wide_integer_path(block_size)) {
+  if (!batch_invariant && rows >= kPanelRows && !wide_integer_path(block_size, bits)) {
     // Items of kPanelRowBlock rows by kPanelColumns columns, a row block's items adjacent.
     const int64_t column_items = (n + kPanelColumns - 1) / kPanelColumns;
     const int64_t row_blocks = (rows + kPanelRowBlock - 1) / kPanelRowBlock;

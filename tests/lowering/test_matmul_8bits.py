@@ -102,7 +102,8 @@ def _rounding_bound(a: torch.Tensor, weight: np.ndarray, block: int) -> torch.Te
 def _float32_panels(kernels: str, block: int) -> bool:
     """Whether a ``batch_invariant = 0`` node multiplies calls of 4 rows or more as float32 here:
     the native kernel's AVX2 variant, and blocks of 16; the AVX-512 variant's integer path for
-    blocks of 32 and more is faster than the panels and serves those nodes too."""
+    blocks of 32 and more (8-bit ones up to 256) is faster than the panels and serves those nodes
+    too."""
     return kernels == "native" and not (ort_kernels.kernel_isa() == "avx512" and block % 32 == 0)
 
 
@@ -273,6 +274,26 @@ def test_bad_inputs_get_a_named_error(change, message):
     model.ir_version = 10
     with pytest.raises(Exception, match=message):
         one_model_session(model, "native").run(None, {"a": np.ones((1, 20), np.float32)})
+
+
+@requires_ort_kernels
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("block", [256, 512, 1024])
+def test_the_largest_sums_of_the_longest_blocks_are_exact(block, bits):
+    """Every weight at its largest byte and every activation equal (each rounded to 32767): a
+    column's block sum is block * 32767 * 255 at 8 bits, past int32 from blocks of 512 (the
+    AVX-512 path summed a whole block in one lane and returned the negated product)."""
+    k, n = 1024, 20
+    model, _ = _matmulnbits_model(k, n, block, "symmetric", bits=bits)
+    largest = np.full(numpy_helper.to_array(model.graph.initializer[0]).shape, 255, np.uint8)
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(largest, "q"))
+    scales = numpy_helper.to_array(model.graph.initializer[1]).astype(np.float64).reshape(n, -1)
+    assert to_matmul_8bits(model, bits=(bits,)) == 1
+    session = one_model_session(model, "native")
+    y = session.run(None, {"a": np.ones((5, k), np.float32)})[0]
+    largest_weight = 2**bits - 1 - 2 ** (bits - 1)
+    expected = largest_weight * block * scales.sum(1)
+    np.testing.assert_allclose(y, np.broadcast_to(expected, y.shape), rtol=1e-5)
 
 
 @requires_ort_kernels
