@@ -21,8 +21,10 @@
 // row count or tile: a row's numbers do not depend on its batch (batch invariance, tested bit
 // for bit). The AVX2 build accumulates a column's 8 lanes in float32 block by block and sums
 // them at the end; the AVX-512 build (blocks of a multiple of 32) sums each block's products
-// exactly in int32 per column and scales them in vectors of 16 columns (transposed_rows and
-// few_rows: two ways to the same integers, hence the same bits; transposed_rows takes
+// exactly in int32 per column and scales them in vectors of 16 columns (three ways to the same
+// integers, hence the same bits: interleaved_rows, on a copy of initializer weights made at
+// kernel creation with 16 columns side by side, the fastest at every row count up to 32 and as
+// fast beyond; else transposed_rows from 4 rows, few_rows below; the first two take
 // AVX512_VNNI's vpdpwssd where the CPU has it, the same integers again).
 
 #include "matmul_8bits.h"
@@ -162,6 +164,7 @@ struct Weights {
   const uint8_t* zero_bytes;    // [n * blocks], or [1] when zero_stride is 0
   int64_t zero_stride, blocks, block_size;
   const float* lanes = nullptr;  // MatMul8Bits::lane_parameters, or nullptr
+  const uint8_t* tiles = nullptr;  // MatMul8Bits::tiles (AVX-512 build), or nullptr
 
   float zero(int64_t index) const {
     return float_zeros != nullptr ? float_zeros[index]
@@ -484,18 +487,19 @@ struct LaneParameters {
   }
 };
 
-// The first 64-byte boundary in `packed` (std::vector<float> aligns to 16 bytes; a block's
-// vectors that straddle cache lines touch one line more each).
-inline size_t lane_parameters_start(const float* packed) {
-  return (64 - reinterpret_cast<uintptr_t>(packed) % 64) % 64 / sizeof(float);
+// The index of the first element of `storage` at a 64-byte boundary (std::vector aligns to 16
+// bytes at most; vectors that straddle cache lines touch one line more each).
+template <typename T>
+inline size_t line_start(const T* storage) {
+  return (64 - reinterpret_cast<uintptr_t>(storage) % 64) % 64 / sizeof(T);
 }
 
 // [items][blocks][scales, offsets][16 lanes] (no offsets for one zero point), from
-// lane_parameters_start on: every work item's LaneParameters, for kernel creation.
+// line_start on: every work item's LaneParameters, for kernel creation.
 std::vector<float> pack_lane_parameters(const Weights& w, int64_t n) {
   const int64_t items = (n + kLaneColumns - 1) / kLaneColumns, per_block = lane_parameters_per_block(w);
   std::vector<float> storage(static_cast<size_t>(items * w.blocks * per_block + kLaneColumns));
-  float* packed_start = storage.data() + lane_parameters_start(storage.data());
+  float* packed_start = storage.data() + line_start(storage.data());
   for (int64_t item = 0; item < items; ++item) {
     const int64_t first = item * kLaneColumns;
     f32x16 scales[kLaneColumns], offsets[kLaneColumns];
@@ -673,6 +677,164 @@ void transposed_rows(const Rows& rows, int64_t first_row, int64_t end_row, const
     transposed_rows_with<kBits, false>(rows, first_row, end_row, w, first, columns, out, n);
 }
 
+// The interleaved path: weights of 16 columns side by side (MatMul8Bits::tiles, copied from
+// MatMulNBits' layout at kernel creation), so that a row's pair of activations, broadcast,
+// multiplies 16 columns' pairs in one instruction straight from the copy: no transposition per
+// call (transposed_rows) and no cross-lane sum per block and column (few_rows, whose one-row
+// [576 x 3072] call was compute-bound at 80 us in L1). A tile is 16 columns (zero past N) of
+// the whole padded K, groups of 4 weights of each column in turn:
+//   8-bit, 64 bytes a group: byte 32h + 2c + j = weight 4g + 2h + j of column c;
+//   4-bit, 32 bytes a group: byte 2c + j = weight 4g + j of column c in its low nibble,
+//          weight 4g + 2 + j in its high one,
+// so a group widens to two vectors of int16 pairs (vpmovzxbw; at 4 bits a mask and a shift).
+// The block sums are the same exact integers as the other two ways', hence the same bits.
+constexpr int64_t kGroupWeights = 4;
+// How far ahead of its use the tile stream is asked for: a tile starts a new stream every 9 KB
+// (K = 576, 8 bits), which the hardware prefetcher (it stops at 4 KB pages) did not follow;
+// SmolLM2's [576 x 3072] shape, 20 nodes a call, 2 threads: 1024 bytes ahead 35.5 / 77.2 /
+// 289 us at 1 / 8 / 32 rows, 8192 bytes 29.4 / 70.3 / 279 (none: 36.4 / 89.5 / 343).
+constexpr int64_t kTilePrefetchBytes = 8192;
+
+template <int kBits>
+constexpr int64_t group_bytes() {
+  return kLaneColumns * kGroupWeights * kBits / 8;
+}
+
+// The tiles of MatMulNBits-layout weights `q` ([n, padded_k * kBits / 8]), from the returned
+// vector's line_start on.
+template <int kBits>
+std::vector<uint8_t> interleave(const uint8_t* q, int64_t n, int64_t padded_k) {
+  const int64_t tiles = (n + kLaneColumns - 1) / kLaneColumns, groups = padded_k / kGroupWeights;
+  const int64_t column_bytes = weight_bytes<kBits>(padded_k);
+  std::vector<uint8_t> storage(static_cast<size_t>(tiles * groups * group_bytes<kBits>() + 64));
+  uint8_t* out = storage.data() + line_start(storage.data());
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t g = 0; g < groups; ++g, out += group_bytes<kBits>())
+      for (int64_t c = 0; c < kLaneColumns && t * kLaneColumns + c < n; ++c)
+        for (int64_t j = 0; j < 2; ++j) {
+          const int64_t column = t * kLaneColumns + c, k = g * kGroupWeights + j;
+          const int low = weight_at<kBits>(q + column * column_bytes, k);
+          const int high = weight_at<kBits>(q + column * column_bytes, k + 2);
+          if constexpr (kBits == 8) {
+            out[2 * c + j] = static_cast<uint8_t>(low);
+            out[32 + 2 * c + j] = static_cast<uint8_t>(high);
+          } else {
+            out[2 * c + j] = static_cast<uint8_t>(low | high << 4);
+          }
+        }
+  return storage;
+}
+
+// A group's two vectors of 16 columns' int16 pairs: weights 4g, 4g + 1 and 4g + 2, 4g + 3.
+template <int kBits>
+inline void load_group(const uint8_t* group, __m512i& first, __m512i& second) {
+  if constexpr (kBits == 8) {
+    first = _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(group)));
+    second = _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(group + 32)));
+  } else {
+    const __m512i bytes =
+        _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(group)));
+    first = _mm512_and_si512(bytes, _mm512_set1_epi16(0x0F));
+    second = _mm512_srli_epi16(bytes, 4);
+  }
+}
+
+// sum += the pair a[0], a[1] (int16, broadcast) times `weights`' lanes' pairs, in int32 lanes.
+template <bool kVnni>
+inline void add_pair_dots(__m512i& sum, __m512i weights, const int16_t* a) {
+  if constexpr (kVnni)
+    asm("vpdpwssd %2%{1to16%}, %1, %0"
+        : "+v"(sum)
+        : "v"(weights), "m"(*reinterpret_cast<const int32_t*>(a)));
+  else
+    sum = _mm512_add_epi32(sum, _mm512_madd_epi16(broadcast_pair(a), weights));
+}
+
+// Rows [first_row, first_row + R) of a tile's columns [first, first + columns): each group
+// widened once for the R rows, each row's sums in kChains chains (8 at once in all: the
+// instruction's latency is 4 cycles and 2 issue a cycle on Zen 5), added per block.
+template <int kBits, bool kVnni, int R>
+void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint8_t* tile,
+               const float* parameters, int columns, float* out, int64_t n) {
+  const int64_t per_block = lane_parameters_per_block(w);
+  constexpr int kChains = R >= 8 ? 1 : R >= 4 ? 2 : 4;
+  const int64_t padded = w.blocks * w.block_size;
+  f32x16 products[R], zero_terms[R];
+  const int16_t* a[R];
+  for (int r = 0; r < R; ++r) {
+    products[r] = zero_terms[r] = f32x16{};
+    a[r] = rows.q.data() + (first_row + r) * padded;
+  }
+  const uint8_t* group = tile;
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    __m512i sums[R][kChains];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kChains; ++c) sums[r][c] = _mm512_setzero_si512();
+    // Two groups (4 pairs) a step: pair p into chain p % kChains. (Blocks are multiples of 32.)
+    for (int64_t k = b * w.block_size; k < (b + 1) * w.block_size; k += 2 * kGroupWeights) {
+      __m512i pairs[4];
+      for (int64_t line = 0; line < 2 * group_bytes<kBits>(); line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(group + kTilePrefetchBytes + line), _MM_HINT_T0);
+      load_group<kBits>(group, pairs[0], pairs[1]);
+      load_group<kBits>(group + group_bytes<kBits>(), pairs[2], pairs[3]);
+      group += 2 * group_bytes<kBits>();
+      for (int p = 0; p < 4; ++p)
+        for (int r = 0; r < R; ++r)
+          add_pair_dots<kVnni>(sums[r][p % kChains], pairs[p], a[r] + k + 2 * p);
+    }
+    // (Read from the copy, not through LaneParameters: a call there that may transpose made
+    // the compiler spill every accumulator around it, per block.)
+    const f32x16 scales = load16(parameters + b * per_block);
+    const f32x16 offsets = per_block == kLaneColumns
+                               ? -splat16(w.zero(0)) * scales
+                               : load16(parameters + b * per_block + kLaneColumns);
+    for (int r = 0; r < R; ++r) {
+      __m512i dots = sums[r][0];
+      for (int c = 1; c < kChains; ++c) dots = _mm512_add_epi32(dots, sums[r][c]);
+      const int64_t row_block = (first_row + r) * w.blocks + b;
+      add_block(products[r], zero_terms[r], reinterpret_cast<i32x16>(dots), scales, offsets,
+                rows.scale[row_block], rows.scaled_sum[row_block]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    store_columns(out + (first_row + r) * n, columns, products[r], zero_terms[r]);
+}
+
+// Rows [first_row, end_row) of columns [first, first + columns) (columns <= 16: one tile) from
+// the tiles and the lanes' copy of the block parameters (made together at kernel creation): 8
+// rows at a time, then 4, 2, 1.
+template <int kBits, bool kVnni>
+void interleaved_rows_with(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
+                           int64_t first, int columns, float* out, int64_t n) {
+  prefetch_next_parameters(w, first, n);
+  const int64_t tile_bytes = w.blocks * w.block_size / kGroupWeights * group_bytes<kBits>();
+  const uint8_t* tile = w.tiles + first / kLaneColumns * tile_bytes;
+  const float* parameters =
+      w.lanes + first / kLaneColumns * w.blocks * lane_parameters_per_block(w);
+  float* y = out + first;
+  int64_t row = first_row;
+  for (; row + 8 <= end_row; row += 8)
+    tile_rows<kBits, kVnni, 8>(rows, row, w, tile, parameters, columns, y, n);
+  if (end_row - row >= 4) {
+    tile_rows<kBits, kVnni, 4>(rows, row, w, tile, parameters, columns, y, n);
+    row += 4;
+  }
+  if (end_row - row >= 2) {
+    tile_rows<kBits, kVnni, 2>(rows, row, w, tile, parameters, columns, y, n);
+    row += 2;
+  }
+  if (end_row > row) tile_rows<kBits, kVnni, 1>(rows, row, w, tile, parameters, columns, y, n);
+}
+
+template <int kBits>
+void interleaved_rows(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
+                      int64_t first, int columns, float* out, int64_t n) {
+  if (use_vnni())
+    interleaved_rows_with<kBits, true>(rows, first_row, end_row, w, first, columns, out, n);
+  else
+    interleaved_rows_with<kBits, false>(rows, first_row, end_row, w, first, columns, out, n);
+}
+
 // The four sums of d[0..4)'s lanes, exact.
 inline __m128i lane_sums4(const __m512i (&d)[4]) {
   __m256i half[4];
@@ -770,7 +932,9 @@ void integer_columns(const Rows& rows, int64_t first_row, int64_t end_row, const
   if (wide_integer_path(w.block_size, kBits)) {
     for (int64_t first = first_column; first < end_column; first += kLaneColumns)
       for (int64_t row = first_row; row < end_row; row += kLaneRowBlock)
-        (end_row - row >= kTransposeRows ? transposed_rows<kBits> : few_rows<kBits>)(
+        (w.tiles != nullptr && w.lanes != nullptr ? interleaved_rows<kBits>
+         : end_row - row >= kTransposeRows ? transposed_rows<kBits>
+                                           : few_rows<kBits>)(
             rows, row, std::min(row + kLaneRowBlock, end_row), w, first,
             static_cast<int>(std::min(kLaneColumns, end_column - first)), out, n);
     return;
@@ -833,6 +997,15 @@ OrtStatus* MatMul8Bits::init(const OrtKernelInfo* info) {
       else
         lane_parameters = pack_lane_parameters(weights, n);
     }
+    Tensor b;
+    bool constant_b = false;
+    ATTNEXPORT_RETURN_IF_ERROR(read_constant_input(info, 1, &b, &constant_b));
+    if (constant_b && !lane_parameters.empty() && b.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 &&
+        b.numel() == n * blocks * block_size * bits / 8) {
+      const auto* q = static_cast<const uint8_t*>(b.data);
+      tiles = bits == 4 ? interleave<4>(q, n, blocks * block_size)
+                        : interleave<8>(q, n, blocks * block_size);
+    }
   }
 #endif
   return nullptr;
@@ -859,7 +1032,8 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
   weights.q = static_cast<const uint8_t*>(b.data);
 #if defined(__AVX512BW__)
   if (!lane_parameters.empty())
-    weights.lanes = lane_parameters.data() + lane_parameters_start(lane_parameters.data());
+    weights.lanes = lane_parameters.data() + line_start(lane_parameters.data());
+  if (!tiles.empty()) weights.tiles = tiles.data() + line_start(tiles.data());
 #endif
   std::vector<int64_t> out_dims = a.dims;
   out_dims.back() = n;
@@ -887,7 +1061,11 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
     return parallel_for(context, static_cast<size_t>(row_blocks * column_items), panel_item);
   }
 
-  Rows rounded;
+  // The calling thread's buffers, kept between calls (round_rows writes every element): a
+  // prefill's fresh ones were allocated, zeroed and page-faulted on every call. (A reference,
+  // so that the workers' lambdas capture this thread's buffers, not name their own.)
+  thread_local Rows buffers;
+  Rows& rounded = buffers;
   rounded.q.resize(static_cast<size_t>(rows * blocks * block_size));
   rounded.scale.resize(static_cast<size_t>(rows * blocks));
   rounded.scaled_sum.resize(static_cast<size_t>(rows * blocks));

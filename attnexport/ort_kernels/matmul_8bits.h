@@ -23,6 +23,9 @@ struct MatMul8Bits {
   // The AVX-512 build's copy of the block parameters in its lanes' layout, made at kernel
   // creation when the scales and zero points are initializers (matmul_8bits.cc); else empty.
   std::vector<float> lane_parameters;
+  // The AVX-512 build's copy of an initializer's weights as tiles of 16 columns side by side
+  // (matmul_8bits.cc, interleave); else empty.
+  std::vector<uint8_t> tiles;
   OrtStatus* init(const OrtKernelInfo* info);
   OrtStatus* compute(OrtKernelContext* context) const;
   std::string op_name() const { return bits == 4 ? "MatMul4Bits" : "MatMul8Bits"; }
