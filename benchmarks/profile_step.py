@@ -4,6 +4,7 @@ onnxruntime-genai model (its generator, run in the genai peer's environment).
 
     python benchmarks/profile_step.py ours out/bench_generate/smollm2/ours-int4 --batch 8
     python benchmarks/profile_step.py genai int4 --batch 8      # the genai peer's int4 model
+    python benchmarks/profile_step.py ours DIR --batch 8 --prefill  # the prefill's run instead
 
 The profiler's node times are wall times and include its own cost (~5-10 us a node) and, on a
 shared machine, time slices lost to other processes: compare op types within one profile, and
@@ -24,30 +25,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def per_op_type(profile: Path) -> dict:
+def per_op_type(profile: Path, prefill: bool = False) -> dict:
     """Decode-step node time by op type from an onnxruntime profile (every ``model_run``
-    after the first, the prefill): ``{"steps", "run_ms", "ops": {op: [nodes, ms]}}`` per
-    step."""
+    after the first, the prefill; ``prefill``: the first alone): ``{"steps", "run_ms", "ops":
+    {op: [nodes, ms]}}`` per step."""
     events = json.loads(profile.read_text())
     runs = [e for e in events if e.get("name") == "model_run"]
     if len(runs) < 2:
         raise ValueError(f"{profile}: expected a prefill and decode runs, got {len(runs)} runs")
     prefill_end = runs[0]["ts"] + runs[0]["dur"]
-    steps = len(runs) - 1
+    timed = runs[:1] if prefill else runs[1:]
+    steps = len(timed)
     ops: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
     for e in events:
-        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] > prefill_end:
+        in_prefill = runs[0]["ts"] <= e.get("ts", -1) <= prefill_end
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and in_prefill == prefill:
             op = e["args"].get("op_name", "?")
             ops[op][0] += 1 / steps
             ops[op][1] += e["dur"] / steps / 1000
-    run_ms = sum(r["dur"] for r in runs[1:]) / steps / 1000
+    run_ms = sum(r["dur"] for r in timed) / steps / 1000
     return {"steps": steps, "run_ms": run_ms, "ops": dict(ops)}
 
 
 def report(summary: dict, title: str) -> list[str]:
     total = sum(ms for _, ms in summary["ops"].values())
     lines = [
-        f"{title}: {summary['steps']} decode steps, model run {summary['run_ms']:.2f} ms, "
+        f"{title}: {summary['steps']} step(s), model run {summary['run_ms']:.2f} ms, "
         f"nodes {total:.2f} ms per step",
         "",
         "| op type | nodes per step | ms per step | share |",
@@ -140,6 +143,7 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prefill", action="store_true", help="the prefill's run, not decode's")
     args = parser.parse_args()
     start = time.perf_counter()
     shape = (args.batch, args.prompt_len, args.new_tokens, args.threads)
@@ -149,9 +153,10 @@ def main() -> int:
         path = profile_genai(args.model, *shape)
     title = (
         f"{args.which} {Path(args.model).name}, batch {args.batch}, prompt {args.prompt_len}, "
-        f"{args.threads} thread(s) ({time.perf_counter() - start:.0f} s)"
+        f"{args.threads} thread(s), {'prefill' if args.prefill else 'decode'} "
+        f"({time.perf_counter() - start:.0f} s)"
     )
-    print("\n".join(report(per_op_type(path), title)))
+    print("\n".join(report(per_op_type(path, args.prefill), title)))
     return 0
 
 

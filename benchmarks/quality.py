@@ -95,7 +95,10 @@ VARIANTS: dict[str, list[str]] = {
         "rtn",
         "--weights-asymmetric",
     ],
-    "int8, block 16": ["--weights", "int8", "--weights-block-size", "16"],
+    **{
+        f"int8, block {b}": ["--weights", "int8", "--weights-block-size", str(b)]
+        for b in (16, 64, 128)
+    },
     "int8, lm_head float": ["--weights", "int8", "--lm-head", "float"],
     "int8, int8 KV cache": ["--weights", "int8", "--kv-cache-dtype", "int8"],
     # MatMulNBits' int8 activations: the default before attnexport.MatMul8Bits, and its options.
