@@ -165,6 +165,7 @@ struct Weights {
   int64_t zero_stride, blocks, block_size;
   const float* lanes = nullptr;  // MatMul8Bits::lane_parameters, or nullptr
   const uint8_t* tiles = nullptr;  // MatMul8Bits::tiles (AVX-512 build), or nullptr
+  const uint16_t* half_lanes = nullptr;  // MatMul8Bits::half_lanes, or nullptr
 
   float zero(int64_t index) const {
     return float_zeros != nullptr ? float_zeros[index]
@@ -519,12 +520,15 @@ std::vector<float> pack_lane_parameters(const Weights& w, int64_t n) {
 // read a block at a time after each block's products): one row of the 28 MB logits projection
 // 0.63 -> 0.59 ms, [576 x 3072] 0.041 -> 0.038 ms (Zen 5, separate processes alternating).
 // Parameters without the copy (computed by the graph) are transposed 16 blocks at a time.
+// (The float16 copy instead where the kernel has one: half_lanes.)
 inline void prefetch_next_parameters(const Weights& w, int64_t first, int64_t n) {
-  if (w.lanes == nullptr || first + kLaneColumns >= n) return;
+  if ((w.lanes == nullptr && w.half_lanes == nullptr) || first + kLaneColumns >= n) return;
   const int64_t per_item = w.blocks * lane_parameters_per_block(w);
-  const float* next = w.lanes + (first / kLaneColumns + 1) * per_item;
-  for (int64_t i = 0; i < per_item; i += 64 / sizeof(float))
-    _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
+  const int64_t size = w.half_lanes != nullptr ? sizeof(uint16_t) : sizeof(float);
+  const int64_t at = (first / kLaneColumns + 1) * per_item;
+  const char* next = w.half_lanes != nullptr ? reinterpret_cast<const char*>(w.half_lanes + at)
+                                             : reinterpret_cast<const char*>(w.lanes + at);
+  for (int64_t i = 0; i < per_item * size; i += 64) _mm_prefetch(next + i, _MM_HINT_T0);
 }
 
 // Weights [k, k + 32) of a column widened to int16 (`column`: its first byte).
@@ -739,6 +743,33 @@ inline void load_group(const uint8_t* group, __m512i& first, __m512i& second) {
   }
 }
 
+// 16 float16 values as float32 lanes (exact).
+inline f32x16 load_halves16(const uint16_t* p) {
+  return load16_float(reinterpret_cast<const Half*>(p));
+}
+
+// The lanes' copy of the block parameters (pack_lane_parameters' layout: scales, then the
+// zero points where there is one a block, not their offsets) in float16, when every scale and
+// zero point is a float16 value (the quantizer rounds them so: docs/quantization.md), else
+// empty: half the bytes a decoded token reads of them (a third of a 4-bit export's at block 32).
+std::vector<uint16_t> pack_half_lanes(const Weights& w, int64_t n) {
+  const int64_t items = (n + kLaneColumns - 1) / kLaneColumns;
+  const int64_t per_block = lane_parameters_per_block(w);
+  std::vector<uint16_t> halves(static_cast<size_t>(items * w.blocks * per_block), 0);
+  const auto half = [](float x, uint16_t* out) {
+    *out = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+    return _cvtsh_ss(*out) == x || (std::isnan(x) && std::isnan(_cvtsh_ss(*out)));
+  };
+  for (int64_t column = 0; column < n; ++column)
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      uint16_t* block = halves.data() + ((column / kLaneColumns) * w.blocks + b) * per_block;
+      const int64_t index = column * w.blocks + b, lane = column % kLaneColumns;
+      if (!half(w.scales[index], block + lane)) return {};
+      if (per_block > kLaneColumns && !half(w.zero(index), block + kLaneColumns + lane)) return {};
+    }
+  return halves;
+}
+
 // sum += the pair a[0], a[1] (int16, broadcast) times `weights`' lanes' pairs, in int32 lanes.
 template <bool kVnni>
 inline void add_pair_dots(__m512i& sum, __m512i weights, const int16_t* a) {
@@ -755,8 +786,11 @@ inline void add_pair_dots(__m512i& sum, __m512i weights, const int16_t* a) {
 // instruction's latency is 4 cycles and 2 issue a cycle on Zen 5), added per block.
 template <int kBits, bool kVnni, int R>
 void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint8_t* tile,
-               const float* parameters, int columns, float* out, int64_t n) {
+               int64_t tile_index, int columns, float* out, int64_t n) {
   const int64_t per_block = lane_parameters_per_block(w);
+  const int64_t start = tile_index * w.blocks * per_block;
+  const float* parameters = w.lanes == nullptr ? nullptr : w.lanes + start;
+  const uint16_t* halves = w.half_lanes == nullptr ? nullptr : w.half_lanes + start;
   constexpr int kChains = R >= 8 ? 1 : R >= 4 ? 2 : 4;
   const int64_t padded = w.blocks * w.block_size;
   f32x16 products[R], zero_terms[R];
@@ -784,10 +818,19 @@ void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint
     }
     // (Read from the copy, not through LaneParameters: a call there that may transpose made
     // the compiler spill every accumulator around it, per block.)
-    const f32x16 scales = load16(parameters + b * per_block);
-    const f32x16 offsets = per_block == kLaneColumns
-                               ? -splat16(w.zero(0)) * scales
-                               : load16(parameters + b * per_block + kLaneColumns);
+    f32x16 scales, offsets;
+    if (halves != nullptr) {
+      // (-zero) * scale, as column_parameters computes the float copy's offsets: the same bits.
+      const uint16_t* block = halves + b * per_block;
+      scales = load_halves16(block);
+      const f32x16 zeros =
+          per_block == kLaneColumns ? splat16(w.zero(0)) : load_halves16(block + kLaneColumns);
+      offsets = -zeros * scales;
+    } else {
+      scales = load16(parameters + b * per_block);
+      offsets = per_block == kLaneColumns ? -splat16(w.zero(0)) * scales
+                                          : load16(parameters + b * per_block + kLaneColumns);
+    }
     for (int r = 0; r < R; ++r) {
       __m512i dots = sums[r][0];
       for (int c = 1; c < kChains; ++c) dots = _mm512_add_epi32(dots, sums[r][c]);
@@ -809,8 +852,7 @@ void interleaved_rows_with(const Rows& rows, int64_t first_row, int64_t end_row,
   prefetch_next_parameters(w, first, n);
   const int64_t tile_bytes = w.blocks * w.block_size / kGroupWeights * group_bytes<kBits>();
   const uint8_t* tile = w.tiles + first / kLaneColumns * tile_bytes;
-  const float* parameters =
-      w.lanes + first / kLaneColumns * w.blocks * lane_parameters_per_block(w);
+  const int64_t parameters = first / kLaneColumns;
   float* y = out + first;
   int64_t row = first_row;
   for (; row + 8 <= end_row; row += 8)
@@ -932,7 +974,8 @@ void integer_columns(const Rows& rows, int64_t first_row, int64_t end_row, const
   if (wide_integer_path(w.block_size, kBits)) {
     for (int64_t first = first_column; first < end_column; first += kLaneColumns)
       for (int64_t row = first_row; row < end_row; row += kLaneRowBlock)
-        (w.tiles != nullptr && w.lanes != nullptr ? interleaved_rows<kBits>
+        (w.tiles != nullptr && (w.lanes != nullptr || w.half_lanes != nullptr)
+             ? interleaved_rows<kBits>
          : end_row - row >= kTransposeRows ? transposed_rows<kBits>
                                            : few_rows<kBits>)(
             rows, row, std::min(row + kLaneRowBlock, end_row), w, first,
@@ -1005,6 +1048,8 @@ OrtStatus* MatMul8Bits::init(const OrtKernelInfo* info) {
       const auto* q = static_cast<const uint8_t*>(b.data);
       tiles = bits == 4 ? interleave<4>(q, n, blocks * block_size)
                         : interleave<8>(q, n, blocks * block_size);
+      half_lanes = pack_half_lanes(weights, n);
+      if (!half_lanes.empty()) std::vector<float>().swap(lane_parameters);
     }
   }
 #endif
@@ -1034,6 +1079,7 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
   if (!lane_parameters.empty())
     weights.lanes = lane_parameters.data() + line_start(lane_parameters.data());
   if (!tiles.empty()) weights.tiles = tiles.data() + line_start(tiles.data());
+  if (!half_lanes.empty()) weights.half_lanes = half_lanes.data();
 #endif
   std::vector<int64_t> out_dims = a.dims;
   out_dims.back() = n;

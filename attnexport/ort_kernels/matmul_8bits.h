@@ -26,6 +26,9 @@ struct MatMul8Bits {
   // The AVX-512 build's copy of an initializer's weights as tiles of 16 columns side by side
   // (matmul_8bits.cc, interleave); else empty.
   std::vector<uint8_t> tiles;
+  // With the tiles: the block parameters' lanes in float16 where they are float16 values (the
+  // kernel then reads these instead of lane_parameters); else empty.
+  std::vector<uint16_t> half_lanes;
   OrtStatus* init(const OrtKernelInfo* info);
   OrtStatus* compute(OrtKernelContext* context) const;
   std::string op_name() const { return bits == 4 ? "MatMul4Bits" : "MatMul8Bits"; }

@@ -33,13 +33,20 @@ ZERO_POINTS = ["symmetric", "uint8", "float32"]
 BITS = [8, 4]  # MatMul8Bits, and MatMul4Bits: the same kernel on MatMulNBits' 4-bit storage
 
 
-def _matmulnbits_model(k: int, n: int, block: int, zero_points: str, seed: int = 0, bits: int = 8):
+def _matmulnbits_model(
+    k: int, n: int, block: int, zero_points: str, seed: int = 0, bits: int = 8, float16=True
+):
     """A one-node model ``y = MatMulNBits(a)`` with random ``bits``-bit storage at accuracy level
-    4, and the float64 ``[n, k]`` weight it stands for."""
+    4, and the float64 ``[n, k]`` weight it stands for. Its scales and float zero points are
+    float16 values (``to_matmul_8bits`` rounds them so), or (``float16=False``) one scale is
+    too small for a normal float16, so that the node keeps float32 ones."""
     rng = np.random.default_rng(seed)
     blocks = -(-k // block)
     q = rng.integers(0, 256, (n, blocks, block * bits // 8), dtype=np.uint8)
-    scales = ((rng.random(n * blocks) + 0.5) * 0.01).astype(np.float32)
+    scales = ((rng.random(n * blocks) + 0.5) * 0.01).astype(np.float16).astype(np.float32)
+    if not float16:
+        scales = ((rng.random(n * blocks) + 0.5) * 0.01).astype(np.float32)
+        scales[0] = 1e-6
     initializers = [numpy_helper.from_array(q, "q"), numpy_helper.from_array(scales, "scales")]
     middle = 2 ** (bits - 1)
     zero, stored = np.full(n * blocks, float(middle)), None
@@ -51,7 +58,8 @@ def _matmulnbits_model(k: int, n: int, block: int, zero_points: str, seed: int =
             columns[:, :blocks] = zero.reshape(n, blocks)
             stored = (columns[:, 0::2] | columns[:, 1::2] << 4).reshape(-1)
     elif zero_points == "float32":
-        zero = (rng.random(n * blocks) * middle * 0.5 + middle * 0.75).astype(np.float32)
+        zero = (rng.random(n * blocks) * middle * 0.5 + middle * 0.75).astype(np.float16)
+        zero = zero.astype(np.float32)
         stored = zero
     if stored is not None:
         initializers.append(numpy_helper.from_array(stored, "zero_points"))
@@ -107,8 +115,8 @@ def _float32_panels(kernels: str, block: int) -> bool:
     return kernels == "native" and not (ort_kernels.kernel_isa() == "avx512" and block % 32 == 0)
 
 
-def _matmul_8bits(k, n, block, zero_points, kernels, batch_invariant=True, bits=8):
-    model, weight = _matmulnbits_model(k, n, block, zero_points, bits=bits)
+def _matmul_8bits(k, n, block, zero_points, kernels, batch_invariant=True, bits=8, float16=True):
+    model, weight = _matmulnbits_model(k, n, block, zero_points, bits=bits, float16=float16)
     assert to_matmul_8bits(model, batch_invariant, bits=(bits,)) == 1
     assert [(node.domain, node.op_type) for node in model.graph.node] == [
         ("attnexport", OP_TYPES[bits])
@@ -135,6 +143,33 @@ def test_matches_the_float64_product_of_the_dequantized_weight(
         y = torch.from_numpy(session.run(None, {"a": a[:rows].numpy()})[0])
         error = (y.double() - expected[:rows]).abs()
         assert (error <= bound[:rows]).all(), (error - bound[:rows]).max()
+
+
+@requires_ort_kernels
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("zero_points", ZERO_POINTS)
+@pytest.mark.parametrize("float16", [True, False])
+def test_block_parameters_are_rounded_to_float16_where_it_holds_them(float16, zero_points, bits):
+    """Float32 scales and zero points off float16 values (by 2^-20) are rounded to them (the
+    kernel then keeps them in 16 bits); a node with a scale below float16's normal range keeps
+    its float32 ones (the kernel's float32 copy). Both match the float64 product."""
+    model, weight = _matmulnbits_model(577, 40, 32, zero_points, bits=bits, float16=float16)
+    floats = [i for i in model.graph.initializer if i.data_type == TensorProto.FLOAT]
+    original = {i.name: numpy_helper.to_array(i).copy() for i in floats}
+    if float16:
+        for i in floats:
+            nudged = original[i.name] * np.float32(1 + 2**-20)
+            assert not np.array_equal(nudged, original[i.name])
+            i.CopyFrom(numpy_helper.from_array(nudged, i.name))
+    assert to_matmul_8bits(model, bits=(bits,)) == 1
+    for i in model.graph.initializer:
+        if i.name in original:
+            assert np.array_equal(numpy_helper.to_array(i), original[i.name])
+    session = one_model_session(model, "native")
+    a = torch.randn(9, 577, generator=torch.Generator().manual_seed(3))
+    y = torch.from_numpy(session.run(None, {"a": a.numpy()})[0]).double()
+    error = (y - a.double() @ torch.from_numpy(weight).T).abs()
+    assert (error <= _rounding_bound(a, weight, 32)).all()
 
 
 @requires_ort_kernels
