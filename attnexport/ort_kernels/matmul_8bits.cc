@@ -34,6 +34,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernel_api.h"
@@ -670,15 +671,22 @@ void transposed_rows_with(const Rows& rows, int64_t first_row, int64_t end_row, 
     store_columns(out + (first_row + r) * n + first, columns, products[r], zero_terms[r]);
 }
 
+// fn(std::true_type) where the products take vpdpwssd (use_vnni), else fn(std::false_type).
+template <typename Fn>
+inline void with_vnni(Fn fn) {
+  if (use_vnni()) fn(std::true_type{});
+  else fn(std::false_type{});
+}
+
 // Rows [first_row, end_row) of columns [first, first + columns): transposed_rows_with, its
 // products by vpdpwssd where the CPU has it.
 template <int kBits>
 void transposed_rows(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
                      int64_t first, int columns, float* out, int64_t n) {
-  if (use_vnni())
-    transposed_rows_with<kBits, true>(rows, first_row, end_row, w, first, columns, out, n);
-  else
-    transposed_rows_with<kBits, false>(rows, first_row, end_row, w, first, columns, out, n);
+  with_vnni([&](auto vnni) {
+    transposed_rows_with<kBits, decltype(vnni)::value>(rows, first_row, end_row, w, first,
+                                                       columns, out, n);
+  });
 }
 
 // The interleaved path: weights of 16 columns side by side (MatMul8Bits::tiles, copied from
@@ -871,10 +879,10 @@ void interleaved_rows_with(const Rows& rows, int64_t first_row, int64_t end_row,
 template <int kBits>
 void interleaved_rows(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
                       int64_t first, int columns, float* out, int64_t n) {
-  if (use_vnni())
-    interleaved_rows_with<kBits, true>(rows, first_row, end_row, w, first, columns, out, n);
-  else
-    interleaved_rows_with<kBits, false>(rows, first_row, end_row, w, first, columns, out, n);
+  with_vnni([&](auto vnni) {
+    interleaved_rows_with<kBits, decltype(vnni)::value>(rows, first_row, end_row, w, first,
+                                                        columns, out, n);
+  });
 }
 
 // The four sums of d[0..4)'s lanes, exact.
