@@ -126,6 +126,9 @@ VARIANTS: dict[str, list[str]] = {
     ),
     "int4 (default)": _int4(),
     "int4, int16 activations": _int4("--weights-activations", "int16"),
+    "int4, int16 activations, lm_head int4 b32": _int4(
+        "--weights-activations", "int16", "--lm-head", "int4", "--lm-head-block-size", "32"
+    ),
     **{f"int4 rtn sym b{b}": _rtn(True, b) for b in (16, 32, 64, 128)},
     **{f"int4 rtn asym b{b}": _rtn(False, b) for b in (16, 32, 64, 128)},
     **{f"int4 k_quant b{b}": _fitted("k_quant", b) for b in (32, 64)},
