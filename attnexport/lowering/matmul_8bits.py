@@ -5,7 +5,8 @@ level 4 rounds the activations to int8 per block before its integer dot products
 top-1 agreement with the float model 0.963, where rounding the weights alone gives 0.988), and
 level 1 keeps them float32 but dequantizes the whole weight to float32 on every call (14x slower
 at decode). ``MatMul8Bits`` keeps MatMulNBits' 8-bit storage (the same initializers: a tied
-embedding table stays shared with its ``GatherBlockQuantized``) and computes
+embedding table stays shared with its ``GatherBlockQuantized``; the scales and float zero points
+rounded to float16 values, :func:`_round_to_float16`) and computes
 
     Y[..., n] = sum_k A[..., k] * (B[n, k] - zero_point[n, k // block]) * scale[n, k // block]
 

@@ -23,8 +23,8 @@
 // them at the end; the AVX-512 build (blocks of a multiple of 32) sums each block's products
 // exactly in int32 per column and scales them in vectors of 16 columns (three ways to the same
 // integers, hence the same bits: interleaved_rows, on a copy of initializer weights made at
-// kernel creation with 16 columns side by side, the fastest at every row count up to 32 and as
-// fast beyond; else transposed_rows from 4 rows, few_rows below; the first two take
+// kernel creation with 16 columns side by side, the fastest up to 32 rows and within 10% of
+// transposed_rows beyond; else transposed_rows from 4 rows, few_rows below; the first two take
 // AVX512_VNNI's vpdpwssd where the CPU has it, the same integers again).
 
 #include "matmul_8bits.h"
@@ -75,6 +75,13 @@ inline __m256i load_weights(const uint8_t* column, int64_t i) {
         _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(column + i / 2))));
   else
     return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(column + i)));
+}
+
+// fn(std::integral_constant<int, 4>) for 4-bit weights, else fn(std::integral_constant<int,
+// 8>): a node's width as the kernels' template argument.
+template <typename Fn>
+inline auto with_bits(int64_t bits, Fn fn) {
+  return bits == 4 ? fn(std::integral_constant<int, 4>{}) : fn(std::integral_constant<int, 8>{});
 }
 
 // Weight i of a column, for the scalar tails.
@@ -165,7 +172,8 @@ struct Weights {
   const uint8_t* zero_bytes;    // [n * blocks], or [1] when zero_stride is 0
   int64_t zero_stride, blocks, block_size;
   const float* lanes = nullptr;  // MatMul8Bits::lane_parameters, or nullptr
-  const uint8_t* tiles = nullptr;  // MatMul8Bits::tiles (AVX-512 build), or nullptr
+  // MatMul8Bits::tiles (AVX-512 build), or nullptr; where set, so is lanes or half_lanes.
+  const uint8_t* tiles = nullptr;
   const uint16_t* half_lanes = nullptr;  // MatMul8Bits::half_lanes, or nullptr
 
   float zero(int64_t index) const {
@@ -560,36 +568,34 @@ inline bool use_vnni() {
   return use;
 }
 
-// sum over p < 16 of the pair a[2p], a[2p + 1] (int16) times t[p]'s lanes' pairs, in int32 lanes.
-template <bool kVnni>
-inline __m512i pair_dots(const int16_t* a, const i32x16 (&t)[kLaneColumns]);
-
 inline __m512i broadcast_pair(const int16_t* a) {
   int32_t pair;
   std::memcpy(&pair, a, sizeof pair);
   return _mm512_set1_epi32(pair);
 }
 
-template <>
-inline __m512i pair_dots<false>(const int16_t* a, const i32x16 (&t)[kLaneColumns]) {
-  __m512i dot = _mm512_madd_epi16(broadcast_pair(a), reinterpret_cast<__m512i>(t[0]));
-  for (int p = 1; p < kLaneColumns; ++p)
-    dot = _mm512_add_epi32(dot, _mm512_madd_epi16(broadcast_pair(a + 2 * p),
-                                                  reinterpret_cast<__m512i>(t[p])));
-  return dot;
+// sum += the pair a[0], a[1] (int16, broadcast) times `weights`' lanes' pairs, in int32 lanes:
+// vpdpwssd with the pair broadcast from memory ({1to16}) where kVnni, else vpmaddwd and vpaddd
+// (the same integers).
+template <bool kVnni>
+inline void add_pair_dots(__m512i& sum, __m512i weights, const int16_t* a) {
+  if constexpr (kVnni)
+    asm("vpdpwssd %2%{1to16%}, %1, %0"
+        : "+v"(sum)
+        : "v"(weights), "m"(*reinterpret_cast<const int32_t*>(a)));
+  else
+    sum = _mm512_add_epi32(sum, _mm512_madd_epi16(broadcast_pair(a), weights));
 }
 
-// Four chains of vpdpwssd (its latency would serialize one), each pair broadcast from memory
-// ({1to16}): 16 instructions where vpmaddwd takes 16 broadcasts, 16 products and 15 adds
-// (one [576 x 3072] call: 261 -> 237 us at 32 rows, 954 -> 900 us at 128).
-template <>
-inline __m512i pair_dots<true>(const int16_t* a, const i32x16 (&t)[kLaneColumns]) {
+// sum over p < 16 of the pair a[2p], a[2p + 1] (int16) times t[p]'s lanes' pairs, in int32 lanes,
+// in four chains (one would serialize on vpdpwssd's latency; with it, one [576 x 3072] call:
+// 261 -> 237 us at 32 rows, 954 -> 900 us at 128).
+template <bool kVnni>
+inline __m512i pair_dots(const int16_t* a, const i32x16 (&t)[kLaneColumns]) {
   __m512i chains[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
                        _mm512_setzero_si512()};
   for (int p = 0; p < kLaneColumns; ++p)
-    asm("vpdpwssd %2%{1to16%}, %1, %0"
-        : "+v"(chains[p % 4])
-        : "v"(t[p]), "m"(*reinterpret_cast<const int32_t*>(a + 2 * p)));
+    add_pair_dots<kVnni>(chains[p % 4], reinterpret_cast<__m512i>(t[p]), a + 2 * p);
   return _mm512_add_epi32(_mm512_add_epi32(chains[0], chains[1]),
                           _mm512_add_epi32(chains[2], chains[3]));
 }
@@ -627,8 +633,8 @@ inline void store_columns(float* out, int columns, f32x16 products, f32x16 zero_
 // columns <= 16: each step's weights transposed once (64 shuffles), then a row's 16 columns in
 // 16 multiply-adds of its broadcast activation pairs.
 template <int kBits, bool kVnni>
-void transposed_rows_with(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
-                          int64_t first, int columns, float* out, int64_t n) {
+void transposed_rows(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
+                     int64_t first, int columns, float* out, int64_t n) {
   prefetch_next_parameters(w, first, n);
   const int64_t padded = w.blocks * w.block_size, steps = w.block_size / kPairStep;
   const int64_t column_bytes = weight_bytes<kBits>(padded);
@@ -669,24 +675,6 @@ void transposed_rows_with(const Rows& rows, int64_t first_row, int64_t end_row, 
   }
   for (int64_t r = 0; r < count; ++r)
     store_columns(out + (first_row + r) * n + first, columns, products[r], zero_terms[r]);
-}
-
-// fn(std::true_type) where the products take vpdpwssd (use_vnni), else fn(std::false_type).
-template <typename Fn>
-inline void with_vnni(Fn fn) {
-  if (use_vnni()) fn(std::true_type{});
-  else fn(std::false_type{});
-}
-
-// Rows [first_row, end_row) of columns [first, first + columns): transposed_rows_with, its
-// products by vpdpwssd where the CPU has it.
-template <int kBits>
-void transposed_rows(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
-                     int64_t first, int columns, float* out, int64_t n) {
-  with_vnni([&](auto vnni) {
-    transposed_rows_with<kBits, decltype(vnni)::value>(rows, first_row, end_row, w, first,
-                                                       columns, out, n);
-  });
 }
 
 // The interleaved path: weights of 16 columns side by side (MatMul8Bits::tiles, copied from
@@ -778,17 +766,6 @@ std::vector<uint16_t> pack_half_lanes(const Weights& w, int64_t n) {
   return halves;
 }
 
-// sum += the pair a[0], a[1] (int16, broadcast) times `weights`' lanes' pairs, in int32 lanes.
-template <bool kVnni>
-inline void add_pair_dots(__m512i& sum, __m512i weights, const int16_t* a) {
-  if constexpr (kVnni)
-    asm("vpdpwssd %2%{1to16%}, %1, %0"
-        : "+v"(sum)
-        : "v"(weights), "m"(*reinterpret_cast<const int32_t*>(a)));
-  else
-    sum = _mm512_add_epi32(sum, _mm512_madd_epi16(broadcast_pair(a), weights));
-}
-
 // Rows [first_row, first_row + R) of a tile's columns [first, first + columns): each group
 // widened once for the R rows, each row's sums in kChains chains (8 at once in all: the
 // instruction's latency is 4 cycles and 2 issue a cycle on Zen 5), added per block.
@@ -855,8 +832,8 @@ void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint
 // the tiles and the lanes' copy of the block parameters (made together at kernel creation): 8
 // rows at a time, then 4, 2, 1.
 template <int kBits, bool kVnni>
-void interleaved_rows_with(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
-                           int64_t first, int columns, float* out, int64_t n) {
+void interleaved_rows(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
+                      int64_t first, int columns, float* out, int64_t n) {
   prefetch_next_parameters(w, first, n);
   const int64_t tile_bytes = w.blocks * w.block_size / kGroupWeights * group_bytes<kBits>();
   const uint8_t* tile = w.tiles + first / kLaneColumns * tile_bytes;
@@ -874,15 +851,6 @@ void interleaved_rows_with(const Rows& rows, int64_t first_row, int64_t end_row,
     row += 2;
   }
   if (end_row > row) tile_rows<kBits, kVnni, 1>(rows, row, w, tile, parameters, columns, y, n);
-}
-
-template <int kBits>
-void interleaved_rows(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
-                      int64_t first, int columns, float* out, int64_t n) {
-  with_vnni([&](auto vnni) {
-    interleaved_rows_with<kBits, decltype(vnni)::value>(rows, first_row, end_row, w, first,
-                                                        columns, out, n);
-  });
 }
 
 // The four sums of d[0..4)'s lanes, exact.
@@ -980,14 +948,19 @@ void integer_columns(const Rows& rows, int64_t first_row, int64_t end_row, const
                      int64_t first_column, int64_t end_column, float* out, int64_t n) {
 #if defined(__AVX512BW__)
   if (wide_integer_path(w.block_size, kBits)) {
-    for (int64_t first = first_column; first < end_column; first += kLaneColumns)
-      for (int64_t row = first_row; row < end_row; row += kLaneRowBlock)
-        (w.tiles != nullptr && (w.lanes != nullptr || w.half_lanes != nullptr)
-             ? interleaved_rows<kBits>
-         : end_row - row >= kTransposeRows ? transposed_rows<kBits>
-                                           : few_rows<kBits>)(
-            rows, row, std::min(row + kLaneRowBlock, end_row), w, first,
-            static_cast<int>(std::min(kLaneColumns, end_column - first)), out, n);
+    // (vpdpwssd or not chosen once here, as the paths' template argument: use_vnni)
+    const auto run = [&](auto vnni) {
+      constexpr bool kVnni = decltype(vnni)::value;
+      for (int64_t first = first_column; first < end_column; first += kLaneColumns)
+        for (int64_t row = first_row; row < end_row; row += kLaneRowBlock)
+          (w.tiles != nullptr                ? interleaved_rows<kBits, kVnni>
+           : end_row - row >= kTransposeRows ? transposed_rows<kBits, kVnni>
+                                             : few_rows<kBits>)(
+              rows, row, std::min(row + kLaneRowBlock, end_row), w, first,
+              static_cast<int>(std::min(kLaneColumns, end_column - first)), out, n);
+    };
+    if (use_vnni()) run(std::true_type{});
+    else run(std::false_type{});
     return;
   }
 #endif
@@ -1039,26 +1012,28 @@ OrtStatus* MatMul8Bits::init(const OrtKernelInfo* info) {
     bool constant_scales = false, constant_zero_points = false;
     ATTNEXPORT_RETURN_IF_ERROR(read_constant_input(info, 2, &scales, &constant_scales));
     ATTNEXPORT_RETURN_IF_ERROR(read_constant_input(info, 3, &zero_points, &constant_zero_points));
-    Weights weights;
-    const int64_t blocks = (k + block_size - 1) / block_size;
-    if (constant_scales && constant_zero_points) {
-      if (OrtStatus* status =
-              weights_of(op_name(), scales, zero_points, n, blocks, block_size, &weights))
-        api().ReleaseStatus(status);
-      else
-        lane_parameters = pack_lane_parameters(weights, n);
-    }
     Tensor b;
     bool constant_b = false;
     ATTNEXPORT_RETURN_IF_ERROR(read_constant_input(info, 1, &b, &constant_b));
-    if (constant_b && !lane_parameters.empty() && b.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 &&
-        b.numel() == n * blocks * block_size * bits / 8) {
-      const auto* q = static_cast<const uint8_t*>(b.data);
-      tiles = bits == 4 ? interleave<4>(q, n, blocks * block_size)
-                        : interleave<8>(q, n, blocks * block_size);
-      half_lanes = pack_half_lanes(weights, n);
-      if (!half_lanes.empty()) std::vector<float>().swap(lane_parameters);
+    Weights weights;
+    const int64_t blocks = (k + block_size - 1) / block_size;
+    if (!(constant_scales && constant_zero_points)) return nullptr;
+    if (OrtStatus* status =
+            weights_of(op_name(), scales, zero_points, n, blocks, block_size, &weights)) {
+      api().ReleaseStatus(status);
+      return nullptr;
     }
+    // The tiles with the parameters' copy in float16 where they are float16 values (the
+    // lowering's), else (or without the tiles) the float32 copy.
+    if (constant_b && b.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 &&
+        b.numel() == n * blocks * block_size * bits / 8) {
+      with_bits(bits, [&](auto width) {
+        tiles = interleave<decltype(width)::value>(static_cast<const uint8_t*>(b.data), n,
+                                                   blocks * block_size);
+      });
+      half_lanes = pack_half_lanes(weights, n);
+    }
+    if (half_lanes.empty()) lane_parameters = pack_lane_parameters(weights, n);
   }
 #endif
   return nullptr;
@@ -1107,17 +1082,18 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
       const int64_t first = static_cast<int64_t>(i) % column_items * kPanelColumns;
       const int64_t count = std::min(kPanelRowBlock, rows - row);
       const int64_t end = std::min(first + kPanelColumns, n);
-      if (bits == 4)
-        panel_columns<4>(x + row * k, count, k, weights, first, end, y + row * n, n);
-      else
-        panel_columns<8>(x + row * k, count, k, weights, first, end, y + row * n, n);
+      with_bits(bits, [&](auto width) {
+        panel_columns<decltype(width)::value>(x + row * k, count, k, weights, first, end,
+                                              y + row * n, n);
+      });
     };
     return parallel_for(context, static_cast<size_t>(row_blocks * column_items), panel_item);
   }
 
-  // The calling thread's buffers, kept between calls (round_rows writes every element): a
-  // prefill's fresh ones were allocated, zeroed and page-faulted on every call. (A reference,
-  // so that the workers' lambdas capture this thread's buffers, not name their own.)
+  // The calling thread's buffers, kept between calls (round_rows writes every element): fresh
+  // ones, allocated and zeroed on every call, took 1.05x the time at 1 and 32 rows, 1.01x at
+  // 1024 ([1536 x 576], 4 bits, the two alternating). (A reference, so that the workers'
+  // lambdas capture this thread's buffers, not name their own.)
   thread_local Rows buffers;
   Rows& rounded = buffers;
   rounded.q.resize(static_cast<size_t>(rows * blocks * block_size));
@@ -1138,10 +1114,9 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
     const int64_t first = static_cast<int64_t>(i) % column_items * kColumnsPerItem;
     const int64_t end_row = std::min(row + kRowsPerItem, rows);
     const int64_t end = std::min(first + kColumnsPerItem, n);
-    if (bits == 4)
-      integer_columns<4>(rounded, row, end_row, weights, first, end, y, n);
-    else
-      integer_columns<8>(rounded, row, end_row, weights, first, end, y, n);
+    with_bits(bits, [&](auto width) {
+      integer_columns<decltype(width)::value>(rounded, row, end_row, weights, first, end, y, n);
+    });
   };
   return parallel_for(context, static_cast<size_t>(row_blocks * column_items), item);
 }

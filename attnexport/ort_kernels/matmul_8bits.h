@@ -20,15 +20,13 @@ namespace attnexport {
 struct MatMul8Bits {
   int64_t k = 0, n = 0, block_size = 0, batch_invariant = 1;
   int64_t bits = 8;  // of the weights: 8, or 4 for MatMul4Bits
-  // The AVX-512 build's copy of the block parameters in its lanes' layout, made at kernel
-  // creation when the scales and zero points are initializers (matmul_8bits.cc); else empty.
+  // The AVX-512 build's copies, made at kernel creation when the scales and zero points are
+  // initializers (matmul_8bits.cc), else empty: the block parameters in the lanes' layout, in
+  // float16 (half_lanes, with the tiles, where they are float16 values) or else float32
+  // (lane_parameters); an initializer's weights as tiles of 16 columns side by side.
   std::vector<float> lane_parameters;
-  // The AVX-512 build's copy of an initializer's weights as tiles of 16 columns side by side
-  // (matmul_8bits.cc, interleave); else empty.
-  std::vector<uint8_t> tiles;
-  // With the tiles: the block parameters' lanes in float16 where they are float16 values (the
-  // kernel then reads these instead of lane_parameters); else empty.
   std::vector<uint16_t> half_lanes;
+  std::vector<uint8_t> tiles;
   OrtStatus* init(const OrtKernelInfo* info);
   OrtStatus* compute(OrtKernelContext* context) const;
   std::string op_name() const { return bits == 4 ? "MatMul4Bits" : "MatMul8Bits"; }
