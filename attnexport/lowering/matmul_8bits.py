@@ -6,19 +6,20 @@ top-1 agreement with the float model 0.963, where rounding the weights alone giv
 level 1 keeps them float32 but dequantizes the whole weight to float32 on every call (14x slower
 at decode). ``MatMul8Bits`` keeps MatMulNBits' 8-bit storage (the same initializers: a tied
 embedding table stays shared with its ``GatherBlockQuantized``; the scales and float zero points
-rounded to float16 values, :func:`_round_to_float16`) and computes
+stored as float16, :func:`_to_float16`) and computes
 
     Y[..., n] = sum_k A[..., k] * (B[n, k] - zero_point[n, k // block]) * scale[n, k // block]
 
 ``B`` is ``[N, blocks, block_size]`` uint8 (``K`` zero-padded to whole blocks), ``scales``
-``[N * blocks]`` float32, ``zero_points`` ``[N * blocks]`` uint8 or float32 (HQQ's fitted zero
-points, so no offsets are split off: :mod:`~attnexport.lowering.float_zero_points` is for the
-MatMulNBits that stay), or one uint8 for every block (128: symmetric). With the attnexport
-kernels registered, onnxruntime runs the native kernel (``ort_kernels/matmul_8bits.cc``: A's
-blocks rounded to int16, 256 times finer than MatMulNBits' int8, then integer dot products
-with the weight bytes widened in registers; a row's numbers independent of the batch); stock
-onnxruntime inlines the function body below (standard ops on float32 activations: the weight
-dequantized, then ``MatMul``), which it folds into a float32 weight at load.
+``[N * blocks]`` float16 or float32, ``zero_points`` ``[N * blocks]`` uint8, float16 or float32
+(HQQ's fitted zero points, so no offsets are split off:
+:mod:`~attnexport.lowering.float_zero_points` is for the MatMulNBits that stay), or one uint8
+for every block (128: symmetric). With the attnexport kernels registered, onnxruntime runs the
+native kernel (``ort_kernels/matmul_8bits.cc``: A's blocks rounded to int16, 256 times finer
+than MatMulNBits' int8, then integer dot products with the weight bytes widened in registers;
+a row's numbers independent of the batch); stock onnxruntime inlines the function body below
+(standard ops on float32 activations: the weight dequantized, then ``MatMul``), which it folds
+into a float32 weight at load.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def matmul_8bits_function(opset: int, bits: int = 8) -> onnx.FunctionProto:
         helper.make_node("Shape", [weights], ["b_shape"]),  # [N, blocks, block_size]
         helper.make_node("Slice", ["b_shape", "zero", "two"], ["n_blocks"]),
         helper.make_node("Concat", ["n_blocks", "one"], ["column_shape"], axis=0),
-        helper.make_node("Reshape", ["scales", "column_shape"], ["scale_columns"]),
+        helper.make_node("Cast", ["scales"], ["scale_floats"], to=TensorProto.FLOAT),
+        helper.make_node("Reshape", ["scale_floats", "column_shape"], ["scale_columns"]),
         helper.make_node("Cast", ["zero_points"], ["zero_floats"], to=TensorProto.FLOAT),
         helper.make_node("Shape", ["scales"], ["scales_shape"]),
         helper.make_node("Expand", ["zero_floats", "scales_shape"], ["zero_each"]),
@@ -128,6 +130,14 @@ def to_matmul_8bits(
     """
     graph = model.graph
     initializers = {i.name: i for i in graph.initializer}
+    # A parameter some other node reads as well (a tied table's scales, which the embedding's
+    # GatherBlockQuantized needs in the activations' type) keeps float32, its values rounded.
+    elsewhere = {
+        name
+        for node in graph.node
+        if not (node.op_type == "MatMulNBits" and helper.get_node_attr_value(node, "bits") in bits)
+        for name in node.input
+    }
     rewritten: dict[int, int] = {}
     for node in graph.node:
         width = helper.get_node_attr_value(node, "bits") if node.op_type == "MatMulNBits" else 0
@@ -147,7 +157,7 @@ def to_matmul_8bits(
         elif width == 4 and initializers[node.input[3]].data_type == TensorProto.UINT8:
             node.input[3] = _unpacked_zero_points(graph, initializers, node)
         for parameters in node.input[2:4]:
-            _round_to_float16(initializers[parameters])
+            _to_float16(initializers[parameters], keep_float32=parameters in elsewhere)
         node.op_type, node.domain = OP_TYPES[width], DOMAIN
         for index in reversed(range(len(node.attribute))):  # K, N and block_size stay
             if node.attribute[index].name in ("bits", "accuracy_level"):
@@ -166,13 +176,14 @@ FLOAT16_NORMAL = (2.0**-14, 65504.0)
 """The magnitudes float16 holds with its full 11-bit precision."""
 
 
-def _round_to_float16(initializer: onnx.TensorProto) -> None:
-    """Rounds a float32 block parameter initializer (scales, hqq's zero points) in place to the
-    nearest float16 values, kept as float32, when every nonzero magnitude is a normal float16
-    (else leaves it): the native kernel then keeps and reads the parameters in 16 bits, half
-    the bytes a decoded token reads of them (a third of a 4-bit layer's bytes at block 32), and
-    the function body computes with the same values. 2^-11 relative: a 4-bit zero point moves by
-    at most 1/256 of a step (docs/quantization.md has the quality)."""
+def _to_float16(initializer: onnx.TensorProto, keep_float32: bool = False) -> None:
+    """Stores a float32 block parameter initializer (scales, hqq's zero points) in place as
+    float16, or with ``keep_float32`` as float32 rounded to the nearest float16 values, when every
+    nonzero magnitude is a normal float16 (else leaves it): half the bytes a decoded token reads
+    of them (a third of a 4-bit layer's at block 32; the native kernel reads its 16-bit copy of
+    either), the function body casting them to float32. 2^-11 relative: a 4-bit zero point moves
+    by at most 1/256 of a step (docs/quantization.md has the quality). Applied twice (an
+    initializer two nodes share), the second call finds float16 values and leaves them."""
     if initializer.data_type != TensorProto.FLOAT:
         return
     values = numpy_helper.to_array(initializer)
@@ -180,8 +191,11 @@ def _round_to_float16(initializer: onnx.TensorProto) -> None:
     low, high = FLOAT16_NORMAL
     if magnitudes.size and (magnitudes.min() < low or magnitudes.max() > high):
         return
+    halves = values.astype(np.float16)
     initializer.CopyFrom(
-        numpy_helper.from_array(values.astype(np.float16).astype(np.float32), initializer.name)
+        numpy_helper.from_array(
+            halves.astype(np.float32) if keep_float32 else halves, initializer.name
+        )
     )
 
 

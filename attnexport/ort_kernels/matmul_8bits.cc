@@ -967,22 +967,43 @@ void integer_columns(const Rows& rows, int64_t first_row, int64_t end_row, const
   columns<kBits>(rows, first_row, end_row, w, first_column, end_column, out, n);
 }
 
+bool is_half(const Tensor& t) { return t.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16; }
+
 // The block parameters of `scales` and `zero_points` as Weights (q left null), or the error that
-// names what is wrong with them.
+// names what is wrong with them. Float16 ones (the lowering stores them so) are read as float32
+// from `kept` (the kernel's copy of initializers) or else widened into `widened`: the scales,
+// then the float zero points, as far as each is float16.
 OrtStatus* weights_of(const std::string& op, const Tensor& scales, const Tensor& zero_points,
-                      int64_t n, int64_t blocks, int64_t block_size, Weights* out) {
-  if (scales.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || scales.numel() != n * blocks)
-    return invalid(op + ": scales: expected float32 [" + std::to_string(n * blocks) +
+                      int64_t n, int64_t blocks, int64_t block_size, const std::vector<float>& kept,
+                      std::vector<float>& widened, Weights* out) {
+  const int64_t count = n * blocks;
+  if (!(scales.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || is_half(scales)) ||
+      scales.numel() != count)
+    return invalid(op + ": scales: expected float32 or float16 [" + std::to_string(count) +
                    "], got " + type_name(scales.type) + " " + scales.shape());
-  const bool float_zero_points = zero_points.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  const bool float_zero_points =
+      zero_points.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || is_half(zero_points);
   if (!(float_zero_points || zero_points.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8) ||
-      !(zero_points.numel() == n * blocks || (!float_zero_points && zero_points.numel() == 1)))
-    return invalid(op + ": zero_points: expected uint8 [1] or uint8 or float32 [" +
-                   std::to_string(n * blocks) + "], got " + type_name(zero_points.type) + " " +
+      !(zero_points.numel() == count || (!float_zero_points && zero_points.numel() == 1)))
+    return invalid(op + ": zero_points: expected uint8 [1] or uint8, float32 or float16 [" +
+                   std::to_string(count) + "], got " + type_name(zero_points.type) + " " +
                    zero_points.shape());
+  const int64_t halves = (is_half(scales) ? count : 0) + (is_half(zero_points) ? count : 0);
+  const float* floats = kept.data();
+  if (halves > 0 && static_cast<int64_t>(kept.size()) != halves) {
+    widened.resize(static_cast<size_t>(halves));
+    float* to = widened.data();
+    for (const Tensor* t : {&scales, &zero_points})
+      if (is_half(*t))
+        for (int64_t i = 0; i < count; ++i) *to++ = to_float(static_cast<const Half*>(t->data)[i]);
+    floats = widened.data();
+  }
+  const auto floats_of = [&](const Tensor& t, int64_t at) {
+    return is_half(t) ? floats + at : static_cast<const float*>(t.data);
+  };
   *out = Weights{nullptr,
-                 static_cast<const float*>(scales.data),
-                 float_zero_points ? static_cast<const float*>(zero_points.data) : nullptr,
+                 floats_of(scales, 0),
+                 float_zero_points ? floats_of(zero_points, is_half(scales) ? count : 0) : nullptr,
                  float_zero_points ? nullptr : static_cast<const uint8_t*>(zero_points.data),
                  zero_points.numel() == 1 ? 0 : 1,
                  blocks,
@@ -1003,26 +1024,27 @@ OrtStatus* MatMul8Bits::init(const OrtKernelInfo* info) {
                    std::to_string(kStep) + " up to " + std::to_string(kMaxBlock) +
                    ", got K=" + std::to_string(k) +
                    ", N=" + std::to_string(n) + ", block_size=" + std::to_string(block_size));
+  // Initializer scales and zero points (every export's): float16 ones (the lowering's) widened
+  // to float32 once, for the paths that read them so; on AVX-512, their lanes' copy (transposed
+  // on every call, their loads and shuffles took as long as the products of a one-row call) and
+  // the weights' tiles. Inputs the graph computes, or invalid ones, are left to compute().
+  Tensor scales, zero_points;
+  bool constant_scales = false, constant_zero_points = false;
+  ATTNEXPORT_RETURN_IF_ERROR(read_constant_input(info, 2, &scales, &constant_scales));
+  ATTNEXPORT_RETURN_IF_ERROR(read_constant_input(info, 3, &zero_points, &constant_zero_points));
+  if (!(constant_scales && constant_zero_points)) return nullptr;
+  const int64_t blocks = (k + block_size - 1) / block_size;
+  Weights weights;
+  if (OrtStatus* status = weights_of(op_name(), scales, zero_points, n, blocks, block_size, {},
+                                     float_parameters, &weights)) {
+    api().ReleaseStatus(status);
+    return nullptr;
+  }
 #if defined(__AVX512BW__)
-  // Initializer scales and zero points (every export's): their lanes' copy, once. (Transposed on
-  // every call, their loads and shuffles took as long as the products of a one-row call.)
-  // Inputs the graph computes, or invalid ones, are left to compute().
   if (wide_integer_path(block_size, bits)) {
-    Tensor scales, zero_points;
-    bool constant_scales = false, constant_zero_points = false;
-    ATTNEXPORT_RETURN_IF_ERROR(read_constant_input(info, 2, &scales, &constant_scales));
-    ATTNEXPORT_RETURN_IF_ERROR(read_constant_input(info, 3, &zero_points, &constant_zero_points));
     Tensor b;
     bool constant_b = false;
     ATTNEXPORT_RETURN_IF_ERROR(read_constant_input(info, 1, &b, &constant_b));
-    Weights weights;
-    const int64_t blocks = (k + block_size - 1) / block_size;
-    if (!(constant_scales && constant_zero_points)) return nullptr;
-    if (OrtStatus* status =
-            weights_of(op_name(), scales, zero_points, n, blocks, block_size, &weights)) {
-      api().ReleaseStatus(status);
-      return nullptr;
-    }
     // The tiles with the parameters' copy in float16 where they are float16 values (the
     // lowering's), else (or without the tiles) the float32 copy.
     if (constant_b && b.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 &&
@@ -1055,8 +1077,9 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
                    std::to_string(blocks) + ", " + std::to_string(block_size * bits / 8) +
                    "], got " + type_name(b.type) + " " + b.shape());
   Weights weights;
-  ATTNEXPORT_RETURN_IF_ERROR(
-      weights_of(op_name(), scales, zero_points, n, blocks, block_size, &weights));
+  std::vector<float> widened;  // (float16 parameters the graph computes)
+  ATTNEXPORT_RETURN_IF_ERROR(weights_of(op_name(), scales, zero_points, n, blocks, block_size,
+                                        float_parameters, widened, &weights));
   weights.q = static_cast<const uint8_t*>(b.data);
 #if defined(__AVX512BW__)
   if (!lane_parameters.empty())

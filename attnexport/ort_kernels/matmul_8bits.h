@@ -10,8 +10,8 @@ namespace attnexport {
 
 // attnexport.MatMul8Bits: a[..., K] float32 @ W -> [..., N] float32, W stored as onnxruntime's
 // 8-bit MatMulNBits stores it: b [N, blocks, block_size] uint8 (K zero-padded to whole blocks),
-// scales [N * blocks] float32, zero_points uint8 [N * blocks], float32 [N * blocks] or one
-// uint8 for every block; W[k, n] = (b[n, k] - zero_point[n, k / block_size]) * scale[...].
+// scales [N * blocks] float32 or float16, zero_points uint8 [N * blocks], float32 or float16
+// [N * blocks] or one uint8 for every block; W[k, n] = (b[n, k] - zero_point[n, k / block_size]) * scale[...].
 // The kernel rounds each row's blocks of activations to int16 (MatMulNBits' int8 path rounds
 // them to 8 bits); the function body multiplies them as float32. With the attribute
 // batch_invariant = 0, the AVX2 build (and blocks of 16) multiplies calls of many rows as float32
@@ -25,6 +25,9 @@ struct MatMul8Bits {
   // float16 (half_lanes, with the tiles, where they are float16 values) or else float32
   // (lane_parameters); an initializer's weights as tiles of 16 columns side by side.
   std::vector<float> lane_parameters;
+  // Float16 initializer scales and zero points (the lowering stores them so) as float32, made
+  // at kernel creation: the scales, then the zero points, as far as each is float16.
+  std::vector<float> float_parameters;
   std::vector<uint16_t> half_lanes;
   std::vector<uint8_t> tiles;
   OrtStatus* init(const OrtKernelInfo* info);

@@ -149,10 +149,10 @@ def test_matches_the_float64_product_of_the_dequantized_weight(
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("zero_points", ZERO_POINTS)
 @pytest.mark.parametrize("float16", [True, False])
-def test_block_parameters_are_rounded_to_float16_where_it_holds_them(float16, zero_points, bits):
-    """Float32 scales and zero points off float16 values (by 2^-20) are rounded to them (the
-    kernel then keeps them in 16 bits); a node with a scale below float16's normal range keeps
-    its float32 ones (the kernel's float32 copy). Both match the float64 product."""
+def test_block_parameters_are_stored_as_float16_where_it_holds_them(float16, zero_points, bits):
+    """Float32 scales and zero points off float16 values (by 2^-20) are stored as the nearest
+    float16 values; scales one of which is below float16's normal range keep float32 (the zero
+    points beside them, float16 values, are stored so). Both match the float64 product."""
     model, weight = _matmulnbits_model(577, 40, 32, zero_points, bits=bits, float16=float16)
     floats = [i for i in model.graph.initializer if i.data_type == TensorProto.FLOAT]
     original = {i.name: numpy_helper.to_array(i).copy() for i in floats}
@@ -162,14 +162,38 @@ def test_block_parameters_are_rounded_to_float16_where_it_holds_them(float16, ze
             assert not np.array_equal(nudged, original[i.name])
             i.CopyFrom(numpy_helper.from_array(nudged, i.name))
     assert to_matmul_8bits(model, bits=(bits,)) == 1
-    for i in model.graph.initializer:
-        if i.name in original:
-            assert np.array_equal(numpy_helper.to_array(i), original[i.name])
-    session = one_model_session(model, "native")
-    a = torch.randn(9, 577, generator=torch.Generator().manual_seed(3))
-    y = torch.from_numpy(session.run(None, {"a": a.numpy()})[0]).double()
-    error = (y - a.double() @ torch.from_numpy(weight).T).abs()
-    assert (error <= _rounding_bound(a, weight, 32)).all()
+    stored = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    for name, values in original.items():
+        kept = not float16 and name == "scales"
+        assert stored[name].dtype == (np.float32 if kept else np.float16)
+        assert np.array_equal(stored[name].astype(np.float32), values)
+    for kernels in ORT_KERNEL_MODES:
+        session = one_model_session(model, kernels)
+        a = torch.randn(9, 577, generator=torch.Generator().manual_seed(3))
+        y = torch.from_numpy(session.run(None, {"a": a.numpy()})[0]).double()
+        error = (y - a.double() @ torch.from_numpy(weight).T).abs()
+        assert (error <= _rounding_bound(a, weight, 32)).all()
+
+
+@requires_ort_kernels
+def test_parameters_another_node_reads_stay_float32():
+    """A tied table's scales are read by the embedding's GatherBlockQuantized too, which needs
+    them in the activations' type: they keep float32, rounded to float16 values, and the
+    product is the same bits as with float16 ones."""
+    model, _ = _matmulnbits_model(577, 40, 32, "float32")
+    shared = onnx.ModelProto()
+    shared.CopyFrom(model)
+    shared.graph.node.append(helper.make_node("Identity", ["scales"], ["scales_out"]))
+    shared.graph.output.append(helper.make_tensor_value_info("scales_out", TensorProto.FLOAT, None))
+    assert to_matmul_8bits(model) == to_matmul_8bits(shared) == 1
+    types = {i.name: i.data_type for i in shared.graph.initializer}
+    assert types["scales"] == TensorProto.FLOAT and types["zero_points"] == TensorProto.FLOAT16
+    own = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    assert own["scales"].dtype == np.float16
+    a = torch.randn(9, 577, generator=torch.Generator().manual_seed(4)).numpy()
+    y, scales = one_model_session(shared, "native").run(None, {"a": a})
+    assert np.array_equal(scales, own["scales"].astype(np.float32))
+    assert np.array_equal(y, one_model_session(model, "native").run(None, {"a": a})[0])
 
 
 @requires_ort_kernels
@@ -276,7 +300,10 @@ def test_a_non_finite_activation_makes_its_row_nan_and_no_other(kernels, bad, bi
             r"MatMul8Bits: b: expected uint8 \[4, 2, 16\], got int8",
         ),
         ({"q": np.zeros((4, 2, 8), np.uint8)}, "MatMul8Bits: b: expected uint8"),
-        ({"scales": np.zeros(7, np.float32)}, r"MatMul8Bits: scales: expected float32 \[8\]"),
+        (
+            {"scales": np.zeros(7, np.float32)},
+            r"MatMul8Bits: scales: expected float32 or float16 \[8\]",
+        ),
         ({"zero_points": np.zeros(3, np.uint8)}, "MatMul8Bits: zero_points: expected"),
         ({"zero_points": np.zeros(8, np.int32)}, "MatMul8Bits: zero_points: expected"),
     ],
@@ -380,7 +407,7 @@ def test_invalid_initializer_parameters_of_a_wide_block_get_the_named_error():
     assert to_matmul_8bits(model) == 1
     (scales,) = [i for i in model.graph.initializer if i.name == "scales"]
     scales.CopyFrom(numpy_helper.from_array(np.ones(7, np.float32), "scales"))
-    with pytest.raises(Exception, match=r"MatMul8Bits: scales: expected float32 \[8\]"):
+    with pytest.raises(Exception, match=r"MatMul8Bits: scales: expected float32 or float16 \[8\]"):
         one_model_session(model, "native").run(None, {"a": np.ones((1, 64), np.float32)})
 
 
