@@ -359,6 +359,111 @@ void columns(const Rows& rows, int64_t first_row, int64_t end_row, const Weights
     rows_by_columns<kBits, 1>(rows, row, w, first_column, end_column, out + row * n, n);
 }
 
+#if defined(__AVX2__)
+// The interleaved tiles (both builds; AVX2 reads a tile as two halves of 8 columns).
+constexpr int64_t kLaneColumns = 16;
+
+// The index of the first element of `storage` at a 64-byte boundary (std::vector aligns to 16
+// bytes at most; vectors that straddle cache lines touch one line more each).
+template <typename T>
+inline size_t line_start(const T* storage) {
+  return (64 - reinterpret_cast<uintptr_t>(storage) % 64) % 64 / sizeof(T);
+}
+
+// The interleaved path: weights of 16 columns side by side (MatMul8Bits::tiles, copied from
+// MatMulNBits' layout at kernel creation), so that a row's pair of activations, broadcast,
+// multiplies 16 columns' pairs in one instruction straight from the copy: no transposition per
+// call (transposed_rows) and no cross-lane sum per block and column (few_rows, whose one-row
+// [576 x 3072] call was compute-bound at 80 us in L1). A tile is 16 columns (zero past N) of
+// the whole padded K, groups of 4 weights of each column in turn:
+//   8-bit, 64 bytes a group: byte 32h + 2c + j = weight 4g + 2h + j of column c;
+//   4-bit, 32 bytes a group: byte 2c + j = weight 4g + j of column c in its low nibble,
+//          weight 4g + 2 + j in its high one,
+// so a group widens to two vectors of int16 pairs (vpmovzxbw; at 4 bits a mask and a shift).
+// The block sums are the same exact integers as the other two ways', hence the same bits.
+constexpr int64_t kGroupWeights = 4;
+// How far ahead of its use the tile stream is asked for: a tile starts a new stream every 9 KB
+// (K = 576, 8 bits), which the hardware prefetcher (it stops at 4 KB pages) did not follow;
+// SmolLM2's [576 x 3072] shape, 20 nodes a call, 2 threads: 1024 bytes ahead 35.5 / 77.2 /
+// 289 us at 1 / 8 / 32 rows, 8192 bytes 29.4 / 70.3 / 279 (none: 36.4 / 89.5 / 343).
+constexpr int64_t kTilePrefetchBytes = 8192;
+
+template <int kBits>
+constexpr int64_t group_bytes() {
+  return kLaneColumns * kGroupWeights * kBits / 8;
+}
+
+// The tiles of MatMulNBits-layout weights `q` ([n, padded_k * kBits / 8]), from the returned
+// vector's line_start on.
+template <int kBits>
+std::vector<uint8_t> interleave(const uint8_t* q, int64_t n, int64_t padded_k) {
+  const int64_t tiles = (n + kLaneColumns - 1) / kLaneColumns, groups = padded_k / kGroupWeights;
+  const int64_t column_bytes = weight_bytes<kBits>(padded_k);
+  std::vector<uint8_t> storage(static_cast<size_t>(tiles * groups * group_bytes<kBits>() + 64));
+  uint8_t* out = storage.data() + line_start(storage.data());
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t g = 0; g < groups; ++g, out += group_bytes<kBits>())
+      for (int64_t c = 0; c < kLaneColumns && t * kLaneColumns + c < n; ++c)
+        for (int64_t j = 0; j < 2; ++j) {
+          const int64_t column = t * kLaneColumns + c, k = g * kGroupWeights + j;
+          const int low = weight_at<kBits>(q + column * column_bytes, k);
+          const int high = weight_at<kBits>(q + column * column_bytes, k + 2);
+          if constexpr (kBits == 8) {
+            out[2 * c + j] = static_cast<uint8_t>(low);
+            out[32 + 2 * c + j] = static_cast<uint8_t>(high);
+          } else {
+            out[2 * c + j] = static_cast<uint8_t>(low | high << 4);
+          }
+        }
+  return storage;
+}
+
+// Floats a block of a work item takes in MatMul8Bits::lane_parameters: its 16 scales, and their
+// offsets (-zero * scale) unless one zero point serves every block.
+inline int64_t lane_parameters_per_block(const Weights& w) {
+  return w.zero_stride == 0 ? kLaneColumns : 2 * kLaneColumns;
+}
+
+// [items][blocks][scales, offsets][16 lanes] (no offsets for one zero point; zero past N), from
+// line_start on: every work item's LaneParameters, for kernel creation.
+std::vector<float> pack_lane_parameters(const Weights& w, int64_t n) {
+  const int64_t items = (n + kLaneColumns - 1) / kLaneColumns, per_block = lane_parameters_per_block(w);
+  std::vector<float> storage(static_cast<size_t>(items * w.blocks * per_block + kLaneColumns), 0.0f);
+  float* packed = storage.data() + line_start(storage.data());
+  for (int64_t column = 0; column < n; ++column)
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      float* block = packed + ((column / kLaneColumns) * w.blocks + b) * per_block;
+      const int64_t index = column * w.blocks + b, lane = column % kLaneColumns;
+      block[lane] = w.scales[index];
+      if (per_block > kLaneColumns) block[kLaneColumns + lane] = -w.zero(index) * w.scales[index];
+    }
+  return storage;
+}
+
+// The lanes' copy of the block parameters (pack_lane_parameters' layout: scales, then the
+// zero points where there is one a block, not their offsets) in float16, when every scale and
+// zero point is a float16 value (the quantizer rounds them so: docs/quantization.md), else
+// empty: half the bytes a decoded token reads of them (a third of a 4-bit export's at block 32).
+std::vector<uint16_t> pack_half_lanes(const Weights& w, int64_t n) {
+  const int64_t items = (n + kLaneColumns - 1) / kLaneColumns;
+  const int64_t per_block = lane_parameters_per_block(w);
+  std::vector<uint16_t> halves(static_cast<size_t>(items * w.blocks * per_block), 0);
+  const auto half = [](float x, uint16_t* out) {
+    *out = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+    return _cvtsh_ss(*out) == x || (std::isnan(x) && std::isnan(_cvtsh_ss(*out)));
+  };
+  for (int64_t column = 0; column < n; ++column)
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      uint16_t* block = halves.data() + ((column / kLaneColumns) * w.blocks + b) * per_block;
+      const int64_t index = column * w.blocks + b, lane = column % kLaneColumns;
+      if (!half(w.scales[index], block + lane)) return {};
+      if (per_block > kLaneColumns && !half(w.zero(index), block + kLaneColumns + lane)) return {};
+    }
+  return halves;
+}
+
+#endif
+
 #if defined(__AVX512BW__)
 // The AVX-512 build's integer path for blocks that are a multiple of 32: a vector's 16 lanes are
 // 16 columns. Each step transposes 32 weights of 16 columns so that vector p holds every
@@ -369,7 +474,6 @@ void columns(const Rows& rows, int64_t first_row, int64_t end_row, const Weights
 // of its time there: SmolLM2's [576 x 1536] projections at 128 rows, 2.3x slower than this).
 // The sums are exact, so a row's numbers are the epilogue's on the same integers whichever
 // way they were made (batch invariance).
-constexpr int64_t kLaneColumns = 16;
 constexpr int64_t kPairStep = 32;  // weights of a column per transposed step: 16 pairs
 // Rows per pass over a work item's blocks: their sums (128 bytes a row) and a step's
 // activations (64 bytes a row) stay in L1; the transposition is redone per pass.
@@ -448,12 +552,6 @@ inline void column_parameters(const Weights& w, int64_t first, int columns, int6
   }
 }
 
-// Floats a block of a work item takes in MatMul8Bits::lane_parameters: its 16 scales, and their
-// offsets (-zero * scale) unless one zero point serves every block.
-inline int64_t lane_parameters_per_block(const Weights& w) {
-  return w.zero_stride == 0 ? kLaneColumns : 2 * kLaneColumns;
-}
-
 // The block parameters of a work item's 16 columns, block by block: from the copy in the lanes'
 // layout made at kernel creation (a stream of 128 bytes a block), else transposed here 16
 // blocks at a time. The values are the same either way.
@@ -496,34 +594,6 @@ struct LaneParameters {
     offset = _mm_loadu_ps(&offset16[c0]);
   }
 };
-
-// The index of the first element of `storage` at a 64-byte boundary (std::vector aligns to 16
-// bytes at most; vectors that straddle cache lines touch one line more each).
-template <typename T>
-inline size_t line_start(const T* storage) {
-  return (64 - reinterpret_cast<uintptr_t>(storage) % 64) % 64 / sizeof(T);
-}
-
-// [items][blocks][scales, offsets][16 lanes] (no offsets for one zero point), from
-// line_start on: every work item's LaneParameters, for kernel creation.
-std::vector<float> pack_lane_parameters(const Weights& w, int64_t n) {
-  const int64_t items = (n + kLaneColumns - 1) / kLaneColumns, per_block = lane_parameters_per_block(w);
-  std::vector<float> storage(static_cast<size_t>(items * w.blocks * per_block + kLaneColumns));
-  float* packed_start = storage.data() + line_start(storage.data());
-  for (int64_t item = 0; item < items; ++item) {
-    const int64_t first = item * kLaneColumns;
-    f32x16 scales[kLaneColumns], offsets[kLaneColumns];
-    for (int64_t b = 0; b < w.blocks; ++b) {
-      if (b % kLaneColumns == 0)
-        column_parameters(w, first, static_cast<int>(std::min(kLaneColumns, n - first)), b,
-                          scales, offsets);
-      float* p = packed_start + (item * w.blocks + b) * per_block;
-      store16(p, scales[b % kLaneColumns]);
-      if (per_block > kLaneColumns) store16(p + kLaneColumns, offsets[b % kLaneColumns]);
-    }
-  }
-  return storage;
-}
 
 // Asks for the next work item's block parameters in the lanes' copy (64 or 128 bytes a block,
 // read a block at a time after each block's products): one row of the 28 MB logits projection
@@ -677,54 +747,6 @@ void transposed_rows(const Rows& rows, int64_t first_row, int64_t end_row, const
     store_columns(out + (first_row + r) * n + first, columns, products[r], zero_terms[r]);
 }
 
-// The interleaved path: weights of 16 columns side by side (MatMul8Bits::tiles, copied from
-// MatMulNBits' layout at kernel creation), so that a row's pair of activations, broadcast,
-// multiplies 16 columns' pairs in one instruction straight from the copy: no transposition per
-// call (transposed_rows) and no cross-lane sum per block and column (few_rows, whose one-row
-// [576 x 3072] call was compute-bound at 80 us in L1). A tile is 16 columns (zero past N) of
-// the whole padded K, groups of 4 weights of each column in turn:
-//   8-bit, 64 bytes a group: byte 32h + 2c + j = weight 4g + 2h + j of column c;
-//   4-bit, 32 bytes a group: byte 2c + j = weight 4g + j of column c in its low nibble,
-//          weight 4g + 2 + j in its high one,
-// so a group widens to two vectors of int16 pairs (vpmovzxbw; at 4 bits a mask and a shift).
-// The block sums are the same exact integers as the other two ways', hence the same bits.
-constexpr int64_t kGroupWeights = 4;
-// How far ahead of its use the tile stream is asked for: a tile starts a new stream every 9 KB
-// (K = 576, 8 bits), which the hardware prefetcher (it stops at 4 KB pages) did not follow;
-// SmolLM2's [576 x 3072] shape, 20 nodes a call, 2 threads: 1024 bytes ahead 35.5 / 77.2 /
-// 289 us at 1 / 8 / 32 rows, 8192 bytes 29.4 / 70.3 / 279 (none: 36.4 / 89.5 / 343).
-constexpr int64_t kTilePrefetchBytes = 8192;
-
-template <int kBits>
-constexpr int64_t group_bytes() {
-  return kLaneColumns * kGroupWeights * kBits / 8;
-}
-
-// The tiles of MatMulNBits-layout weights `q` ([n, padded_k * kBits / 8]), from the returned
-// vector's line_start on.
-template <int kBits>
-std::vector<uint8_t> interleave(const uint8_t* q, int64_t n, int64_t padded_k) {
-  const int64_t tiles = (n + kLaneColumns - 1) / kLaneColumns, groups = padded_k / kGroupWeights;
-  const int64_t column_bytes = weight_bytes<kBits>(padded_k);
-  std::vector<uint8_t> storage(static_cast<size_t>(tiles * groups * group_bytes<kBits>() + 64));
-  uint8_t* out = storage.data() + line_start(storage.data());
-  for (int64_t t = 0; t < tiles; ++t)
-    for (int64_t g = 0; g < groups; ++g, out += group_bytes<kBits>())
-      for (int64_t c = 0; c < kLaneColumns && t * kLaneColumns + c < n; ++c)
-        for (int64_t j = 0; j < 2; ++j) {
-          const int64_t column = t * kLaneColumns + c, k = g * kGroupWeights + j;
-          const int low = weight_at<kBits>(q + column * column_bytes, k);
-          const int high = weight_at<kBits>(q + column * column_bytes, k + 2);
-          if constexpr (kBits == 8) {
-            out[2 * c + j] = static_cast<uint8_t>(low);
-            out[32 + 2 * c + j] = static_cast<uint8_t>(high);
-          } else {
-            out[2 * c + j] = static_cast<uint8_t>(low | high << 4);
-          }
-        }
-  return storage;
-}
-
 // A group's two vectors of 16 columns' int16 pairs: weights 4g, 4g + 1 and 4g + 2, 4g + 3.
 template <int kBits>
 inline void load_group(const uint8_t* group, __m512i& first, __m512i& second) {
@@ -742,28 +764,6 @@ inline void load_group(const uint8_t* group, __m512i& first, __m512i& second) {
 // 16 float16 values as float32 lanes (exact).
 inline f32x16 load_halves16(const uint16_t* p) {
   return load16_float(reinterpret_cast<const Half*>(p));
-}
-
-// The lanes' copy of the block parameters (pack_lane_parameters' layout: scales, then the
-// zero points where there is one a block, not their offsets) in float16, when every scale and
-// zero point is a float16 value (the quantizer rounds them so: docs/quantization.md), else
-// empty: half the bytes a decoded token reads of them (a third of a 4-bit export's at block 32).
-std::vector<uint16_t> pack_half_lanes(const Weights& w, int64_t n) {
-  const int64_t items = (n + kLaneColumns - 1) / kLaneColumns;
-  const int64_t per_block = lane_parameters_per_block(w);
-  std::vector<uint16_t> halves(static_cast<size_t>(items * w.blocks * per_block), 0);
-  const auto half = [](float x, uint16_t* out) {
-    *out = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
-    return _cvtsh_ss(*out) == x || (std::isnan(x) && std::isnan(_cvtsh_ss(*out)));
-  };
-  for (int64_t column = 0; column < n; ++column)
-    for (int64_t b = 0; b < w.blocks; ++b) {
-      uint16_t* block = halves.data() + ((column / kLaneColumns) * w.blocks + b) * per_block;
-      const int64_t index = column * w.blocks + b, lane = column % kLaneColumns;
-      if (!half(w.scales[index], block + lane)) return {};
-      if (per_block > kLaneColumns && !half(w.zero(index), block + kLaneColumns + lane)) return {};
-    }
-  return halves;
 }
 
 // Rows [first_row, first_row + R) of a tile's columns [first, first + columns): each group
@@ -922,6 +922,124 @@ void few_rows(const Rows& rows, int64_t first_row, int64_t end_row, const Weight
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512BW__)
+// The AVX2 build's interleaved path: the AVX-512 build's tiles, each group read as two halves of
+// 8 columns (a 256-bit vector of int32 lanes), a row's broadcast activation pair multiplied by
+// them with vpmaddwd. A block's sums come out exact per column as on AVX-512, and the per-block
+// epilogue is one vector for 8 columns: the lanes-per-column path below paid it per column and
+// block (SmolLM2's [576 x 3072] shape at 8 to 128 rows: ~5 multiply-adds a cycle a core).
+
+// A group's two vectors of columns 8h .. 8h + 7's int16 pairs: weights 4g, 4g + 1 and 4g + 2,
+// 4g + 3 (interleave's layout: the half's bytes are 16 in a row).
+template <int kBits>
+inline void load_half_group(const uint8_t* group, int h, __m256i& first, __m256i& second) {
+  if constexpr (kBits == 8) {
+    first = _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(group + 16 * h)));
+    second = _mm256_cvtepu8_epi16(
+        _mm_load_si128(reinterpret_cast<const __m128i*>(group + 32 + 16 * h)));
+  } else {
+    const __m256i bytes =
+        _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(group + 16 * h)));
+    first = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F));
+    second = _mm256_srli_epi16(bytes, 4);
+  }
+}
+
+inline __m256i broadcast_pair8(const int16_t* a) {
+  int32_t pair;
+  std::memcpy(&pair, a, sizeof pair);
+  return _mm256_set1_epi32(pair);
+}
+
+// Rows [first_row, first_row + R) of a tile's columns: each group's halves widened once for the
+// R rows (R x 2 int32 accumulators, two weight vectors and a broadcast pair in AVX2's 16
+// registers at R = 4; the float sums, touched once a block, live in memory), added per block.
+template <int kBits, int R>
+void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint8_t* tile,
+               int64_t tile_index, int columns, float* out, int64_t n) {
+  const int64_t per_block = lane_parameters_per_block(w);
+  const int64_t start = tile_index * w.blocks * per_block;
+  const float* parameters = w.lanes == nullptr ? nullptr : w.lanes + start;
+  const uint16_t* halves = w.half_lanes == nullptr ? nullptr : w.half_lanes + start;
+  const int64_t padded = w.blocks * w.block_size;
+  __m256 products[R][2], zero_terms[R][2];
+  const int16_t* a[R];
+  for (int r = 0; r < R; ++r) {
+    products[r][0] = products[r][1] = zero_terms[r][0] = zero_terms[r][1] = _mm256_setzero_ps();
+    a[r] = rows.q.data() + (first_row + r) * padded;
+  }
+  const uint8_t* group = tile;
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    __m256i sums[R][2];
+    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+    for (int64_t k = b * w.block_size; k < (b + 1) * w.block_size; k += kGroupWeights) {
+      _mm_prefetch(reinterpret_cast<const char*>(group + kTilePrefetchBytes), _MM_HINT_T0);
+      for (int h = 0; h < 2; ++h) {
+        __m256i first, second;
+        load_half_group<kBits>(group, h, first, second);
+        for (int r = 0; r < R; ++r)
+          sums[r][h] = _mm256_add_epi32(
+              sums[r][h], _mm256_add_epi32(_mm256_madd_epi16(broadcast_pair8(a[r] + k), first),
+                                           _mm256_madd_epi16(broadcast_pair8(a[r] + k + 2), second)));
+      }
+      group += group_bytes<kBits>();
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m256 scales, offsets;
+      if (halves != nullptr) {
+        // (-zero) * scale, as pack_lane_parameters computes the float copy's offsets.
+        const uint16_t* block = halves + b * per_block + 8 * h;
+        scales = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+        const __m256 zeros =
+            per_block == kLaneColumns
+                ? _mm256_set1_ps(w.zero(0))
+                : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kLaneColumns)));
+        offsets = _mm256_mul_ps(_mm256_xor_ps(zeros, _mm256_set1_ps(-0.0f)), scales);
+      } else {
+        const float* block = parameters + b * per_block + 8 * h;
+        scales = _mm256_loadu_ps(block);
+        offsets = per_block == kLaneColumns
+                      ? _mm256_mul_ps(_mm256_set1_ps(-w.zero(0)), scales)
+                      : _mm256_loadu_ps(block + kLaneColumns);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t row_block = (first_row + r) * w.blocks + b;
+        products[r][h] = _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(sums[r][h]),
+            _mm256_mul_ps(scales, _mm256_set1_ps(rows.scale[row_block])), products[r][h]);
+        zero_terms[r][h] = _mm256_fmadd_ps(offsets, _mm256_set1_ps(rows.scaled_sum[row_block]),
+                                           zero_terms[r][h]);
+      }
+    }
+  }
+  alignas(32) float sums[kLaneColumns];
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(sums, _mm256_add_ps(products[r][0], zero_terms[r][0]));
+    _mm256_store_ps(sums + 8, _mm256_add_ps(products[r][1], zero_terms[r][1]));
+    std::memcpy(out + (first_row + r) * n, sums, sizeof(float) * static_cast<size_t>(columns));
+  }
+}
+
+// Rows [first_row, end_row) of columns [first, first + columns) (columns <= 16: one tile) from
+// the tiles and the lanes' copy of the block parameters: 4 rows at a time, then 2, 1.
+template <int kBits>
+void interleaved_rows(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
+                      int64_t first, int columns, float* out, int64_t n) {
+  const int64_t tile_bytes = w.blocks * w.block_size / kGroupWeights * group_bytes<kBits>();
+  const uint8_t* tile = w.tiles + first / kLaneColumns * tile_bytes;
+  const int64_t parameters = first / kLaneColumns;
+  float* y = out + first;
+  int64_t row = first_row;
+  for (; row + 4 <= end_row; row += 4)
+    tile_rows<kBits, 4>(rows, row, w, tile, parameters, columns, y, n);
+  if (end_row - row >= 2) {
+    tile_rows<kBits, 2>(rows, row, w, tile, parameters, columns, y, n);
+    row += 2;
+  }
+  if (end_row > row) tile_rows<kBits, 1>(rows, row, w, tile, parameters, columns, y, n);
+}
+#endif
+
 // Whether the AVX-512 build's integer path takes the node's blocks. Where it does, it also
 // serves the nodes that need no batch invariance: it is 2-2.4x the float32 panel path from 4
 // rows to 512 (Zen 5, SmolLM2's [576 x 3072] projection), which is there for CPUs whose integer
@@ -938,6 +1056,19 @@ constexpr bool wide_integer_path(int64_t block_size, int64_t bits) {
   (void)block_size;
   (void)bits;
   return false;
+#endif
+}
+
+// Whether the node's products take the interleaved tiles: the AVX-512 build's wide integer path
+// where its weights are initializers; in the AVX2 build every node whose block sums stay exact
+// in one int32 lane (8-bit blocks up to 256, 4-bit ones up to 1024), its tiles made per call
+// where the graph computes the weights (every call of a node the same way: batch invariance).
+constexpr bool tiles_path(int64_t block_size, int64_t bits) {
+#if defined(__AVX512BW__)
+  return wide_integer_path(block_size, bits);
+#else
+  return block_size % (2 * kGroupWeights) == 0 &&
+         block_size * 32767 * ((int64_t{1} << bits) - 1) <= int64_t{0x7FFFFFFF};
 #endif
 }
 
@@ -961,6 +1092,13 @@ void integer_columns(const Rows& rows, int64_t first_row, int64_t end_row, const
     };
     if (use_vnni()) run(std::true_type{});
     else run(std::false_type{});
+    return;
+  }
+#else
+  if (tiles_path(w.block_size, kBits)) {
+    for (int64_t first = first_column; first < end_column; first += kLaneColumns)
+      interleaved_rows<kBits>(rows, first_row, end_row, w, first,
+                              static_cast<int>(std::min(kLaneColumns, end_column - first)), out, n);
     return;
   }
 #endif
@@ -1040,8 +1178,7 @@ OrtStatus* MatMul8Bits::init(const OrtKernelInfo* info) {
     api().ReleaseStatus(status);
     return nullptr;
   }
-#if defined(__AVX512BW__)
-  if (wide_integer_path(block_size, bits)) {
+  if (tiles_path(block_size, bits)) {
     Tensor b;
     bool constant_b = false;
     ATTNEXPORT_RETURN_IF_ERROR(read_constant_input(info, 1, &b, &constant_b));
@@ -1057,7 +1194,6 @@ OrtStatus* MatMul8Bits::init(const OrtKernelInfo* info) {
     }
     if (half_lanes.empty()) lane_parameters = pack_lane_parameters(weights, n);
   }
-#endif
   return nullptr;
 }
 
@@ -1081,11 +1217,25 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
   ATTNEXPORT_RETURN_IF_ERROR(weights_of(op_name(), scales, zero_points, n, blocks, block_size,
                                         float_parameters, widened, &weights));
   weights.q = static_cast<const uint8_t*>(b.data);
-#if defined(__AVX512BW__)
   if (!lane_parameters.empty())
     weights.lanes = lane_parameters.data() + line_start(lane_parameters.data());
   if (!tiles.empty()) weights.tiles = tiles.data() + line_start(tiles.data());
   if (!half_lanes.empty()) weights.half_lanes = half_lanes.data();
+#if !defined(__AVX512BW__)
+  // The AVX2 build's tiles and parameters' copy where the graph computes the weights or the
+  // parameters: made for this call (the AVX-512 build has paths that need neither).
+  std::vector<uint8_t> call_tiles;
+  std::vector<float> call_lanes;
+  if (tiles_path(block_size, bits) && weights.tiles == nullptr) {
+    with_bits(bits, [&](auto width) {
+      call_tiles = interleave<decltype(width)::value>(weights.q, n, blocks * block_size);
+    });
+    weights.tiles = call_tiles.data() + line_start(call_tiles.data());
+  }
+  if (tiles_path(block_size, bits) && weights.lanes == nullptr && weights.half_lanes == nullptr) {
+    call_lanes = pack_lane_parameters(weights, n);
+    weights.lanes = call_lanes.data() + line_start(call_lanes.data());
+  }
 #endif
   std::vector<int64_t> out_dims = a.dims;
   out_dims.back() = n;
@@ -1096,7 +1246,7 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
 
   const auto* x = static_cast<const float*>(a.data);
   auto* y = static_cast<float*>(out.data);
-  if (!batch_invariant && rows >= kPanelRows && !wide_integer_path(block_size, bits)) {
+  if (!batch_invariant && rows >= kPanelRows && !tiles_path(block_size, bits)) {
     // Items of kPanelRowBlock rows by kPanelColumns columns, a row block's items adjacent.
     const int64_t column_items = (n + kPanelColumns - 1) / kPanelColumns;
     const int64_t row_blocks = (rows + kPanelRowBlock - 1) / kPanelRowBlock;

@@ -107,12 +107,11 @@ def _rounding_bound(a: torch.Tensor, weight: np.ndarray, block: int) -> torch.Te
     return 0.5 * steps @ per_block.T + 1e-6 * (a.double().abs() @ weights[:, :k].T)
 
 
-def _float32_panels(kernels: str, block: int) -> bool:
+def _float32_panels(kernels: str, block: int, bits: int) -> bool:
     """Whether a ``batch_invariant = 0`` node multiplies calls of 4 rows or more as float32 here:
-    the native kernel's AVX2 variant, and blocks of 16; the AVX-512 variant's integer path for
-    blocks of 32 and more (8-bit ones up to 256) is faster than the panels and serves those nodes
-    too."""
-    return kernels == "native" and not (ort_kernels.kernel_isa() == "avx512" and block % 32 == 0)
+    the native kernel's 8-bit blocks over 256, whose sums do not fit the interleaved tiles' int32
+    lanes; the tiles are faster than the panels and serve every other node (both variants)."""
+    return kernels == "native" and bits == 8 and block > 256
 
 
 def _matmul_8bits(k, n, block, zero_points, kernels, batch_invariant=True, bits=8, float16=True):
@@ -210,13 +209,15 @@ def test_a_row_is_the_same_bits_alone_and_in_any_batch(zero_points, bits):
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("kernels", ORT_KERNEL_MODES)
 @pytest.mark.parametrize("zero_points", ZERO_POINTS)
-@pytest.mark.parametrize("k, n, block", [(576, 96, 32), (577, 33, 32), (100, 7, 16), (40, 5, 128)])
+@pytest.mark.parametrize(
+    "k, n, block", [(576, 96, 32), (577, 33, 32), (100, 7, 16), (40, 5, 128), (1100, 9, 512)]
+)
 def test_without_batch_invariance_calls_of_many_rows_are_float32_products(
     k, n, block, zero_points, kernels, bits
 ):
     """``batch_invariant=0``: from 4 rows on, the native kernel multiplies float32 activations by
     the dequantized weights where that path runs (float32 rounding only, far inside the int16
-    rounding's bound); fewer rows, and the AVX-512 integer path, keep the int16 bound."""
+    rounding's bound); fewer rows, and the interleaved tiles, keep the int16 bound."""
     session, weight = _matmul_8bits(
         k, n, block, zero_points, kernels, batch_invariant=False, bits=bits
     )
@@ -227,7 +228,7 @@ def test_without_batch_invariance_calls_of_many_rows_are_float32_products(
     for rows in (1, 3, 4, 5, 9, 70):  # (70: two blocks of rows)
         y = torch.from_numpy(session.run(None, {"a": a[:rows].numpy()})[0])
         error = (y.double() - expected[:rows]).abs()
-        panels = rows >= 4 and _float32_panels(kernels, block)
+        panels = rows >= 4 and _float32_panels(kernels, block, bits)
         bound = float32_bound if panels or kernels == "bodies" else rounding_bound
         assert (error <= bound[:rows]).all(), (rows, (error - bound[:rows]).max())
 
@@ -243,13 +244,13 @@ def test_the_node_says_batch_invariant_0_only_when_asked(batch_invariant):
 
 @requires_ort_kernels
 def test_without_batch_invariance_a_row_is_the_same_bits_in_any_call_of_4_rows_or_more():
-    session, _ = _matmul_8bits(577, 70, 32, "uint8", "native", batch_invariant=False)
-    a = torch.randn(131, 577, generator=torch.Generator().manual_seed(4)).numpy()
+    session, _ = _matmul_8bits(1100, 70, 512, "uint8", "native", batch_invariant=False)
+    a = torch.randn(131, 1100, generator=torch.Generator().manual_seed(4)).numpy()
     batch = session.run(None, {"a": a})[0]
     for rows in (slice(0, 4), slice(3, 8), slice(2, 11), slice(60, 70), slice(1, 131)):
         assert np.array_equal(session.run(None, {"a": a[rows]})[0], batch[rows])
-    invariant, _ = _matmul_8bits(577, 70, 32, "uint8", "native")
-    same_path = not _float32_panels("native", 32)
+    invariant, _ = _matmul_8bits(1100, 70, 512, "uint8", "native")
+    same_path = not _float32_panels("native", 512, 8)
     assert np.array_equal(invariant.run(None, {"a": a})[0], batch) == same_path
 
 
