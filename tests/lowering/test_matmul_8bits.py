@@ -18,7 +18,6 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from attnexport import ort_kernels
 from attnexport.lowering.matmul_8bits import OP_TYPE, OP_TYPES, to_matmul_8bits
 from tests.helpers import (
     ORT_KERNEL_MODES,
