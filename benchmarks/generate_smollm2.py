@@ -3,13 +3,13 @@
 
 * fp32: ``ours fp32``, ``ours fp32-kv8`` (``--kv-cache-dtype int8``: OpenVINO's CPU cache is u8,
   llama.cpp's float16); llama.cpp F32, OpenVINO fp32, onnxruntime-genai fp32, vLLM CPU fp32;
-* 8-bit: ``ours int8`` (``--weights int8``), ``ours int8-fast`` (also
-  ``--no-weights-batch-invariant``: calls of 4 rows or more multiply float32 activations by
-  dequantized weight panels); llama.cpp Q8_0, OpenVINO int8, onnxruntime-genai int8;
-* 4-bit: ``ours int4`` (``--weights int4``), ``ours int4-kv8`` (also ``--kv-cache-dtype int8``),
-  ``ours int4-a16`` and ``int4-a16-kv8`` (also ``--weights-activations int16``:
-  attnexport.MatMul4Bits); llama.cpp Q4_0, OpenVINO int4 (group 64, ratio 1.0),
-  onnxruntime-genai int4.
+* 8-bit: ``ours int8`` (``--weights int8``), ``ours int8-kv8`` (also ``--kv-cache-dtype int8``),
+  ``ours int8-b64-kv8`` (also ``--weights-block-size 64``); llama.cpp Q8_0, OpenVINO int8,
+  onnxruntime-genai int8;
+* 4-bit: ``ours int4`` (``--weights int4``: attnexport.MatMul4Bits), ``ours int4-kv8`` (also
+  ``--kv-cache-dtype int8``), ``ours int4-h4-kv8`` (also a 4-bit logits projection),
+  ``ours int4-a8-kv8`` (``--weights-activations int8``: MatMulNBits, the default before);
+  llama.cpp Q4_0, OpenVINO int4 (group 64, ratio 1.0), onnxruntime-genai int4.
 
 Every leg runs in its own process (a peer's in its own environment) on the same random
 prompts (token ids, seed 0; a warm-up generation of 4 tokens on other prompts of the same shape
@@ -41,7 +41,6 @@ OURS = {
     "fp32": ("fp32", []),
     "fp32-kv8": ("fp32", ["--kv-cache-dtype", "int8"]),
     "int8": ("8-bit", ["--weights", "int8"]),
-    "int8-fast": ("8-bit", ["--weights", "int8", "--no-weights-batch-invariant"]),
     "int8-kv8": ("8-bit", ["--weights", "int8", "--kv-cache-dtype", "int8"]),
     # Blocks of 64: 149.7 MB a token, not 164.7, top-1 0.975 (docs/benchmarks.md, quality).
     "int8-b64-kv8": (
@@ -50,19 +49,20 @@ OURS = {
     ),
     "int4": ("4-bit", ["--weights", "int4"]),
     "int4-kv8": ("4-bit", ["--weights", "int4", "--kv-cache-dtype", "int8"]),
-    "int4-a16": ("4-bit", ["--weights", "int4", "--weights-activations", "int16"]),
-    "int4-a16-kv8": (
-        "4-bit",
-        ["--weights", "int4", "--weights-activations", "int16", "--kv-cache-dtype", "int8"],
-    ),
     # The logits projection in 4 bits too, as genai's and OpenVINO's int4: ~84 MB a token read,
     # +10% perplexity, top-1 0.81 (theirs: +34%, 0.65-0.69; docs/benchmarks.md, quality).
-    "int4-a16-h4-kv8": (
+    "int4-h4-kv8": (
         "4-bit",
         [
-            *("--weights", "int4", "--weights-activations", "int16", "--kv-cache-dtype", "int8"),
+            *("--weights", "int4", "--kv-cache-dtype", "int8"),
             *("--lm-head", "int4", "--lm-head-block-size", "32"),
         ],
+    ),
+    # The int4 default before int16 activations: MatMulNBits at accuracy level 4 (int8
+    # activations), hqq's offsets through AddBlockOffsets.
+    "int4-a8-kv8": (
+        "4-bit",
+        ["--weights", "int4", "--weights-activations", "int8", "--kv-cache-dtype", "int8"],
     ),
 }
 PEER_TITLES = {"llamacpp": "llama.cpp", "openvino": "OpenVINO", "vllm": "vLLM", "genai": "genai"}

@@ -68,7 +68,7 @@ DEFAULTS = {
         "lm_head": "int8",
         "lm_head_block_size": 64,
         "offsets": "int8",
-        "activations": "int8",
+        "activations": "int16",
     },
     "int8": {
         "block_size": 32,

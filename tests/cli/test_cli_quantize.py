@@ -44,11 +44,12 @@ def test_inspect_shows_the_quantization(int4_export, capsys):
     assert code == 0
     summary = json.loads(out)
     assert summary["weights"]["format"] == "int4"
-    # 7 projections, and the 8-bit offsets of hqq's float zero points beside the 6 layers'.
-    assert summary["nodes"]["com.microsoft::MatMulNBits"] == 7
-    assert summary["nodes"]["attnexport::AddBlockOffsets"] == 6
+    # 6 projections in 4 bits, the int8 logits projection; int16 activations, so no offsets.
+    assert summary["nodes"]["attnexport::MatMul4Bits"] == 6
+    assert summary["nodes"]["attnexport::MatMul8Bits"] == 1
+    assert "com.microsoft::MatMulNBits" not in summary["nodes"]
     code, out, _ = run_cli(capsys, "inspect", int4_export)
-    assert code == 0 and "weights: int4" in out and "int8 zero-point offsets" in out
+    assert code == 0 and "weights: int4 (MatMul4Bits" in out and "int16 activations" in out
     assert "algorithm hqq" in out and "lm_head int8" in out and "batch-invariant" in out
 
 

@@ -65,7 +65,10 @@ def test_the_float_export_has_matmuls_on_constant_weights_and_no_gemm(float_onnx
 
 
 @pytest.mark.parametrize("fmt, bits", [("int4", 4), ("int8", 8)])
-def test_every_projection_becomes_matmulnbits(float_onnx, tmp_path, fmt, bits):
+def test_every_projection_is_quantized(float_onnx, tmp_path, fmt, bits):
+    """The defaults: attnexport.MatMul4Bits / MatMul8Bits on every layer (the logits projection
+    in int8: MatMul8Bits), hqq's float zero points read as they are (no offset nodes), no padding
+    row (the kernels compute every row alike), the function bodies."""
     path, entry = _quantized(float_onnx, tmp_path, WeightQuantization(fmt))
     ops = _ops(path)
     defaults = DEFAULTS[fmt]
@@ -81,37 +84,29 @@ def test_every_projection_becomes_matmulnbits(float_onnx, tmp_path, fmt, bits):
     model = onnx.load(str(path))
     assert model.ir_version == 10
     assert {p.key for p in model.metadata_props} >= {"cache_inputs", "cache_outputs", "target"}
+    assert ops["MatMul"] == ops["MatMulNBits"] == ops["AddBlockOffsets"] == ops["Slice"] == 0
+    layers = {"MatMul4Bits": LAYERS - 1, "MatMul8Bits": 1} if bits == 4 else {"MatMul8Bits": LAYERS}
+    assert {op: ops[op] for op in layers} == layers
+    assert {(f.domain, f.name) for f in model.functions} >= {("attnexport", op) for op in layers}
+
+
+def test_int4_with_int8_activations_is_matmulnbits_with_block_offsets(float_onnx, tmp_path):
+    """``--weights-activations int8`` (the int4 default before MatMul4Bits): MatMulNBits on every
+    layer, hqq's float zero points as one attnexport.AddBlockOffsets per layer
+    (float_zero_points; the logits projection is round to nearest), a padding row each."""
+    path, entry = _quantized(float_onnx, tmp_path, WeightQuantization("int4", activations="int8"))
+    assert entry["activations"] == "int8" and entry["accuracy_level"] == 4
+    ops = _ops(path)
     assert ops["MatMul"] == 0
-    if fmt == "int8":
-        # attnexport.MatMul8Bits on every layer: hqq's float zero points read as they are (no
-        # offset nodes), no padding row (its kernel computes every row alike), a function body
-        assert ops["MatMul8Bits"] == LAYERS and ops["MatMulNBits"] == 0 and ops["Slice"] == 0
-        assert [(f.domain, f.name) for f in model.functions if f.name == "MatMul8Bits"] == [
-            ("attnexport", "MatMul8Bits")
-        ]
-        return
-    # hqq's float zero points become one attnexport.AddBlockOffsets per layer
-    # (float_zero_points); the logits projection is round to nearest.
     assert ops["MatMulNBits"] == LAYERS and ops["AddBlockOffsets"] == LAYERS - 1
+    model = onnx.load(str(path))
     assert [(f.domain, f.name) for f in model.functions if f.name == "AddBlockOffsets"] == [
         ("attnexport", "AddBlockOffsets")
     ]
     # Batch invariance: every MatMulNBits reads one padding row more than it is given.
     assert ops["Slice"] >= LAYERS
     nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
-    assert {a.name: a.i for a in nodes[0].attribute}["bits"] == bits
-
-
-def test_int4_with_int16_activations_is_matmul_4bits_on_every_layer(float_onnx, tmp_path):
-    """hqq's float zero points read as they are (no offsets), the int8 logits projection as
-    MatMul8Bits, no padding row (the kernels compute every row alike)."""
-    path, entry = _quantized(float_onnx, tmp_path, WeightQuantization("int4", activations="int16"))
-    assert entry["activations"] == "int16"
-    ops = _ops(path)
-    assert ops["MatMul4Bits"] == LAYERS - 1 and ops["MatMul8Bits"] == 1
-    assert ops["MatMulNBits"] == ops["AddBlockOffsets"] == ops["Slice"] == 0
-    model = onnx.load(str(path))
-    assert {f.name for f in model.functions} >= {"MatMul4Bits", "MatMul8Bits"}
+    assert {a.name: a.i for a in nodes[0].attribute}["bits"] == 4
 
 
 def test_keep_float_and_lm_head(float_onnx, tmp_path):
@@ -127,8 +122,7 @@ def test_keep_float_and_lm_head(float_onnx, tmp_path):
         "lm_head",
     ]
     ops = _ops(path)
-    # 5 float layers, and hqq's offsets (float_zero_points) beside every quantized layer
-    assert ops["MatMulNBits"] == ops["AddBlockOffsets"] == LAYERS - 5 and ops["MatMul"] == 5
+    assert ops["MatMul4Bits"] == LAYERS - 5 and ops["MatMul"] == 5
     assert entry["quantized_layers"] == LAYERS - 5
 
 

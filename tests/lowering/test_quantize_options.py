@@ -110,7 +110,7 @@ def test_a_tied_embedding_is_stored_once(gpt2, tmp_path, head):
 
 
 def test_the_logits_projection_has_a_block_size_of_its_own(gpt2, tmp_path):
-    """``lm_head_block_size``: the tied table (MatMulNBits and the embedding's
+    """``lm_head_block_size``: the tied table (its MatMul4Bits and the embedding's
     GatherBlockQuantized) in blocks of its own, the layers in ``block_size``."""
     quantization = WeightQuantization("int4", block_size=16, lm_head="int4", lm_head_block_size=32)
     path = _quantized(gpt2, tmp_path, quantization)
@@ -118,7 +118,7 @@ def test_the_logits_projection_has_a_block_size_of_its_own(gpt2, tmp_path):
     blocks = {
         n.input[1]: {a.name: a.i for a in n.attribute}["block_size"]
         for n in model.graph.node
-        if n.op_type == "MatMulNBits"
+        if n.op_type in ("MatMulNBits", "MatMul4Bits", "MatMul8Bits")
     }
     (gather,) = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
     head = gather.input[0]
@@ -245,7 +245,7 @@ def test_an_int4_export_loads_with_its_padding_rows_and_the_native_kernels(llama
     passed an unnamed dim on as it was, onnxruntime 1.32 refused this file (a Concat after the
     node: "Negative dimension value"; test_add_block_offsets has the Slice that aborted the
     process). In a child process, so that an abort fails this test rather than the run."""
-    path = _quantized(llama, tmp_path, WeightQuantization("int4"))
+    path = _quantized(llama, tmp_path, WeightQuantization("int4", activations="int8"))
     ops = collections.Counter(n.op_type for n in onnx.load(str(path)).graph.node)
     assert ops["AddBlockOffsets"] > 0 and ops["Slice"] > 0
     script = (
