@@ -765,7 +765,6 @@ inline void load_group(const uint8_t* group, __m512i& first, __m512i& second) {
 inline f32x16 load_halves16(const uint16_t* p) {
   return load16_float(reinterpret_cast<const Half*>(p));
 }
-
 // Rows [first_row, first_row + R) of a tile's columns [first, first + columns): each group
 // widened once for the R rows, each row's sums in kChains chains (8 at once in all: the
 // instruction's latency is 4 cycles and 2 issue a cycle on Zen 5), added per block.
