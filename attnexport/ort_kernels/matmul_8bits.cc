@@ -670,33 +670,33 @@ inline __m512i pair_dots(const int16_t* a, const i32x16 (&t)[kLaneColumns]) {
                           _mm512_add_epi32(chains[2], chains[3]));
 }
 
-// One block's contribution to a row's 16 columns: the block's dot products (exact int32), scaled
-// by the columns' and the row's scales, and the zero points' term. The one place both ways of
-// computing the dots below meet: a row's numbers are these operations on the same integers
-// whichever way, hence the same bits in any batch.
+// One block's contribution to a row's 16 columns, added to its sums: the block's dot products
+// (exact int32) scaled by the columns' and the row's scales, then the zero points' term. The one
+// place the ways of computing the dots below meet: a row's numbers are these operations on the
+// same integers whichever way, hence the same bits in any batch. (One accumulator for both
+// terms: with a second one, 8 rows' accumulators spilled to the stack every block.)
 // (Explicit multiply-adds: few_rows does the same on 4 lanes, and its numbers must be these.)
-inline void add_block(f32x16& products, f32x16& zero_terms, i32x16 dots, f32x16 scales,
-                      f32x16 offsets, float row_scale, float scaled_sum) {
-  products = reinterpret_cast<f32x16>(
+inline void add_block(f32x16& sums, i32x16 dots, f32x16 scales, f32x16 offsets, float row_scale,
+                      float scaled_sum) {
+  const __m512 products =
       _mm512_fmadd_ps(reinterpret_cast<__m512>(__builtin_convertvector(dots, f32x16)),
                       reinterpret_cast<__m512>(scales * splat16(row_scale)),
-                      reinterpret_cast<__m512>(products)));
-  zero_terms = reinterpret_cast<f32x16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(offsets),
-                                                        reinterpret_cast<__m512>(splat16(scaled_sum)),
-                                                        reinterpret_cast<__m512>(zero_terms)));
+                      reinterpret_cast<__m512>(sums));
+  sums = reinterpret_cast<f32x16>(_mm512_fmadd_ps(
+      reinterpret_cast<__m512>(offsets), reinterpret_cast<__m512>(splat16(scaled_sum)), products));
 }
 
 // add_block on 4 lanes (columns c0 .. c0 + 3 of a work item): the same operations lane by lane.
-inline void add_block4(__m128& products, __m128& zero_terms, __m128i dots, __m128 scales,
-                       __m128 offsets, float row_scale, float scaled_sum) {
-  products = _mm_fmadd_ps(_mm_cvtepi32_ps(dots), _mm_mul_ps(scales, _mm_set1_ps(row_scale)),
-                          products);
-  zero_terms = _mm_fmadd_ps(offsets, _mm_set1_ps(scaled_sum), zero_terms);
+inline void add_block4(__m128& sums, __m128i dots, __m128 scales, __m128 offsets,
+                       float row_scale, float scaled_sum) {
+  const __m128 products =
+      _mm_fmadd_ps(_mm_cvtepi32_ps(dots), _mm_mul_ps(scales, _mm_set1_ps(row_scale)), sums);
+  sums = _mm_fmadd_ps(offsets, _mm_set1_ps(scaled_sum), products);
 }
 
-inline void store_columns(float* out, int columns, f32x16 products, f32x16 zero_terms) {
+inline void store_columns(float* out, int columns, f32x16 sums) {
   _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << columns) - 1),
-                        reinterpret_cast<__m512>(products + zero_terms));
+                        reinterpret_cast<__m512>(sums));
 }
 
 // Rows [first_row, end_row) (kTransposeRows or more) of columns [first, first + columns),
@@ -708,10 +708,10 @@ void transposed_rows(const Rows& rows, int64_t first_row, int64_t end_row, const
   prefetch_next_parameters(w, first, n);
   const int64_t padded = w.blocks * w.block_size, steps = w.block_size / kPairStep;
   const int64_t column_bytes = weight_bytes<kBits>(padded);
-  f32x16 products[kLaneRowBlock], zero_terms[kLaneRowBlock];
+  f32x16 sums[kLaneRowBlock];
   i32x16 dots[kLaneRowBlock];
   const int64_t count = end_row - first_row;
-  for (int64_t r = 0; r < count; ++r) products[r] = zero_terms[r] = f32x16{};
+  for (int64_t r = 0; r < count; ++r) sums[r] = f32x16{};
   const uint8_t* q = w.q + first * column_bytes;
   LaneParameters parameters(w, first, columns);
   for (int64_t b = 0; b < w.blocks; ++b) {
@@ -737,14 +737,14 @@ void transposed_rows(const Rows& rows, int64_t first_row, int64_t end_row, const
         dots[r] = step > 0 ? dots[r] + reinterpret_cast<i32x16>(dot) : reinterpret_cast<i32x16>(dot);
         if (step + 1 == steps) {
           const int64_t row_block = (first_row + r) * w.blocks + b;
-          add_block(products[r], zero_terms[r], dots[r], scales, offsets, rows.scale[row_block],
+          add_block(sums[r], dots[r], scales, offsets, rows.scale[row_block],
                     rows.scaled_sum[row_block]);
         }
       }
     }
   }
   for (int64_t r = 0; r < count; ++r)
-    store_columns(out + (first_row + r) * n + first, columns, products[r], zero_terms[r]);
+    store_columns(out + (first_row + r) * n + first, columns, sums[r]);
 }
 
 // A group's two vectors of 16 columns' int16 pairs: weights 4g, 4g + 1 and 4g + 2, 4g + 3.
@@ -777,10 +777,10 @@ void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint
   const uint16_t* halves = w.half_lanes == nullptr ? nullptr : w.half_lanes + start;
   constexpr int kChains = R >= 8 ? 1 : R >= 4 ? 2 : 4;
   const int64_t padded = w.blocks * w.block_size;
-  f32x16 products[R], zero_terms[R];
+  f32x16 totals[R];
   const int16_t* a[R];
   for (int r = 0; r < R; ++r) {
-    products[r] = zero_terms[r] = f32x16{};
+    totals[r] = f32x16{};
     a[r] = rows.q.data() + (first_row + r) * padded;
   }
   const uint8_t* group = tile;
@@ -819,12 +819,12 @@ void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint
       __m512i dots = sums[r][0];
       for (int c = 1; c < kChains; ++c) dots = _mm512_add_epi32(dots, sums[r][c]);
       const int64_t row_block = (first_row + r) * w.blocks + b;
-      add_block(products[r], zero_terms[r], reinterpret_cast<i32x16>(dots), scales, offsets,
+      add_block(totals[r], reinterpret_cast<i32x16>(dots), scales, offsets,
                 rows.scale[row_block], rows.scaled_sum[row_block]);
     }
   }
   for (int r = 0; r < R; ++r)
-    store_columns(out + (first_row + r) * n, columns, products[r], zero_terms[r]);
+    store_columns(out + (first_row + r) * n, columns, totals[r]);
 }
 
 // Rows [first_row, end_row) of columns [first, first + columns) (columns <= 16: one tile) from
@@ -874,7 +874,7 @@ void few_rows_tile(const Rows& rows, int64_t row, const Weights& w, const uint8_
                    LaneParameters& parameters, int c0, float* out) {
   const int64_t padded = w.blocks * w.block_size, column_bytes = weight_bytes<kBits>(padded);
   const int16_t* a = rows.q.data() + row * padded;
-  __m128 products = _mm_setzero_ps(), zero_terms = _mm_setzero_ps();
+  __m128 sums = _mm_setzero_ps();
   for (int64_t b = 0; b < w.blocks; ++b) {
     const int64_t start = b * w.block_size;
     for (int c = 0; c < C; ++c)
@@ -892,12 +892,12 @@ void few_rows_tile(const Rows& rows, int64_t row, const Weights& w, const uint8_
     __m128 scales, offsets;
     parameters.at4(b, c0, scales, offsets);
     const int64_t row_block = row * w.blocks + b;
-    add_block4(products, zero_terms, lane_sums4(d), scales, offsets, rows.scale[row_block],
+    add_block4(sums, lane_sums4(d), scales, offsets, rows.scale[row_block],
                rows.scaled_sum[row_block]);
   }
-  alignas(16) float sums[4];
-  _mm_store_ps(sums, _mm_add_ps(products, zero_terms));
-  for (int c = 0; c < C; ++c) out[c0 + c] = sums[c];
+  alignas(16) float totals[4];
+  _mm_store_ps(totals, sums);
+  for (int c = 0; c < C; ++c) out[c0 + c] = totals[c];
 }
 
 // Rows [first_row, end_row) (fewer than kTransposeRows) of columns [first, first + columns): a
