@@ -139,9 +139,9 @@ def add_parser(commands) -> None:
         choices=choices.weight_activations(),
         metavar="FORMAT",
         help="how finely the quantized layers' activations are rounded per block, one of "
-        "%(choices)s (int16: attnexport.MatMul8Bits / MatMul4Bits, the int8 default, top-1 "
+        "%(choices)s (int16, the default: attnexport.MatMul8Bits / MatMul4Bits, top-1 "
         "agreement with the float model 0.988 on SmolLM2-135M, 0.979 for int4; int8: "
-        "MatMulNBits' int8 kernel, the int4 default, 0.948 for int4 with hqq's 8-bit offsets)",
+        "MatMulNBits' int8 kernel, 0.948 for int4 with hqq's 8-bit offsets)",
     )
     quant.add_argument(
         "--weights-batch-invariant",
