@@ -462,6 +462,20 @@ std::vector<uint16_t> pack_half_lanes(const Weights& w, int64_t n) {
   return halves;
 }
 
+// Where a tile's block parameters are: its stretch of the lanes' copy, in float16 (halves) or
+// else float32 (floats), per_block values a block.
+struct TileParameters {
+  int64_t per_block;
+  const float* floats;
+  const uint16_t* halves;
+
+  TileParameters(const Weights& w, int64_t tile_index) : per_block(lane_parameters_per_block(w)) {
+    const int64_t start = tile_index * w.blocks * per_block;
+    floats = w.lanes == nullptr ? nullptr : w.lanes + start;
+    halves = w.half_lanes == nullptr ? nullptr : w.half_lanes + start;
+  }
+};
+
 #endif
 
 #if defined(__AVX512BW__)
@@ -765,16 +779,17 @@ inline void load_group(const uint8_t* group, __m512i& first, __m512i& second) {
 inline f32x16 load_halves16(const uint16_t* p) {
   return load16_float(reinterpret_cast<const Half*>(p));
 }
+
 // Rows [first_row, first_row + R) of a tile's columns [first, first + columns): each group
 // widened once for the R rows, each row's sums in kChains chains (8 at once in all: the
 // instruction's latency is 4 cycles and 2 issue a cycle on Zen 5), added per block.
 template <int kBits, bool kVnni, int R>
 void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint8_t* tile,
                int64_t tile_index, int columns, float* out, int64_t n) {
-  const int64_t per_block = lane_parameters_per_block(w);
-  const int64_t start = tile_index * w.blocks * per_block;
-  const float* parameters = w.lanes == nullptr ? nullptr : w.lanes + start;
-  const uint16_t* halves = w.half_lanes == nullptr ? nullptr : w.half_lanes + start;
+  const TileParameters tile_parameters(w, tile_index);
+  const int64_t per_block = tile_parameters.per_block;
+  const float* parameters = tile_parameters.floats;
+  const uint16_t* halves = tile_parameters.halves;
   constexpr int kChains = R >= 8 ? 1 : R >= 4 ? 2 : 4;
   const int64_t padded = w.blocks * w.block_size;
   f32x16 totals[R];
@@ -952,19 +967,20 @@ inline __m256i broadcast_pair8(const int16_t* a) {
 
 // Rows [first_row, first_row + R) of a tile's columns: each group's halves widened once for the
 // R rows (R x 2 int32 accumulators, two weight vectors and a broadcast pair in AVX2's 16
-// registers at R = 4; the float sums, touched once a block, live in memory), added per block.
+// registers at R = 4; the float totals, touched once a block, may live in memory), added per
+// block.
 template <int kBits, int R>
 void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint8_t* tile,
                int64_t tile_index, int columns, float* out, int64_t n) {
-  const int64_t per_block = lane_parameters_per_block(w);
-  const int64_t start = tile_index * w.blocks * per_block;
-  const float* parameters = w.lanes == nullptr ? nullptr : w.lanes + start;
-  const uint16_t* halves = w.half_lanes == nullptr ? nullptr : w.half_lanes + start;
+  const TileParameters tile_parameters(w, tile_index);
+  const int64_t per_block = tile_parameters.per_block;
+  const float* parameters = tile_parameters.floats;
+  const uint16_t* halves = tile_parameters.halves;
   const int64_t padded = w.blocks * w.block_size;
-  __m256 products[R][2], zero_terms[R][2];
+  __m256 totals[R][2];
   const int16_t* a[R];
   for (int r = 0; r < R; ++r) {
-    products[r][0] = products[r][1] = zero_terms[r][0] = zero_terms[r][1] = _mm256_setzero_ps();
+    totals[r][0] = totals[r][1] = _mm256_setzero_ps();
     a[r] = rows.q.data() + (first_row + r) * padded;
   }
   const uint8_t* group = tile;
@@ -1003,18 +1019,19 @@ void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint
       }
       for (int r = 0; r < R; ++r) {
         const int64_t row_block = (first_row + r) * w.blocks + b;
-        products[r][h] = _mm256_fmadd_ps(
+        // (add_block's two multiply-adds into one accumulator)
+        const __m256 products = _mm256_fmadd_ps(
             _mm256_cvtepi32_ps(sums[r][h]),
-            _mm256_mul_ps(scales, _mm256_set1_ps(rows.scale[row_block])), products[r][h]);
-        zero_terms[r][h] = _mm256_fmadd_ps(offsets, _mm256_set1_ps(rows.scaled_sum[row_block]),
-                                           zero_terms[r][h]);
+            _mm256_mul_ps(scales, _mm256_set1_ps(rows.scale[row_block])), totals[r][h]);
+        totals[r][h] =
+            _mm256_fmadd_ps(offsets, _mm256_set1_ps(rows.scaled_sum[row_block]), products);
       }
     }
   }
   alignas(32) float sums[kLaneColumns];
   for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(sums, _mm256_add_ps(products[r][0], zero_terms[r][0]));
-    _mm256_store_ps(sums + 8, _mm256_add_ps(products[r][1], zero_terms[r][1]));
+    _mm256_store_ps(sums, totals[r][0]);
+    _mm256_store_ps(sums + 8, totals[r][1]);
     std::memcpy(out + (first_row + r) * n, sums, sizeof(float) * static_cast<size_t>(columns));
   }
 }
