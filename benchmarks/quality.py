@@ -127,6 +127,7 @@ VARIANTS: dict[str, list[str]] = {
         "--weights-algorithm", "rtn", "--weights-asymmetric", "--weights-accuracy-level", "1"
     ),
     "int4 (default)": ["--weights", "int4"],
+    "int4, int8 KV cache": ["--weights", "int4", "--kv-cache-dtype", "int8"],
     "int4, lm_head int4 b32": [
         *("--weights", "int4", "--lm-head", "int4", "--lm-head-block-size", "32"),
     ],
@@ -166,7 +167,6 @@ VARIANTS: dict[str, list[str]] = {
         "int4",
         "--no-weights-batch-invariant",
     ],
-    "int4, int8 KV cache": _int4("--kv-cache-dtype", "int8"),
 }
 # peer -> formats (benchmarks/peers.py names); the first of each precision class is its default.
 PEER_FORMATS = {
