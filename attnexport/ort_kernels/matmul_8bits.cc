@@ -476,6 +476,25 @@ struct TileParameters {
   }
 };
 
+// fn(row, std::integral_constant<int, R>{}) for passes of R rows over [row, end_row): R = kMost
+// while kMost rows are left, then kMost / 2, ..., 1 once each where they fit.
+template <int kMost, typename Fn>
+inline void row_passes(int64_t row, int64_t end_row, Fn fn, bool repeat = true) {
+  do {
+    if (end_row - row < kMost) break;
+    fn(row, std::integral_constant<int, kMost>{});
+    row += kMost;
+  } while (repeat);
+  if constexpr (kMost > 1) row_passes<kMost / 2>(row, end_row, fn, false);
+}
+
+// a[r]: row first_row + r of the rounded activations (padded: their row length).
+template <int R>
+inline void row_starts(const Rows& rows, int64_t first_row, int64_t padded,
+                       const int16_t* (&a)[R]) {
+  for (int r = 0; r < R; ++r) a[r] = rows.q.data() + (first_row + r) * padded;
+}
+
 #endif
 
 #if defined(__AVX512BW__)
@@ -786,17 +805,14 @@ inline f32x16 load_halves16(const uint16_t* p) {
 template <int kBits, bool kVnni, int R>
 void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint8_t* tile,
                int64_t tile_index, int columns, float* out, int64_t n) {
-  const TileParameters tile_parameters(w, tile_index);
-  const int64_t per_block = tile_parameters.per_block;
-  const float* parameters = tile_parameters.floats;
-  const uint16_t* halves = tile_parameters.halves;
+  const TileParameters tp(w, tile_index);
   constexpr int kChains = R >= 8 ? 1 : R >= 4 ? 2 : 4;
   const int64_t padded = w.blocks * w.block_size;
   f32x16 totals[R];
   const int16_t* a[R];
+  row_starts(rows, first_row, padded, a);
   for (int r = 0; r < R; ++r) {
     totals[r] = f32x16{};
-    a[r] = rows.q.data() + (first_row + r) * padded;
   }
   const uint8_t* group = tile;
   for (int64_t b = 0; b < w.blocks; ++b) {
@@ -818,17 +834,17 @@ void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint
     // (Read from the copy, not through LaneParameters: a call there that may transpose made
     // the compiler spill every accumulator around it, per block.)
     f32x16 scales, offsets;
-    if (halves != nullptr) {
+    if (tp.halves != nullptr) {
       // (-zero) * scale, as column_parameters computes the float copy's offsets: the same bits.
-      const uint16_t* block = halves + b * per_block;
+      const uint16_t* block = tp.halves + b * tp.per_block;
       scales = load_halves16(block);
       const f32x16 zeros =
-          per_block == kLaneColumns ? splat16(w.zero(0)) : load_halves16(block + kLaneColumns);
+          tp.per_block == kLaneColumns ? splat16(w.zero(0)) : load_halves16(block + kLaneColumns);
       offsets = -zeros * scales;
     } else {
-      scales = load16(parameters + b * per_block);
-      offsets = per_block == kLaneColumns ? -splat16(w.zero(0)) * scales
-                                          : load16(parameters + b * per_block + kLaneColumns);
+      scales = load16(tp.floats + b * tp.per_block);
+      offsets = tp.per_block == kLaneColumns ? -splat16(w.zero(0)) * scales
+                                          : load16(tp.floats + b * tp.per_block + kLaneColumns);
     }
     for (int r = 0; r < R; ++r) {
       __m512i dots = sums[r][0];
@@ -853,18 +869,9 @@ void interleaved_rows(const Rows& rows, int64_t first_row, int64_t end_row, cons
   const uint8_t* tile = w.tiles + first / kLaneColumns * tile_bytes;
   const int64_t parameters = first / kLaneColumns;
   float* y = out + first;
-  int64_t row = first_row;
-  for (; row + 8 <= end_row; row += 8)
-    tile_rows<kBits, kVnni, 8>(rows, row, w, tile, parameters, columns, y, n);
-  if (end_row - row >= 4) {
-    tile_rows<kBits, kVnni, 4>(rows, row, w, tile, parameters, columns, y, n);
-    row += 4;
-  }
-  if (end_row - row >= 2) {
-    tile_rows<kBits, kVnni, 2>(rows, row, w, tile, parameters, columns, y, n);
-    row += 2;
-  }
-  if (end_row > row) tile_rows<kBits, kVnni, 1>(rows, row, w, tile, parameters, columns, y, n);
+  row_passes<8>(first_row, end_row, [&](int64_t row, auto count) {
+    tile_rows<kBits, kVnni, decltype(count)::value>(rows, row, w, tile, parameters, columns, y, n);
+  });
 }
 
 // The four sums of d[0..4)'s lanes, exact.
@@ -972,16 +979,13 @@ inline __m256i broadcast_pair8(const int16_t* a) {
 template <int kBits, int R>
 void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint8_t* tile,
                int64_t tile_index, int columns, float* out, int64_t n) {
-  const TileParameters tile_parameters(w, tile_index);
-  const int64_t per_block = tile_parameters.per_block;
-  const float* parameters = tile_parameters.floats;
-  const uint16_t* halves = tile_parameters.halves;
+  const TileParameters tp(w, tile_index);
   const int64_t padded = w.blocks * w.block_size;
   __m256 totals[R][2];
   const int16_t* a[R];
+  row_starts(rows, first_row, padded, a);
   for (int r = 0; r < R; ++r) {
     totals[r][0] = totals[r][1] = _mm256_setzero_ps();
-    a[r] = rows.q.data() + (first_row + r) * padded;
   }
   const uint8_t* group = tile;
   for (int64_t b = 0; b < w.blocks; ++b) {
@@ -1001,19 +1005,19 @@ void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint
     }
     for (int h = 0; h < 2; ++h) {
       __m256 scales, offsets;
-      if (halves != nullptr) {
+      if (tp.halves != nullptr) {
         // (-zero) * scale, as pack_lane_parameters computes the float copy's offsets.
-        const uint16_t* block = halves + b * per_block + 8 * h;
+        const uint16_t* block = tp.halves + b * tp.per_block + 8 * h;
         scales = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
         const __m256 zeros =
-            per_block == kLaneColumns
+            tp.per_block == kLaneColumns
                 ? _mm256_set1_ps(w.zero(0))
                 : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kLaneColumns)));
         offsets = _mm256_mul_ps(_mm256_xor_ps(zeros, _mm256_set1_ps(-0.0f)), scales);
       } else {
-        const float* block = parameters + b * per_block + 8 * h;
+        const float* block = tp.floats + b * tp.per_block + 8 * h;
         scales = _mm256_loadu_ps(block);
-        offsets = per_block == kLaneColumns
+        offsets = tp.per_block == kLaneColumns
                       ? _mm256_mul_ps(_mm256_set1_ps(-w.zero(0)), scales)
                       : _mm256_loadu_ps(block + kLaneColumns);
       }
@@ -1045,14 +1049,9 @@ void interleaved_rows(const Rows& rows, int64_t first_row, int64_t end_row, cons
   const uint8_t* tile = w.tiles + first / kLaneColumns * tile_bytes;
   const int64_t parameters = first / kLaneColumns;
   float* y = out + first;
-  int64_t row = first_row;
-  for (; row + 4 <= end_row; row += 4)
-    tile_rows<kBits, 4>(rows, row, w, tile, parameters, columns, y, n);
-  if (end_row - row >= 2) {
-    tile_rows<kBits, 2>(rows, row, w, tile, parameters, columns, y, n);
-    row += 2;
-  }
-  if (end_row > row) tile_rows<kBits, 1>(rows, row, w, tile, parameters, columns, y, n);
+  row_passes<4>(first_row, end_row, [&](int64_t row, auto count) {
+    tile_rows<kBits, decltype(count)::value>(rows, row, w, tile, parameters, columns, y, n);
+  });
 }
 #endif
 
