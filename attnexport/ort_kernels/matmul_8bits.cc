@@ -125,10 +125,11 @@ void round_rows(const float* a, int64_t first, int64_t end, int64_t k, int64_t b
         largest8 = _mm256_max_ps(largest8, magnitude);
         not_finite8 = _mm256_or_ps(not_finite8, _mm256_cmp_ps(magnitude, infinity, _CMP_NLT_UQ));
       }
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, largest8);
-      float largest = 0.0f;
-      for (float lane : lanes) largest = std::fmax(largest, lane);
+      // (In registers: eight std::fmax calls, libm's, were ~0.5% of a batch-32 decode.)
+      __m128 largest4 =
+          _mm_max_ps(_mm256_castps256_ps128(largest8), _mm256_extractf128_ps(largest8, 1));
+      largest4 = _mm_max_ps(largest4, _mm_movehl_ps(largest4, largest4));
+      float largest = _mm_cvtss_f32(_mm_max_ss(largest4, _mm_movehdup_ps(largest4)));
       bool finite = _mm256_movemask_ps(not_finite8) == 0;
       for (; i < stop; ++i) {
         finite = finite && std::isfinite(x[i]);
