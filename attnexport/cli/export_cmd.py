@@ -148,9 +148,9 @@ def add_parser(commands) -> None:
         action=argparse.BooleanOptionalAction,
         help="give every MatMulNBits two rows or more and keep MatMul8Bits on its int16 path, "
         "so that a sequence's tokens do not depend on its batch (default: yes; "
-        "--no-weights-batch-invariant saves the padding row and lets MatMul8Bits multiply "
-        "calls of 4 rows or more as float32, 1.2-2x faster at batch 8-128; a prompt decoded "
-        "alone may then differ from the same prompt batched)",
+        "--no-weights-batch-invariant saves the padding row, and lets MatMul8Bits multiply "
+        "calls of 4 rows or more as float32 where its int16 path cannot (8-bit blocks over "
+        "256); a prompt decoded alone may then differ from the same prompt batched)",
     )
     quant.add_argument(
         "--weights-keep-float",

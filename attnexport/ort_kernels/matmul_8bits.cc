@@ -19,13 +19,15 @@
 //
 // Each output is computed from its row's own rounding in one fixed sequence whatever the call's
 // row count or tile: a row's numbers do not depend on its batch (batch invariance, tested bit
-// for bit). The AVX2 build accumulates a column's 8 lanes in float32 block by block and sums
-// them at the end; the AVX-512 build (blocks of a multiple of 32) sums each block's products
-// exactly in int32 per column and scales them in vectors of 16 columns (three ways to the same
-// integers, hence the same bits: interleaved_rows, on a copy of initializer weights made at
-// kernel creation with 16 columns side by side, the fastest up to 32 rows and within 10% of
-// transposed_rows beyond; else transposed_rows from 4 rows, few_rows below; the first two take
-// AVX512_VNNI's vpdpwssd where the CPU has it, the same integers again).
+// for bit). Both builds sum each block's products exactly in int32 per column and scale them
+// in vectors of columns, from a copy of the weights with 16 columns side by side
+// (interleaved_rows; the AVX2 build reads a tile as two halves of 8 columns and makes the copy
+// per call where the graph computes the weights). The AVX-512 build, where the graph computes
+// them, takes two other ways to the same integers, hence the same bits: transposed_rows from 4
+// rows, few_rows below; it takes AVX512_VNNI's vpdpwssd where the CPU has it, the same integers
+// again. 8-bit blocks over 256, whose sums do not fit an int32 lane, accumulate a column's 8
+// lanes in float32 block by block (columns) or, without batch invariance, multiply float32
+// panels.
 
 #include "matmul_8bits.h"
 
@@ -173,7 +175,8 @@ struct Weights {
   const uint8_t* zero_bytes;    // [n * blocks], or [1] when zero_stride is 0
   int64_t zero_stride, blocks, block_size;
   const float* lanes = nullptr;  // MatMul8Bits::lane_parameters, or nullptr
-  // MatMul8Bits::tiles (AVX-512 build), or nullptr; where set, so is lanes or half_lanes.
+  // MatMul8Bits::tiles (or the AVX2 build's copy for one call), or nullptr; where set, so is
+  // lanes or half_lanes.
   const uint8_t* tiles = nullptr;
   const uint16_t* half_lanes = nullptr;  // MatMul8Bits::half_lanes, or nullptr
 
@@ -443,7 +446,7 @@ std::vector<float> pack_lane_parameters(const Weights& w, int64_t n) {
 
 // The lanes' copy of the block parameters (pack_lane_parameters' layout: scales, then the
 // zero points where there is one a block, not their offsets) in float16, when every scale and
-// zero point is a float16 value (the quantizer rounds them so: docs/quantization.md), else
+// zero point is a float16 value (the lowering stores them so: docs/quantization.md), else
 // empty: half the bytes a decoded token reads of them (a third of a 4-bit export's at block 32).
 std::vector<uint16_t> pack_half_lanes(const Weights& w, int64_t n) {
   const int64_t items = (n + kLaneColumns - 1) / kLaneColumns;

@@ -11,17 +11,18 @@ namespace attnexport {
 // attnexport.MatMul8Bits: a[..., K] float32 @ W -> [..., N] float32, W stored as onnxruntime's
 // 8-bit MatMulNBits stores it: b [N, blocks, block_size] uint8 (K zero-padded to whole blocks),
 // scales [N * blocks] float32 or float16, zero_points uint8 [N * blocks], float32 or float16
-// [N * blocks] or one uint8 for every block; W[k, n] = (b[n, k] - zero_point[n, k / block_size]) * scale[...].
+// [N * blocks] or one uint8 for every block;
+// W[k, n] = (b[n, k] - zero_point[n, k / block_size]) * scale[...].
 // The kernel rounds each row's blocks of activations to int16 (MatMulNBits' int8 path rounds
 // them to 8 bits); the function body multiplies them as float32. With the attribute
-// batch_invariant = 0, the AVX2 build (and blocks of 16) multiplies calls of many rows as float32
-// activations by float32 panels of the dequantized weights (faster there; a row's numbers then
-// depend on its call's row count); the AVX-512 build's integer path is faster than the panels.
+// batch_invariant = 0, 8-bit blocks over 256 multiply calls of many rows as float32 activations
+// by float32 panels of the dequantized weights (a row's numbers then depend on its call's row
+// count); every other node's integer path is faster than the panels and takes those calls too.
 struct MatMul8Bits {
   int64_t k = 0, n = 0, block_size = 0, batch_invariant = 1;
   int64_t bits = 8;  // of the weights: 8, or 4 for MatMul4Bits
-  // The AVX-512 build's copies, made at kernel creation when the scales and zero points are
-  // initializers (matmul_8bits.cc), else empty: the block parameters in the lanes' layout, in
+  // Copies made at kernel creation when the scales and zero points are initializers
+  // (matmul_8bits.cc), else empty: the block parameters in the lanes' layout, in
   // float16 (half_lanes, with the tiles, where they are float16 values) or else float32
   // (lane_parameters); an initializer's weights as tiles of 16 columns side by side.
   std::vector<float> lane_parameters;
@@ -37,7 +38,7 @@ struct MatMul8Bits {
 
 // attnexport.MatMul4Bits: MatMul8Bits on 4-bit weights, MatMulNBits' 4-bit storage: b
 // [N, blocks, block_size / 2] uint8, weight 2j of a block in byte j's low nibble and 2j + 1 in
-// its high one; zero points float32 [N * blocks] (HQQ's), uint8 [N * blocks] (one a byte, not
+// its high one; zero points float32 or float16 [N * blocks] (HQQ's), uint8 [N * blocks] (one a byte, not
 // MatMulNBits' packed nibbles) or one uint8 for every block (8: symmetric).
 struct MatMul4Bits : MatMul8Bits {
   MatMul4Bits() { bits = 4; }
