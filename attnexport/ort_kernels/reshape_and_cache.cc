@@ -14,8 +14,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <immintrin.h>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernel_api.h"
@@ -50,6 +52,41 @@ float quantize_row(const S* src, int8_t* dst, int64_t n, std::vector<float>& row
     float q = scale > 0.0f ? std::nearbyint(row[d] / scale) : 0.0f;
     q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
     dst[d] = q == q ? static_cast<int8_t>(q) : 0;  // (inf / inf)
+  }
+  return scale;
+}
+
+// quantize_row for a float32 row of a multiple of 8 elements, 8 lanes at a time: the same
+// numbers (vdivps is IEEE division, vroundps to nearest even is nearbyint's rounding; a NaN
+// quotient, inf / inf, becomes 0 before the clamp). One lane at a time, through libm's
+// nearbyint, a batch-32 decode step's 30 int8 cache writes took ~3% of the step.
+inline float quantize_row8(const float* src, int8_t* dst, int64_t n) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 amax8 = _mm256_setzero_ps(), nan8 = _mm256_setzero_ps();
+  for (int64_t d = 0; d < n; d += 8) {
+    const __m256 x = _mm256_loadu_ps(src + d);
+    amax8 = _mm256_max_ps(_mm256_andnot_ps(sign, x), amax8);  // (a NaN lane keeps amax8's)
+    nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax8);
+  float amax = 0.0f;
+  for (float lane : lanes) amax = std::max(amax, lane);
+  const float scale = _mm256_movemask_ps(nan8) != 0 ? std::numeric_limits<float>::quiet_NaN()
+                                                    : amax / 127.0f;
+  if (!(scale > 0.0f)) {
+    std::memset(dst, 0, static_cast<size_t>(n));
+    return scale;
+  }
+  const __m256 scale8 = _mm256_set1_ps(scale), low = _mm256_set1_ps(-127.0f),
+               high = _mm256_set1_ps(127.0f);
+  for (int64_t d = 0; d < n; d += 8) {
+    __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(src + d), scale8),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm256_and_ps(q, _mm256_cmp_ps(q, q, _CMP_ORD_Q));
+    const __m256i v = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(q, low), high));
+    const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + d), _mm_packs_epi16(words, words));
   }
   return scale;
 }
@@ -160,10 +197,16 @@ OrtStatus* ReshapeAndCache::compute(OrtKernelContext* context) const {
         std::vector<float> scratch;
         for (int64_t t = 0; t < tokens; ++t) {
           if (slot[t] < 0) continue;
-          for (int64_t h = 0; h < heads; ++h)
-            scale_dst[slot[t] * heads + h] = quantize_row(
-                src + t * row + h * head_size, cache + slot[t] * row + h * head_size, head_size,
-                scratch);
+          for (int64_t h = 0; h < heads; ++h) {
+            const S* from = src + t * row + h * head_size;
+            int8_t* to = cache + slot[t] * row + h * head_size;
+            if constexpr (std::is_same_v<S, float>)
+              if (head_size % 8 == 0) {
+                scale_dst[slot[t] * heads + h] = quantize_row8(from, to, head_size);
+                continue;
+              }
+            scale_dst[slot[t] * heads + h] = quantize_row(from, to, head_size, scratch);
+          }
         }
       });
     } else if (source.type == cache_type) {

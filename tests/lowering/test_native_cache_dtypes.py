@@ -252,6 +252,35 @@ def test_reshape_and_cache_quantizes_with_the_contracts_rounding():
     assert inputs["key_cache"].reshape(-1, head_size)[0, :6].tolist() == [127, 0, 2, 2, 0, -126]
 
 
+@pytest.mark.parametrize("head_size", [8, 12, 64])  # (8 lanes at a time, or not)
+def test_reshape_and_cache_quantizes_non_finite_and_zero_rows_as_the_contract_says(head_size):
+    """A NaN makes the row's scale NaN and its values 0; a zero row has scale 0; an infinity
+    makes the scale infinite, its own value (inf / inf) 0 and the finite ones 0."""
+    rows = np.linspace(-3.0, 5.0, 4 * head_size, dtype=np.float32).reshape(4, head_size)
+    rows[0, 3] = np.nan
+    rows[1] = 0.0
+    rows[2, 1] = np.inf
+    tokens, kv_heads = len(rows), 1
+    cache_shape = (1, tokens, kv_heads, head_size)
+    inputs = {
+        "key": torch.from_numpy(rows).reshape(tokens, kv_heads, head_size),
+        "value": torch.from_numpy(rows).reshape(tokens, kv_heads, head_size),
+        "key_cache": torch.full(cache_shape, 7, dtype=torch.int8),
+        "value_cache": torch.full(cache_shape, 7, dtype=torch.int8),
+        "slot_mapping": torch.arange(tokens, dtype=torch.int64),
+        "key_scale_cache": torch.zeros(cache_shape[:3]),
+        "value_scale_cache": torch.zeros(cache_shape[:3]),
+    }
+    _write_session(inputs, tokens).run(inputs)
+    written = inputs["key_cache"].reshape(tokens, head_size).numpy()
+    scales = inputs["key_scale_cache"].reshape(tokens).numpy()
+    assert np.isnan(scales[0]) and scales[1] == 0 and scales[2] == np.inf
+    assert not written[:3].any()
+    q, scale = quantize(rows[3:])
+    np.testing.assert_array_equal(written[3:], q)
+    np.testing.assert_array_equal(scales[3:], scale)
+
+
 def test_reshape_and_cache_int8_without_binding_returns_new_caches():
     """Outputs not bound to the caches: onnxruntime allocates them and the kernel copies the
     caches (scale caches included) before writing the new rows."""
