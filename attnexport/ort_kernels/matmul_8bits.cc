@@ -1295,6 +1295,13 @@ OrtStatus* MatMul8Bits::init(const OrtKernelInfo* info) {
   ATTNEXPORT_RETURN_IF_ERROR(read_constant_input(info, 2, &scales, &constant_scales));
   ATTNEXPORT_RETURN_IF_ERROR(read_constant_input(info, 3, &zero_points, &constant_zero_points));
   if (!(constant_scales && constant_zero_points)) return nullptr;
+  Tensor b;
+  bool constant_b = false;
+  ATTNEXPORT_RETURN_IF_ERROR(read_constant_input(info, 1, &b, &constant_b));
+  if (constant_b) {
+    initializer_inputs = true;
+    initializer_b = b, initializer_scales = scales, initializer_zero_points = zero_points;
+  }
   const int64_t blocks = (k + block_size - 1) / block_size;
   Weights weights;
   if (OrtStatus* status = weights_of(op_name(), scales, zero_points, n, blocks, block_size, {},
@@ -1303,9 +1310,6 @@ OrtStatus* MatMul8Bits::init(const OrtKernelInfo* info) {
     return nullptr;
   }
   if (tiles_path(block_size, bits)) {
-    Tensor b;
-    bool constant_b = false;
-    ATTNEXPORT_RETURN_IF_ERROR(read_constant_input(info, 1, &b, &constant_b));
     // The tiles with the parameters' copy in float16 where they are float16 values (the
     // lowering's), else (or without the tiles) the float32 copy.
     if (constant_b && b.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 &&
@@ -1322,11 +1326,16 @@ OrtStatus* MatMul8Bits::init(const OrtKernelInfo* info) {
 }
 
 OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
-  Tensor a, b, scales, zero_points;
+  Tensor a, read_b, read_scales, read_zero_points;
   ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 0, &a));
-  ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 1, &b));
-  ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 2, &scales));
-  ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 3, &zero_points));
+  if (!initializer_inputs) {
+    ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 1, &read_b));
+    ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 2, &read_scales));
+    ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 3, &read_zero_points));
+  }
+  const Tensor& b = initializer_inputs ? initializer_b : read_b;
+  const Tensor& scales = initializer_inputs ? initializer_scales : read_scales;
+  const Tensor& zero_points = initializer_inputs ? initializer_zero_points : read_zero_points;
   const int64_t blocks = (k + block_size - 1) / block_size;
   if (a.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || a.dims.empty() || a.dims.back() != k)
     return invalid(op_name() + ": a: expected float32 [..., " + std::to_string(k) + "], got " +
