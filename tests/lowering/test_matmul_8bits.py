@@ -134,10 +134,11 @@ def test_matches_the_float64_product_of_the_dequantized_weight(
     k, n, block, zero_points, kernels, bits
 ):
     session, weight = _matmul_8bits(k, n, block, zero_points, kernels, bits=bits)
-    a = torch.randn(75, k, generator=torch.Generator().manual_seed(1))
+    a = torch.randn(200, k, generator=torch.Generator().manual_seed(1))
     expected = a.double() @ torch.from_numpy(weight).T
     bound = _rounding_bound(a, weight, block)
-    for rows in (1, 2, 3, 4, 5, 9, 15, 75):  # (8 + 4 + 2 + 1 rows; past a 64-row item)
+    # (8 + 4 + 2 + 1 rows; past a 64-row item; several row blocks, the last one short)
+    for rows in (1, 2, 3, 4, 5, 9, 15, 75, 131, 200):
         y = torch.from_numpy(session.run(None, {"a": a[:rows].numpy()})[0])
         error = (y.double() - expected[:rows]).abs()
         assert (error <= bound[:rows]).all(), (error - bound[:rows]).max()
