@@ -4,10 +4,13 @@
 * fp32: ``ours fp32``, ``ours fp32-kv8`` (``--kv-cache-dtype int8``: OpenVINO's CPU cache is u8,
   llama.cpp's float16); llama.cpp F32, OpenVINO fp32, onnxruntime-genai fp32, vLLM CPU fp32;
 * 8-bit: ``ours int8`` (``--weights int8``), ``ours int8-kv8`` (also ``--kv-cache-dtype int8``),
-  ``ours int8-b64-kv8`` (also ``--weights-block-size 64``); llama.cpp Q8_0, OpenVINO int8,
+  ``ours int8-b64-kv8`` (also ``--weights-block-size 64``), ``ours int8-b64-p8-kv8`` (also
+  ``--weights-prefill-activations int8``); llama.cpp Q8_0, OpenVINO int8,
   onnxruntime-genai int8;
 * 4-bit: ``ours int4`` (``--weights int4``: attnexport.MatMul4Bits), ``ours int4-kv8`` (also
   ``--kv-cache-dtype int8``), ``ours int4-h4-kv8`` (also a 4-bit logits projection),
+  ``ours int4-p8-kv8`` (``--weights-prefill-activations int8``: a prefill's activations in int8
+  steps),
   ``ours int4-a8-kv8`` (``--weights-activations int8``: MatMulNBits, the default before);
   llama.cpp Q4_0, OpenVINO int4 (group 64, ratio 1.0), onnxruntime-genai int4.
 
@@ -47,6 +50,15 @@ OURS = {
         "8-bit",
         ["--weights", "int8", "--weights-block-size", "64", "--kv-cache-dtype", "int8"],
     ),
+    # A prefill's activations (calls of 128 rows or more) rounded to int8 steps: vpdpbusd on
+    # AVX512_VNNI; decode keeps int16 (docs/quantization.md, the quality it costs).
+    "int8-b64-p8-kv8": (
+        "8-bit",
+        [
+            *("--weights", "int8", "--weights-block-size", "64", "--kv-cache-dtype", "int8"),
+            *("--weights-prefill-activations", "int8"),
+        ],
+    ),
     "int4": ("4-bit", ["--weights", "int4"]),
     "int4-kv8": ("4-bit", ["--weights", "int4", "--kv-cache-dtype", "int8"]),
     # The logits projection in 4 bits too, as genai's and OpenVINO's int4: ~84 MB a token read,
@@ -56,6 +68,13 @@ OURS = {
         [
             *("--weights", "int4", "--kv-cache-dtype", "int8"),
             *("--lm-head", "int4", "--lm-head-block-size", "32"),
+        ],
+    ),
+    "int4-p8-kv8": (
+        "4-bit",
+        [
+            *("--weights", "int4", "--kv-cache-dtype", "int8"),
+            *("--weights-prefill-activations", "int8"),
         ],
     ),
     # The int4 default before int16 activations: MatMulNBits at accuracy level 4 (int8

@@ -103,6 +103,14 @@ VARIANTS: dict[str, list[str]] = {
     },
     "int8, lm_head float": ["--weights", "int8", "--lm-head", "float"],
     "int8, int8 KV cache": ["--weights", "int8", "--kv-cache-dtype", "int8"],
+    # Teacher-forced, every position is a prefill's row: what the prompt's tokens get.
+    "int8, int8 prefill activations": [
+        *("--weights", "int8", "--weights-prefill-activations", "int8"),
+    ],
+    "int8, block 64, int8 prefill activations, int8 KV cache": [
+        *("--weights", "int8", "--weights-block-size", "64", "--kv-cache-dtype", "int8"),
+        *("--weights-prefill-activations", "int8"),
+    ],
     # MatMulNBits' int8 activations: the default before attnexport.MatMul8Bits, and its options.
     "int8 rtn symmetric, int8 activations (the default before)": _old_int8(),
     "int8, int8 activations, accuracy level 1": _old_int8("--weights-accuracy-level", "1"),
@@ -128,6 +136,9 @@ VARIANTS: dict[str, list[str]] = {
     ),
     "int4 (default)": ["--weights", "int4"],
     "int4, int8 KV cache": ["--weights", "int4", "--kv-cache-dtype", "int8"],
+    "int4, int8 prefill activations": [
+        *("--weights", "int4", "--weights-prefill-activations", "int8"),
+    ],
     "int4, lm_head int4 b32": [
         *("--weights", "int4", "--lm-head", "int4", "--lm-head-block-size", "32"),
     ],

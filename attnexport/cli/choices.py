@@ -120,6 +120,18 @@ def weight_activations() -> Sequence[str]:
     return RegistryChoices(read)
 
 
+def weight_prefill_activations() -> Sequence[str]:
+    """``export --weights-prefill-activations``: how finely a prefill's activations are rounded
+    (read on first use)."""
+
+    def read() -> Sequence[str]:
+        from attnexport.lowering import PREFILL_ACTIVATIONS
+
+        return PREFILL_ACTIVATIONS
+
+    return RegistryChoices(read)
+
+
 def model_impls() -> Sequence[str]:
     """``export --impl``: how a checkpoint is loaded, the zoo's network or transformers' (read
     on first use: the models' registry imports torch)."""

@@ -165,6 +165,8 @@ def weights_line(weights: dict) -> str:
     matmul_8bits = weights.get("activations") == "int16"
     if matmul_8bits:
         options.append("int16 activations")
+        if weights.get("prefill_activations") == "int8":
+            options.append("int8 prefill activations")
     else:
         options.append(f"accuracy level {weights.get('accuracy_level')}")
     if "lm_head" in weights:

@@ -57,6 +57,14 @@ ACTIVATIONS = ("int16", "int8")
 """``export --weights-activations``: how finely the activations an 8-bit weight multiplies are
 rounded, per block of the input dimension: to int16 (``attnexport.MatMul8Bits``,
 :mod:`attnexport.lowering.matmul_8bits`) or to int8 (MatMulNBits at ``accuracy_level`` 4)."""
+PREFILL_ACTIVATIONS = ("int16", "int8")
+"""``export --weights-prefill-activations``: how finely ``attnexport.MatMul8Bits`` / ``MatMul4Bits``
+round the activations of calls of :data:`PREFILL_ROWS` rows or more (a prefill's): as every
+other call's (``int16``), or to int8 steps, multiplied 4 bytes a lane with vpdpbusd on
+AVX512_VNNI (the node attribute ``int8_from_rows``)."""
+PREFILL_ROWS = 128
+"""The rows from which ``--weights-prefill-activations int8`` applies: above the decode batches
+of the benchmarks (32) and a serving batch's usual size, at a 128-token prompt's prefill."""
 ACCURACY_LEVELS = range(5)  # MatMulNBits: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 compute
 
 DEFAULTS = {
@@ -69,6 +77,7 @@ DEFAULTS = {
         "lm_head_block_size": 64,
         "offsets": "int8",
         "activations": "int16",
+        "prefill_activations": "int16",
     },
     "int8": {
         "block_size": 32,
@@ -78,6 +87,7 @@ DEFAULTS = {
         "lm_head": "int8",
         "offsets": "int8",
         "activations": "int16",
+        "prefill_activations": "int16",
     },
 }
 """The defaults of each format (docs/quantization.md says why)."""
@@ -102,6 +112,9 @@ class WeightQuantization:
         activations: one of :data:`ACTIVATIONS`; ``"int16"`` writes every quantized layer as
             ``attnexport.MatMul8Bits`` or ``MatMul4Bits`` (``accuracy_level`` and ``offsets``
             then do not apply).
+        prefill_activations: one of :data:`PREFILL_ACTIVATIONS`; ``"int8"`` (with
+            ``activations="int16"`` only) rounds calls of :data:`PREFILL_ROWS` rows or more to
+            int8 steps: a faster prefill, coarser numbers for its tokens.
         keep_float: ``fnmatch`` patterns of the layer names that stay float.
         batch_invariant: give every MatMulNBits at least two rows, so that a sequence's
             numbers do not depend on the batch it runs in
@@ -117,6 +130,7 @@ class WeightQuantization:
     lm_head_block_size: int | None = None
     offsets: str | None = None
     activations: str | None = None
+    prefill_activations: str | None = None
     keep_float: tuple[str, ...] = field(default_factory=tuple)
     batch_invariant: bool = True
 
@@ -154,9 +168,15 @@ class WeightQuantization:
             ("--lm-head", self.lm_head, tuple(LM_HEAD_FORMATS)),
             ("--weights-offsets", self.offsets, ZERO_POINT_OFFSETS),
             ("--weights-activations", self.activations, ACTIVATIONS),
+            ("--weights-prefill-activations", self.prefill_activations, PREFILL_ACTIVATIONS),
         ):
             if value not in choices:
                 raise QuantizationError(f"{flag}: expected {', '.join(choices)}, got {value!r}")
+        if self.prefill_activations == "int8" and self.activations != "int16":
+            raise QuantizationError(
+                "--weights-prefill-activations int8: only with --weights-activations int16 "
+                "(attnexport.MatMul8Bits / MatMul4Bits)"
+            )
         if self.algorithm in FITTED and self.symmetric:
             raise QuantizationError(
                 f"--weights-algorithm {self.algorithm}: fits a zero point per block; "
@@ -180,6 +200,7 @@ class WeightQuantization:
             "lm_head_block_size": self.lm_head_block_size,
             "offsets": self.offsets,
             "activations": self.activations,
+            "prefill_activations": self.prefill_activations,
             "batch_invariant": self.batch_invariant,
             "quantized_layers": quantized,
             "float_layers": float_layers,
@@ -387,7 +408,8 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
     # MatMul4Bits (batch-invariant unless told otherwise), AddBlockOffsets and the float32
     # offsets' standard ops compute every row alike and read the rows they are given.
     if quantization.activations == "int16":
-        to_matmul_8bits(quantized, quantization.batch_invariant, bits=(4, 8))
+        int8_from_rows = PREFILL_ROWS if quantization.prefill_activations == "int8" else 0
+        to_matmul_8bits(quantized, quantization.batch_invariant, (4, 8), int8_from_rows)
     split_float_zero_points(quantized, quantization.offsets)
     if quantization.batch_invariant:
         pad_matmulnbits_rows(quantized)

@@ -115,11 +115,22 @@ struct Rows {
   std::vector<int16_t> q;
   std::vector<float> scale, scaled_sum;
   int64_t group = 1, padded = 0, blocks = 0;
+  // The steps a block's largest magnitude is rounded to: 32767 (int16), or 127 where the node
+  // asks for int8 activations in calls of many rows (int8_from_rows).
+  float levels = 32767.0f;
+  // With int8 steps on AVX512_VNNI (the tiles' path, groups of kRowGroup): the values as int8,
+  // a group's quads of values [padded / 4][kRowGroup] (4 bytes each) in q8, for vpdpbusd; q
+  // is then unused.
+  std::vector<int8_t> q8;
+  bool quads = false;
 
-  void shape(int64_t rows, int64_t block_count, int64_t block_size, int64_t group_rows) {
+  void shape(int64_t rows, int64_t block_count, int64_t block_size, int64_t group_rows,
+             float steps = 32767.0f, bool int8_quads = false) {
     group = group_rows, padded = block_count * block_size, blocks = block_count;
+    levels = steps, quads = int8_quads;
     const int64_t stored = (rows + group - 1) / group * group;
-    q.resize(static_cast<size_t>(stored * padded));
+    if (quads) q8.resize(static_cast<size_t>(stored * padded));
+    else q.resize(static_cast<size_t>(stored * padded));
     scale.resize(static_cast<size_t>(stored * blocks));
     scaled_sum.resize(static_cast<size_t>(stored * blocks));
   }
@@ -133,11 +144,11 @@ struct Rows {
   }
 };
 
-// A row x ([k] float32) rounded in blocks of block_size: its values into q ([blocks *
-// block_size], zero past k), block b's scale and scaled sum into scale[b * stride] and
-// scaled_sum[b * stride].
+// A row x ([k] float32) rounded in blocks of block_size to `levels` steps a side of zero (32767
+// or 127): its values into q ([blocks * block_size], zero past k), block b's scale and scaled
+// sum into scale[b * stride] and scaled_sum[b * stride].
 void round_row(const float* x, int64_t k, int64_t blocks, int64_t block_size, int16_t* q,
-               float* scale_out, float* scaled_sum_out, int64_t stride) {
+               float* scale_out, float* scaled_sum_out, int64_t stride, float levels) {
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t start = b * block_size, stop = start + block_size < k ? start + block_size : k;
     // 8 lanes at a time, then the rest one by one (the same numbers: the largest magnitude
@@ -163,8 +174,8 @@ void round_row(const float* x, int64_t k, int64_t blocks, int64_t block_size, in
     }
     // A NaN or infinity has no int16 step: its block's scale is NaN, so the row's outputs
     // are NaN (as float32 arithmetic would make them), never a silently finite number.
-    const float scale = finite ? largest / 32767.0f : NAN;
-    const float inverse = finite && largest > 0.0f ? 32767.0f / largest : 0.0f;
+    const float scale = finite ? largest / levels : NAN;
+    const float inverse = finite && largest > 0.0f ? levels / largest : 0.0f;
     int32_t sum = 0;
     i = start;
     if (finite) {
@@ -192,53 +203,66 @@ void round_row(const float* x, int64_t k, int64_t blocks, int64_t block_size, in
   }
 }
 
-// The pairs of kRowGroup rows ([kRowGroup][padded] int16, row-major) in Rows' grouped layout
-// ([padded / 2][kRowGroup] pairs) at `out`: 8 pairs of the 8 rows at a time, an 8 x 8 transpose
-// of int32 lanes (a pair's stores one by one made rounding 1.8x slower).
-inline void group_pairs(const int16_t* staged, int64_t padded, int16_t* out) {
+// kRowGroup rows of `words` int32 words each ([kRowGroup][words], row-major: a row's int16 pairs
+// or int8 quads) as Rows' grouped layout ([words][kRowGroup]) at `out`: 8 words of the 8 rows at
+// a time, an 8 x 8 transpose (a pair's stores one by one made rounding 1.8x slower).
+inline void group_words(const int32_t* staged, int64_t words, int32_t* out) {
   static_assert(kRowGroup == 8, "an 8 x 8 transpose");
-  for (int64_t p = 0; p < padded / 2; p += 8) {  // (padded / 2 is a multiple of 8: kStep)
+  for (int64_t p = 0; p < words; p += 8) {  // (a multiple of 8: kStep; quads: blocks of 32)
     __m256i v[8], t[8], u[8];
     for (int r = 0; r < 8; ++r)
-      v[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(staged + r * padded + 2 * p));
+      v[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(staged + r * words + p));
     for (int h = 0; h < 8; h += 4) {
       t[h] = _mm256_unpacklo_epi32(v[h], v[h + 1]);
       t[h + 1] = _mm256_unpackhi_epi32(v[h], v[h + 1]);
       t[h + 2] = _mm256_unpacklo_epi32(v[h + 2], v[h + 3]);
       t[h + 3] = _mm256_unpackhi_epi32(v[h + 2], v[h + 3]);
-      u[h] = _mm256_unpacklo_epi64(t[h], t[h + 2]);      // pairs 0, 4 of rows h .. h + 3
-      u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);  // 1, 5
+      u[h] = _mm256_unpacklo_epi64(t[h], t[h + 2]);          // words 0, 4 of rows h .. h + 3
+      u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);      // 1, 5
       u[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]);  // 2, 6
       u[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]);  // 3, 7
     }
     for (int j = 0; j < 4; ++j) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (p + j) * 2 * kRowGroup),
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (p + j) * kRowGroup),
                           _mm256_permute2x128_si256(u[j], u[4 + j], 0x20));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (p + 4 + j) * 2 * kRowGroup),
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (p + 4 + j) * kRowGroup),
                           _mm256_permute2x128_si256(u[j], u[4 + j], 0x31));
     }
   }
 }
 
 // Rows [first, end) of `a` ([rows, k] float32) into `rows` (shaped for them, blocks of
-// block_size; grouped, `first` a multiple of the group: a group's pairs are written whole).
+// block_size; grouped, `first` a multiple of the group: a group's words are written whole).
 void round_rows(const float* a, int64_t first, int64_t end, int64_t k, int64_t blocks,
                 int64_t block_size, Rows& rows) {
   const int64_t padded = blocks * block_size;
   if (rows.group == 1) {
     for (int64_t r = first; r < end; ++r)
       round_row(a + r * k, k, blocks, block_size, rows.q.data() + r * padded,
-                rows.scale.data() + r * blocks, rows.scaled_sum.data() + r * blocks, 1);
+                rows.scale.data() + r * blocks, rows.scaled_sum.data() + r * blocks, 1,
+                rows.levels);
     return;
   }
   thread_local std::vector<int16_t> staged;  // (rows past `end` in a group: never read)
+  thread_local std::vector<int8_t> bytes;
   staged.resize(static_cast<size_t>(kRowGroup * padded));
+  if (rows.quads) bytes.resize(static_cast<size_t>(kRowGroup * padded));
   for (int64_t group = first; group < end; group += kRowGroup) {
     for (int64_t r = group; r < std::min(group + kRowGroup, end); ++r)
       round_row(a + r * k, k, blocks, block_size, staged.data() + (r - group) * padded,
                 rows.scale.data() + rows.block_at(r, 0), rows.scaled_sum.data() + rows.block_at(r, 0),
-                kRowGroup);
-    group_pairs(staged.data(), padded, rows.q.data() + rows.at(group, 0));
+                kRowGroup, rows.levels);
+    if (!rows.quads) {
+      group_words(reinterpret_cast<const int32_t*>(staged.data()), padded / 2,
+                  reinterpret_cast<int32_t*>(rows.q.data() + rows.at(group, 0)));
+      continue;
+    }
+    for (int64_t i = 0; i < kRowGroup * padded; i += 16)  // (|values| <= 127: exact)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(bytes.data() + i),
+                       _mm_packs_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(staged.data() + i)),
+                                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(staged.data() + i + 8))));
+    group_words(reinterpret_cast<const int32_t*>(bytes.data()), padded / 4,
+                reinterpret_cast<int32_t*>(rows.q8.data() + group * padded));
   }
 }
 
@@ -983,6 +1007,82 @@ void interleaved_rows(const Rows& rows, int64_t first_row, int64_t end_row, cons
   });
 }
 
+// Rows [first_row, first_row + R) of a tile's columns from int8 activations (Rows::quads, one
+// group's): a group's 64 bytes (16 columns' weights 4g .. 4g + 3; the 4-bit ones' nibbles
+// widened to bytes first) put in vpdpbusd's order, a column's 4 weights in its lane (one vpermw
+// for the R rows), times a row's broadcast quad of int8 values: 4 products an instruction where
+// vpdpwssd makes 2, the same exact block sums and epilogue as tile_rows. (vpdpbusd multiplies
+// unsigned bytes, the weights, by signed ones, the activations.)
+template <int kBits, int R>
+void tile_rows_s8(const Rows& rows, int64_t first_row, const Weights& w, const uint8_t* tile,
+                  int64_t tile_index, int columns, float* out, int64_t n) {
+  const TileParameters tp(w, tile_index);
+  const int32_t* x = reinterpret_cast<const int32_t*>(rows.q8.data() + first_row / kRowGroup *
+                                                      kRowGroup * rows.padded) +
+                     first_row % kRowGroup;
+  const float* row_scale = rows.scale.data() + rows.block_at(first_row, 0);
+  const float* row_scaled_sum = rows.scaled_sum.data() + rows.block_at(first_row, 0);
+  // Word 2c <- word c (weights 4g, 4g + 1 of column c), word 2c + 1 <- word 16 + c (4g + 2, 4g + 3).
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  f32x16 totals[R];
+  for (int r = 0; r < R; ++r) totals[r] = f32x16{};
+  const uint8_t* group = tile;
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    __m512i sums[R];
+    for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < w.block_size; k += kGroupWeights) {
+      _mm_prefetch(reinterpret_cast<const char*>(group + kTilePrefetchBytes), _MM_HINT_T0);
+      __m512i bytes;
+      if constexpr (kBits == 8) {
+        bytes = _mm512_load_si512(group);
+      } else {
+        const __m256i packed = _mm256_load_si256(reinterpret_cast<const __m256i*>(group));
+        const __m256i low = _mm256_and_si256(packed, _mm256_set1_epi8(0x0F));
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F));
+        // (A vector shuffle: g++ 12's insert intrinsic trips -Werror=maybe-uninitialized.)
+        bytes = reinterpret_cast<__m512i>(__builtin_shufflevector(
+            reinterpret_cast<__v4di>(low), reinterpret_cast<__v4di>(high), 0, 1, 2, 3, 4, 5, 6, 7));
+      }
+      const __m512i weights = _mm512_permutexvar_epi16(order, bytes);
+      group += group_bytes<kBits>();
+      for (int r = 0; r < R; ++r)
+        asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(sums[r]) : "v"(weights), "m"(x[r]));
+      x += kRowGroup;
+    }
+    f32x16 scales, offsets;
+    if (tp.halves != nullptr) {
+      const uint16_t* block = tp.halves + b * tp.per_block;
+      scales = load_halves16(block);
+      const f32x16 zeros =
+          tp.per_block == kLaneColumns ? splat16(w.zero(0)) : load_halves16(block + kLaneColumns);
+      offsets = -zeros * scales;
+    } else {
+      scales = load16(tp.floats + b * tp.per_block);
+      offsets = tp.per_block == kLaneColumns ? -splat16(w.zero(0)) * scales
+                                          : load16(tp.floats + b * tp.per_block + kLaneColumns);
+    }
+    for (int r = 0; r < R; ++r)
+      add_block(totals[r], reinterpret_cast<i32x16>(sums[r]), scales, offsets,
+                row_scale[b * kRowGroup + r], row_scaled_sum[b * kRowGroup + r]);
+  }
+  for (int r = 0; r < R; ++r) store_columns(out + (first_row + r) * n, columns, totals[r]);
+}
+
+template <int kBits>
+void interleaved_rows_s8(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
+                         int64_t first, int columns, float* out, int64_t n) {
+  prefetch_next_parameters(w, first, n);
+  const int64_t tile_bytes = w.blocks * w.block_size / kGroupWeights * group_bytes<kBits>();
+  const uint8_t* tile = w.tiles + first / kLaneColumns * tile_bytes;
+  const int64_t parameters = first / kLaneColumns;
+  float* y = out + first;
+  row_passes<8>(first_row, end_row, [&](int64_t row, auto count) {
+    tile_rows_s8<kBits, decltype(count)::value>(rows, row, w, tile, parameters, columns, y, n);
+  });
+}
+
 // The four sums of d[0..4)'s lanes, exact.
 inline __m128i lane_sums4(const __m512i (&d)[4]) {
   __m256i half[4];
@@ -1208,7 +1308,8 @@ void integer_columns(const Rows& rows, int64_t first_row, int64_t end_row, const
       constexpr bool kVnni = decltype(vnni)::value;
       for (int64_t first = first_column; first < end_column; first += kLaneColumns)
         for (int64_t row = first_row; row < end_row; row += kLaneRowBlock)
-          (w.tiles != nullptr                ? interleaved_rows<kBits, kVnni>
+          (rows.quads                        ? interleaved_rows_s8<kBits>
+           : w.tiles != nullptr              ? interleaved_rows<kBits, kVnni>
            : end_row - row >= kTransposeRows ? transposed_rows<kBits, kVnni>
                                              : few_rows<kBits>)(
               rows, row, std::min(row + kLaneRowBlock, end_row), w, first,
@@ -1281,6 +1382,8 @@ OrtStatus* MatMul8Bits::init(const OrtKernelInfo* info) {
   ATTNEXPORT_RETURN_IF_ERROR(int_attribute(info, "block_size", &block_size));
   if (OrtStatus* s = int_attribute(info, "batch_invariant", &batch_invariant))
     api().ReleaseStatus(s);  // (optional: 1)
+  if (OrtStatus* s = int_attribute(info, "int8_from_rows", &int8_from_rows))
+    api().ReleaseStatus(s);  // (optional: 0, never)
   if (k <= 0 || n <= 0 || block_size % kStep != 0 || block_size > kMaxBlock)
     return invalid(op_name() + ": expected K > 0, N > 0 and a block_size that is a multiple of " +
                    std::to_string(kStep) + " up to " + std::to_string(kMaxBlock) +
@@ -1410,7 +1513,16 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
 #else
   const int64_t group = 1;
 #endif
-  rounded.shape(rows, blocks, block_size, group);
+  // A call of int8_from_rows rows or more rounds to int8 steps (the same integers whichever
+  // path multiplies them; vpdpbusd's where the tiles and AVX512_VNNI are).
+  const bool int8_steps = int8_from_rows > 0 && rows >= int8_from_rows;
+#if defined(__AVX512BW__)
+  const bool quads = int8_steps && group == kRowGroup && wide_integer_path(block_size, bits) &&
+                     use_vnni();
+#else
+  const bool quads = false;
+#endif
+  rounded.shape(rows, blocks, block_size, group, int8_steps ? 127.0f : 32767.0f, quads);
   ATTNEXPORT_RETURN_IF_ERROR(for_row_ranges(context, rows, k, [&](int64_t first, int64_t end) {
     round_rows(x, first, end, k, blocks, block_size, rounded);
   }));

@@ -22,6 +22,9 @@ namespace attnexport {
 // count); every other node's integer path is faster than the panels and takes those calls too.
 struct MatMul8Bits {
   int64_t k = 0, n = 0, block_size = 0, batch_invariant = 1;
+  // Calls of at least this many rows (a prefill's) round the activations to int8 steps, not
+  // int16 (0: never): on AVX512_VNNI their products take vpdpbusd, 4 a lane an instruction.
+  int64_t int8_from_rows = 0;
   int64_t bits = 8;  // of the weights: 8, or 4 for MatMul4Bits
   // Copies made at kernel creation when the scales and zero points are initializers
   // (matmul_8bits.cc), else empty: the block parameters in the lanes' layout, in

@@ -92,15 +92,17 @@ def _matmulnbits_model(
     return model, columns.reshape(n, -1)[:, :k]
 
 
-def _rounding_bound(a: torch.Tensor, weight: np.ndarray, block: int) -> torch.Tensor:
-    """``[rows, n]``: the most that rounding each row's blocks of ``a`` to int16 steps of the
-    block's largest / 32767 can move ``a @ weight.T`` (half a step per term), plus float32
-    accumulation (1e-6 of the sum of the terms' magnitudes)."""
+def _rounding_bound(
+    a: torch.Tensor, weight: np.ndarray, block: int, levels: int = 32767
+) -> torch.Tensor:
+    """``[rows, n]``: the most that rounding each row's blocks of ``a`` to steps of the block's
+    largest / ``levels`` (int16: 32767, int8: 127) can move ``a @ weight.T`` (half a step per
+    term), plus float32 accumulation (1e-6 of the sum of the terms' magnitudes)."""
     k, n = a.shape[1], weight.shape[0]
     blocks = -(-k // block)
     pad = blocks * block - k
     magnitude = torch.nn.functional.pad(a.double().abs(), (0, pad))
-    steps = magnitude.reshape(len(a), blocks, block).amax(-1) / 32767
+    steps = magnitude.reshape(len(a), blocks, block).amax(-1) / levels
     weights = torch.nn.functional.pad(torch.from_numpy(np.abs(weight)), (0, pad))
     per_block = weights.reshape(n, blocks, block).sum(-1)
     return 0.5 * steps @ per_block.T + 1e-6 * (a.double().abs() @ weights[:, :k].T)
@@ -113,9 +115,11 @@ def _float32_panels(kernels: str, block: int, bits: int) -> bool:
     return kernels == "native" and bits == 8 and block > 256
 
 
-def _matmul_8bits(k, n, block, zero_points, kernels, batch_invariant=True, bits=8, float16=True):
+def _matmul_8bits(
+    k, n, block, zero_points, kernels, batch_invariant=True, bits=8, float16=True, int8_from_rows=0
+):
     model, weight = _matmulnbits_model(k, n, block, zero_points, bits=bits, float16=float16)
-    assert to_matmul_8bits(model, batch_invariant, bits=(bits,)) == 1
+    assert to_matmul_8bits(model, batch_invariant, bits=(bits,), int8_from_rows=int8_from_rows) == 1
     assert [(node.domain, node.op_type) for node in model.graph.node] == [
         ("attnexport", OP_TYPES[bits])
     ]
@@ -142,6 +146,50 @@ def test_matches_the_float64_product_of_the_dequantized_weight(
         y = torch.from_numpy(session.run(None, {"a": a[:rows].numpy()})[0])
         error = (y.double() - expected[:rows]).abs()
         assert (error <= bound[:rows]).all(), (error - bound[:rows]).max()
+
+
+@requires_ort_kernels
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("zero_points", ZERO_POINTS)
+@pytest.mark.parametrize("k, n, block", [(576, 96, 32), (577, 33, 32), (1536, 40, 64)])
+def test_int8_from_rows_rounds_calls_of_that_many_rows_to_int8_steps(
+    k, n, block, zero_points, bits
+):
+    """Calls of fewer rows are the int16 node's bits; calls of int8_from_rows or more are within
+    int8 rounding of the float64 product, and coarser than the int16 node's."""
+    int16, weight = _matmul_8bits(k, n, block, zero_points, "native", bits=bits)
+    int8, _ = _matmul_8bits(k, n, block, zero_points, "native", bits=bits, int8_from_rows=9)
+    a = torch.randn(75, k, generator=torch.Generator().manual_seed(7))
+    expected = a.double() @ torch.from_numpy(weight).T
+    bound = _rounding_bound(a, weight, block, levels=127)
+    for rows in (1, 8, 9, 16, 75):
+        feed = {"a": a[:rows].numpy()}
+        y, fine = int8.run(None, feed)[0], int16.run(None, feed)[0]
+        assert np.array_equal(y, fine) == (rows < 9), rows
+        error = (torch.from_numpy(y).double() - expected[:rows]).abs()
+        assert (error <= bound[:rows]).all(), (rows, (error - bound[:rows]).max())
+
+
+@requires_ort_kernels
+@pytest.mark.parametrize("bits", BITS)
+def test_int8_steps_give_the_same_bits_from_initializers_or_inputs(bits):
+    """Initializer weights on AVX512_VNNI multiply int8 steps with vpdpbusd (4 bytes a lane);
+    weights the graph computes take the int16 paths: the same integers, so the same bits."""
+    model, _ = _matmulnbits_model(577, 70, 32, "float32", bits=bits)
+    assert to_matmul_8bits(model, bits=(bits,), int8_from_rows=4) == 1
+    fed = onnx.ModelProto()
+    fed.CopyFrom(model)
+    (weights,) = [i for i in fed.graph.initializer if i.name == "q"]
+    values = {"q": numpy_helper.to_array(weights)}
+    fed.graph.initializer.remove(weights)
+    fed.graph.input.append(
+        helper.make_tensor_value_info("q", weights.data_type, list(weights.dims))
+    )
+    a = torch.randn(131, 577, generator=torch.Generator().manual_seed(8)).numpy()
+    for rows in (3, 4, 13, 131):
+        constant = one_model_session(model, "native").run(None, {"a": a[:rows]})[0]
+        computed = one_model_session(fed, "native").run(None, {"a": a[:rows], **values})[0]
+        assert np.array_equal(constant, computed), rows
 
 
 @requires_ort_kernels

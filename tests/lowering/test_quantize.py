@@ -141,6 +141,10 @@ def test_bad_options_are_named(float_onnx, tmp_path):
         WeightQuantization("int4", lm_head="int2")
     with pytest.raises(QuantizationError, match="--weights-activations: expected int16, int8"):
         WeightQuantization("int8", activations="float32")
+    with pytest.raises(QuantizationError, match="--weights-prefill-activations: expected"):
+        WeightQuantization("int8", prefill_activations="int4")
+    with pytest.raises(QuantizationError, match="only with --weights-activations int16"):
+        WeightQuantization("int4", activations="int8", prefill_activations="int8")
     with pytest.raises(QuantizationError, match="pass --weights-asymmetric"):
         WeightQuantization("int4", algorithm="k_quant", symmetric=True)
     with pytest.raises(QuantizationError, match=r"'model\.layer\.\*' matches no layer"):

@@ -14,6 +14,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from onnx import helper
 
 from attnexport import ort_kernels
 from attnexport.batch_invariance import (
@@ -24,7 +25,7 @@ from attnexport.batch_invariance import (
 )
 from attnexport.lowering import PagedOrtSession, WeightQuantization, quantize_weights
 from attnexport.lowering.float_zero_points import split_float_zero_points
-from attnexport.lowering.quantize import _quantize_layers
+from attnexport.lowering.quantize import PREFILL_ROWS, _quantize_layers
 from attnexport.runtime.step_driver import PagedDriver
 from tests.helpers import requires_ort_kernels
 
@@ -171,6 +172,34 @@ def test_a_sequence_decodes_the_same_alone_and_batched(llama, tmp_path, fmt):
     (alone,) = _logits(llama, path, [prompt], steps=3)
     batched = _logits(llama, path, [PROMPTS[1], prompt, PROMPTS[2]], steps=3)[1]
     assert torch.equal(alone, batched)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_int8_prefill_activations_change_only_calls_of_many_rows(llama, tmp_path, fmt):
+    """``prefill_activations="int8"`` writes ``int8_from_rows`` (128) on every MatMul8Bits /
+    MatMul4Bits: a prefill of fewer rows and the decode steps after it are the int16 export's
+    logits bit for bit; a prefill of 128 rows or more is within a few percent of them."""
+    (tmp_path / "int16").mkdir()
+    (tmp_path / "int8").mkdir()
+    fine = _quantized(llama, tmp_path / "int16", WeightQuantization(fmt))
+    coarse = _quantized(
+        llama, tmp_path / "int8", WeightQuantization(fmt, prefill_activations="int8")
+    )
+    nodes = [n for n in onnx.load(str(coarse), load_external_data=False).graph.node]
+    rows = {
+        helper.get_node_attr_value(n, "int8_from_rows")
+        for n in nodes
+        if n.op_type.startswith("MatMul") and n.domain == "attnexport"
+    }
+    assert rows == {PREFILL_ROWS}
+    for a, b in zip(
+        _logits(llama, fine, PROMPTS, 2), _logits(llama, coarse, PROMPTS, 2), strict=True
+    ):
+        assert torch.equal(a, b)
+    long = [list(range(3, 3 + PREFILL_ROWS))]
+    a, b = _logits(llama, fine, long)[0], _logits(llama, coarse, long)[0]
+    assert not torch.equal(a, b)
+    torch.testing.assert_close(b, a, rtol=0.05, atol=0.05 * a.abs().max().item())
 
 
 def test_the_one_row_float_kernel_is_told_apart():
