@@ -901,6 +901,25 @@ inline f32x16 load_halves16(const uint16_t* p) {
   return load16_float(reinterpret_cast<const Half*>(p));
 }
 
+// Block b's 16 scales and offsets of a tile, from the lanes' copy (read so, not through
+// LaneParameters: a call there that may transpose made the compiler spill every accumulator
+// around it, per block). From float16, (-zero) * scale, as column_parameters computes the float
+// copy's offsets: the same bits.
+inline void tile_block_parameters(const TileParameters& tp, const Weights& w, int64_t b,
+                                  f32x16& scales, f32x16& offsets) {
+  if (tp.halves != nullptr) {
+    const uint16_t* block = tp.halves + b * tp.per_block;
+    scales = load_halves16(block);
+    const f32x16 zeros =
+        tp.per_block == kLaneColumns ? splat16(w.zero(0)) : load_halves16(block + kLaneColumns);
+    offsets = -zeros * scales;
+  } else {
+    scales = load16(tp.floats + b * tp.per_block);
+    offsets = tp.per_block == kLaneColumns ? -splat16(w.zero(0)) * scales
+                                        : load16(tp.floats + b * tp.per_block + kLaneColumns);
+  }
+}
+
 // Rows [first_row, first_row + R) of Rows in groups of kGroup (R <= kGroup, one group's): pair p
 // of row r (values 2p, 2p + 1) at pairs + p * kPairStride + 2 * r, block b's scale and scaled
 // sum at scale[b * kGroup + r] and scaled_sum[b * kGroup + r].
@@ -964,21 +983,8 @@ void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint
           add_pair_dots<kVnni>(sums[r][p % kChains], pairs[p], x + p * Group::kPairStride + 2 * r);
       x += 4 * Group::kPairStride;
     }
-    // (Read from the copy, not through LaneParameters: a call there that may transpose made
-    // the compiler spill every accumulator around it, per block.)
     f32x16 scales, offsets;
-    if (tp.halves != nullptr) {
-      // (-zero) * scale, as column_parameters computes the float copy's offsets: the same bits.
-      const uint16_t* block = tp.halves + b * tp.per_block;
-      scales = load_halves16(block);
-      const f32x16 zeros =
-          tp.per_block == kLaneColumns ? splat16(w.zero(0)) : load_halves16(block + kLaneColumns);
-      offsets = -zeros * scales;
-    } else {
-      scales = load16(tp.floats + b * tp.per_block);
-      offsets = tp.per_block == kLaneColumns ? -splat16(w.zero(0)) * scales
-                                          : load16(tp.floats + b * tp.per_block + kLaneColumns);
-    }
+    tile_block_parameters(tp, w, b, scales, offsets);
     for (int r = 0; r < R; ++r) {
       __m512i dots = sums[r][0];
       for (int c = 1; c < kChains; ++c) dots = _mm512_add_epi32(dots, sums[r][c]);
@@ -988,23 +994,6 @@ void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint
   }
   for (int r = 0; r < R; ++r)
     store_columns(out + (first_row + r) * n, columns, totals[r]);
-}
-
-// Rows [first_row, end_row) of columns [first, first + columns) (columns <= 16: one tile) from
-// the tiles and the lanes' copy of the block parameters (made together at kernel creation): 8
-// rows at a time, then 4, 2, 1.
-template <int kBits, bool kVnni>
-void interleaved_rows(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
-                      int64_t first, int columns, float* out, int64_t n) {
-  prefetch_next_parameters(w, first, n);
-  const int64_t tile_bytes = w.blocks * w.block_size / kGroupWeights * group_bytes<kBits>();
-  const uint8_t* tile = w.tiles + first / kLaneColumns * tile_bytes;
-  const int64_t parameters = first / kLaneColumns;
-  float* y = out + first;
-  group_passes<8>(rows, first_row, end_row, [&](int64_t row, auto count, auto group) {
-    tile_rows<kBits, kVnni, decltype(count)::value, decltype(group)::value>(
-        rows, row, w, tile, parameters, columns, y, n);
-  });
 }
 
 // Rows [first_row, first_row + R) of a tile's columns from int8 activations (Rows::quads, one
@@ -1052,17 +1041,7 @@ void tile_rows_s8(const Rows& rows, int64_t first_row, const Weights& w, const u
       x += kRowGroup;
     }
     f32x16 scales, offsets;
-    if (tp.halves != nullptr) {
-      const uint16_t* block = tp.halves + b * tp.per_block;
-      scales = load_halves16(block);
-      const f32x16 zeros =
-          tp.per_block == kLaneColumns ? splat16(w.zero(0)) : load_halves16(block + kLaneColumns);
-      offsets = -zeros * scales;
-    } else {
-      scales = load16(tp.floats + b * tp.per_block);
-      offsets = tp.per_block == kLaneColumns ? -splat16(w.zero(0)) * scales
-                                          : load16(tp.floats + b * tp.per_block + kLaneColumns);
-    }
+    tile_block_parameters(tp, w, b, scales, offsets);
     for (int r = 0; r < R; ++r)
       add_block(totals[r], reinterpret_cast<i32x16>(sums[r]), scales, offsets,
                 row_scale[b * kRowGroup + r], row_scaled_sum[b * kRowGroup + r]);
@@ -1070,16 +1049,26 @@ void tile_rows_s8(const Rows& rows, int64_t first_row, const Weights& w, const u
   for (int r = 0; r < R; ++r) store_columns(out + (first_row + r) * n, columns, totals[r]);
 }
 
-template <int kBits>
-void interleaved_rows_s8(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
-                         int64_t first, int columns, float* out, int64_t n) {
+// Rows [first_row, end_row) of columns [first, first + columns) (columns <= 16: one tile) from
+// the tiles and the lanes' copy of the block parameters (made together at kernel creation): 8
+// rows at a time, then 4, 2, 1; from int16 pairs, or int8 quads (Rows::quads).
+template <int kBits, bool kVnni>
+void interleaved_rows(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
+                      int64_t first, int columns, float* out, int64_t n) {
   prefetch_next_parameters(w, first, n);
   const int64_t tile_bytes = w.blocks * w.block_size / kGroupWeights * group_bytes<kBits>();
   const uint8_t* tile = w.tiles + first / kLaneColumns * tile_bytes;
   const int64_t parameters = first / kLaneColumns;
   float* y = out + first;
-  row_passes<8>(first_row, end_row, [&](int64_t row, auto count) {
-    tile_rows_s8<kBits, decltype(count)::value>(rows, row, w, tile, parameters, columns, y, n);
+  if (rows.quads) {
+    row_passes<8>(first_row, end_row, [&](int64_t row, auto count) {
+      tile_rows_s8<kBits, decltype(count)::value>(rows, row, w, tile, parameters, columns, y, n);
+    });
+    return;
+  }
+  group_passes<8>(rows, first_row, end_row, [&](int64_t row, auto count, auto group) {
+    tile_rows<kBits, kVnni, decltype(count)::value, decltype(group)::value>(
+        rows, row, w, tile, parameters, columns, y, n);
   });
 }
 
@@ -1308,8 +1297,7 @@ void integer_columns(const Rows& rows, int64_t first_row, int64_t end_row, const
       constexpr bool kVnni = decltype(vnni)::value;
       for (int64_t first = first_column; first < end_column; first += kLaneColumns)
         for (int64_t row = first_row; row < end_row; row += kLaneRowBlock)
-          (rows.quads                        ? interleaved_rows_s8<kBits>
-           : w.tiles != nullptr              ? interleaved_rows<kBits, kVnni>
+          (w.tiles != nullptr                ? interleaved_rows<kBits, kVnni>
            : end_row - row >= kTransposeRows ? transposed_rows<kBits, kVnni>
                                              : few_rows<kBits>)(
               rows, row, std::min(row + kLaneRowBlock, end_row), w, first,
