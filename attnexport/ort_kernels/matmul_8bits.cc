@@ -27,7 +27,9 @@
 // rows, few_rows below; it takes AVX512_VNNI's vpdpwssd where the CPU has it, the same integers
 // again. 8-bit blocks over 256, whose sums do not fit an int32 lane, accumulate a column's 8
 // lanes in float32 block by block (columns) or, without batch invariance, multiply float32
-// panels.
+// panels. A node with int8_from_rows rounds calls of that many rows (a prefill's) to int8
+// steps (/ 127) instead; with the tiles on AVX512_VNNI those take vpdpbusd, 4 byte products a
+// lane (tile_rows_s8), elsewhere the paths above, on the same integers.
 
 #include "matmul_8bits.h"
 
