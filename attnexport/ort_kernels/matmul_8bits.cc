@@ -999,9 +999,9 @@ void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint
 }
 
 // Rows [first_row, first_row + R) of a tile's columns from int8 activations (Rows::quads, one
-// group's): a group's 64 bytes (16 columns' weights 4g .. 4g + 3; the 4-bit ones' nibbles
-// widened to bytes first) put in vpdpbusd's order, a column's 4 weights in its lane (one vpermw
-// for the R rows), times a row's broadcast quad of int8 values: 4 products an instruction where
+// group's): a group's 16 columns' weights 4g .. 4g + 3 put in vpdpbusd's order, a column's 4
+// weights in its lane (8-bit: one vpermw; 4-bit: widened and masked, 3 instructions; for the R
+// rows), times a row's broadcast quad of int8 values: 4 products an instruction where
 // vpdpwssd makes 2, the same exact block sums and epilogue as tile_rows. (vpdpbusd multiplies
 // unsigned bytes, the weights, by signed ones, the activations.)
 template <int kBits, int R>
@@ -1025,18 +1025,22 @@ void tile_rows_s8(const Rows& rows, int64_t first_row, const Weights& w, const u
     for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
     for (int64_t k = 0; k < w.block_size; k += kGroupWeights) {
       _mm_prefetch(reinterpret_cast<const char*>(group + kTilePrefetchBytes), _MM_HINT_T0);
-      __m512i bytes;
+      __m512i weights;
       if constexpr (kBits == 8) {
-        bytes = _mm512_load_si512(group);
+        weights = _mm512_permutexvar_epi16(order, _mm512_load_si512(group));
       } else {
-        const __m256i packed = _mm256_load_si256(reinterpret_cast<const __m256i*>(group));
-        const __m256i low = _mm256_and_si256(packed, _mm256_set1_epi8(0x0F));
-        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F));
-        // (A vector shuffle: g++ 12's insert intrinsic trips -Werror=maybe-uninitialized.)
-        bytes = reinterpret_cast<__m512i>(__builtin_shufflevector(
-            reinterpret_cast<__v4di>(low), reinterpret_cast<__v4di>(high), 0, 1, 2, 3, 4, 5, 6, 7));
+        // Column c's 16 bits, nibbles k0, k2, k1, k3 from the low one, widened to its lane d:
+        // (d | d << 12) & 0x0F0F0F0F is k0, k1, k2, k3 a byte each (one vpternlogd; the high
+        // half of d is zero, and d << 12 puts k2, k3 at bits 16 and 24 with only masked bits
+        // elsewhere).
+        // (The maskz forms and a vector shift: g++ 12's plain intrinsics trip
+        // -Werror=maybe-uninitialized.)
+        const __m512i d = _mm512_maskz_cvtepu16_epi32(
+            0xFFFF, _mm256_load_si256(reinterpret_cast<const __m256i*>(group)));
+        const __m512i shifted = reinterpret_cast<__m512i>(reinterpret_cast<i32x16>(d) << 12);
+        weights = _mm512_maskz_ternarylogic_epi32(0xFFFF, d, shifted,
+                                                  _mm512_set1_epi32(0x0F0F0F0F), 0xA8);
       }
-      const __m512i weights = _mm512_permutexvar_epi16(order, bytes);
       group += group_bytes<kBits>();
       for (int r = 0; r < R; ++r)
         asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(sums[r]) : "v"(weights), "m"(x[r]));
