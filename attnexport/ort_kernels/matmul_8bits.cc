@@ -140,6 +140,8 @@ struct Rows {
   int64_t at(int64_t row, int64_t k) const {
     return row / group * group * padded + k / 2 * 2 * group + row % group * 2 + k % 2;
   }
+  // Where the quad of values 0 .. 3 of `row` is in q8 (its next quads 4 * group bytes on).
+  int64_t quad_at(int64_t row) const { return row / group * group * padded + row % group * 4; }
   // Where block b of `row` is in scale and scaled_sum.
   int64_t block_at(int64_t row, int64_t b) const {
     return (row / group * blocks + b) * group + row % group;
@@ -233,11 +235,10 @@ inline void group_words(const int32_t* staged, int64_t words, int32_t* out) {
   }
 }
 
-// Rows [first, end) of `a` ([rows, k] float32) into `rows` (shaped for them, blocks of
-// block_size; grouped, `first` a multiple of the group: a group's words are written whole).
-void round_rows(const float* a, int64_t first, int64_t end, int64_t k, int64_t blocks,
-                int64_t block_size, Rows& rows) {
-  const int64_t padded = blocks * block_size;
+// Rows [first, end) of `a` ([rows, k] float32) into `rows` (shaped for them; grouped, `first` a
+// multiple of the group: a group's words are written whole).
+void round_rows(const float* a, int64_t first, int64_t end, int64_t k, Rows& rows) {
+  const int64_t padded = rows.padded, blocks = rows.blocks, block_size = padded / blocks;
   if (rows.group == 1) {
     for (int64_t r = first; r < end; ++r)
       round_row(a + r * k, k, blocks, block_size, rows.q.data() + r * padded,
@@ -264,7 +265,7 @@ void round_rows(const float* a, int64_t first, int64_t end, int64_t k, int64_t b
                        _mm_packs_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(staged.data() + i)),
                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(staged.data() + i + 8))));
     group_words(reinterpret_cast<const int32_t*>(bytes.data()), padded / 4,
-                reinterpret_cast<int32_t*>(rows.q8.data() + group * padded));
+                reinterpret_cast<int32_t*>(rows.q8.data() + rows.quad_at(group)));
   }
 }
 
@@ -925,15 +926,19 @@ inline void tile_block_parameters(const TileParameters& tp, const Weights& w, in
 // Rows [first_row, first_row + R) of Rows in groups of kGroup (R <= kGroup, one group's): pair p
 // of row r (values 2p, 2p + 1) at pairs + p * kPairStride + 2 * r, block b's scale and scaled
 // sum at scale[b * kGroup + r] and scaled_sum[b * kGroup + r].
+// (With Rows::quads, int8 values: quad q of row r at quads[q * kGroup + r], as int32 words.)
 template <int64_t kGroup>
 struct GroupRows {
   static constexpr int64_t kPairStride = 2 * kGroup;
   const int16_t* pairs;
+  const int32_t* quads;
   const float* scale;
   const float* scaled_sum;
 
   GroupRows(const Rows& rows, int64_t first_row)
-      : pairs(rows.q.data() + rows.at(first_row, 0)),
+      : pairs(rows.quads ? nullptr : rows.q.data() + rows.at(first_row, 0)),
+        quads(rows.quads ? reinterpret_cast<const int32_t*>(rows.q8.data() + rows.quad_at(first_row))
+                         : nullptr),
         scale(rows.scale.data() + rows.block_at(first_row, 0)),
         scaled_sum(rows.scaled_sum.data() + rows.block_at(first_row, 0)) {}
 };
@@ -1008,11 +1013,8 @@ template <int kBits, int R>
 void tile_rows_s8(const Rows& rows, int64_t first_row, const Weights& w, const uint8_t* tile,
                   int64_t tile_index, int columns, float* out, int64_t n) {
   const TileParameters tp(w, tile_index);
-  const int32_t* x = reinterpret_cast<const int32_t*>(rows.q8.data() + first_row / kRowGroup *
-                                                      kRowGroup * rows.padded) +
-                     first_row % kRowGroup;
-  const float* row_scale = rows.scale.data() + rows.block_at(first_row, 0);
-  const float* row_scaled_sum = rows.scaled_sum.data() + rows.block_at(first_row, 0);
+  const GroupRows<kRowGroup> g(rows, first_row);
+  const int32_t* x = g.quads;
   // Word 2c <- word c (weights 4g, 4g + 1 of column c), word 2c + 1 <- word 16 + c (4g + 2, 4g + 3).
   const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
                                          24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
@@ -1050,7 +1052,7 @@ void tile_rows_s8(const Rows& rows, int64_t first_row, const Weights& w, const u
     tile_block_parameters(tp, w, b, scales, offsets);
     for (int r = 0; r < R; ++r)
       add_block(totals[r], reinterpret_cast<i32x16>(sums[r]), scales, offsets,
-                row_scale[b * kRowGroup + r], row_scaled_sum[b * kRowGroup + r]);
+                g.scale[b * kRowGroup + r], g.scaled_sum[b * kRowGroup + r]);
   }
   for (int r = 0; r < R; ++r) store_columns(out + (first_row + r) * n, columns, totals[r]);
 }
@@ -1502,23 +1504,19 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
   // (Groups of kRowGroup for the AVX-512 tiles' path, which every call of a node with tiles
   // takes. The AVX2 build's tiles read rows in the row-major layout: grouped, its 16 registers
   // could not hold a pass's broadcast pairs and accumulators, 1.2-1.45x slower.)
-#if defined(__AVX512BW__)
-  const int64_t group = weights.tiles != nullptr && rows > 1 ? kRowGroup : 1;
-#else
-  const int64_t group = 1;
-#endif
   // A call of int8_from_rows rows or more rounds to int8 steps (the same integers whichever
   // path multiplies them; vpdpbusd's where the tiles and AVX512_VNNI are).
   const bool int8_steps = int8_from_rows > 0 && rows >= int8_from_rows;
 #if defined(__AVX512BW__)
-  const bool quads = int8_steps && group == kRowGroup && wide_integer_path(block_size, bits) &&
-                     use_vnni();
+  const int64_t group = weights.tiles != nullptr && rows > 1 ? kRowGroup : 1;
+  const bool quads = int8_steps && group == kRowGroup && use_vnni();
 #else
+  const int64_t group = 1;
   const bool quads = false;
 #endif
   rounded.shape(rows, blocks, block_size, group, int8_steps ? 127.0f : 32767.0f, quads);
   ATTNEXPORT_RETURN_IF_ERROR(for_row_ranges(context, rows, k, [&](int64_t first, int64_t end) {
-    round_rows(x, first, end, k, blocks, block_size, rounded);
+    round_rows(x, first, end, k, rounded);
   }));
   // Work items of 16 columns by 64 rows, a row block's items adjacent: a decoded token's
   // [576 x 960] projection is 60 items; a prefill's rows are read from L2 by the items of their

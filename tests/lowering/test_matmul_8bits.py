@@ -475,17 +475,22 @@ def test_without_vnni_these_tests_pass_too():
 
 
 @requires_vnni_kernels
+@pytest.mark.parametrize("int8_from_rows", [0, 4])
 @pytest.mark.parametrize("bits", BITS)
-def test_vnni_and_its_absence_give_the_same_bits(bits, tmp_path):
-    """vpdpwssd sums the same integers as vpmaddwd and vpaddd: the outputs of a process without
-    it equal this one's bit for bit."""
-    session, _ = _matmul_8bits(577, 70, 32, "float32", "native", bits=bits)
+def test_vnni_and_its_absence_give_the_same_bits(bits, int8_from_rows, tmp_path):
+    """vpdpwssd sums the same integers as vpmaddwd and vpaddd, and vpdpbusd on int8 steps
+    (int8_from_rows) the same as the int16 tiles on them: the outputs of a process without
+    AVX512_VNNI equal this one's bit for bit."""
+    session, _ = _matmul_8bits(
+        577, 70, 32, "float32", "native", bits=bits, int8_from_rows=int8_from_rows
+    )
     a = torch.randn(37, 577, generator=torch.Generator().manual_seed(6)).numpy()
     np.save(tmp_path / "a.npy", a)
     script = (
         "import sys, numpy as np\n"
         "from tests.lowering.test_matmul_8bits import _matmul_8bits\n"
-        f"session, _ = _matmul_8bits(577, 70, 32, 'float32', 'native', bits={bits})\n"
+        f"session, _ = _matmul_8bits(577, 70, 32, 'float32', 'native', bits={bits}, "
+        f"int8_from_rows={int8_from_rows})\n"
         "np.save(sys.argv[2], session.run(None, {'a': np.load(sys.argv[1])})[0])\n"
     )
     env = {**os.environ, "ATTNEXPORT_VNNI": "0"}
