@@ -149,7 +149,7 @@ def add_parser(commands) -> None:
         metavar="FORMAT",
         help="how MatMul8Bits / MatMul4Bits round the activations of calls of 128 rows or more "
         "(a prefill's), one of %(choices)s (default int16, as every other call; int8: "
-        "multiplied with vpdpbusd where the CPU has AVX512_VNNI, ~1.5x the products' speed, "
+        "multiplied with vpdpbusd where the CPU has AVX512_VNNI, ~1.45x the products' speed, "
         "coarser numbers for the prompt's tokens and for rows decoded in such a call)",
     )
     quant.add_argument(

@@ -129,7 +129,7 @@ def to_matmul_8bits(
     float32 (the weights dequantized into panels), whose numbers differ from the int16 path's.
     ``int8_from_rows > 0`` writes that attribute: the native kernel rounds the activations of a
     call of that many rows or more (a prefill's) to int8 steps instead of int16 ones, and on
-    AVX512_VNNI multiplies them with vpdpbusd (~1.6x the products' speed; the numbers of such
+    AVX512_VNNI multiplies them with vpdpbusd (~1.45x the products' speed; the numbers of such
     calls, and of the rows decoded in them, are coarser: docs/quantization.md).
 
     Raises:

@@ -38,8 +38,8 @@ struct MatMul8Bits {
   std::vector<uint8_t> tiles;
   // Inputs 1-3 (b, scales, zero points) when all three are initializers, read once at kernel
   // creation (their data is the session's, fixed): compute reads only input 0 then. (Reading
-  // an input through the C API, its type, shape and data, costs a few allocations and calls:
-  // ~1.3 us of a one-row [576 x 576] call's ~9.)
+  // an input through the C API, its type, shape and data, costs a few allocations and calls: a
+  // chain of 200 one-row [576 x 576] 4-bit nodes, 2 threads, 5.9-6.4 -> 5.7-6.1 us a node.)
   bool initializer_inputs = false;
   Tensor initializer_b, initializer_scales, initializer_zero_points;
   OrtStatus* init(const OrtKernelInfo* info);

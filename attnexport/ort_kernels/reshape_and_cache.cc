@@ -34,31 +34,9 @@ void convert_row(const S* src, C* dst, int64_t n) {
   for (int64_t d = 0; d < n; ++d) dst[d] = from_float<C>(to_float(src[d]));
 }
 
-// One row x of n elements into int8: amax = max |x|, scale = amax / 127, q = rint(x / scale)
-// clamped to [-127, 127] (IEEE division, round half to even; all zeros when scale is 0). A NaN
-// in the row makes amax and the scale NaN and the row zeros. Returns the scale.
-template <typename S>
-float quantize_row(const S* src, int8_t* dst, int64_t n, std::vector<float>& row) {
-  row.resize(n);
-  float amax = 0.0f;
-  bool nan = false;
-  for (int64_t d = 0; d < n; ++d) {
-    row[d] = to_float(src[d]);
-    nan |= std::isnan(row[d]);
-    amax = std::max(amax, std::fabs(row[d]));
-  }
-  const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
-  for (int64_t d = 0; d < n; ++d) {
-    float q = scale > 0.0f ? std::nearbyint(row[d] / scale) : 0.0f;
-    q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
-    dst[d] = q == q ? static_cast<int8_t>(q) : 0;  // (inf / inf)
-  }
-  return scale;
-}
-
-// quantize_row for a float32 row of a multiple of 8 elements, 8 lanes at a time: the same
-// numbers (vdivps is IEEE division, vroundps to nearest even is nearbyint's rounding; a NaN
-// quotient, inf / inf, becomes 0 before the clamp). One lane at a time, through libm's
+// A float32 row of a multiple of 8 elements into int8 as quantize_row, 8 lanes at a time: the
+// same numbers (vdivps is IEEE division, vroundps to nearest even is nearbyint's rounding; a
+// NaN quotient, inf / inf, becomes 0 before the clamp). One lane at a time, through libm's
 // nearbyint, a batch-32 decode step's 30 int8 cache writes took ~3% of the step.
 inline float quantize_row8(const float* src, int8_t* dst, int64_t n) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -87,6 +65,36 @@ inline float quantize_row8(const float* src, int8_t* dst, int64_t n) {
     const __m256i v = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(q, low), high));
     const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + d), _mm_packs_epi16(words, words));
+  }
+  return scale;
+}
+
+// One row x of n elements into int8: amax = max |x|, scale = amax / 127, q = rint(x / scale)
+// clamped to [-127, 127] (IEEE division, round half to even; all zeros when scale is 0). A NaN
+// in the row makes amax and the scale NaN and the row zeros. Returns the scale. (Other float
+// types widened into `row` first; rows of a multiple of 8 elements by quantize_row8.)
+template <typename S>
+float quantize_row(const S* src, int8_t* dst, int64_t n, std::vector<float>& row) {
+  const float* x;
+  if constexpr (std::is_same_v<S, float>) {
+    x = src;
+  } else {
+    row.resize(n);
+    for (int64_t d = 0; d < n; ++d) row[d] = to_float(src[d]);
+    x = row.data();
+  }
+  if (n % 8 == 0) return quantize_row8(x, dst, n);
+  float amax = 0.0f;
+  bool nan = false;
+  for (int64_t d = 0; d < n; ++d) {
+    nan |= std::isnan(x[d]);
+    amax = std::max(amax, std::fabs(x[d]));
+  }
+  const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
+  for (int64_t d = 0; d < n; ++d) {
+    float q = scale > 0.0f ? std::nearbyint(x[d] / scale) : 0.0f;
+    q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+    dst[d] = q == q ? static_cast<int8_t>(q) : 0;  // (inf / inf)
   }
   return scale;
 }
@@ -197,16 +205,10 @@ OrtStatus* ReshapeAndCache::compute(OrtKernelContext* context) const {
         std::vector<float> scratch;
         for (int64_t t = 0; t < tokens; ++t) {
           if (slot[t] < 0) continue;
-          for (int64_t h = 0; h < heads; ++h) {
-            const S* from = src + t * row + h * head_size;
-            int8_t* to = cache + slot[t] * row + h * head_size;
-            if constexpr (std::is_same_v<S, float>)
-              if (head_size % 8 == 0) {
-                scale_dst[slot[t] * heads + h] = quantize_row8(from, to, head_size);
-                continue;
-              }
-            scale_dst[slot[t] * heads + h] = quantize_row(from, to, head_size, scratch);
-          }
+          for (int64_t h = 0; h < heads; ++h)
+            scale_dst[slot[t] * heads + h] = quantize_row(
+                src + t * row + h * head_size, cache + slot[t] * row + h * head_size, head_size,
+                scratch);
         }
       });
     } else if (source.type == cache_type) {

@@ -252,19 +252,25 @@ def test_reshape_and_cache_quantizes_with_the_contracts_rounding():
     assert inputs["key_cache"].reshape(-1, head_size)[0, :6].tolist() == [127, 0, 2, 2, 0, -126]
 
 
+@pytest.mark.parametrize("source_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("head_size", [8, 12, 64])  # (8 lanes at a time, or not)
-def test_reshape_and_cache_quantizes_non_finite_and_zero_rows_as_the_contract_says(head_size):
+def test_reshape_and_cache_quantizes_non_finite_and_zero_rows_as_the_contract_says(
+    head_size, source_dtype
+):
     """A NaN makes the row's scale NaN and its values 0; a zero row has scale 0; an infinity
-    makes the scale infinite, its own value (inf / inf) 0 and the finite ones 0."""
+    makes the scale infinite, its own value (inf / inf) 0 and the finite ones 0 (float32 rows
+    and float16 ones, widened first)."""
     rows = np.linspace(-3.0, 5.0, 4 * head_size, dtype=np.float32).reshape(4, head_size)
     rows[0, 3] = np.nan
     rows[1] = 0.0
     rows[2, 1] = np.inf
+    source = torch.from_numpy(rows).to(source_dtype)
+    rows = source.float().numpy()
     tokens, kv_heads = len(rows), 1
     cache_shape = (1, tokens, kv_heads, head_size)
     inputs = {
-        "key": torch.from_numpy(rows).reshape(tokens, kv_heads, head_size),
-        "value": torch.from_numpy(rows).reshape(tokens, kv_heads, head_size),
+        "key": source.reshape(tokens, kv_heads, head_size),
+        "value": source.reshape(tokens, kv_heads, head_size),
         "key_cache": torch.full(cache_shape, 7, dtype=torch.int8),
         "value_cache": torch.full(cache_shape, 7, dtype=torch.int8),
         "slot_mapping": torch.arange(tokens, dtype=torch.int64),
