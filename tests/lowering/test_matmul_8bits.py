@@ -108,6 +108,22 @@ def _rounding_bound(
     return 0.5 * steps @ per_block.T + 1e-6 * (a.double().abs() @ weights[:, :k].T)
 
 
+def _fed_as_inputs(model: onnx.ModelProto, prefixes: tuple[str, ...]):
+    """A copy of ``model`` whose initializers named with one of ``prefixes`` are graph inputs
+    instead (values the graph computes, to the kernel), and their values to feed."""
+    fed = onnx.ModelProto()
+    fed.CopyFrom(model)
+    moved = [i for i in fed.graph.initializer if i.name.startswith(prefixes)]
+    for initializer in moved:
+        fed.graph.initializer.remove(initializer)
+        fed.graph.input.append(
+            helper.make_tensor_value_info(
+                initializer.name, initializer.data_type, list(initializer.dims)
+            )
+        )
+    return fed, {i.name: numpy_helper.to_array(i) for i in moved}
+
+
 def _float32_panels(kernels: str, block: int, bits: int) -> bool:
     """Whether a ``batch_invariant = 0`` node multiplies calls of 4 rows or more as float32 here:
     the native kernel's 8-bit blocks over 256, whose sums do not fit the interleaved tiles' int32
@@ -177,14 +193,7 @@ def test_int8_steps_give_the_same_bits_from_initializers_or_inputs(bits):
     weights the graph computes take the int16 paths: the same integers, so the same bits."""
     model, _ = _matmulnbits_model(577, 70, 32, "float32", bits=bits)
     assert to_matmul_8bits(model, bits=(bits,), int8_from_rows=4) == 1
-    fed = onnx.ModelProto()
-    fed.CopyFrom(model)
-    (weights,) = [i for i in fed.graph.initializer if i.name == "q"]
-    values = {"q": numpy_helper.to_array(weights)}
-    fed.graph.initializer.remove(weights)
-    fed.graph.input.append(
-        helper.make_tensor_value_info("q", weights.data_type, list(weights.dims))
-    )
+    fed, values = _fed_as_inputs(model, ("q",))
     a = torch.randn(131, 577, generator=torch.Generator().manual_seed(8)).numpy()
     for rows in (3, 4, 13, 131):
         constant = one_model_session(model, "native").run(None, {"a": a[:rows]})[0]
@@ -430,17 +439,7 @@ def test_block_parameters_from_initializers_or_inputs_give_the_same_bits(
     the same numbers, one row or many."""
     model, _ = _matmulnbits_model(k, n, block, zero_points, bits=bits)
     assert to_matmul_8bits(model, bits=(bits,)) == 1
-    fed = onnx.ModelProto()
-    fed.CopyFrom(model)
-    parameters = [i for i in fed.graph.initializer if i.name.startswith(("scales", "zero_points"))]
-    values = {i.name: numpy_helper.to_array(i) for i in parameters}
-    for initializer in parameters:
-        fed.graph.initializer.remove(initializer)
-        fed.graph.input.append(
-            helper.make_tensor_value_info(
-                initializer.name, initializer.data_type, list(initializer.dims)
-            )
-        )
+    fed, values = _fed_as_inputs(model, ("scales", "zero_points"))
     a = torch.randn(13, k, generator=torch.Generator().manual_seed(5)).numpy()
     for rows in (1, 2, 13):
         constant = one_model_session(model, "native").run(None, {"a": a[:rows]})[0]
