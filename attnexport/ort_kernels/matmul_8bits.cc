@@ -136,10 +136,8 @@ struct Rows {
     scale.resize(static_cast<size_t>(stored * blocks));
     scaled_sum.resize(static_cast<size_t>(stored * blocks));
   }
-  // Where value k of `row` is in q (its pair's other value is next to it).
-  int64_t at(int64_t row, int64_t k) const {
-    return row / group * group * padded + k / 2 * 2 * group + row % group * 2 + k % 2;
-  }
+  // Where the pair of values 0, 1 of `row` is in q (its next pairs 2 * group values on).
+  int64_t pair_at(int64_t row) const { return row / group * group * padded + row % group * 2; }
   // Where the quad of values 0 .. 3 of `row` is in q8 (its next quads 4 * group bytes on).
   int64_t quad_at(int64_t row) const { return row / group * group * padded + row % group * 4; }
   // Where block b of `row` is in scale and scaled_sum.
@@ -257,7 +255,7 @@ void round_rows(const float* a, int64_t first, int64_t end, int64_t k, Rows& row
                 kRowGroup, rows.levels);
     if (!rows.quads) {
       group_words(reinterpret_cast<const int32_t*>(staged.data()), padded / 2,
-                  reinterpret_cast<int32_t*>(rows.q.data() + rows.at(group, 0)));
+                  reinterpret_cast<int32_t*>(rows.q.data() + rows.pair_at(group)));
       continue;
     }
     for (int64_t i = 0; i < kRowGroup * padded; i += 16)  // (|values| <= 127: exact)
@@ -936,7 +934,7 @@ struct GroupRows {
   const float* scaled_sum;
 
   GroupRows(const Rows& rows, int64_t first_row)
-      : pairs(rows.quads ? nullptr : rows.q.data() + rows.at(first_row, 0)),
+      : pairs(rows.quads ? nullptr : rows.q.data() + rows.pair_at(first_row)),
         quads(rows.quads ? reinterpret_cast<const int32_t*>(rows.q8.data() + rows.quad_at(first_row))
                          : nullptr),
         scale(rows.scale.data() + rows.block_at(first_row, 0)),
