@@ -51,6 +51,10 @@ DOMAIN = "attnexport"
 """The ONNX domain of the attnexport nodes (public: exported files name it)."""
 DOMAIN_VERSION = 1
 
+PREFILL_ATTENTION = ("float32", "bfloat16")
+"""How the native PagedAttention kernel multiplies prefills (``export --prefill-attention``;
+``bfloat16``: the nodes' ``prefill_bf16`` = 1)."""
+
 CACHE_LAYOUT = "num_blocks,block_size,num_kv_heads,head_size"
 
 _GEOMETRY = ("block_size", "num_layers", "num_cross_layers", "num_kv_heads", "head_size")

@@ -5,12 +5,14 @@
   llama.cpp's float16); llama.cpp F32, OpenVINO fp32, onnxruntime-genai fp32, vLLM CPU fp32;
 * 8-bit: ``ours int8`` (``--weights int8``), ``ours int8-kv8`` (also ``--kv-cache-dtype int8``),
   ``ours int8-b64-kv8`` (also ``--weights-block-size 64``), ``ours int8-b64-p8-kv8`` (also
-  ``--weights-prefill-activations int8``); llama.cpp Q8_0, OpenVINO int8,
+  ``--weights-prefill-activations int8``), ``ours int8-b64-p8b-kv8`` (and ``--prefill-attention
+  bfloat16``); llama.cpp Q8_0, OpenVINO int8,
   onnxruntime-genai int8;
 * 4-bit: ``ours int4`` (``--weights int4``: attnexport.MatMul4Bits), ``ours int4-kv8`` (also
   ``--kv-cache-dtype int8``), ``ours int4-h4-kv8`` (also a 4-bit logits projection),
   ``ours int4-p8-kv8`` (``--weights-prefill-activations int8``: a prefill's activations in int8
-  steps),
+  steps), ``ours int4-p8b-kv8`` (and ``--prefill-attention bfloat16``: its attention in
+  bfloat16 pairs),
   ``ours int4-a8-kv8`` (``--weights-activations int8``: MatMulNBits, the default before);
   llama.cpp Q4_0, OpenVINO int4 (group 64, ratio 1.0), onnxruntime-genai int4.
 
@@ -59,6 +61,15 @@ OURS = {
             *("--weights-prefill-activations", "int8"),
         ],
     ),
+    # And the attention of a prefill in bfloat16 pairs (vdpbf16ps on AVX512_BF16), as
+    # OpenVINO's int8/int4 compute on such CPUs (docs/lowering.md, prefill_bf16).
+    "int8-b64-p8b-kv8": (
+        "8-bit",
+        [
+            *("--weights", "int8", "--weights-block-size", "64", "--kv-cache-dtype", "int8"),
+            *("--weights-prefill-activations", "int8", "--prefill-attention", "bfloat16"),
+        ],
+    ),
     "int4": ("4-bit", ["--weights", "int4"]),
     "int4-kv8": ("4-bit", ["--weights", "int4", "--kv-cache-dtype", "int8"]),
     # The logits projection in 4 bits too, as genai's and OpenVINO's int4: ~84 MB a token read,
@@ -75,6 +86,13 @@ OURS = {
         [
             *("--weights", "int4", "--kv-cache-dtype", "int8"),
             *("--weights-prefill-activations", "int8"),
+        ],
+    ),
+    "int4-p8b-kv8": (
+        "4-bit",
+        [
+            *("--weights", "int4", "--kv-cache-dtype", "int8"),
+            *("--weights-prefill-activations", "int8", "--prefill-attention", "bfloat16"),
         ],
     ),
     # The int4 default before int16 activations: MatMulNBits at accuracy level 4 (int8

@@ -88,6 +88,8 @@ VARIANTS: dict[str, list[str]] = {
     "fp32, fp16 KV cache": ["--kv-cache-dtype", "float16"],
     "fp32, bf16 KV cache": ["--kv-cache-dtype", "bfloat16"],
     "fp32, int8 KV cache": ["--kv-cache-dtype", "int8"],
+    # Teacher-forced: every position a prefill's row, its attention in bfloat16 pairs.
+    "fp32, bf16 prefill attention": ["--prefill-attention", "bfloat16"],
     "int8 (default)": ["--weights", "int8"],
     "int8 rtn symmetric": ["--weights", "int8", "--weights-symmetric"],
     "int8 rtn asym b32": [
@@ -110,6 +112,10 @@ VARIANTS: dict[str, list[str]] = {
     "int8, block 64, int8 prefill activations, int8 KV cache": [
         *("--weights", "int8", "--weights-block-size", "64", "--kv-cache-dtype", "int8"),
         *("--weights-prefill-activations", "int8"),
+    ],
+    "int8, block 64, int8 prefill activations, bf16 prefill attention, int8 KV cache": [
+        *("--weights", "int8", "--weights-block-size", "64", "--kv-cache-dtype", "int8"),
+        *("--weights-prefill-activations", "int8", "--prefill-attention", "bfloat16"),
     ],
     # MatMulNBits' int8 activations: the default before attnexport.MatMul8Bits, and its options.
     "int8 rtn symmetric, int8 activations (the default before)": _old_int8(),
@@ -138,6 +144,14 @@ VARIANTS: dict[str, list[str]] = {
     "int4, int8 KV cache": ["--weights", "int4", "--kv-cache-dtype", "int8"],
     "int4, int8 prefill activations": [
         *("--weights", "int4", "--weights-prefill-activations", "int8"),
+    ],
+    "int4, int8 prefill activations, int8 KV cache": [
+        *("--weights", "int4", "--weights-prefill-activations", "int8"),
+        *("--kv-cache-dtype", "int8"),
+    ],
+    "int4, int8 prefill activations, bf16 prefill attention, int8 KV cache": [
+        *("--weights", "int4", "--weights-prefill-activations", "int8"),
+        *("--prefill-attention", "bfloat16", "--kv-cache-dtype", "int8"),
     ],
     "int4, lm_head int4 b32": [
         *("--weights", "int4", "--lm-head", "int4", "--lm-head-block-size", "32"),

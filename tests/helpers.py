@@ -55,6 +55,17 @@ requires_vnni_kernels = pytest.mark.skipif(
 )
 
 
+def bf16_pairs_run(head_size: int) -> bool:
+    """Whether the native PagedAttention's prefills take bfloat16 pairs here with prefill_bf16:
+    the AVX-512 variant on a CPU with AVX512_BF16, heads a multiple of 16."""
+    return (
+        ort_kernels.unavailable_reason() is None
+        and ort_kernels.kernel_isa() == "avx512"
+        and "avx512_bf16" in cpu_flags()
+        and head_size % 16 == 0
+    )
+
+
 def one_model_session(model, kernels: str, threads: int = 2):
     """An onnxruntime CPU session of the in-memory ONNX ``model`` whose attnexport nodes run as
     ``kernels`` says (one of ORT_KERNEL_MODES: ``"native"`` registers the kernel library)."""

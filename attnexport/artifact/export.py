@@ -57,6 +57,9 @@ class ExportOptions:
     overwrite: bool = False
     weights: WeightQuantization | None = None
     """Weight-only quantization of the ONNX model (None: float weights)."""
+    prefill_attention: str = "float32"
+    """How the native PagedAttention kernel multiplies prefills: ``float32`` or ``bfloat16``
+    (bfloat16 pairs where the CPU has AVX512_BF16; ONNX only)."""
     impl: str = "auto"
     """How a checkpoint is loaded (``attnexport.models.registry.IMPLS``): the zoo's network,
     transformers' with its attention on the paged ops, or ``auto`` (the zoo where it has the
@@ -113,6 +116,14 @@ def _export_artifact(
         raise ArtifactError(
             f"--weights {options.weights.format} with --dtype {dtype_name(options.dtype)}: "
             "quantized exports are made from float32 models"
+        )
+    if options.prefill_attention != "float32" and (
+        "onnx" not in options.formats or options.target == "standard"
+    ):
+        raise ArtifactError(
+            f"--prefill-attention {options.prefill_attention}: an option of the native "
+            "PagedAttention kernel, in the ONNX file's attnexport nodes (--format onnx, "
+            "--target attnexport)"
         )
     kv_cache_dtype = _kv_cache_dtype(options)
     earlier_export(out, overwrite=options.overwrite)
@@ -240,6 +251,7 @@ def _write_export(
             target=options.target,
             cache_spec=cache_spec,
             metadata={"architecture": model.zoo_name, "kind": model.kind, "impl": model.impl},
+            prefill_attention=options.prefill_attention,
             step=lambda description: step(f"ONNX ({options.target}): {description}"),
         )
         timings["onnx"] = round(time.perf_counter() - start, 3)
@@ -250,6 +262,7 @@ def _write_export(
         "config": model.config.to_dict(),
         "cache": cache_entry(cache_spec),
         "target": options.target if "onnx" in options.formats else None,
+        "prefill_attention": options.prefill_attention if "onnx" in options.formats else None,
         "files": files,
         "file_digests": {},  # once every file is written
         "input_names": list(sample.input_names),

@@ -50,6 +50,13 @@ def kv_cache_dtypes() -> tuple[str, ...]:
     return KV_CACHE_DTYPES
 
 
+def prefill_attention() -> tuple[str, ...]:
+    """``export --prefill-attention``: the native PagedAttention kernel's prefill precisions."""
+    from attnexport.model_contract import PREFILL_ATTENTION
+
+    return PREFILL_ATTENTION
+
+
 def onnx_targets() -> Sequence[str]:
     """``export --target``: the lowering's ONNX targets (read on first use)."""
 

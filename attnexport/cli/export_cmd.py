@@ -63,6 +63,15 @@ def add_parser(commands) -> None:
         "and KV head: no calibration); activations keep --dtype",
     )
     parser.add_argument(
+        "--prefill-attention",
+        choices=choices.prefill_attention(),
+        default="float32",
+        help="how the native PagedAttention kernel multiplies a prefill's queries, one of "
+        "%(choices)s: float32 (default), or bfloat16 pairs where the CPU has AVX512_BF16 "
+        "(vdpbf16ps, twice the products an instruction; queries, keys, values and softmax "
+        "weights rounded to bfloat16, as OpenVINO computes on such CPUs; float32 elsewhere)",
+    )
+    parser.add_argument(
         "--block-size",
         type=int,
         default=16,
@@ -237,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
         target=args.target,
         dtype=DTYPES[args.dtype],
         kv_cache_dtype=args.kv_cache_dtype,
+        prefill_attention=args.prefill_attention,
         block_size=args.block_size,
         seed=args.seed,
         impl=args.impl,
@@ -262,6 +272,8 @@ def run(args: argparse.Namespace) -> int:
     weights = f", {quant['format']} weights" if quant else ""
     if manifest.get("kv_cache_dtype", manifest["dtype"]) != manifest["dtype"]:
         weights += f", {manifest['kv_cache_dtype']} KV cache"
+    if manifest.get("prefill_attention") == "bfloat16":
+        weights += ", bfloat16 prefill attention"
     seconds = sum(manifest["export_seconds"].values())
     Console().print(
         f"[green]exported[/] {manifest['architecture']} ({manifest['kind']}, "

@@ -10,6 +10,7 @@ from pathlib import Path
 from attnexport.artifact import ONNX_FILE, ArtifactError, check_model_file, read_manifest
 from attnexport.artifact.manifest import require_model_bytes
 from attnexport.cli.errors import CliError
+from attnexport.model_contract import DOMAIN
 
 
 def add_parser(commands) -> None:
@@ -81,7 +82,21 @@ def inspect_onnx(path: Path) -> dict:
         # of attnexport.lowering.fusions that fired on its graph, with their counts.
         "impl": (manifest or {}).get("impl", metadata.get("impl")),
         "fusions": json.loads(metadata.get("fusions", "{}")),
+        # How the native PagedAttention kernel multiplies prefills (export --prefill-attention,
+        # the nodes' prefill_bf16); None: no PagedAttention node.
+        "prefill_attention": _prefill_attention(model),
     }
+
+
+def _prefill_attention(model) -> str | None:
+    marks = [
+        next((a.i for a in n.attribute if a.name == "prefill_bf16"), 0)
+        for n in model.graph.node
+        if n.domain == DOMAIN and n.op_type == "PagedAttention"
+    ]
+    if not marks:
+        return None
+    return "bfloat16" if all(marks) else "float32" if not any(marks) else "mixed"
 
 
 def _numel(tensor) -> int:
@@ -125,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
         console.print(
             f"KV cache dtype: {cache_dtype}{scales} (model {summary['metadata'].get('dtype')})"
         )
+    if summary["prefill_attention"] not in (None, "float32"):
+        console.print(f"prefill attention: {summary['prefill_attention']} (native kernel)")
     console.print(
         f"cache ports: {len(summary['cache_ports'])} (each input bound in place to its _out)"
     )

@@ -113,6 +113,7 @@ def to_onnx(
     cache_spec: CacheSpec | None = None,
     opset_version: int = DEFAULT_OPSET,
     fuse: bool = True,
+    prefill_attention: str = "float32",
     step: Callable[[str], None] = lambda _description: None,
 ) -> onnx.ModelProto:
     """Exports a model on the attnexport ops to an ONNX file that stock onnxruntime runs.
@@ -140,6 +141,9 @@ def to_onnx(
         fuse: apply the rewrite rules of :mod:`attnexport.lowering.fusions` (standard-op
             patterns of transformers' modeling code -> the fused attnexport nodes); the graph
             contract records which fired (``fusions``).
+        prefill_attention: ``"float32"`` or ``"bfloat16"``: the native PagedAttention kernel
+            multiplies prefills in bfloat16 pairs where the CPU has AVX512_BF16 (the nodes'
+            ``prefill_bf16``; not with the ``standard`` target, which has no such node).
         step: called with a description as each long stage starts (progress display).
 
     Returns:
@@ -150,6 +154,11 @@ def to_onnx(
             :func:`export_program` error.
     """
     check_target(target)
+    if prefill_attention != "float32" and target == "standard":
+        raise ValueError(
+            f"prefill_attention {prefill_attention!r}: an option of the native PagedAttention "
+            "kernel; the standard target inlines its nodes (use target attnexport)"
+        )
     if isinstance(module_or_program, ExportedProgram):
         if dynamic_shapes is not None:
             raise ValueError(
@@ -189,6 +198,7 @@ def to_onnx(
         model, naming.input_dim_names(program), program.graph_module.meta.get(DIM_NAMES_META, {})
     )
     onnx_passes.name_outputs(model, cache_outputs, output_names)
+    onnx_passes.set_prefill_attention(model, prefill_attention)
     notes = apply_target(model, target)
 
     model.ir_version = IR_VERSION

@@ -17,6 +17,7 @@ import onnx_ir as ir
 
 from attnexport.custom_ops.onnx_spec import OnnxOp
 from attnexport.lowering.registry import DOMAIN, onnx_ops
+from attnexport.model_contract import PREFILL_ATTENTION
 
 _PASSTHROUGH = ("Identity", "CastLike", "Cast")
 
@@ -401,3 +402,21 @@ def _int64_constant(name: str, values: list[int]) -> ir.Node:
         [],
         [ir.AttrTensor("value", ir.tensor(np.array(values, dtype=np.int64), name=name))],
     )
+
+
+def set_prefill_attention(model: ir.Model, precision: str) -> int:
+    """Marks every attnexport PagedAttention node of ``model`` with ``prefill_bf16 = 1`` when
+    ``precision`` is ``"bfloat16"`` (the native kernel's prefills in bfloat16 pairs where the
+    CPU has AVX512_BF16: docs/ops.md); returns the nodes marked."""
+    if precision not in PREFILL_ATTENTION:
+        raise ValueError(
+            f"prefill_attention: expected one of {', '.join(PREFILL_ATTENTION)}, got {precision!r}"
+        )
+    if precision == "float32":
+        return 0
+    marked = 0
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.domain == DOMAIN and node.op_type == "PagedAttention":
+            node.attributes["prefill_bf16"] = ir.AttrInt64("prefill_bf16", 1)
+            marked += 1
+    return marked

@@ -90,6 +90,7 @@ OrtStatus* PagedAttention::init(const OrtKernelInfo* info) {
   if (OrtStatus* s = int_attribute(info, "causal", &causal)) api().ReleaseStatus(s);
   if (OrtStatus* s = int_attribute(info, "sliding_window", &sliding_window)) api().ReleaseStatus(s);
   if (OrtStatus* s = float_attribute(info, "logits_soft_cap", &soft_cap)) api().ReleaseStatus(s);
+  if (OrtStatus* s = int_attribute(info, "prefill_bf16", &prefill_bf16)) api().ReleaseStatus(s);
   if (num_heads < 1 || num_kv_heads < 1 || num_heads % num_kv_heads != 0)
     return invalid("PagedAttention: num_heads (" + std::to_string(num_heads) +
                    ") must be a positive multiple of num_kv_heads (" +
@@ -177,6 +178,7 @@ OrtStatus* PagedAttention::compute(OrtKernelContext* context) const {
     batch.slopes = std::move(slope_values);
 
   PrefillPlan prefill;
+  prefill.pairs = prefill_bf16 != 0 && bf16_pairs_available(head_size);
   std::vector<WorkItem> items;  // decode
   std::vector<Split> splits_;
   std::vector<int64_t> decode_seqs;

@@ -8,6 +8,10 @@
 
 namespace attnexport {
 
+// Whether the prefill path can multiply bfloat16 pairs for heads of `head_size`: the AVX-512
+// build on a CPU with AVX512_BF16, head_size a multiple of 16 (paged_prefill.cc).
+bool bf16_pairs_available(int64_t head_size);
+
 struct Batch;
 struct WorkItem;
 struct Split;
@@ -21,6 +25,8 @@ struct PagedAttention {
   int64_t num_heads = 0, num_kv_heads = 0, head_size = 0, block_size = 0;
   int64_t causal = 1, sliding_window = -1;
   float scale = 1.0f, soft_cap = 0.0f;
+  // 1: the prefill path multiplies bfloat16 pairs where the CPU has AVX512_BF16 (docs/ops.md).
+  int64_t prefill_bf16 = 0;
 
   OrtStatus* init(const OrtKernelInfo* info);
   OrtStatus* compute(OrtKernelContext* context) const;

@@ -85,12 +85,17 @@ struct PrefillTile {
   int64_t seq, head, first_query, num_queries, packed;
 };
 
+// With `pairs` (PagedAttention::prefill_bf16 on a CPU with AVX512_BF16), the products take
+// bfloat16 pairs (panel_product.h) and the same storage holds, as uint32 words, a chunk's keys
+// as a [head_size / 2, kPrefillChunkKeys] panel of pairs of dimensions and its values as
+// [kPrefillChunkKeys / 2, W] pairs of keys.
 struct PrefillPlan {
   std::vector<PackedKeys> packed;
   std::vector<std::pair<int64_t, int64_t>> pack_jobs;  // (packed index, chunk)
   std::vector<PrefillTile> tiles;
   int64_t floats = 0;  // of storage
   float* storage = nullptr;
+  bool pairs = false;
 };
 
 // Element i of a float32/float16/bfloat16 tensor (queries, slopes: read once per item).

@@ -11,7 +11,10 @@
 // softmax (maximum, sum, the rescale of its output), and adds the weights times the values to
 // the outputs as a second panel product. Each key and value element loaded into a register
 // serves kTileRows rows (the decode path's dot products share a key among the G heads of one
-// token only). Semantics: docs/ops.md.
+// token only). With prefill_bf16 on an AVX512_BF16 CPU (PrefillPlan::pairs) both products take
+// bfloat16 pairs: queries, keys, values and softmax weights rounded to bfloat16 (to nearest
+// even), their products summed in float32 by vdpbf16ps, 32 products an instruction where
+// float32 multiply-adds make 16; the softmax stays float32. Semantics: docs/ops.md.
 
 #include <algorithm>
 #include <cmath>
@@ -81,7 +84,32 @@ float exponentiate(float* x, int64_t a, int64_t e, float max) {
   return sum;
 }
 
+#if defined(__AVX512F__)
+// dst[i] = x[i] rounded to bfloat16 (to nearest even; NaN stays NaN) for i < n, a multiple of
+// 16: vcvtneps2bf16 (written in assembly: its intrinsic needs -mavx512bf16 for the library).
+void to_bf16(const float* x, int64_t n, uint16_t* dst) {
+  for (int64_t i = 0; i < n; i += 16) {
+    __m256i half;
+    asm("vcvtneps2bf16 %1, %0" : "=v"(half) : "v"(_mm512_loadu_ps(x + i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), half);
+  }
+}
+#endif
+
 }  // namespace
+
+bool bf16_pairs_available(int64_t head_size) {
+#if defined(__AVX512F__)
+  static const bool cpu = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16");
+  }();
+  return cpu && head_size % 16 == 0;
+#else
+  (void)head_size;
+  return false;
+#endif
+}
 
 void PagedAttention::plan_prefill(const Batch& batch, int64_t seq, PrefillPlan* plan) const {
   const int64_t group = num_heads / num_kv_heads, W = padded_width();
@@ -148,6 +176,29 @@ void PagedAttention::pack_chunk(const Batch& batch, const PrefillPlan& plan, int
       widen(value_cache + slot * slot_stride + h * D, D, value_scale, value_row);
       std::fill(value_row + D, value_row + W, 0.0f);
     }
+#if defined(__AVX512F__)
+    if (plan.pairs) {
+      // Keys: pair p of dimensions (2p, 2p + 1) of key i at word p * chunk + i. Values: pair
+      // of keys (2j, 2j + 1) at dimension d at word j * W + d.
+      uint16_t halves[16 * kMaxHeadSize];
+      to_bf16(rows, 16 * D, halves);
+      auto* key_words = reinterpret_cast<uint32_t*>(keys);
+      const auto* key_pairs = reinterpret_cast<const uint32_t*>(halves);
+      for (int64_t w = 0; w < D / 2; ++w)
+        for (int64_t i = 0; i < 16; ++i)
+          key_words[w * kPrefillChunkKeys + i0 + i] = key_pairs[i * D / 2 + w];
+      float* value_rows = values + i0 * W;  // (the 16 rows' floats, this chunk's own)
+      for (int64_t i = 0; i < 16; ++i)  // (weighing 0: zeros, not the memory's last values)
+        if (i0 + i >= n) std::fill(value_rows + i * W, value_rows + (i + 1) * W, 0.0f);
+      to_bf16(value_rows, 16 * W, halves);
+      auto* value_words = reinterpret_cast<uint32_t*>(values) + i0 / 2 * W;
+      for (int64_t j = 0; j < 8; ++j)
+        for (int64_t d = 0; d < W; ++d)
+          value_words[j * W + d] =
+              halves[2 * j * W + d] | static_cast<uint32_t>(halves[(2 * j + 1) * W + d]) << 16;
+      continue;
+    }
+#endif
     for (int64_t d = 0; d < D; ++d)
       for (int64_t i = 0; i < 16; ++i) keys[d * kPrefillChunkKeys + i0 + i] = rows[i * D + d];
   }
@@ -174,7 +225,7 @@ void PagedAttention::attend_tile(const Batch& batch, const PrefillPlan& plan,
 
   constexpr int64_t ldk = kPrefillChunkKeys;  // scores per row
   thread_local std::vector<float> scratch;
-  scratch.resize(rows * D + rows * W + 2 * rows + rows * ldk);
+  scratch.resize(rows * D + rows * W + 2 * rows + rows * ldk + (plan.pairs ? rows * ldk / 2 : 0));
   float* const queries = scratch.data();     // [rows, D], scaled
   float* const outputs = queries + rows * D;  // [rows, W], unnormalised
   float* const maxes = outputs + rows * W;
@@ -186,6 +237,15 @@ void PagedAttention::attend_tile(const Batch& batch, const PrefillPlan& plan,
     for (int64_t i = 0; i < group * D; ++i)
       queries[j * group * D + i] = scale * load_element(batch.query, batch.query_type, src + i);
   }
+#if defined(__AVX512F__)
+  // With pairs: the queries as [rows, D / 2] pairs (over the queries' floats, a row at a time:
+  // row r's pairs end before row r + 1's floats begin), the weights as [rows, ldk / 2] pairs.
+  auto* const query_pairs = reinterpret_cast<uint32_t*>(queries);
+  auto* const weight_pairs = reinterpret_cast<uint32_t*>(scores + rows * ldk);
+  if (plan.pairs)
+    for (int64_t r = 0; r < rows; ++r)
+      to_bf16(queries + r * D, D, reinterpret_cast<uint16_t*>(query_pairs + r * D / 2));
+#endif
   std::fill(outputs, outputs + rows * W, 0.0f);
   std::fill(maxes, maxes + rows, -std::numeric_limits<float>::infinity());
   std::fill(sums, sums + rows, 0.0f);
@@ -198,8 +258,14 @@ void PagedAttention::attend_tile(const Batch& batch, const PrefillPlan& plan,
     const int64_t n = std::min(kPrefillChunkKeys, end_key - k0);  // keys of the chunk it reads
     const float* keys = plan.storage + packed.keys + chunk * D * kPrefillChunkKeys;
     const float* values = plan.storage + packed.values + chunk * kPrefillChunkKeys * W;
-    panel_product<false>(rows, (n + 15) / 16 * 16, D, queries, D, keys, kPrefillChunkKeys, scores,
-                         ldk);
+    const int64_t columns = (n + 15) / 16 * 16;
+#if defined(__AVX512F__)
+    if (plan.pairs)
+      panel_product<false>(rows, columns, D / 2, query_pairs, D / 2,
+                           reinterpret_cast<const uint32_t*>(keys), kPrefillChunkKeys, scores, ldk);
+    else
+#endif
+      panel_product<false>(rows, columns, D, queries, D, keys, kPrefillChunkKeys, scores, ldk);
     for (int64_t j = 0; j < tokens; ++j) {
       // Visible keys of the chunk for token j: columns [a, e).
       const int64_t a = std::clamp(lo[j] - k0, int64_t{0}, n);
@@ -230,6 +296,19 @@ void PagedAttention::attend_tile(const Batch& batch, const PrefillPlan& plan,
         }
       }
     }
+#if defined(__AVX512F__)
+    if (plan.pairs) {
+      // An odd n's last pair has key n for second: a key of the chunk past this tile's (its
+      // score left unmasked) or a zero row past the packed keys. It weighs exactly 0.
+      for (int64_t r = 0; r < rows; ++r) {
+        if (n % 2 != 0) scores[r * ldk + n] = 0.0f;
+        to_bf16(scores + r * ldk, columns, reinterpret_cast<uint16_t*>(weight_pairs + r * ldk / 2));
+      }
+      panel_product<true>(rows, W, (n + 1) / 2, weight_pairs, ldk / 2,
+                          reinterpret_cast<const uint32_t*>(values), W, outputs, W);
+      continue;
+    }
+#endif
     panel_product<true>(rows, W, n, scores, ldk, values, W, outputs, W);
   }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "vector_math.h"
 
@@ -38,10 +39,17 @@ inline lane_vector splat_lanes(float x) {
 #endif
 }
 
+// What the products multiply: float32 elements (multiply-adds of a broadcast element), or
+// bfloat16 pairs held as uint32 words (AVX-512 builds on AVX512_BF16 CPUs: vdpbf16ps, a
+// broadcast pair of a times b's lanes' pairs, both products added to the float32 lane: twice
+// the multiply-adds an instruction). With pairs, `depth` counts pairs.
+template <typename T>
+constexpr bool kPairs = std::is_same_v<T, uint32_t>;
+
 // c[R rows][V * kLanes columns] (+)= a[R rows][depth] . b[depth][V * kLanes columns]; the rows
-// of a, b and c lie lda, ldb and ldc floats apart.
-template <int R, int V, bool Accumulate>
-inline void tile_product(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t depth,
+// of a, b and c lie lda, ldb and ldc elements apart.
+template <int R, int V, bool Accumulate, typename T>
+inline void tile_product(const T* a, int64_t lda, const T* b, int64_t ldb, int64_t depth,
                          float* c, int64_t ldc) {
   lane_vector acc[R][V];
 #pragma GCC unroll 16
@@ -52,12 +60,22 @@ inline void tile_product(const float* a, int64_t lda, const float* b, int64_t ld
   for (int64_t k = 0; k < depth; ++k, b += ldb) {
     lane_vector row[V];
 #pragma GCC unroll 16
-    for (int v = 0; v < V; ++v) row[v] = load_lanes(b + v * kLanes);
+    for (int v = 0; v < V; ++v) row[v] = load_lanes(reinterpret_cast<const float*>(b) + v * kLanes);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const lane_vector splat = splat_lanes(a[r * lda + k]);
+      if constexpr (kPairs<T>) {
+#if defined(__AVX512F__)
 #pragma GCC unroll 16
-      for (int v = 0; v < V; ++v) acc[r][v] += splat * row[v];
+        for (int v = 0; v < V; ++v)
+          asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc[r][v]) : "v"(row[v]), "m"(a[r * lda + k]));
+#else
+        static_assert(!kPairs<T>, "bfloat16 pairs: the AVX-512 build only");
+#endif
+      } else {
+        const lane_vector splat = splat_lanes(a[r * lda + k]);
+#pragma GCC unroll 16
+        for (int v = 0; v < V; ++v) acc[r][v] += splat * row[v];
+      }
     }
   }
 #pragma GCC unroll 16
@@ -67,8 +85,8 @@ inline void tile_product(const float* a, int64_t lda, const float* b, int64_t ld
 }
 
 // The last `rows` (< R) rows of a column panel: tile_product<rows, V>.
-template <int R, int V, bool Accumulate>
-inline void tile_product_rows(int rows, const float* a, int64_t lda, const float* b, int64_t ldb,
+template <int R, int V, bool Accumulate, typename T>
+inline void tile_product_rows(int rows, const T* a, int64_t lda, const T* b, int64_t ldb,
                               int64_t depth, float* c, int64_t ldc) {
   if constexpr (R > 0) {
     if (rows == R) return tile_product<R, V, Accumulate>(a, lda, b, ldb, depth, c, ldc);
@@ -76,8 +94,8 @@ inline void tile_product_rows(int rows, const float* a, int64_t lda, const float
   }
 }
 
-template <int V, bool Accumulate>
-inline void column_panel(int64_t m, const float* a, int64_t lda, const float* b, int64_t ldb,
+template <int V, bool Accumulate, typename T>
+inline void column_panel(int64_t m, const T* a, int64_t lda, const T* b, int64_t ldb,
                          int64_t depth, float* c, int64_t ldc) {
   int64_t r = 0;
   for (; r + kTileRows <= m; r += kTileRows)
@@ -88,10 +106,10 @@ inline void column_panel(int64_t m, const float* a, int64_t lda, const float* b,
 }
 
 // c[m][n] (+)= a[m][depth] . b[depth][n] for n a multiple of 16, one column panel of b at a
-// time (it stays in L1 while every row of a passes over it).
-template <bool Accumulate>
-inline void panel_product(int64_t m, int64_t n, int64_t depth, const float* a, int64_t lda,
-                          const float* b, int64_t ldb, float* c, int64_t ldc) {
+// time (it stays in L1 while every row of a passes over it). (Pairs: b's rows are n words.)
+template <bool Accumulate, typename T>
+inline void panel_product(int64_t m, int64_t n, int64_t depth, const T* a, int64_t lda,
+                          const T* b, int64_t ldb, float* c, int64_t ldc) {
   constexpr int64_t columns = kTileVectors * kLanes;
   int64_t col = 0;
   for (; col + columns <= n; col += columns)

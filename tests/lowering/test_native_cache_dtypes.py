@@ -9,6 +9,8 @@ tolerance against a float64 computation over the dequantized caches."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -19,7 +21,7 @@ from attnexport.lowering.ort_session import PagedOrtSession
 from attnexport.ort_kernels.node_model import node_model
 from attnexport.tolerances import tolerance
 from tests.attention_cases import AttentionCase, make_paged_inputs
-from tests.helpers import requires_ort_kernels
+from tests.helpers import bf16_pairs_run, requires_ort_kernels
 
 pytestmark = requires_ort_kernels
 
@@ -98,7 +100,7 @@ def _options() -> ort.SessionOptions:
     return options
 
 
-def _attention_session(inputs: dict, case: AttentionCase) -> PagedOrtSession:
+def _attention_session(inputs: dict, case: AttentionCase, prefill_bf16: int = 0) -> PagedOrtSession:
     kwargs = make_paged_inputs(case)["kwargs"]
     model = node_model(
         "PagedAttention",
@@ -112,6 +114,7 @@ def _attention_session(inputs: dict, case: AttentionCase) -> PagedOrtSession:
         causal=int(case.causal),
         sliding_window=case.sliding_window,
         logits_soft_cap=case.logits_soft_cap,
+        **({"prefill_bf16": prefill_bf16} if prefill_bf16 else {}),
     )
     return PagedOrtSession(model, session_options=_options())
 
@@ -395,6 +398,67 @@ def test_paged_attention_over_a_cache_of_another_dtype(case, query_dtype, cache_
     torch.testing.assert_close(
         out.to(torch.float64), torch.from_numpy(expected), **tolerance(query_dtype)
     )
+
+
+# ------------------------------------------------------------------ prefill_bf16
+
+BF16_CASES = [
+    ATTENTION_CASES[0].with_(head_size=64),  # prefills (tiles) and decodes in one batch
+    ATTENTION_CASES[9],  # prompts and a chunk over several tiles and chunks of keys
+    ATTENTION_CASES[9].with_(alibi=True, logits_soft_cap=5.0, sliding_window=-1, head_size=128),
+    LONG.with_(query_lens=(1, 40, 5, 1)),  # decodes past a chunk of keys, two prefills
+]
+
+
+@pytest.mark.parametrize("case", BF16_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32], ids=str)
+def test_paged_attention_prefill_bf16_rounds_only_the_prefills(case, cache_dtype):
+    """prefill_bf16 = 1: within bfloat16's tolerance of the float64 reference; the decode rows
+    (sequences of one query) bit-equal to the float32 kernel's; the prefill rows differ from
+    them where the CPU has AVX512_BF16 (the pairs ran) and equal them elsewhere (ignored)."""
+    x = make_paged_inputs(case)
+    caches, floats = _cache_inputs(x, cache_dtype)
+    slopes = x["kwargs"]["alibi_slopes"]
+    inputs = {
+        "query": x["query"],
+        "key_cache": caches["key_cache"],
+        "value_cache": caches["value_cache"],
+        "block_tables": x["block_tables"],
+        "seq_lens": x["seq_lens"],
+        "query_start_loc": x["query_start_loc"],
+        "alibi_slopes": slopes if slopes is not None else torch.zeros(case.num_heads),
+        "key_scale_cache": caches.get("key_scale_cache"),
+        "value_scale_cache": caches.get("value_scale_cache"),
+    }
+    exact = _run(_attention_session(inputs, case), inputs)["output"]
+    paired = _run(_attention_session(inputs, case, prefill_bf16=1), inputs)["output"]
+    expected = attention(
+        inputs["query"].numpy(),
+        floats["key"],
+        floats["value"],
+        x["block_tables"].numpy(),
+        x["seq_lens"].numpy(),
+        x["query_start_loc"].numpy(),
+        scale=x["kwargs"]["scale"],
+        causal=case.causal,
+        sliding_window=case.sliding_window,
+        logits_soft_cap=case.logits_soft_cap,
+        alibi_slopes=None if slopes is None else slopes.numpy(),
+    )
+    torch.testing.assert_close(
+        paired.to(torch.float64), torch.from_numpy(expected), **tolerance(torch.bfloat16)
+    )
+    starts = x["query_start_loc"].tolist()
+    prefill = torch.zeros(len(paired), dtype=torch.bool)
+    for begin, end in itertools.pairwise(starts):
+        prefill[begin:end] = end - begin > 1
+    assert torch.equal(paired[~prefill], exact[~prefill])
+    if bf16_pairs_run(case.head_size):
+        assert not torch.equal(paired[prefill], exact[prefill])
+        # bfloat16's rounding, not float32's: far from the float32 kernel's error
+        assert (paired[prefill] - exact[prefill]).abs().max() > 1e-4
+    else:
+        assert torch.equal(paired[prefill], exact[prefill])
 
 
 # ------------------------------------------------------------------ named errors

@@ -87,6 +87,7 @@ def test_attnexport_target_attaches_only_the_bodies_it_uses(fp32_program, tmp_pa
         "num_kv_heads": 2,
         "head_size": 16,
         "block_size": BLOCK_SIZE,
+        "prefill_bf16": 0,  # the schema's default (export --prefill-attention bfloat16: 1)
     }
 
 

@@ -184,6 +184,15 @@ ONNX_OPS = (
         attributes=(
             *core.mask_attributes(causal=1),
             Attribute("block_size", "int", core.GEOMETRY_DOCS["block_size"]),
+            Attribute(
+                "prefill_bf16",
+                "int",
+                "1: the native kernel multiplies the queries of sequences with more than one "
+                "query token (prefills) in bfloat16 pairs where the CPU has AVX512_BF16 "
+                "(queries, keys, values and softmax weights rounded to bfloat16, float32 sums; "
+                "the softmax in float32); elsewhere, and in this body, float32. 0: float32.",
+                0,
+            ),
         ),
         torch_op="paged_attention",
         translate=translate,
