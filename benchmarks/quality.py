@@ -309,17 +309,19 @@ def _export_args(flags: list[str]):
 
 
 def variant_dir(name: str, flags: list[str], checkpoint: Path, work: Path) -> Path:
-    """The export directory of variant ``name``: the float export of its KV-cache dtype (made
-    once, by the CLI), and for a ``--weights`` variant a copy of it quantized as the flags ask
-    (``attnexport.artifact.quantize_export``: what ``export`` does after the lowering); cached
-    in ``work``."""
+    """The export directory of variant ``name``: the float export of its KV-cache dtype and
+    prefill attention (made once, by the CLI), and for a ``--weights`` variant a copy of it
+    quantized as the flags ask (``attnexport.artifact.quantize_export``: what ``export`` does
+    after the lowering); cached in ``work``."""
     from attnexport.cli import export_cmd
 
     args = _export_args(flags)
-    base = work / "ours" / f"float-kv{args.kv_cache_dtype}"
+    bf16 = args.prefill_attention == "bfloat16"
+    base = work / "ours" / f"float-kv{args.kv_cache_dtype}{'-pa-bf16' if bf16 else ''}"
     if not (base / "manifest.json").exists():
         kv = [] if args.kv_cache_dtype == "auto" else ["--kv-cache-dtype", args.kv_cache_dtype]
-        _cli("export", str(checkpoint), "--out", str(base), "--overwrite", *kv)
+        attention = ["--prefill-attention", "bfloat16"] if bf16 else []
+        _cli("export", str(checkpoint), "--out", str(base), "--overwrite", *kv, *attention)
     quantization = export_cmd._weights(args)
     if quantization is None:
         return base
@@ -327,7 +329,10 @@ def variant_dir(name: str, flags: list[str], checkpoint: Path, work: Path) -> Pa
     out = work / "ours" / slug
     entry = out / "weights.json"
     expected = json.dumps(quantization.manifest_entry([], 0), sort_keys=True)
-    if entry.exists() and json.loads(entry.read_text()).get("options") == expected:
+    cached = json.loads(entry.read_text()) if entry.exists() else {}
+    # (an entry without "base" was made from the float export of its KV-cache dtype)
+    made_from = cached.get("base", f"float-kv{args.kv_cache_dtype}")
+    if cached.get("options") == expected and made_from == base.name:
         return out
     from attnexport.artifact import quantize_export
 
@@ -336,7 +341,14 @@ def variant_dir(name: str, flags: list[str], checkpoint: Path, work: Path) -> Pa
     manifest = quantize_export(base, out, quantization)
     seconds = time.perf_counter() - start
     entry.write_text(
-        json.dumps({"options": expected, "weights": manifest["weights"], "seconds": seconds})
+        json.dumps(
+            {
+                "options": expected,
+                "base": base.name,
+                "weights": manifest["weights"],
+                "seconds": seconds,
+            }
+        )
     )
     return out
 

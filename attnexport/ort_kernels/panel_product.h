@@ -1,6 +1,6 @@
-// Register-blocked products of small row-major float32 panels: the two matrix products of the
-// tiled prefill attention (paged_prefill.cc), scores = queries . keys^T and
-// outputs += weights . values, each over panels that sit in L1/L2.
+// Register-blocked products of small row-major panels, float32 or bfloat16 pairs (kPairs): the
+// two matrix products of the tiled prefill attention (paged_prefill.cc), scores = queries .
+// keys^T and outputs += weights . values, each over panels that sit in L1/L2, into float32.
 #pragma once
 
 #include <cstdint>
