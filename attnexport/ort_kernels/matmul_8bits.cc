@@ -149,8 +149,9 @@ struct Rows {
 #if defined(__AVX512F__)
 // The largest of v's lanes (none NaN).
 inline float lane_maximum(f32x16 v) {
-  const __m256 a = _mm256_max_ps(reinterpret_cast<__m256>(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)),
-                                 reinterpret_cast<__m256>(__builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)));
+  const f32x8 low = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const f32x8 high = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m256 a = _mm256_max_ps(reinterpret_cast<__m256>(low), reinterpret_cast<__m256>(high));
   __m128 b = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   b = _mm_max_ps(b, _mm_movehl_ps(b, b));
   return _mm_cvtss_f32(_mm_max_ss(b, _mm_movehdup_ps(b)));
@@ -161,7 +162,8 @@ inline int32_t lane_total(i32x16 v) {
   typedef int32_t i32x4 __attribute__((vector_size(16)));
   const i32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const i32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const i32x4 b =
+      __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[1]) + (b[2] + b[3]);
 }
 #endif
@@ -177,9 +179,10 @@ void round_row(const float* x, int64_t k, int64_t blocks, int64_t block_size, Q*
     const int64_t start = b * block_size, stop = start + block_size < k ? start + block_size : k;
 #if defined(__AVX512F__)
     // A whole block of 16s at once, reduced in registers: the loop below (8 lanes, its sums
-    // through memory) took 1.1 cycles a value, a twelfth of a prefill's int8 products.
+    // through memory) took 1.1 cycles a value, ~8% of a prefill's int8 products at SmolLM2's
+    // shapes; this pass rounds 1.3-1.7x faster, the same numbers.
     if (stop - start == block_size && block_size % 16 == 0) {
-      // (Vector types, not the max/abs/convert intrinsics: g++ 12's trip
+      // (Vector types and maskz forms: g++ 12's plain max/abs/convert intrinsics trip
       // -Werror=maybe-uninitialized.)
       f32x16 largest16{};
       __mmask16 not_finite = 0;

@@ -359,13 +359,11 @@ QUERY_CACHE_DTYPES = [
 ]
 
 
-@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: c.id)
-@pytest.mark.parametrize(
-    "query_dtype, cache_dtype",
-    QUERY_CACHE_DTYPES,
-    ids=[f"{str(q)[6:]}-over-{str(c)[6:]}" for q, c in QUERY_CACHE_DTYPES],
-)
-def test_paged_attention_over_a_cache_of_another_dtype(case, query_dtype, cache_dtype):
+def _attention_inputs(
+    case: AttentionCase, query_dtype: torch.dtype, cache_dtype: torch.dtype
+) -> tuple[dict, np.ndarray]:
+    """PagedAttention's inputs for ``case`` (queries in ``query_dtype``, caches of
+    ``cache_dtype``) and the float64 reference output over the caches they stand for."""
     x = make_paged_inputs(case)
     caches, floats = _cache_inputs(x, cache_dtype)
     slopes = x["kwargs"]["alibi_slopes"]
@@ -380,7 +378,6 @@ def test_paged_attention_over_a_cache_of_another_dtype(case, query_dtype, cache_
         "key_scale_cache": caches.get("key_scale_cache"),
         "value_scale_cache": caches.get("value_scale_cache"),
     }
-    out = _run(_attention_session(inputs, case), inputs)["output"]
     expected = attention(
         inputs["query"].to(torch.float32).numpy(),
         floats["key"],
@@ -394,6 +391,18 @@ def test_paged_attention_over_a_cache_of_another_dtype(case, query_dtype, cache_
         logits_soft_cap=case.logits_soft_cap,
         alibi_slopes=None if slopes is None else slopes.numpy(),
     )
+    return inputs, expected
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "query_dtype, cache_dtype",
+    QUERY_CACHE_DTYPES,
+    ids=[f"{str(q)[6:]}-over-{str(c)[6:]}" for q, c in QUERY_CACHE_DTYPES],
+)
+def test_paged_attention_over_a_cache_of_another_dtype(case, query_dtype, cache_dtype):
+    inputs, expected = _attention_inputs(case, query_dtype, cache_dtype)
+    out = _run(_attention_session(inputs, case), inputs)["output"]
     assert out.dtype == query_dtype and out.shape == inputs["query"].shape
     torch.testing.assert_close(
         out.to(torch.float64), torch.from_numpy(expected), **tolerance(query_dtype)
@@ -416,39 +425,13 @@ def test_paged_attention_prefill_bf16_rounds_only_the_prefills(case, cache_dtype
     """prefill_bf16 = 1: within bfloat16's tolerance of the float64 reference; the decode rows
     (sequences of one query) bit-equal to the float32 kernel's; the prefill rows differ from
     them where the CPU has AVX512_BF16 (the pairs ran) and equal them elsewhere (ignored)."""
-    x = make_paged_inputs(case)
-    caches, floats = _cache_inputs(x, cache_dtype)
-    slopes = x["kwargs"]["alibi_slopes"]
-    inputs = {
-        "query": x["query"],
-        "key_cache": caches["key_cache"],
-        "value_cache": caches["value_cache"],
-        "block_tables": x["block_tables"],
-        "seq_lens": x["seq_lens"],
-        "query_start_loc": x["query_start_loc"],
-        "alibi_slopes": slopes if slopes is not None else torch.zeros(case.num_heads),
-        "key_scale_cache": caches.get("key_scale_cache"),
-        "value_scale_cache": caches.get("value_scale_cache"),
-    }
+    inputs, expected = _attention_inputs(case, torch.float32, cache_dtype)
     exact = _run(_attention_session(inputs, case), inputs)["output"]
     paired = _run(_attention_session(inputs, case, prefill_bf16=1), inputs)["output"]
-    expected = attention(
-        inputs["query"].numpy(),
-        floats["key"],
-        floats["value"],
-        x["block_tables"].numpy(),
-        x["seq_lens"].numpy(),
-        x["query_start_loc"].numpy(),
-        scale=x["kwargs"]["scale"],
-        causal=case.causal,
-        sliding_window=case.sliding_window,
-        logits_soft_cap=case.logits_soft_cap,
-        alibi_slopes=None if slopes is None else slopes.numpy(),
-    )
     torch.testing.assert_close(
         paired.to(torch.float64), torch.from_numpy(expected), **tolerance(torch.bfloat16)
     )
-    starts = x["query_start_loc"].tolist()
+    starts = inputs["query_start_loc"].tolist()
     prefill = torch.zeros(len(paired), dtype=torch.bool)
     for begin, end in itertools.pairwise(starts):
         prefill[begin:end] = end - begin > 1
@@ -466,19 +449,7 @@ def test_paged_attention_prefill_bf16_rounds_only_the_prefills(case, cache_dtype
 
 def _int8_attention_inputs() -> tuple[dict, AttentionCase]:
     case = ATTENTION_CASES[0]
-    x = make_paged_inputs(case)
-    caches, _ = _cache_inputs(x, torch.int8)
-    inputs = {n: x[n] for n in ("query",)} | {
-        "key_cache": caches["key_cache"],
-        "value_cache": caches["value_cache"],
-        "block_tables": x["block_tables"],
-        "seq_lens": x["seq_lens"],
-        "query_start_loc": x["query_start_loc"],
-        "alibi_slopes": torch.zeros(case.num_heads),
-        "key_scale_cache": caches["key_scale_cache"],
-        "value_scale_cache": caches["value_scale_cache"],
-    }
-    return inputs, case
+    return _attention_inputs(case, torch.float32, torch.int8)[0], case
 
 
 def _apply(change: dict, inputs: dict) -> None:
