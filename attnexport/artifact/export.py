@@ -122,8 +122,8 @@ def _export_artifact(
     ):
         raise ArtifactError(
             f"--prefill-attention {options.prefill_attention}: an option of the native "
-            "PagedAttention kernel, in the ONNX file's attnexport nodes (--format onnx, "
-            "--target attnexport)"
+            "PagedAttention kernel, in the ONNX file's attnexport nodes (--format onnx, a "
+            "--target other than standard)"
         )
     kv_cache_dtype = _kv_cache_dtype(options)
     earlier_export(out, overwrite=options.overwrite)

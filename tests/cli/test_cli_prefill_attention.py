@@ -75,7 +75,7 @@ def test_the_function_bodies_ignore_the_attribute(exports):
     "flags, needle",
     [
         (("--format", "pt2"), "--format onnx"),
-        (("--target", "standard"), "--target attnexport"),
+        (("--target", "standard"), "--target other than standard"),
     ],
 )
 def test_the_flag_is_refused_where_no_native_node_reads_it(tmp_path, capsys, flags, needle):
