@@ -97,12 +97,6 @@ inline int weight_at(const uint8_t* column, int64_t i) {
 
 inline f32x8 to_floats(__m256i v) { return __builtin_convertvector(reinterpret_cast<i32x8>(v), f32x8); }
 
-// The lanes' sum, pairwise in a fixed order.
-inline float lane_sum(f32x8 v) {
-  const f32x4 half = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-  return (half[0] + half[2]) + (half[1] + half[3]);
-}
-
 // A call's rows of `a`, rounded: int16 values (zero past K), the scale of each row's block and
 // the scaled sum of its rounded values (for the zero points' term), in groups of `group` rows:
 // a group's pairs of values [padded / 2][group] and its block parameters [blocks][group]. The
@@ -147,16 +141,6 @@ struct Rows {
 };
 
 #if defined(__AVX512F__)
-// The largest of v's lanes (none NaN).
-inline float lane_maximum(f32x16 v) {
-  const f32x8 low = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  const f32x8 high = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m256 a = _mm256_max_ps(reinterpret_cast<__m256>(low), reinterpret_cast<__m256>(high));
-  __m128 b = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  b = _mm_max_ps(b, _mm_movehl_ps(b, b));
-  return _mm_cvtss_f32(_mm_max_ss(b, _mm_movehdup_ps(b)));
-}
-
 // The sum of v's lanes (exact: no int32 overflow in the callers' sums).
 inline int32_t lane_total(i32x16 v) {
   typedef int32_t i32x4 __attribute__((vector_size(16)));
@@ -198,7 +182,7 @@ void round_row(const float* x, int64_t k, int64_t blocks, int64_t block_size, Q*
         scale_out[b * stride] = scaled_sum_out[b * stride] = NAN;
         continue;
       }
-      const float largest = lane_maximum(largest16);
+      const float largest = horizontal_max(largest16);
       const float scale = largest / levels;
       const f32x16 inverse = splat16(largest > 0.0f ? levels / largest : 0.0f);
       i32x16 sum16{};
@@ -229,11 +213,9 @@ void round_row(const float* x, int64_t k, int64_t blocks, int64_t block_size, Q*
       largest8 = _mm256_max_ps(largest8, magnitude);
       not_finite8 = _mm256_or_ps(not_finite8, _mm256_cmp_ps(magnitude, infinity, _CMP_NLT_UQ));
     }
-    // (In registers: eight std::fmax calls, libm's, were ~0.5% of a batch-32 decode.)
-    __m128 largest4 =
-        _mm_max_ps(_mm256_castps256_ps128(largest8), _mm256_extractf128_ps(largest8, 1));
-    largest4 = _mm_max_ps(largest4, _mm_movehl_ps(largest4, largest4));
-    float largest = _mm_cvtss_f32(_mm_max_ss(largest4, _mm_movehdup_ps(largest4)));
+    // (In registers: eight std::fmax calls, libm's, were ~0.5% of a batch-32 decode. A NaN
+    // lane leaves `largest` unspecified, and unused: the block is then not finite.)
+    float largest = horizontal_max(reinterpret_cast<f32x8>(largest8));
     bool finite = _mm256_movemask_ps(not_finite8) == 0;
     for (; i < stop; ++i) {
       finite = finite && std::isfinite(x[i]);
@@ -407,7 +389,7 @@ inline void dot_tile(const Rows& rows, int64_t first_row, const Weights& w, int6
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[r * ldo + c] = lane_sum(acc[r][c]) + zero_terms[r][c];
+    for (int c = 0; c < C; ++c) out[r * ldo + c] = horizontal_sum(acc[r][c]) + zero_terms[r][c];
 }
 
 // Rows four (then two) at a time by 2 columns, one row by 4: the integer accumulators stay in
@@ -466,7 +448,7 @@ void dequantize_columns(const Weights& w, int64_t first, int64_t end, int64_t k,
 }
 
 // out[r][c] (r < R, c < C) = row first_row + r of `a` . panel column c: 8 lanes in K order, then
-// lane_sum and the scalar tail, the same order for every R and C.
+// horizontal_sum and the scalar tail, the same order for every R and C.
 template <int R, int C>
 inline void panel_tile(const float* a, int64_t k, const float* panel, int64_t stride, float* out,
                        int64_t ldo) {
@@ -485,7 +467,7 @@ inline void panel_tile(const float* a, int64_t k, const float* panel, int64_t st
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
-      float sum = lane_sum(acc[r][c]);
+      float sum = horizontal_sum(acc[r][c]);
       for (int64_t i = whole; i < k; ++i) sum += a[r * k + i] * panel[c * stride + i];
       out[r * ldo + c] = sum;
     }

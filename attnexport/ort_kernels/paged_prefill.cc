@@ -49,34 +49,6 @@ inline void widen(const C* src, int64_t D, const float* scale, float* dst) {
   for (; d < D; ++d) dst[d] = scale != nullptr ? to_float(src[d]) * *scale : to_float(src[d]);
 }
 
-// The largest and the sum of a native-width vector's lanes, pairwise (a tree, not a chain of
-// kLanes - 1 dependent scalar operations per row and chunk).
-inline float lanes_max(lane_vector v) {
-#if defined(__AVX512F__)
-  const f32x8 low = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  const f32x8 high = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f32x8 m8 = low > high ? low : high;
-#else
-  const f32x8 m8 = v;
-#endif
-  const f32x4 a = __builtin_shufflevector(m8, m8, 0, 1, 2, 3);
-  const f32x4 b = __builtin_shufflevector(m8, m8, 4, 5, 6, 7);
-  const f32x4 m4 = a > b ? a : b;
-  return std::max(std::max(m4[0], m4[1]), std::max(m4[2], m4[3]));
-}
-
-inline float lanes_sum(lane_vector v) {
-#if defined(__AVX512F__)
-  const f32x8 s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-  const f32x8 s8 = v;
-#endif
-  const f32x4 s4 =
-      __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
-  return (s4[0] + s4[1]) + (s4[2] + s4[3]);
-}
-
 // The maximum of x[a, e) (native-width vectors, as in panel_product.h).
 float row_maximum(const float* x, int64_t a, int64_t e) {
   float max = -std::numeric_limits<float>::infinity();
@@ -87,7 +59,7 @@ float row_maximum(const float* x, int64_t a, int64_t e) {
       const lane_vector y = load_lanes(x + i);
       maxes = y > maxes ? y : maxes;
     }
-    max = lanes_max(maxes);
+    max = horizontal_max(maxes);
   }
   for (; i < e; ++i) max = std::max(max, x[i]);
   return max;
@@ -116,7 +88,7 @@ float exponentiate(float* x, int64_t a, int64_t e, float max) {
     i = e;
   }
 #endif
-  float sum = lanes_sum(sums);
+  float sum = horizontal_sum(sums);
   for (; i < e; ++i) {
     x[i] = exp_nonpositive<float, int32_t>(x[i] - max);
     sum += x[i];

@@ -46,10 +46,7 @@ inline float quantize_row8(const float* src, int8_t* dst, int64_t n) {
     amax8 = _mm256_max_ps(_mm256_andnot_ps(sign, x), amax8);  // (a NaN lane keeps amax8's)
     nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, amax8);
-  float amax = 0.0f;
-  for (float lane : lanes) amax = std::max(amax, lane);
+  const float amax = horizontal_max(reinterpret_cast<f32x8>(amax8));
   const float scale = _mm256_movemask_ps(nan8) != 0 ? std::numeric_limits<float>::quiet_NaN()
                                                     : amax / 127.0f;
   if (!(scale > 0.0f)) {

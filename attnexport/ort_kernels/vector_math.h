@@ -60,13 +60,33 @@ inline void store16(float* p, f32x16 v) {
 // (Not f32x16{} + x: without -ffast-math that is an addition of 0, for x = -0.)
 inline f32x16 splat16(float x) { return f32x16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
-inline float horizontal_sum(f32x16 v) {
-  f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+// The sum of v's lanes, pairwise in one fixed order: the halves added, then (0 + 2) + (1 + 3)
+// (kernels whose numbers must not depend on the path rely on it).
+inline float horizontal_sum(f32x8 v) {
+  f32x4 b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
   b += __builtin_shufflevector(b, b, 2, 3, 0, 1);
   return b[0] + b[1];
 }
+inline float horizontal_sum(f32x16 v) {
+  return horizontal_sum(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                        __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+
+#if defined(__AVX2__)
+// The largest of v's lanes (exact in any order; a NaN lane makes the result unspecified).
+inline float horizontal_max(f32x8 v) {
+  const __m256 x = reinterpret_cast<__m256>(v);
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline float horizontal_max(f32x16 v) {
+  const f32x8 low = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const f32x8 high = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  return horizontal_max(reinterpret_cast<f32x8>(
+      _mm256_max_ps(reinterpret_cast<__m256>(low), reinterpret_cast<__m256>(high))));
+}
+#endif
 
 // The 16 horizontal sums of v[0..15], in order: lane i of the result is the sum of v[i]'s lanes.
 // A transposing reduction: 30 two-register shuffles and 15 adds for 16 sums, where 16 calls of
