@@ -407,7 +407,7 @@ def _int64_constant(name: str, values: list[int]) -> ir.Node:
 def set_prefill_attention(model: ir.Model, precision: str) -> int:
     """Marks every attnexport PagedAttention node of ``model`` with ``prefill_bf16 = 1`` when
     ``precision`` is ``"bfloat16"`` (the native kernel's prefills in bfloat16 pairs where the
-    CPU has AVX512_BF16: docs/ops.md); returns the nodes marked."""
+    CPU has AVX512_BF16: docs/lowering.md); returns the nodes marked."""
     if precision not in PREFILL_ATTENTION:
         raise ValueError(
             f"prefill_attention: expected one of {', '.join(PREFILL_ATTENTION)}, got {precision!r}"

@@ -25,7 +25,7 @@ struct PagedAttention {
   int64_t num_heads = 0, num_kv_heads = 0, head_size = 0, block_size = 0;
   int64_t causal = 1, sliding_window = -1;
   float scale = 1.0f, soft_cap = 0.0f;
-  // 1: the prefill path multiplies bfloat16 pairs where the CPU has AVX512_BF16 (docs/ops.md).
+  // 1: the prefill path multiplies bfloat16 pairs where the CPU has AVX512_BF16 (docs/lowering.md).
   int64_t prefill_bf16 = 0;
 
   OrtStatus* init(const OrtKernelInfo* info);
