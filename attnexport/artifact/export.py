@@ -252,6 +252,9 @@ def _write_export(
             cache_spec=cache_spec,
             metadata={"architecture": model.zoo_name, "kind": model.kind, "impl": model.impl},
             prefill_attention=options.prefill_attention,
+            # the float32 projections in the native kernel's panels (attnexport.PackedMatMul),
+            # unless the quantizer rewrites them next
+            pack_float_weights=options.weights is None and options.target == "attnexport",
             step=lambda description: step(f"ONNX ({options.target}): {description}"),
         )
         timings["onnx"] = round(time.perf_counter() - start, 3)

@@ -4,12 +4,19 @@ function body, the standard ops stock onnxruntime runs where no native kernel cl
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import onnx
 from onnx import helper
 
 from attnexport.model_contract import DOMAIN, DOMAIN_VERSION
+
+EXTERNAL_DATA_BYTES = 64 * 2**20
+"""Weights past this many bytes go to ``model.onnx.data``, written one tensor at a time: a
+single file is serialized whole in memory first (a second and third copy of the weights beside
+the model's; protobuf's 2 GiB limit besides). The lowering's rule, and the rewrites'."""
 
 
 def add_function_body(
@@ -22,3 +29,16 @@ def add_function_body(
         model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
     if not any(f.domain == DOMAIN and f.name == op_type for f in model.functions):
         model.functions.append(body(opsets.get("", 18)))
+
+
+def save_rewritten(model: onnx.ModelProto, path: str | os.PathLike) -> None:
+    """Saves ``model`` (its weights' data loaded) over the ONNX file at ``path``: the weights in
+    ``<path>.data`` when they are over 64 MiB (the lowering's rule), the old data file replaced;
+    then onnx's full check of the file."""
+    path = Path(path)
+    external = sum(len(i.raw_data) for i in model.graph.initializer) > EXTERNAL_DATA_BYTES
+    data = path.with_name(f"{path.name}.data")
+    if data.exists():
+        data.unlink()
+    onnx.save(model, str(path), save_as_external_data=external, location=data.name)
+    onnx.checker.check_model(str(path), full_check=True)

@@ -19,6 +19,7 @@ Pipeline (each step answers a trap of docs/traps.md)::
                               attnexport nodes (the transformers path's graphs)
     rename_dims, name_outputs readable dimension and output names
     apply_target              attach bodies / inline them / map to com.microsoft
+    pack_float_weights        (optional) float32 MatMul weights -> panels of PackedMatMul
     graph contract, IR 10     metadata_props; then save, full onnx.checker, in-place check
 """
 
@@ -35,7 +36,15 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
-from attnexport.lowering import fusions, naming, onnx_passes, onnx_translation, rule_matching
+from attnexport.lowering import (
+    fusions,
+    naming,
+    onnx_passes,
+    onnx_translation,
+    packed_matmul,
+    rule_matching,
+)
+from attnexport.lowering.domain_functions import EXTERNAL_DATA_BYTES
 from attnexport.lowering.export import DIM_NAMES_META, export_program
 from attnexport.lowering.model_contract import GraphContract, cache_geometry
 from attnexport.lowering.passes import check_program, functionalize_cache_writes
@@ -45,10 +54,6 @@ from attnexport.model_interface import CacheSpec
 IR_VERSION = 10
 """ONNX IR version of the files (onnx 1.23 writes newer ones than onnxruntime 1.31 reads)."""
 DEFAULT_OPSET = 18
-EXTERNAL_DATA_BYTES = 64 * 2**20
-"""Weights past this many bytes go to ``model.onnx.data``, written one tensor at a time: a
-single file is serialized whole in memory first (a second and third copy of the weights beside
-the model's; protobuf's 2 GiB limit besides)."""
 
 
 def _sample_inputs(program: ExportedProgram) -> dict[str, torch.Tensor]:
@@ -114,6 +119,7 @@ def to_onnx(
     opset_version: int = DEFAULT_OPSET,
     fuse: bool = True,
     prefill_attention: str = "float32",
+    pack_float_weights: bool = False,
     step: Callable[[str], None] = lambda _description: None,
 ) -> onnx.ModelProto:
     """Exports a model on the attnexport ops to an ONNX file that stock onnxruntime runs.
@@ -144,6 +150,9 @@ def to_onnx(
         prefill_attention: ``"float32"`` or ``"bfloat16"``: the native PagedAttention kernel
             multiplies prefills in bfloat16 pairs where the CPU has AVX512_BF16 (the nodes'
             ``prefill_bf16``; not with the ``standard`` target, which has no such node).
+        pack_float_weights: store the float32 projections' weights in panels of 32 columns
+            for ``attnexport.PackedMatMul`` (the native kernel's layout; target ``attnexport``
+            only; the quantizer turns them back: :mod:`attnexport.lowering.packed_matmul`).
         step: called with a description as each long stage starts (progress display).
 
     Returns:
@@ -154,6 +163,11 @@ def to_onnx(
             :func:`export_program` error.
     """
     check_target(target)
+    if pack_float_weights and target != "attnexport":
+        raise ValueError(
+            f"pack_float_weights: the panels are read by the native PackedMatMul kernel; target "
+            f"{target!r} has no such node (use target attnexport)"
+        )
     if prefill_attention != "float32" and target == "standard":
         raise ValueError(
             f"prefill_attention {prefill_attention!r}: an option of the native PagedAttention "
@@ -200,6 +214,8 @@ def to_onnx(
     onnx_passes.name_outputs(model, cache_outputs, output_names)
     onnx_passes.set_prefill_attention(model, prefill_attention)
     notes = apply_target(model, target)
+    if pack_float_weights:  # (after the target: its checks know the torch ops' nodes only)
+        packed_matmul.pack_float_weights(model)
 
     model.ir_version = IR_VERSION
     model.producer_name = "attnexport"

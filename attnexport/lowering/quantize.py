@@ -37,7 +37,7 @@ from pathlib import Path
 import onnx
 from onnx import external_data_helper
 
-from attnexport.lowering.onnx_export import EXTERNAL_DATA_BYTES
+from attnexport.lowering.domain_functions import save_rewritten
 from attnexport.lowering.quantization_error import QuantizationError
 from attnexport.lowering.quiet import quieted
 
@@ -372,9 +372,12 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
     from attnexport.lowering import lm_head
     from attnexport.lowering.float_zero_points import split_float_zero_points
     from attnexport.lowering.matmul_8bits import to_matmul_8bits
+    from attnexport.lowering.packed_matmul import unpack_float_weights
 
     path = Path(path)
     base_dir = str(path.parent)
+    # a float export's panels (attnexport.PackedMatMul) back to MatMul on [K, N] weights
+    unpack_float_weights(path)
     # the graph alone: each float weight is read from model.onnx.data as it is quantized
     model = onnx.load(str(path), load_external_data=False)
     layers = quantizable_layers(model)
@@ -413,10 +416,5 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
     split_float_zero_points(quantized, quantization.offsets)
     if quantization.batch_invariant:
         pad_matmulnbits_rows(quantized)
-    external = sum(len(i.raw_data) for i in quantized.graph.initializer) > EXTERNAL_DATA_BYTES
-    data = path.with_name(f"{path.name}.data")
-    if data.exists():
-        data.unlink()
-    onnx.save(quantized, str(path), save_as_external_data=external, location=data.name)
-    onnx.checker.check_model(str(path), full_check=True)
+    save_rewritten(quantized, path)
     return quantization.manifest_entry(keep, count)

@@ -18,6 +18,7 @@
 #include "fused_add_rms_norm.h"
 #include "kernel_api.h"
 #include "matmul_8bits.h"
+#include "packed_matmul.h"
 #include "paged_attention.h"
 #include "reshape_and_cache.h"
 #include "rotary_embedding.h"
@@ -111,8 +112,8 @@ OrtStatus* infer_halved_last_dim(OrtShapeInferContext* context) {
   return set_output_shape(context, 0, type, dims, symbols);
 }
 
-// MatMul8Bits: a [..., K] -> [..., N] (the attribute N), a's type.
-OrtStatus* infer_matmul_8bits(OrtShapeInferContext* context) {
+// MatMul8Bits, MatMul4Bits, PackedMatMul: a [..., K] -> [..., N] (the attribute N), a's type.
+OrtStatus* infer_n_columns(OrtShapeInferContext* context) {
   ONNXTensorElementDataType type;
   std::vector<int64_t> dims;
   std::vector<std::string> symbols;
@@ -237,9 +238,10 @@ Op<NeoxQKVRotaryEmbedding> qkv_rotary_embedding_op("NeoxQKVRotaryEmbedding",
 Op<SiluAndMul> silu_and_mul_op("SiluAndMul", {kAnyType}, {0}, infer_halved_last_dim);
 Op<FusedAddRMSNorm> fused_add_rms_norm_op("FusedAddRMSNorm", {kAnyType, kAnyType, kAnyType}, {0, 0});
 Op<MatMul8Bits> matmul_8bits_op("MatMul8Bits", {kAnyType, kAnyType, kAnyType, kAnyType}, {0},
-                                infer_matmul_8bits);
+                                infer_n_columns);
 Op<MatMul4Bits> matmul_4bits_op("MatMul4Bits", {kAnyType, kAnyType, kAnyType, kAnyType}, {0},
-                                infer_matmul_8bits);
+                                infer_n_columns);
+Op<PackedMatMul> packed_matmul_op("PackedMatMul", {kAnyType, kAnyType}, {0}, infer_n_columns);
 Op<AddBlockOffsets> add_block_offsets_op("AddBlockOffsets", {kAnyType, kAnyType, kAnyType, kAnyType},
                                          {0}, infer_like_first_input);
 
@@ -266,5 +268,6 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &matmul_8bits_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &matmul_4bits_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &add_block_offsets_op));
+  ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &packed_matmul_op));
   return ort->AddCustomOpDomain(options, domain);
 }

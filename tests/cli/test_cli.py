@@ -116,6 +116,7 @@ def test_inspect(llama_export, capsys):
         "attnexport::NeoxQKVRotaryEmbedding": 2,
         "attnexport::SiluAndMul": 2,
         "attnexport::FusedAddRMSNorm": 4,
+        "attnexport::PackedMatMul": 9,  # the projections and the (untied) logits projection
     }
     assert len(summary["cache_ports"]) == 4
     assert summary["cache_ports"][0] == {"input": "kv_caches_0", "output": "kv_caches_0_out"}

@@ -1,0 +1,22 @@
+#pragma once
+
+#include <onnxruntime_c_api.h>
+
+#include <cstdint>
+#include <string>
+
+namespace attnexport {
+
+// attnexport.PackedMatMul: a[..., K] float32 @ W -> [..., N] float32, the constant W [K, N]
+// stored as panels of 32 columns: b [N / 32, K, 32] float32, b[p, k, j] = W[k, 32p + j] (N a
+// multiple of 32). A panel is one contiguous stream of the columns' weights, k after k, which
+// the kernel's register tiles read once per pass of rows (packed_matmul.cc). Every output
+// element is the sum over k in order, one fused multiply-add at a time, whatever the call's row
+// count or the kernel variant: a row's numbers do not depend on its batch.
+struct PackedMatMul {
+  int64_t k = 0, n = 0;
+  OrtStatus* init(const OrtKernelInfo* info);
+  OrtStatus* compute(OrtKernelContext* context) const;
+};
+
+}  // namespace attnexport
