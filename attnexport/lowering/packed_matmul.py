@@ -31,6 +31,9 @@ from attnexport.lowering.domain_functions import save_rewritten
 from attnexport.model_contract import DOMAIN, DOMAIN_VERSION
 
 OP_TYPE = "PackedMatMul"
+FUSED_OP_TYPE = "PackedMatMulSiluAndMul"
+"""``SiluAndMul(PackedMatMul(A, B))`` in one node, ``B``'s panels in (gate, up) pairs
+(:func:`to_pairs`): the native kernel never stores the gate/up product."""
 PANEL = 32
 """Columns of a panel: the native kernel's register tiles are 32 (AVX2: 4 registers) or 64
 (AVX-512: two panels side by side) columns wide."""
@@ -60,6 +63,47 @@ def packed_matmul_function(opset: int) -> onnx.FunctionProto:
     )
 
 
+def packed_matmul_silu_and_mul_function(opset: int) -> onnx.FunctionProto:
+    """The function body of ``attnexport.PackedMatMulSiluAndMul`` in standard ops of ``opset``
+    (>= 18): ``PackedMatMul``'s product, its columns in (gate, up) pairs of 32, then
+    ``silu(gate) * up`` as ``SiluAndMul``'s body computes it."""
+
+    def const(name: str, values: list[int]) -> onnx.NodeProto:
+        return helper.make_node(
+            "Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64))
+        )
+
+    nodes = [
+        const("k_by_rest", [0, -1]),
+        const("pair", [-1, 2, PANEL]),
+        const("rest", [-1]),
+        const("zero", [0]),
+        const("minus_one", [-1]),
+        helper.make_node("Transpose", ["B"], ["k_panels"], perm=[1, 0, 2]),
+        helper.make_node("Reshape", ["k_panels", "k_by_rest"], ["W"]),
+        helper.make_node("MatMul", ["A", "W"], ["products"]),  # [..., N]: g0 u0 g1 u1 ...
+        helper.make_node("Shape", ["A"], ["a_shape"]),
+        helper.make_node("Slice", ["a_shape", "zero", "minus_one"], ["lead"]),
+        helper.make_node("Concat", ["lead", "pair"], ["pairs_shape"], axis=0),
+        helper.make_node("Reshape", ["products", "pairs_shape"], ["pairs"]),
+        helper.make_node("Split", ["pairs"], ["gate", "up"], axis=-2, num_outputs=2),
+        helper.make_node("Sigmoid", ["gate"], ["gate_sigmoid"]),
+        helper.make_node("Mul", ["gate", "gate_sigmoid"], ["silu"]),
+        helper.make_node("Mul", ["silu", "up"], ["gated"]),
+        helper.make_node("Concat", ["lead", "rest"], ["y_shape"], axis=0),
+        helper.make_node("Reshape", ["gated", "y_shape"], ["Y"]),
+    ]
+    return helper.make_function(
+        DOMAIN,
+        FUSED_OP_TYPE,
+        ["A", "B"],
+        ["Y"],
+        nodes,
+        [helper.make_opsetid("", opset)],
+        attributes=["K", "N"],
+    )
+
+
 def to_panels(weight: np.ndarray) -> np.ndarray:
     """``[K, N]`` -> ``[N / 32, K, 32]`` (module doc); ``N`` a multiple of 32."""
     k, n = weight.shape
@@ -70,6 +114,21 @@ def from_panels(panels: np.ndarray) -> np.ndarray:
     """The inverse of :func:`to_panels`."""
     count, k, _ = panels.shape
     return np.ascontiguousarray(panels.transpose(1, 0, 2).reshape(k, count * PANEL))
+
+
+def to_pairs(panels: np.ndarray) -> np.ndarray:
+    """The panels of a gate/up weight ``[K, 2d]`` (the gate's columns first) reordered into
+    (gate, up) pairs: ``g0, u0, g1, u1, ...`` (``d`` a multiple of 32)."""
+    count, k, _ = panels.shape
+    pairs = panels.reshape(2, count // 2, k, PANEL).transpose(1, 0, 2, 3)
+    return np.ascontiguousarray(pairs.reshape(count, k, PANEL))
+
+
+def from_pairs(pairs: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`to_pairs`."""
+    count, k, _ = pairs.shape
+    panels = pairs.reshape(count // 2, 2, k, PANEL).transpose(1, 0, 2, 3)
+    return np.ascontiguousarray(panels.reshape(count, k, PANEL))
 
 
 TIED_SUFFIX = ".panels"
@@ -103,15 +162,16 @@ def _tied_head(node: ir.Node) -> bool:
     )
 
 
-def _panels_of(source, name: str, transposed: bool) -> ir.LazyTensor:
-    """The panels of the ``[K, N]`` weight ``source`` (``transposed``: of ``source.T``), computed
-    when the file is written."""
+def _panels_of(source, name: str, transposed: bool, pairs: bool = False) -> ir.LazyTensor:
+    """The panels of the ``[K, N]`` weight ``source`` (``transposed``: of ``source.T``; ``pairs``:
+    in gate/up pairs), computed when the file is written."""
     rows, columns = source.shape
     k, n = (columns, rows) if transposed else (rows, columns)
 
     def compute():
         weight = source.numpy()
-        return ir.tensor(to_panels(weight.T if transposed else weight), name=name)
+        panels = to_panels(weight.T if transposed else weight)
+        return ir.tensor(to_pairs(panels) if pairs else panels, name=name)
 
     return ir.LazyTensor(
         compute, dtype=ir.DataType.FLOAT, shape=ir.Shape((n // PANEL, k, PANEL)), name=name
@@ -134,8 +194,13 @@ def pack_float_weights(model: ir.Model) -> int:
             k, n = weight.const_value.shape
             if n % PANEL:
                 continue
-            weight.const_value = _panels_of(weight.const_value, weight.name, transposed=False)
+            activation = _silu_and_mul_after(node, n)
+            weight.const_value = _panels_of(
+                weight.const_value, weight.name, transposed=False, pairs=activation is not None
+            )
             weight.shape = weight.const_value.shape
+            if activation is not None:
+                _absorb(model.graph, node, activation)
         elif _tied_head(node) and len(weight.uses()) > 1:
             n, k = weight.const_value.shape
             if n % PANEL:
@@ -148,15 +213,47 @@ def pack_float_weights(model: ir.Model) -> int:
             node.attributes.clear()
         else:
             continue
-        node.op_type, node.domain = OP_TYPE, DOMAIN
+        if node.op_type != FUSED_OP_TYPE:
+            node.op_type = OP_TYPE
+        node.domain = DOMAIN
         node.attributes["K"] = ir.AttrInt64("K", k)
         node.attributes["N"] = ir.AttrInt64("N", n)
         packed += 1
-    if packed:
-        model.opset_imports[DOMAIN] = DOMAIN_VERSION
-        body = ir.serde.deserialize_function(packed_matmul_function(model.opset_imports[""]))
-        model.functions[body.identifier()] = body
+    used = {node.op_type for node in model.graph if node.domain == DOMAIN}
+    for op_type, body in (
+        (OP_TYPE, packed_matmul_function),
+        (FUSED_OP_TYPE, packed_matmul_silu_and_mul_function),
+    ):
+        if op_type in used:
+            model.opset_imports[DOMAIN] = DOMAIN_VERSION
+            function = ir.serde.deserialize_function(body(model.opset_imports[""]))
+            model.functions[function.identifier()] = function
     return packed
+
+
+def _silu_and_mul_after(node: ir.Node, n: int) -> ir.Node | None:
+    """The ``attnexport.SiluAndMul`` that alone reads ``node``'s product (not a graph output),
+    when the halves are whole pairs of panels (``n`` a multiple of 64)."""
+    product = node.outputs[0]
+    uses = list(product.uses())
+    if n % (2 * PANEL) or product.is_graph_output() or len(uses) != 1:
+        return None
+    reader, index = uses[0]
+    if (reader.domain, reader.op_type, index) != (DOMAIN, "SiluAndMul", 0):
+        return None
+    return reader
+
+
+def _absorb(graph: ir.Graph, node: ir.Node, activation: ir.Node) -> None:
+    """Makes ``node`` (a projection) a ``PackedMatMulSiluAndMul`` that writes ``activation``'s
+    output (same value name), and removes ``activation``."""
+    output, result = activation.outputs[0], node.outputs[0]
+    name = output.name
+    result.type, result.shape = output.type, output.shape
+    ir.convenience.replace_all_uses_with(output, result, replace_graph_outputs=True)
+    graph.remove(activation, safe=True)
+    result.name = name
+    node.op_type = FUSED_OP_TYPE
 
 
 def _drop_value_info(model: onnx.ModelProto, names: set[str]) -> None:
@@ -172,6 +269,7 @@ def to_matmul(model: onnx.ModelProto) -> int:
     panels (dropped); drops the function body. Returns how many."""
     graph = model.graph
     initializers = {i.name: i for i in graph.initializer}
+    _split_silu_and_mul(model, initializers)
     unpacked, dropped = 0, set()
     for node in graph.node:
         if node.domain != DOMAIN or node.op_type != OP_TYPE:
@@ -195,14 +293,40 @@ def to_matmul(model: onnx.ModelProto) -> int:
     del graph.initializer[:]
     graph.initializer.extend(kept)
     _drop_value_info(model, dropped | {n.input[1] for n in graph.node if n.op_type == "MatMul"})
-    functions = [f for f in model.functions if not (f.domain == DOMAIN and f.name == OP_TYPE)]
+    functions = [
+        f
+        for f in model.functions
+        if not (f.domain == DOMAIN and f.name in (OP_TYPE, FUSED_OP_TYPE))
+    ]
     del model.functions[:]
     model.functions.extend(functions)
     return unpacked
 
 
+def _split_silu_and_mul(model: onnx.ModelProto, initializers: dict) -> None:
+    """Every ``PackedMatMulSiluAndMul`` back to ``PackedMatMul`` (its panels out of pairs) and
+    the ``SiluAndMul`` after it (the lowering attached ``SiluAndMul``'s function body before it
+    fused the nodes, and it stays in the file)."""
+    graph = model.graph
+    for position in reversed(range(len(graph.node))):
+        node = graph.node[position]
+        if node.domain != DOMAIN or node.op_type != FUSED_OP_TYPE:
+            continue
+        weight = initializers[node.input[1]]
+        weight.CopyFrom(
+            numpy_helper.from_array(from_pairs(numpy_helper.to_array(weight)), weight.name)
+        )
+        gated = node.output[0]
+        product = f"{gated}_gate_up"
+        node.op_type, node.output[0] = OP_TYPE, product
+        activation = helper.make_node("SiluAndMul", [product], [gated], domain=DOMAIN)
+        graph.node.insert(position + 1, activation)
+
+
 def has_packed_matmul(model: onnx.ModelProto) -> bool:
-    return any(n.domain == DOMAIN and n.op_type == OP_TYPE for n in model.graph.node)
+    return any(
+        n.domain == DOMAIN and n.op_type in (OP_TYPE, FUSED_OP_TYPE) for n in model.graph.node
+    )
 
 
 def unpack_float_weights(path: str | os.PathLike) -> int:

@@ -15,8 +15,18 @@ namespace attnexport {
 // count or the kernel variant: a row's numbers do not depend on its batch.
 struct PackedMatMul {
   int64_t k = 0, n = 0;
+  bool silu_and_mul = false;  // PackedMatMulSiluAndMul
   OrtStatus* init(const OrtKernelInfo* info);
   OrtStatus* compute(OrtKernelContext* context) const;
+  std::string op_name() const { return silu_and_mul ? "PackedMatMulSiluAndMul" : "PackedMatMul"; }
+};
+
+// attnexport.PackedMatMulSiluAndMul: SiluAndMul(PackedMatMul(a, b)) -> [..., N / 2], the panels
+// in pairs: panel 2q holds the gate's columns [32q, 32q + 32), panel 2q + 1 the up projection's
+// (columns N / 2 + 32q on): each work item computes a pair and writes silu(gate) * up, the
+// product of N columns never stored (N a multiple of 64).
+struct PackedMatMulSiluAndMul : PackedMatMul {
+  PackedMatMulSiluAndMul() { silu_and_mul = true; }
 };
 
 }  // namespace attnexport

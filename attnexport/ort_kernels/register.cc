@@ -112,17 +112,21 @@ OrtStatus* infer_halved_last_dim(OrtShapeInferContext* context) {
   return set_output_shape(context, 0, type, dims, symbols);
 }
 
-// MatMul8Bits, MatMul4Bits, PackedMatMul: a [..., K] -> [..., N] (the attribute N), a's type.
-OrtStatus* infer_n_columns(OrtShapeInferContext* context) {
+// a [..., K] -> [..., N / divisor] (the attribute N), a's type.
+OrtStatus* infer_columns(OrtShapeInferContext* context, int64_t divisor) {
   ONNXTensorElementDataType type;
   std::vector<int64_t> dims;
   std::vector<std::string> symbols;
   ATTNEXPORT_RETURN_IF_ERROR(input_shape(context, 0, &type, &dims, &symbols));
   int64_t n = 0;
   ATTNEXPORT_RETURN_IF_ERROR(int_attribute(context, "N", &n));
-  if (!dims.empty()) dims.back() = n, symbols.back() = "";
+  if (!dims.empty()) dims.back() = n / divisor, symbols.back() = "";
   return set_output_shape(context, 0, type, dims, symbols);
 }
+// MatMul8Bits, MatMul4Bits, PackedMatMul: [..., N].
+OrtStatus* infer_n_columns(OrtShapeInferContext* context) { return infer_columns(context, 1); }
+// PackedMatMulSiluAndMul: [..., N / 2].
+OrtStatus* infer_half_n_columns(OrtShapeInferContext* context) { return infer_columns(context, 2); }
 
 // AddBlockOffsets: the shape and type of y (input 0), its unnamed dims given symbols (an input's
 // dims copied as they are keep an unnamed -1, which the Slice of a batch-invariance row after
@@ -242,6 +246,8 @@ Op<MatMul8Bits> matmul_8bits_op("MatMul8Bits", {kAnyType, kAnyType, kAnyType, kA
 Op<MatMul4Bits> matmul_4bits_op("MatMul4Bits", {kAnyType, kAnyType, kAnyType, kAnyType}, {0},
                                 infer_n_columns);
 Op<PackedMatMul> packed_matmul_op("PackedMatMul", {kAnyType, kAnyType}, {0}, infer_n_columns);
+Op<PackedMatMulSiluAndMul> packed_matmul_silu_op("PackedMatMulSiluAndMul", {kAnyType, kAnyType},
+                                                 {0}, infer_half_n_columns);
 Op<AddBlockOffsets> add_block_offsets_op("AddBlockOffsets", {kAnyType, kAnyType, kAnyType, kAnyType},
                                          {0}, infer_like_first_input);
 
@@ -269,5 +275,6 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &matmul_4bits_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &add_block_offsets_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &packed_matmul_op));
+  ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &packed_matmul_silu_op));
   return ort->AddCustomOpDomain(options, domain);
 }

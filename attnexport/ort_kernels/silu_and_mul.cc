@@ -1,8 +1,7 @@
 // attnexport.SiluAndMul for onnxruntime's CPU execution provider: one pass instead of the split,
 // sigmoid and two products of its function body (whose split copies both halves first).
 //
-// sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) for g < 0, with e = exp(-|g|) <= 1: the
-// exponential never overflows, and exp_nonpositive computes it 16 lanes at a time.
+// silu16 (vector_math.h) computes silu(gate) 16 lanes at a time.
 
 #include "silu_and_mul.h"
 
@@ -11,14 +10,6 @@
 
 namespace attnexport {
 namespace {
-
-inline f32x16 silu16(f32x16 g) {
-  const f32x16 zero{};
-  const f32x16 magnitude = where_less(g, zero, -g, g);
-  const f32x16 e = exp_nonpositive<f32x16, i32x16>(-magnitude);
-  const f32x16 numerator = where_less(g, zero, e, splat16(1.0f));
-  return g * (numerator / (1.0f + e));
-}
 
 template <typename T>
 void silu_and_mul_rows(const T* x, T* out, int64_t first_row, int64_t end_row, int64_t d) {

@@ -188,6 +188,17 @@ inline V exp_nonpositive(V x) {
   return p * scale;
 }
 
+// silu(g) = g * sigmoid(g), lane-wise: sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) for
+// g < 0, with e = exp(-|g|) <= 1, so the exponential never overflows (SiluAndMul, and
+// PackedMatMulSiluAndMul's epilogue).
+inline f32x16 silu16(f32x16 g) {
+  const f32x16 zero{};
+  const f32x16 magnitude = where_less(g, zero, -g, g);
+  const f32x16 e = exp_nonpositive<f32x16, i32x16>(-magnitude);
+  const f32x16 numerator = where_less(g, zero, e, splat16(1.0f));
+  return g * (numerator / (1.0f + e));
+}
+
 // Storage types the kernels read and write; all math is float32.
 struct Half {
   uint16_t bits;

@@ -114,9 +114,10 @@ def test_inspect(llama_export, capsys):
         "attnexport::PagedAttention": 2,
         "attnexport::ReshapeAndCache": 2,
         "attnexport::NeoxQKVRotaryEmbedding": 2,
-        "attnexport::SiluAndMul": 2,
         "attnexport::FusedAddRMSNorm": 4,
-        "attnexport::PackedMatMul": 9,  # the projections and the (untied) logits projection
+        # the projections and the (untied) logits projection; gate/up with its SiluAndMul
+        "attnexport::PackedMatMul": 7,
+        "attnexport::PackedMatMulSiluAndMul": 2,
     }
     assert len(summary["cache_ports"]) == 4
     assert summary["cache_ports"][0] == {"input": "kv_caches_0", "output": "kv_caches_0_out"}

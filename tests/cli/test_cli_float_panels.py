@@ -1,5 +1,6 @@
 """A float32 export's projections are ``attnexport.PackedMatMul`` on panels (target
-``attnexport``), the standard target's stay ``MatMul``; quantizing such an export turns them
+``attnexport``; ``PackedMatMulSiluAndMul`` with the activation after the gate/up projection),
+the standard target's stay ``MatMul``; quantizing such an export turns them
 back first; the lowering refuses panels for a target without the node."""
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ def _greedy(directory, kernels: str) -> list[int]:
 
 def test_the_float32_export_packs_every_projection(llama_export):
     ops = _ops(llama_export)
-    # 2 layers' qkv, o, gate/up and down projections, and the (untied) logits projection
-    assert ops[(DOMAIN, "PackedMatMul")] == 9
-    assert ops[("", "MatMul")] == 0
+    # 2 layers' qkv, o and down projections, and the (untied) logits projection; the gate/up
+    # projections with the SiluAndMul after them
+    assert ops[(DOMAIN, "PackedMatMul")] == 7
+    assert ops[(DOMAIN, "PackedMatMulSiluAndMul")] == 2
+    assert ops[("", "MatMul")] == 0 and ops[(DOMAIN, "SiluAndMul")] == 0
     assert _greedy(llama_export, "native") == _greedy(llama_export, "bodies")
 
 

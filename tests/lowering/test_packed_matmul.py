@@ -18,6 +18,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from attnexport.lowering.packed_matmul import (
+    FUSED_OP_TYPE,
     OP_TYPE,
     from_panels,
     pack_float_weights,
@@ -242,3 +243,91 @@ def test_a_tied_logits_projection_reads_panels_of_its_own(kernels):
     assert (gemm.op_type, list(gemm.input)) == ("Gemm", ["x", "E"])
     assert helper.get_node_attr_value(gemm, "transB") == 1
     onnx.checker.check_model(model, full_check=True)
+
+
+def _gate_up_model(k: int, d: int, seed: int = 0):
+    """``y = SiluAndMul(MatMul(a, W))`` (``attnexport.SiluAndMul``, with its function body), ``W
+    [k, 2d]`` random, and ``W``."""
+    from attnexport.lowering.registry import all_bodies
+
+    model, weight = _matmul_model(k, 2 * d, seed)
+    graph = model.graph
+    graph.node[0].output[0] = "gate_up"
+    graph.node.append(helper.make_node("SiluAndMul", ["gate_up"], ["y"], domain=DOMAIN))
+    graph.output[0].type.tensor_type.shape.dim[1].dim_value = d
+    model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    (silu,) = [b for b in all_bodies(18) if b.name == "SiluAndMul"]
+    model.functions.append(ir.serde.serialize_function(silu))
+    return model, weight
+
+
+def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@pytest.mark.parametrize("kernels", ORT_KERNEL_MODES)
+@pytest.mark.parametrize("k, d", [(576, 1536), (37, 64), (100, 96)])
+def test_silu_and_mul_fused_into_the_product(k, d, kernels):
+    """The SiluAndMul that alone reads a projection joins it (``PackedMatMulSiluAndMul``, its
+    panels in gate/up pairs): the float64 result within float32 rounding (the product's bound,
+    the activation's ~1e-6 relative), every pass of rows."""
+    model, weight = _gate_up_model(k, d)
+    assert to_packed_matmul(model) == 1
+    assert [n.op_type for n in model.graph.node] == [FUSED_OP_TYPE]
+    session = one_model_session(model, kernels)
+    a = torch.randn(100, k, generator=torch.Generator().manual_seed(8))
+    products = a.double() @ torch.from_numpy(weight).double()
+    expected = _silu_and_mul(products)
+    # |d silu(g) * u| <= 1.1 |u| |dg| + |silu(g)| |du|; dg, du within the product's bound
+    bound = _float32_bound(a, weight)
+    gate_bound, up_bound = bound.chunk(2, dim=-1)
+    gate, up = products.chunk(2, dim=-1)
+    tolerance = 1.1 * up.abs() * gate_bound + torch.nn.functional.silu(gate).abs() * up_bound
+    tolerance += 1e-6 * expected.abs() + 1e-30
+    for rows in (1, 5, 6, 7, 32, 100):
+        y = torch.from_numpy(session.run(None, {"a": a[:rows].numpy()})[0])
+        assert y.shape == (rows, d)
+        error = (y.double() - expected[:rows]).abs()
+        assert (error <= tolerance[:rows]).all(), (rows, (error - tolerance[:rows]).max())
+
+
+@requires_ort_kernels
+def test_the_fused_node_is_the_same_bits_alone_and_in_any_batch():
+    model, _ = _gate_up_model(576, 96)
+    to_packed_matmul(model)
+    session = one_model_session(model, "native")
+    a = torch.randn(100, 576, generator=torch.Generator().manual_seed(9)).numpy()
+    batch = session.run(None, {"a": a})[0]
+    for rows in (slice(0, 1), slice(3, 9), slice(95, 100)):
+        assert np.array_equal(session.run(None, {"a": a[rows]})[0], batch[rows])
+
+
+def test_a_product_read_elsewhere_or_not_in_whole_pairs_is_not_fused():
+    model, _ = _gate_up_model(48, 48)  # 96 columns: halves of 48, not whole panels
+    assert to_packed_matmul(model) == 1
+    assert [n.op_type for n in model.graph.node] == [OP_TYPE, "SiluAndMul"]
+    model, _ = _gate_up_model(48, 64)
+    model.graph.output.append(helper.make_tensor_value_info("gate_up", TensorProto.FLOAT, None))
+    assert to_packed_matmul(model) == 1
+    assert [n.op_type for n in model.graph.node] == [OP_TYPE, "SiluAndMul"]
+
+
+def test_unpacking_splits_the_fused_node_back():
+    model, weight = _gate_up_model(48, 64)
+    reference = onnx.ModelProto()
+    reference.CopyFrom(model)
+    to_packed_matmul(model)
+    assert to_matmul(model) == 1
+    assert [(n.op_type, n.domain) for n in model.graph.node] == [
+        ("MatMul", ""),
+        ("SiluAndMul", DOMAIN),
+    ]
+    assert np.array_equal(numpy_helper.to_array(model.graph.initializer[0]), weight)
+    assert [f.name for f in model.functions] == ["SiluAndMul"]
+    onnx.checker.check_model(model, full_check=True)
+    a = torch.randn(3, 48, generator=torch.Generator().manual_seed(10)).numpy()
+    np.testing.assert_array_equal(
+        one_model_session(model, "bodies").run(None, {"a": a})[0],
+        one_model_session(reference, "bodies").run(None, {"a": a})[0],
+    )
