@@ -80,7 +80,7 @@ def _float32_bound(a: torch.Tensor, weight: np.ndarray) -> torch.Tensor:
 @pytest.mark.parametrize("kernels", ORT_KERNEL_MODES)
 @pytest.mark.parametrize("k, n", [(576, 960), (1536, 64), (37, 32), (100, 96), (1, 160)])
 def test_the_product_is_the_float64_product_within_float32_rounding(k, n, kernels):
-    """Row counts cover every pass of rows (1-6 at a time, AVX2 1-3), a row block's end (96)
+    """Row counts cover every pass of rows (1-6 at a time, AVX2 1-2), a row block's end (96)
     and two blocks; widths one panel, an odd count (a last single panel) and even ones."""
     session, weight = _packed(k, n, kernels)
     a = torch.randn(200, k, generator=torch.Generator().manual_seed(1))
