@@ -12,6 +12,10 @@ Stock onnxruntime inlines the function body below (the panels transposed back, t
 Each output is the sum over ``k`` in order, one fused multiply-add at a time, on every path of
 the kernel: a row's numbers do not depend on the rows beside it (MLAS's do not either).
 
+A tied logits projection (``Gemm(x, E, transB=1)`` on the embedding table) reads panels of its
+own (:data:`TIED_SUFFIX`), and a ``SiluAndMul`` that alone reads a gate/up projection joins it
+(``attnexport.PackedMatMulSiluAndMul``, :data:`FUSED_OP_TYPE`).
+
 The lowering rewrites a float32 export's graph (``to_onnx(pack_float_weights=True)``: ``export``
 without ``--weights``, target ``attnexport``); :func:`unpack_float_weights` undoes it in a saved
 file before its weights are quantized.
