@@ -2,7 +2,8 @@
 (benchmarks/smollm2.py) against the CPU peers (benchmarks/peers.py), by precision class:
 
 * fp32: ``ours fp32``, ``ours fp32-kv8`` (``--kv-cache-dtype int8``: OpenVINO's CPU cache is u8,
-  llama.cpp's float16); llama.cpp F32, OpenVINO fp32, onnxruntime-genai fp32, vLLM CPU fp32;
+  llama.cpp's float16), their projections ``attnexport.PackedMatMul`` (the export's float32
+  default); llama.cpp F32, OpenVINO fp32, onnxruntime-genai fp32, vLLM CPU fp32;
 * 8-bit: ``ours int8`` (``--weights int8``), ``ours int8-kv8`` (also ``--kv-cache-dtype int8``),
   ``ours int8-b64-kv8`` (also ``--weights-block-size 64``), ``ours int8-b64-p8-kv8`` (also
   ``--weights-prefill-activations int8``), ``ours int8-b64-p8b-kv8`` (and ``--prefill-attention
