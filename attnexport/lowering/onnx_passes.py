@@ -214,7 +214,8 @@ def check_cache_io(model: onnx.ModelProto, cache_inputs: Sequence[str], cache_ou
             )
 
 
-def _attr(node: ir.Node, name: str, default):
+def attribute_value(node: ir.Node, name: str, default):
+    """The value of ``node``'s attribute ``name``, or ``default`` when it has none."""
     attr = node.attributes.get(name)
     return default if attr is None else attr.value
 
@@ -260,14 +261,14 @@ def gemm_to_matmul(model: ir.Model) -> int:
     for node in standard_nodes(graph, "Gemm"):
         weight = node.inputs[1]
         if (
-            _attr(node, "alpha", 1.0) != 1.0
-            or _attr(node, "beta", 1.0) != 1.0
-            or _attr(node, "transA", 0) != 0
+            attribute_value(node, "alpha", 1.0) != 1.0
+            or attribute_value(node, "beta", 1.0) != 1.0
+            or attribute_value(node, "transA", 0) != 0
             or not is_constant_matrix(weight)
-            or (_attr(node, "transB", 0) and len(weight.uses()) > 1)
+            or (attribute_value(node, "transB", 0) and len(weight.uses()) > 1)
         ):
             continue
-        matrix = _transposed(graph, weight) if _attr(node, "transB", 0) else weight
+        matrix = _transposed(graph, weight) if attribute_value(node, "transB", 0) else weight
         matmul = ir.Node("", "MatMul", [node.inputs[0], matrix], name=node.name)
         nodes = [matmul]
         result = matmul.outputs[0]
@@ -330,7 +331,7 @@ def transpose_weights(model: ir.Model) -> int:
         weight = node.inputs[0]
         if (
             not is_constant_matrix(weight)
-            or tuple(_attr(node, "perm", (1, 0))) != (1, 0)
+            or tuple(attribute_value(node, "perm", (1, 0))) != (1, 0)
             or node.outputs[0].is_graph_output()
         ):
             continue

@@ -32,6 +32,7 @@ import onnx_ir as ir
 from onnx import helper, numpy_helper
 
 from attnexport.lowering.domain_functions import save_rewritten
+from attnexport.lowering.onnx_passes import attribute_value, is_constant_matrix, is_standard
 from attnexport.model_contract import DOMAIN, DOMAIN_VERSION
 
 OP_TYPE = "PackedMatMul"
@@ -43,49 +44,43 @@ PANEL = 32
 (AVX-512: two panels side by side) columns wide."""
 
 
-def packed_matmul_function(opset: int) -> onnx.FunctionProto:
-    """The function body of ``attnexport.PackedMatMul`` in standard ops of ``opset``."""
-    nodes = [
-        helper.make_node(
-            "Constant",
-            [],
-            ["k_by_rest"],
-            value=numpy_helper.from_array(np.array([0, -1], np.int64)),
-        ),
+def _function(op_type: str, nodes: list[onnx.NodeProto], opset: int) -> onnx.FunctionProto:
+    return helper.make_function(
+        DOMAIN, op_type, ["A", "B"], ["Y"], nodes, [helper.make_opsetid("", opset)], ["K", "N"]
+    )
+
+
+def _const(name: str, values: list[int]) -> onnx.NodeProto:
+    return helper.make_node(
+        "Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64))
+    )
+
+
+def _product(output: str) -> list[onnx.NodeProto]:
+    """``output = A @ W``, W ``[K, N]`` the panels B transposed back."""
+    return [
+        _const("k_by_rest", [0, -1]),
         helper.make_node("Transpose", ["B"], ["k_panels"], perm=[1, 0, 2]),  # [K, N/32, 32]
         helper.make_node("Reshape", ["k_panels", "k_by_rest"], ["W"]),  # [K, N]
-        helper.make_node("MatMul", ["A", "W"], ["Y"]),
+        helper.make_node("MatMul", ["A", "W"], [output]),
     ]
-    return helper.make_function(
-        DOMAIN,
-        OP_TYPE,
-        ["A", "B"],
-        ["Y"],
-        nodes,
-        [helper.make_opsetid("", opset)],
-        attributes=["K", "N"],
-    )
+
+
+def packed_matmul_function(opset: int) -> onnx.FunctionProto:
+    """The function body of ``attnexport.PackedMatMul`` in standard ops of ``opset``."""
+    return _function(OP_TYPE, _product("Y"), opset)
 
 
 def packed_matmul_silu_and_mul_function(opset: int) -> onnx.FunctionProto:
     """The function body of ``attnexport.PackedMatMulSiluAndMul`` in standard ops of ``opset``
     (>= 18): ``PackedMatMul``'s product, its columns in (gate, up) pairs of 32, then
     ``silu(gate) * up`` as ``SiluAndMul``'s body computes it."""
-
-    def const(name: str, values: list[int]) -> onnx.NodeProto:
-        return helper.make_node(
-            "Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64))
-        )
-
     nodes = [
-        const("k_by_rest", [0, -1]),
-        const("pair", [-1, 2, PANEL]),
-        const("rest", [-1]),
-        const("zero", [0]),
-        const("minus_one", [-1]),
-        helper.make_node("Transpose", ["B"], ["k_panels"], perm=[1, 0, 2]),
-        helper.make_node("Reshape", ["k_panels", "k_by_rest"], ["W"]),
-        helper.make_node("MatMul", ["A", "W"], ["products"]),  # [..., N]: g0 u0 g1 u1 ...
+        *_product("products"),  # [..., N]: g0 u0 g1 u1 ...
+        _const("pair", [-1, 2, PANEL]),
+        _const("rest", [-1]),
+        _const("zero", [0]),
+        _const("minus_one", [-1]),
         helper.make_node("Shape", ["A"], ["a_shape"]),
         helper.make_node("Slice", ["a_shape", "zero", "minus_one"], ["lead"]),
         helper.make_node("Concat", ["lead", "pair"], ["pairs_shape"], axis=0),
@@ -97,15 +92,7 @@ def packed_matmul_silu_and_mul_function(opset: int) -> onnx.FunctionProto:
         helper.make_node("Concat", ["lead", "rest"], ["y_shape"], axis=0),
         helper.make_node("Reshape", ["gated", "y_shape"], ["Y"]),
     ]
-    return helper.make_function(
-        DOMAIN,
-        FUSED_OP_TYPE,
-        ["A", "B"],
-        ["Y"],
-        nodes,
-        [helper.make_opsetid("", opset)],
-        attributes=["K", "N"],
-    )
+    return _function(FUSED_OP_TYPE, nodes, opset)
 
 
 def to_panels(weight: np.ndarray) -> np.ndarray:
@@ -143,26 +130,21 @@ stays for the ``Gather``: the file and the session hold its 4 x N x K bytes twic
 
 def _float_matrix(value: ir.Value | None) -> bool:
     return (
-        value is not None
-        and value.is_initializer()
+        is_constant_matrix(value)
         and not value.is_graph_input()
-        and value.const_value is not None
         and value.dtype == ir.DataType.FLOAT
-        and len(value.const_value.shape) == 2
     )
 
 
 def _tied_head(node: ir.Node) -> bool:
     """``Gemm(x, E, transB=1)``, no bias, alpha = beta = 1: the lowering's tied logits
     projection (:func:`attnexport.lowering.onnx_passes.transpose_weights`)."""
-    attributes = {name: attribute.value for name, attribute in node.attributes.items()}
     return (
         node.op_type == "Gemm"
-        and attributes.get("transB") == 1
-        and all(
-            attributes.get(name, default) == default
-            for name, default in (("transA", 0), ("alpha", 1.0), ("beta", 1.0))
-        )
+        and attribute_value(node, "transB", 0) == 1
+        and attribute_value(node, "transA", 0) == 0
+        and attribute_value(node, "alpha", 1.0) == 1.0
+        and attribute_value(node, "beta", 1.0) == 1.0
     )
 
 
@@ -192,7 +174,7 @@ def pack_float_weights(model: ir.Model) -> int:
     packed = 0
     for node in list(model.graph):
         weight = node.inputs[1] if len(node.inputs) == 2 else None
-        if node.domain not in ("", "ai.onnx") or not _float_matrix(weight):
+        if not is_standard(node, "MatMul", "Gemm") or not _float_matrix(weight):
             continue
         if node.op_type == "MatMul" and len(weight.uses()) == 1:
             k, n = weight.const_value.shape
