@@ -63,3 +63,14 @@ def test_rates_refuse_times_out_of_order(bench):
         bench.rates(1, 8, 0.0, 2.0, 1.0)
     with pytest.raises(ValueError, match="at least 2"):
         bench.rates(1, 1, 0.0, 1.0, 2.0)
+
+
+def test_a_peers_decode_rate_counts_only_the_tokens_after_the_last_first_token():
+    """An engine that decodes the first sequences while others still prefill (OpenVINO's
+    split-fuse at its default budget) has more tokens than the batch when the last sequence
+    gets its first: those are not the decode window's. 4 sequences of 8 tokens, 10 out at the
+    last first token (t = 1), the last token at t = 3: 22 tokens over 2 s, not 28."""
+    peer_legs = load_benchmark("peer_legs")
+    result = peer_legs.rates(4, 8, start=0.0, first=1.0, end=3.0, at_first=10)
+    assert result["decode_tok_s"] == 11.0 and result["tokens_at_first_token"] == 10
+    assert peer_legs.rates(4, 8, 0.0, 1.0, 3.0)["decode_tok_s"] == 14.0  # lockstep: 4 at first
