@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "kernel_api.h"
+#include "vector_math.h"
 
 namespace attnexport {
 namespace {
@@ -324,6 +325,7 @@ struct Weights {
   const float* float_zeros;     // [n * blocks], or nullptr: zero points in zero_bytes
   const uint8_t* zero_bytes;    // [n * blocks], or [1] when zero_stride is 0
   int64_t zero_stride, blocks, block_size;
+  int64_t n;  // columns
   const float* lanes = nullptr;  // MatMul8Bits::lane_parameters, or nullptr
   // MatMul8Bits::tiles (or the AVX2 build's copy for one call), or nullptr; where set, so is
   // lanes or half_lanes.
@@ -333,6 +335,18 @@ struct Weights {
   float zero(int64_t index) const {
     return float_zeros != nullptr ? float_zeros[index]
                                   : static_cast<float>(zero_bytes[index * zero_stride]);
+  }
+};
+
+// Where the paths below write a call's products: element (row, column) of the call's product
+// at at(row, column). The node's output ([rows, N]: stride N, from row 0 and column 0), or a
+// work item's scratch (from its first row and column): MatMul8BitsSiluAndMul keeps an item's
+// gate and up columns there and writes only silu(gate) * up to the node's output.
+struct Output {
+  float* data;
+  int64_t stride, first_row = 0, first_column = 0;
+  float* at(int64_t row, int64_t column) const {
+    return data + (row - first_row) * stride + (column - first_column);
   }
 };
 
@@ -397,13 +411,14 @@ inline void dot_tile(const Rows& rows, int64_t first_row, const Weights& w, int6
 // widened weight vector: 1.13x two rows' tiles at 8 to 128 rows; six rows spill (1.0x).
 template <int kBits, int R>
 void rows_by_columns(const Rows& rows, int64_t first_row, const Weights& w, int64_t first_column,
-                     int64_t end_column, float* out, int64_t ldo) {
+                     int64_t end_column, const Output& out) {
   constexpr int kColumnTile = R == 1 ? 4 : 2;
   int64_t column = first_column;
   for (; column + kColumnTile <= end_column; column += kColumnTile)
-    dot_tile<kBits, R, kColumnTile>(rows, first_row, w, column, out + column, ldo);
+    dot_tile<kBits, R, kColumnTile>(rows, first_row, w, column, out.at(first_row, column),
+                                    out.stride);
   for (; column < end_column; ++column)
-    dot_tile<kBits, R, 1>(rows, first_row, w, column, out + column, ldo);
+    dot_tile<kBits, R, 1>(rows, first_row, w, column, out.at(first_row, column), out.stride);
 }
 
 // The float32 panel path (nodes with batch_invariant = 0, calls of kPanelRows rows or more):
@@ -484,9 +499,11 @@ void panel_rows(const float* a, int64_t k, const float* panel, int64_t stride, i
   for (; c < columns; ++c) panel_tile<R, 1>(a, k, panel + c * stride, stride, out + c, ldo);
 }
 
+// Rows [first_row, first_row + count) of columns [first, end) (`a`: row first_row of the
+// activations).
 template <int kBits>
-void panel_columns(const float* a, int64_t count, int64_t k, const Weights& w, int64_t first,
-                   int64_t end, float* out, int64_t n) {
+void panel_columns(const float* a, int64_t first_row, int64_t count, int64_t k, const Weights& w,
+                   int64_t first, int64_t end, const Output& out) {
   const int64_t stride = (k + 7) / 8 * 8;
   thread_local std::vector<float> panel;
   panel.resize(static_cast<size_t>((end - first) * stride));
@@ -494,23 +511,26 @@ void panel_columns(const float* a, int64_t count, int64_t k, const Weights& w, i
   const int64_t columns = end - first;
   int64_t row = 0;
   for (; row + 4 <= count; row += 4)
-    panel_rows<4>(a + row * k, k, panel.data(), stride, columns, out + row * n + first, n);
+    panel_rows<4>(a + row * k, k, panel.data(), stride, columns, out.at(first_row + row, first),
+                  out.stride);
   for (; row + 2 <= count; row += 2)
-    panel_rows<2>(a + row * k, k, panel.data(), stride, columns, out + row * n + first, n);
+    panel_rows<2>(a + row * k, k, panel.data(), stride, columns, out.at(first_row + row, first),
+                  out.stride);
   if (row < count)
-    panel_rows<1>(a + row * k, k, panel.data(), stride, columns, out + row * n + first, n);
+    panel_rows<1>(a + row * k, k, panel.data(), stride, columns, out.at(first_row + row, first),
+                  out.stride);
 }
 
 template <int kBits>
 void columns(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
-             int64_t first_column, int64_t end_column, float* out, int64_t n) {
+             int64_t first_column, int64_t end_column, const Output& out) {
   int64_t row = first_row;
   for (; row + 4 <= end_row; row += 4)
-    rows_by_columns<kBits, 4>(rows, row, w, first_column, end_column, out + row * n, n);
+    rows_by_columns<kBits, 4>(rows, row, w, first_column, end_column, out);
   for (; row + 2 <= end_row; row += 2)
-    rows_by_columns<kBits, 2>(rows, row, w, first_column, end_column, out + row * n, n);
+    rows_by_columns<kBits, 2>(rows, row, w, first_column, end_column, out);
   if (row < end_row)
-    rows_by_columns<kBits, 1>(rows, row, w, first_column, end_column, out + row * n, n);
+    rows_by_columns<kBits, 1>(rows, row, w, first_column, end_column, out);
 }
 
 #if defined(__AVX2__)
@@ -787,8 +807,8 @@ struct LaneParameters {
 // 0.63 -> 0.59 ms, [576 x 3072] 0.041 -> 0.038 ms (Zen 5, separate processes alternating).
 // Parameters without the copy (computed by the graph) are transposed 16 blocks at a time.
 // (The float16 copy instead where the kernel has one: half_lanes.)
-inline void prefetch_next_parameters(const Weights& w, int64_t first, int64_t n) {
-  if ((w.lanes == nullptr && w.half_lanes == nullptr) || first + kLaneColumns >= n) return;
+inline void prefetch_next_parameters(const Weights& w, int64_t first) {
+  if ((w.lanes == nullptr && w.half_lanes == nullptr) || first + kLaneColumns >= w.n) return;
   const int64_t per_item = w.blocks * lane_parameters_per_block(w);
   const int64_t size = w.half_lanes != nullptr ? sizeof(uint16_t) : sizeof(float);
   const int64_t at = (first / kLaneColumns + 1) * per_item;
@@ -891,8 +911,8 @@ inline void store_columns(float* out, int columns, f32x16 sums) {
 // 16 multiply-adds of its broadcast activation pairs.
 template <int kBits, bool kVnni>
 void transposed_rows(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
-                     int64_t first, int columns, float* out, int64_t n) {
-  prefetch_next_parameters(w, first, n);
+                     int64_t first, int columns, const Output& out) {
+  prefetch_next_parameters(w, first);
   const int64_t padded = w.blocks * w.block_size, steps = w.block_size / kPairStep;
   const int64_t column_bytes = weight_bytes<kBits>(padded);
   f32x16 sums[kLaneRowBlock];
@@ -931,7 +951,7 @@ void transposed_rows(const Rows& rows, int64_t first_row, int64_t end_row, const
     }
   }
   for (int64_t r = 0; r < count; ++r)
-    store_columns(out + (first_row + r) * n + first, columns, sums[r]);
+    store_columns(out.at(first_row + r, first), columns, sums[r]);
 }
 
 // A group's two vectors of 16 columns' int16 pairs: weights 4g, 4g + 1 and 4g + 2, 4g + 3.
@@ -1013,7 +1033,7 @@ inline void group_passes(const Rows& rows, int64_t row, int64_t end_row, Fn fn) 
 // block.
 template <int kBits, bool kVnni, int R, int64_t kGroup>
 void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint8_t* tile,
-               int64_t tile_index, int columns, float* out, int64_t n) {
+               int64_t tile_index, int columns, const Output& out) {
   const TileParameters tp(w, tile_index);
   constexpr int kChains = R >= 8 ? 1 : R >= 4 ? 2 : 4;
   using Group = GroupRows<kGroup>;
@@ -1049,7 +1069,7 @@ void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint
     }
   }
   for (int r = 0; r < R; ++r)
-    store_columns(out + (first_row + r) * n, columns, totals[r]);
+    store_columns(out.at(first_row + r, tile_index * kLaneColumns), columns, totals[r]);
 }
 
 // Rows [first_row, first_row + R) of a tile's columns from int8 activations (Rows::quads, one
@@ -1063,7 +1083,7 @@ void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint
 // slower (1.03-1.1x at SmolLM2's other shapes).
 template <int kBits, int R>
 void tile_rows_s8(const Rows& rows, int64_t first_row, const Weights& w, const uint8_t* tile,
-                  int64_t tile_index, int columns, float* out, int64_t n) {
+                  int64_t tile_index, int columns, const Output& out) {
   const TileParameters tp(w, tile_index);
   const GroupRows<kRowGroup> g(rows, first_row);
   const int32_t* x = g.quads;
@@ -1111,7 +1131,8 @@ void tile_rows_s8(const Rows& rows, int64_t first_row, const Weights& w, const u
                 g.scale[b * kRowGroup + r], g.scaled_sum[b * kRowGroup + r]);
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) store_columns(out + (first_row + r) * n, columns, totals[r]);
+  for (int r = 0; r < R; ++r)
+    store_columns(out.at(first_row + r, tile_index * kLaneColumns), columns, totals[r]);
 }
 
 // Rows [first_row, end_row) of columns [first, first + columns) (columns <= 16: one tile) from
@@ -1119,21 +1140,20 @@ void tile_rows_s8(const Rows& rows, int64_t first_row, const Weights& w, const u
 // rows at a time, then 4, 2, 1; from int16 pairs, or int8 quads (Rows::quads).
 template <int kBits, bool kVnni>
 void interleaved_rows(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
-                      int64_t first, int columns, float* out, int64_t n) {
-  prefetch_next_parameters(w, first, n);
+                      int64_t first, int columns, const Output& out) {
+  prefetch_next_parameters(w, first);
   const int64_t tile_bytes = w.blocks * w.block_size / kGroupWeights * group_bytes<kBits>();
   const uint8_t* tile = w.tiles + first / kLaneColumns * tile_bytes;
   const int64_t parameters = first / kLaneColumns;
-  float* y = out + first;
   if (rows.quads) {
     row_passes<8>(first_row, end_row, [&](int64_t row, auto count) {
-      tile_rows_s8<kBits, decltype(count)::value>(rows, row, w, tile, parameters, columns, y, n);
+      tile_rows_s8<kBits, decltype(count)::value>(rows, row, w, tile, parameters, columns, out);
     });
     return;
   }
   group_passes<8>(rows, first_row, end_row, [&](int64_t row, auto count, auto group) {
     tile_rows<kBits, kVnni, decltype(count)::value, decltype(group)::value>(
-        rows, row, w, tile, parameters, columns, y, n);
+        rows, row, w, tile, parameters, columns, out);
   });
 }
 
@@ -1191,12 +1211,12 @@ void few_rows_tile(const Rows& rows, int64_t row, const Weights& w, const uint8_
 // 16-lane epilogue after them, read a 28 MB logits projection at half the speed.)
 template <int kBits>
 void few_rows(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
-              int64_t first, int columns, float* out, int64_t n) {
-  prefetch_next_parameters(w, first, n);
+              int64_t first, int columns, const Output& out) {
+  prefetch_next_parameters(w, first);
   const uint8_t* q = w.q + first * weight_bytes<kBits>(w.blocks * w.block_size);
   LaneParameters parameters(w, first, columns);
   for (int64_t row = first_row; row < end_row; ++row) {
-    float* y = out + row * n + first;
+    float* y = out.at(row, first);
     int c0 = 0;
     for (; c0 + 4 <= columns; c0 += 4) few_rows_tile<kBits, 4>(rows, row, w, q, parameters, c0, y);
     if (columns - c0 == 3) few_rows_tile<kBits, 3>(rows, row, w, q, parameters, c0, y);
@@ -1241,7 +1261,7 @@ inline __m256i broadcast_pair8(const int16_t* a) {
 // block.
 template <int kBits, int R>
 void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint8_t* tile,
-               int64_t tile_index, int columns, float* out, int64_t n) {
+               int64_t tile_index, int columns, const Output& out) {
   const TileParameters tp(w, tile_index);
   const int64_t padded = w.blocks * w.block_size;
   __m256 totals[R][2];
@@ -1299,7 +1319,8 @@ void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint
   for (int r = 0; r < R; ++r) {
     _mm256_store_ps(sums, totals[r][0]);
     _mm256_store_ps(sums + 8, totals[r][1]);
-    std::memcpy(out + (first_row + r) * n, sums, sizeof(float) * static_cast<size_t>(columns));
+    std::memcpy(out.at(first_row + r, tile_index * kLaneColumns), sums,
+                sizeof(float) * static_cast<size_t>(columns));
   }
 }
 
@@ -1307,13 +1328,12 @@ void tile_rows(const Rows& rows, int64_t first_row, const Weights& w, const uint
 // the tiles and the lanes' copy of the block parameters: 4 rows at a time, then 2, 1.
 template <int kBits>
 void interleaved_rows(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
-                      int64_t first, int columns, float* out, int64_t n) {
+                      int64_t first, int columns, const Output& out) {
   const int64_t tile_bytes = w.blocks * w.block_size / kGroupWeights * group_bytes<kBits>();
   const uint8_t* tile = w.tiles + first / kLaneColumns * tile_bytes;
   const int64_t parameters = first / kLaneColumns;
-  float* y = out + first;
   row_passes<4>(first_row, end_row, [&](int64_t row, auto count) {
-    tile_rows<kBits, decltype(count)::value>(rows, row, w, tile, parameters, columns, y, n);
+    tile_rows<kBits, decltype(count)::value>(rows, row, w, tile, parameters, columns, out);
   });
 }
 #endif
@@ -1354,7 +1374,7 @@ constexpr bool tiles_path(int64_t block_size, int64_t bits) {
 // the node's block size.
 template <int kBits>
 void integer_columns(const Rows& rows, int64_t first_row, int64_t end_row, const Weights& w,
-                     int64_t first_column, int64_t end_column, float* out, int64_t n) {
+                     int64_t first_column, int64_t end_column, const Output& out) {
 #if defined(__AVX512BW__)
   if (wide_integer_path(w.block_size, kBits)) {
     // (vpdpwssd or not chosen once here, as the paths' template argument: use_vnni)
@@ -1366,7 +1386,7 @@ void integer_columns(const Rows& rows, int64_t first_row, int64_t end_row, const
            : end_row - row >= kTransposeRows ? transposed_rows<kBits, kVnni>
                                              : few_rows<kBits>)(
               rows, row, std::min(row + kLaneRowBlock, end_row), w, first,
-              static_cast<int>(std::min(kLaneColumns, end_column - first)), out, n);
+              static_cast<int>(std::min(kLaneColumns, end_column - first)), out);
     };
     if (use_vnni()) run(std::true_type{});
     else run(std::false_type{});
@@ -1376,11 +1396,32 @@ void integer_columns(const Rows& rows, int64_t first_row, int64_t end_row, const
   if (tiles_path(w.block_size, kBits)) {
     for (int64_t first = first_column; first < end_column; first += kLaneColumns)
       interleaved_rows<kBits>(rows, first_row, end_row, w, first,
-                              static_cast<int>(std::min(kLaneColumns, end_column - first)), out, n);
+                              static_cast<int>(std::min(kLaneColumns, end_column - first)),
+                              out);
     return;
   }
 #endif
-  columns<kBits>(rows, first_row, end_row, w, first_column, end_column, out, n);
+  columns<kBits>(rows, first_row, end_row, w, first_column, end_column, out);
+}
+
+// Columns a work item of MatMul8BitsSiluAndMul takes from each half of the product: one tile's
+// (the up projection's columns, N / 2 on, start a tile where N is a multiple of 32).
+constexpr int64_t kFusedColumns = 16;
+
+// y[r, c] = silu(gate[r, c]) * up[r, c] for r < rows, c < columns (<= kFusedColumns): gate and
+// up from a work item's scratch ([rows][gate's 16 | up's 16]), y's rows `ldy` apart.
+void silu_and_mul_scratch(const float* scratch, int64_t rows, int columns, float* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = scratch + r * 2 * kFusedColumns;
+    const f32x16 gated = silu16(load16_float(gate)) * load16_float(gate + kFusedColumns);
+    if (columns == kFusedColumns) {
+      store16_float(y + r * ldy, gated);
+    } else {
+      float lanes[kFusedColumns];
+      store16_float(lanes, gated);
+      std::memcpy(y + r * ldy, lanes, sizeof(float) * static_cast<size_t>(columns));
+    }
+  }
 }
 
 bool is_half(const Tensor& t) { return t.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16; }
@@ -1423,7 +1464,8 @@ OrtStatus* weights_of(const std::string& op, const Tensor& scales, const Tensor&
                  float_zero_points ? nullptr : static_cast<const uint8_t*>(zero_points.data),
                  zero_points.numel() == 1 ? 0 : 1,
                  blocks,
-                 block_size};
+                 block_size,
+                 n};
   return nullptr;
 }
 
@@ -1437,6 +1479,10 @@ OrtStatus* MatMul8Bits::init(const OrtKernelInfo* info) {
     api().ReleaseStatus(s);  // (optional: 1)
   if (OrtStatus* s = int_attribute(info, "int8_from_rows", &int8_from_rows))
     api().ReleaseStatus(s);  // (optional: 0, never)
+  if (silu_and_mul && n % (2 * kFusedColumns) != 0)
+    return invalid(op_name() + ": expected N (the gate's and the up projection's columns) a "
+                   "multiple of " + std::to_string(2 * kFusedColumns) + ", got N=" +
+                   std::to_string(n));
   if (k <= 0 || n <= 0 || block_size % kStep != 0 || block_size > kMaxBlock)
     return invalid(op_name() + ": expected K > 0, N > 0 and a block_size that is a multiple of " +
                    std::to_string(kStep) + " up to " + std::to_string(kMaxBlock) +
@@ -1526,8 +1572,10 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
     weights.lanes = call_lanes.data() + line_start(call_lanes.data());
   }
 #endif
+  // With silu_and_mul, y's N / 2 columns: silu(gate) * up of the product's halves.
+  const int64_t y_columns = silu_and_mul ? n / 2 : n;
   std::vector<int64_t> out_dims = a.dims;
-  out_dims.back() = n;
+  out_dims.back() = y_columns;
   Tensor out;
   ATTNEXPORT_RETURN_IF_ERROR(make_output(context, 0, out_dims, &out));
   const int64_t rows = a.numel() / k;
@@ -1535,19 +1583,36 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
 
   const auto* x = static_cast<const float*>(a.data);
   auto* y = static_cast<float*>(out.data);
+  // A work item's rows [row, end_row) of y's columns [first, end): `product(first, end, to)`
+  // writes those columns of the product to `to`, straight into y; with silu_and_mul, the gate's
+  // and the up projection's (N / 2 further) into the calling thread's scratch, then y gets
+  // silu(gate) * up from it while it is in L1 (the product of N columns is never stored).
+  const auto item_columns = [&](int64_t row, int64_t end_row, int64_t first, int64_t end,
+                                auto&& product) {
+    if (!silu_and_mul) return product(first, end, Output{y, n});
+    thread_local std::vector<float> scratch;  // [rows][gate's 16 | up's 16]
+    scratch.resize(static_cast<size_t>((end_row - row) * 2 * kFusedColumns));
+    product(first, end, Output{scratch.data(), 2 * kFusedColumns, row, first});
+    product(y_columns + first, y_columns + end,
+            Output{scratch.data() + kFusedColumns, 2 * kFusedColumns, row, y_columns + first});
+    silu_and_mul_scratch(scratch.data(), end_row - row, static_cast<int>(end - first),
+                         y + row * y_columns + first, y_columns);
+  };
   if (!batch_invariant && rows >= kPanelRows && !tiles_path(block_size, bits)) {
     // Items of kPanelRowBlock rows by kPanelColumns columns, a row block's items adjacent.
-    const int64_t column_items = (n + kPanelColumns - 1) / kPanelColumns;
+    const int64_t column_items = (y_columns + kPanelColumns - 1) / kPanelColumns;
     const int64_t row_blocks = (rows + kPanelRowBlock - 1) / kPanelRowBlock;
     auto panel_item = [&](size_t i) {
       const int64_t row = static_cast<int64_t>(i) / column_items * kPanelRowBlock;
       const int64_t first = static_cast<int64_t>(i) % column_items * kPanelColumns;
       const int64_t count = std::min(kPanelRowBlock, rows - row);
-      const int64_t end = std::min(first + kPanelColumns, n);
-      with_bits(bits, [&](auto width) {
-        panel_columns<decltype(width)::value>(x + row * k, count, k, weights, first, end,
-                                              y + row * n, n);
-      });
+      item_columns(row, row + count, first, std::min(first + kPanelColumns, y_columns),
+                   [&](int64_t from, int64_t to, const Output& into) {
+                     with_bits(bits, [&](auto width) {
+                       panel_columns<decltype(width)::value>(x + row * k, row, count, k, weights,
+                                                             from, to, into);
+                     });
+                   });
     };
     return parallel_for(context, static_cast<size_t>(row_blocks * column_items), panel_item);
   }
@@ -1579,17 +1644,20 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
   // [576 x 960] projection is 60 items; a prefill's rows are read from L2 by the items of their
   // block (with every row in each item, a 1024-row prefill's rounded activations, 1.2 MB at
   // K = 576, were streamed again for every 16 columns).
-  constexpr int64_t kColumnsPerItem = 16, kRowsPerItem = 64;
-  const int64_t column_items = (n + kColumnsPerItem - 1) / kColumnsPerItem;
+  constexpr int64_t kColumnsPerItem = kFusedColumns, kRowsPerItem = 64;
+  const int64_t column_items = (y_columns + kColumnsPerItem - 1) / kColumnsPerItem;
   const int64_t row_blocks = (rows + kRowsPerItem - 1) / kRowsPerItem;
   auto item = [&](size_t i) {
     const int64_t row = static_cast<int64_t>(i) / column_items * kRowsPerItem;
     const int64_t first = static_cast<int64_t>(i) % column_items * kColumnsPerItem;
     const int64_t end_row = std::min(row + kRowsPerItem, rows);
-    const int64_t end = std::min(first + kColumnsPerItem, n);
-    with_bits(bits, [&](auto width) {
-      integer_columns<decltype(width)::value>(rounded, row, end_row, weights, first, end, y, n);
-    });
+    item_columns(row, end_row, first, std::min(first + kColumnsPerItem, y_columns),
+                 [&](int64_t from, int64_t to, const Output& into) {
+                   with_bits(bits, [&](auto width) {
+                     integer_columns<decltype(width)::value>(rounded, row, end_row, weights, from,
+                                                             to, into);
+                   });
+                 });
   };
   return parallel_for(context, static_cast<size_t>(row_blocks * column_items), item);
 }

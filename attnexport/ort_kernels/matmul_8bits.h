@@ -26,6 +26,7 @@ struct MatMul8Bits {
   // int16 (0: never): on AVX512_VNNI their products take vpdpbusd, 4 a lane an instruction.
   int64_t int8_from_rows = 0;
   int64_t bits = 8;  // of the weights: 8, or 4 for MatMul4Bits
+  bool silu_and_mul = false;  // MatMul8BitsSiluAndMul, MatMul4BitsSiluAndMul
   // Copies made at kernel creation when the scales and zero points are initializers
   // (matmul_8bits.cc), else empty: the block parameters in the lanes' layout, in
   // float16 (half_lanes, with the tiles, where they are float16 values) or else float32
@@ -44,7 +45,10 @@ struct MatMul8Bits {
   Tensor initializer_b, initializer_scales, initializer_zero_points;
   OrtStatus* init(const OrtKernelInfo* info);
   OrtStatus* compute(OrtKernelContext* context) const;
-  std::string op_name() const { return bits == 4 ? "MatMul4Bits" : "MatMul8Bits"; }
+  std::string op_name() const {
+    return std::string(bits == 4 ? "MatMul4Bits" : "MatMul8Bits") +
+           (silu_and_mul ? "SiluAndMul" : "");
+  }
 };
 
 // attnexport.MatMul4Bits: MatMul8Bits on 4-bit weights, MatMulNBits' 4-bit storage: b
@@ -53,6 +57,17 @@ struct MatMul8Bits {
 // MatMulNBits' packed nibbles) or one uint8 for every block (8: symmetric).
 struct MatMul4Bits : MatMul8Bits {
   MatMul4Bits() { bits = 4; }
+};
+
+// attnexport.MatMul8BitsSiluAndMul / MatMul4BitsSiluAndMul: SiluAndMul(MatMul8Bits(...)) ->
+// [..., N / 2], the gate's columns [0, N / 2) of W, the up projection's [N / 2, N) (N a multiple
+// of 32): each work item computes 16 columns of each half into a scratch and writes
+// silu(gate) * up; the product of N columns is never stored. The same numbers as the two nodes.
+struct MatMul8BitsSiluAndMul : MatMul8Bits {
+  MatMul8BitsSiluAndMul() { silu_and_mul = true; }
+};
+struct MatMul4BitsSiluAndMul : MatMul8Bits {
+  MatMul4BitsSiluAndMul() { bits = 4, silu_and_mul = true; }
 };
 
 }  // namespace attnexport

@@ -125,7 +125,7 @@ OrtStatus* infer_columns(OrtShapeInferContext* context, int64_t divisor) {
 }
 // MatMul8Bits, MatMul4Bits, PackedMatMul: [..., N].
 OrtStatus* infer_n_columns(OrtShapeInferContext* context) { return infer_columns(context, 1); }
-// PackedMatMulSiluAndMul: [..., N / 2].
+// PackedMatMulSiluAndMul, MatMul8BitsSiluAndMul, MatMul4BitsSiluAndMul: [..., N / 2].
 OrtStatus* infer_half_n_columns(OrtShapeInferContext* context) { return infer_columns(context, 2); }
 
 // AddBlockOffsets: the shape and type of y (input 0), its unnamed dims given symbols (an input's
@@ -245,6 +245,12 @@ Op<MatMul8Bits> matmul_8bits_op("MatMul8Bits", {kAnyType, kAnyType, kAnyType, kA
                                 infer_n_columns);
 Op<MatMul4Bits> matmul_4bits_op("MatMul4Bits", {kAnyType, kAnyType, kAnyType, kAnyType}, {0},
                                 infer_n_columns);
+Op<MatMul8BitsSiluAndMul> matmul_8bits_silu_op("MatMul8BitsSiluAndMul",
+                                               {kAnyType, kAnyType, kAnyType, kAnyType}, {0},
+                                               infer_half_n_columns);
+Op<MatMul4BitsSiluAndMul> matmul_4bits_silu_op("MatMul4BitsSiluAndMul",
+                                               {kAnyType, kAnyType, kAnyType, kAnyType}, {0},
+                                               infer_half_n_columns);
 Op<PackedMatMul> packed_matmul_op("PackedMatMul", {kAnyType, kAnyType}, {0}, infer_n_columns);
 Op<PackedMatMulSiluAndMul> packed_matmul_silu_op("PackedMatMulSiluAndMul", {kAnyType, kAnyType},
                                                  {0}, infer_half_n_columns);
@@ -273,6 +279,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &fused_add_rms_norm_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &matmul_8bits_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &matmul_4bits_op));
+  ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &matmul_8bits_silu_op));
+  ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &matmul_4bits_silu_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &add_block_offsets_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &packed_matmul_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &packed_matmul_silu_op));

@@ -52,7 +52,10 @@ def test_the_standard_target_keeps_matmul(tmp_path):
 def test_quantizing_a_packed_export_reads_its_matmuls_back(llama_export, tmp_path):
     manifest = quantize_export(llama_export, tmp_path / "int8", WeightQuantization("int8"))
     ops = _ops(tmp_path / "int8")
-    assert ops[(DOMAIN, "MatMul8Bits")] == 9 and ops[(DOMAIN, "PackedMatMul")] == 0
+    assert ops[(DOMAIN, "PackedMatMul")] == 0 and ops[(DOMAIN, "PackedMatMulSiluAndMul")] == 0
+    # (the gate/up projections fused again, on their 8-bit weights)
+    assert ops[(DOMAIN, "MatMul8Bits")] == 7 and ops[(DOMAIN, "MatMul8BitsSiluAndMul")] == 2
+    assert ops[(DOMAIN, "SiluAndMul")] == 0
     assert manifest["weights"]["format"] == "int8"
     assert len(_greedy(tmp_path / "int8", "native")) == 8
 

@@ -44,8 +44,11 @@ def test_inspect_shows_the_quantization(int4_export, capsys):
     assert code == 0
     summary = json.loads(out)
     assert summary["weights"]["format"] == "int4"
-    # 6 projections in 4 bits, the int8 logits projection; int16 activations, so no offsets.
-    assert summary["nodes"]["attnexport::MatMul4Bits"] == 6
+    # 6 projections in 4 bits (layer 1's gate/up with its SiluAndMul), the int8 logits
+    # projection; int16 activations, so no offsets.
+    assert summary["nodes"]["attnexport::MatMul4Bits"] == 5
+    assert summary["nodes"]["attnexport::MatMul4BitsSiluAndMul"] == 1
+    assert "attnexport::SiluAndMul" in summary["nodes"]  # (layer 0's gate/up stayed float)
     assert summary["nodes"]["attnexport::MatMul8Bits"] == 1
     assert "com.microsoft::MatMulNBits" not in summary["nodes"]
     code, out, _ = run_cli(capsys, "inspect", int4_export)

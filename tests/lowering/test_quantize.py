@@ -67,8 +67,9 @@ def test_the_float_export_has_matmuls_on_constant_weights_and_no_gemm(float_onnx
 @pytest.mark.parametrize("fmt, bits", [("int4", 4), ("int8", 8)])
 def test_every_projection_is_quantized(float_onnx, tmp_path, fmt, bits):
     """The defaults: attnexport.MatMul4Bits / MatMul8Bits on every layer (the logits projection
-    in int8: MatMul8Bits), hqq's float zero points read as they are (no offset nodes), no padding
-    row (the kernels compute every row alike), the function bodies."""
+    in int8: MatMul8Bits; each gate/up projection fused with its SiluAndMul), hqq's float zero
+    points read as they are (no offset nodes), no padding row (the kernels compute every row
+    alike), the function bodies."""
     path, entry = _quantized(float_onnx, tmp_path, WeightQuantization(fmt))
     ops = _ops(path)
     defaults = DEFAULTS[fmt]
@@ -85,8 +86,13 @@ def test_every_projection_is_quantized(float_onnx, tmp_path, fmt, bits):
     assert model.ir_version == 10
     assert {p.key for p in model.metadata_props} >= {"cache_inputs", "cache_outputs", "target"}
     assert ops["MatMul"] == ops["MatMulNBits"] == ops["AddBlockOffsets"] == ops["Slice"] == 0
-    layers = {"MatMul4Bits": LAYERS - 1, "MatMul8Bits": 1} if bits == 4 else {"MatMul8Bits": LAYERS}
-    assert {op: ops[op] for op in layers} == layers
+    gate_ups = 2
+    layers = (
+        {"MatMul4Bits": LAYERS - 1 - gate_ups, "MatMul4BitsSiluAndMul": gate_ups, "MatMul8Bits": 1}
+        if bits == 4
+        else {"MatMul8Bits": LAYERS - gate_ups, "MatMul8BitsSiluAndMul": gate_ups}
+    )
+    assert {op: ops[op] for op in layers} == layers and ops["SiluAndMul"] == 0
     assert {(f.domain, f.name) for f in model.functions} >= {("attnexport", op) for op in layers}
 
 
@@ -122,7 +128,9 @@ def test_keep_float_and_lm_head(float_onnx, tmp_path):
         "lm_head",
     ]
     ops = _ops(path)
-    assert ops["MatMul4Bits"] == LAYERS - 5 and ops["MatMul"] == 5
+    # (layer 1's gate/up projection with its SiluAndMul)
+    assert ops["MatMul4Bits"] == LAYERS - 6 and ops["MatMul4BitsSiluAndMul"] == 1
+    assert ops["MatMul"] == 5
     assert entry["quantized_layers"] == LAYERS - 5
 
 
