@@ -24,13 +24,23 @@ template <typename T>
 void rotate_heads(const T* x, int64_t x_token_stride, const T* cos, const T* sin, T* out,
                   int64_t first_token, int64_t end_token, int64_t heads, int64_t head_size) {
   const int64_t half = head_size / 2;
+  // 16 lanes at a time where a half is whole vectors (every zoo model's head size; the loop
+  // below, which g++ 12 left scalar, ran at a third of FusedAddRMSNorm's bytes a second on a
+  // prefill of SmolLM2).
+  const int64_t vectors = half % 16 == 0 ? half : 0;
   for (int64_t token = first_token; token < end_token; ++token) {
     const T* c = cos + token * head_size;
     const T* s = sin + token * head_size;
     for (int64_t head = 0; head < heads; ++head) {
       const T* in = x + token * x_token_stride + head * head_size;
       T* dst = out + (token * heads + head) * head_size;
-      for (int64_t i = 0; i < half; ++i) {
+      for (int64_t i = 0; i < vectors; i += 16) {
+        const f32x16 low = load16_float(in + i), high = load16_float(in + i + half);
+        store16_float(dst + i, low * load16_float(c + i) - high * load16_float(s + i));
+        store16_float(dst + i + half,
+                      high * load16_float(c + i + half) + low * load16_float(s + i + half));
+      }
+      for (int64_t i = vectors; i < half; ++i) {
         const float low = to_float(in[i]), high = to_float(in[i + half]);
         const float low_cos = low * to_float(c[i]), high_sin = high * to_float(s[i]);
         const float high_cos = high * to_float(c[i + half]), low_sin = low * to_float(s[i + half]);
