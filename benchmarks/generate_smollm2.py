@@ -13,7 +13,8 @@
   ``--kv-cache-dtype int8``), ``ours int4-h4-kv8`` (also a 4-bit logits projection),
   ``ours int4-p8-kv8`` (``--weights-prefill-activations int8``: a prefill's activations in int8
   steps), ``ours int4-p8b-kv8`` (and ``--prefill-attention bfloat16``: its attention in
-  bfloat16 pairs),
+  bfloat16 pairs), ``ours int4-d8b-kv8`` (and ``--weights-decode-activations int8``: every
+  call's activations in int8 steps),
   ``ours int4-a8-kv8`` (``--weights-activations int8``: MatMulNBits, the default before);
   llama.cpp Q4_0, OpenVINO int4 (group 64, ratio 1.0), onnxruntime-genai int4.
 
@@ -94,6 +95,17 @@ OURS = {
         [
             *("--weights", "int4", "--kv-cache-dtype", "int8"),
             *("--weights-prefill-activations", "int8", "--prefill-attention", "bfloat16"),
+        ],
+    ),
+    # Every call's activations in int8 steps (our kernel, int8_from_rows 1), as OpenVINO
+    # rounds its int4 models' activations per group of 32: a batched decode's products with
+    # vpdpbusd too.
+    "int4-d8b-kv8": (
+        "4-bit",
+        [
+            *("--weights", "int4", "--kv-cache-dtype", "int8"),
+            *("--weights-prefill-activations", "int8", "--weights-decode-activations", "int8"),
+            *("--prefill-attention", "bfloat16"),
         ],
     ),
     # The int4 default before int16 activations: MatMulNBits at accuracy level 4 (int8

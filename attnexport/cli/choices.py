@@ -194,3 +194,15 @@ def devices() -> tuple[str, ...]:
     from attnexport.runtime.executors.ort_executor import PROVIDERS
 
     return tuple(PROVIDERS)
+
+
+def weight_decode_activations() -> Sequence[str]:
+    """``export --weights-decode-activations``: how finely the other calls' activations are
+    rounded with int8 prefill activations (read on first use)."""
+
+    def read() -> Sequence[str]:
+        from attnexport.lowering import DECODE_ACTIVATIONS
+
+        return DECODE_ACTIVATIONS
+
+    return RegistryChoices(read)

@@ -180,7 +180,9 @@ def weights_line(weights: dict) -> str:
     # int16 activations: attnexport.MatMul8Bits / MatMul4Bits, to which accuracy levels and
     # offsets do not apply
     matmul_8bits = weights.get("activations") == "int16"
-    if matmul_8bits:
+    if matmul_8bits and weights.get("decode_activations") == "int8":
+        options.append("int8 activations in every call")
+    elif matmul_8bits:
         options.append("int16 activations")
         if weights.get("prefill_activations") == "int8":
             options.append("int8 prefill activations")

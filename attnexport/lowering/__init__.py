@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from attnexport.lowering.quantize import (
         ACTIVATIONS,
         ALGORITHMS,
+        DECODE_ACTIVATIONS,
         LM_HEAD_FORMATS,
         PREFILL_ACTIVATIONS,
         WEIGHT_FORMATS,
@@ -44,6 +45,7 @@ _LAZY = {
     "WEIGHT_FORMATS": "attnexport.lowering.quantize",
     "ACTIVATIONS": "attnexport.lowering.quantize",
     "ALGORITHMS": "attnexport.lowering.quantize",
+    "DECODE_ACTIVATIONS": "attnexport.lowering.quantize",
     "LM_HEAD_FORMATS": "attnexport.lowering.quantize",
     "PREFILL_ACTIVATIONS": "attnexport.lowering.quantize",
     "ZERO_POINT_OFFSETS": "attnexport.lowering.quantize",
@@ -55,6 +57,7 @@ _LAZY = {
 __all__ = [
     "ACTIVATIONS",
     "ALGORITHMS",
+    "DECODE_ACTIVATIONS",
     "LM_HEAD_FORMATS",
     "PREFILL_ACTIVATIONS",
     "TARGETS",

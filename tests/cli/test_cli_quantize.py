@@ -66,6 +66,11 @@ def test_inspect_names_the_int8_kernel():
     assert "int16 activations" in line and "accuracy level" not in line and "offsets" not in line
     old = weights_line(entry | {"activations": "int8", "quantized_layers": 7})
     assert "(MatMulNBits," in old and "accuracy level 4" in old
+    prefill = weights_line(entry | {"prefill_activations": "int8", "quantized_layers": 7})
+    assert "int16 activations, int8 prefill activations" in prefill
+    every = {"prefill_activations": "int8", "decode_activations": "int8", "quantized_layers": 7}
+    line = weights_line(entry | every)
+    assert "int8 activations in every call" in line and "int16" not in line
 
 
 def test_verify_compares_with_the_float_model_by_quality(int4_export, capsys):

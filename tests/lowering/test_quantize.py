@@ -153,6 +153,10 @@ def test_bad_options_are_named(float_onnx, tmp_path):
         WeightQuantization("int8", prefill_activations="int4")
     with pytest.raises(QuantizationError, match="only with --weights-activations int16"):
         WeightQuantization("int4", activations="int8", prefill_activations="int8")
+    with pytest.raises(QuantizationError, match="--weights-decode-activations: expected"):
+        WeightQuantization("int4", prefill_activations="int8", decode_activations="int4")
+    with pytest.raises(QuantizationError, match="only with --weights-prefill-activations int8"):
+        WeightQuantization("int4", decode_activations="int8")
     with pytest.raises(QuantizationError, match="pass --weights-asymmetric"):
         WeightQuantization("int4", algorithm="k_quant", symmetric=True)
     with pytest.raises(QuantizationError, match=r"'model\.layer\.\*' matches no layer"):

@@ -202,6 +202,34 @@ def test_int8_prefill_activations_change_only_calls_of_many_rows(llama, tmp_path
     torch.testing.assert_close(b, a, rtol=0.05, atol=0.05 * a.abs().max().item())
 
 
+@requires_ort_kernels
+def test_int8_decode_activations_round_every_call_alike(llama, tmp_path):
+    """``decode_activations="int8"`` writes ``int8_from_rows`` 1: every call in int8 steps, so a
+    sequence's logits alone equal its logits batched (a prefill of 30 rows beside it), and its
+    decode steps differ from the int8-prefill export's (whose short calls stay int16)."""
+    (tmp_path / "prefill").mkdir()
+    (tmp_path / "every").mkdir()
+    prefill = _quantized(
+        llama, tmp_path / "prefill", WeightQuantization("int4", prefill_activations="int8")
+    )
+    quantization = WeightQuantization("int4", prefill_activations="int8", decode_activations="int8")
+    every = _quantized(llama, tmp_path / "every", quantization)
+    assert quantization.manifest_entry([], 9)["decode_activations"] == "int8"
+    nodes = onnx.load(str(every), load_external_data=False).graph.node
+    rows = {
+        helper.get_node_attr_value(n, "int8_from_rows")
+        for n in nodes
+        if n.op_type.startswith("MatMul") and n.domain == "attnexport"
+    }
+    assert rows == {1}
+    prompt = PROMPTS[0]
+    (alone,) = _logits(llama, every, [prompt], steps=3)
+    assert torch.equal(alone, _logits(llama, every, [PROMPTS[1], prompt, PROMPTS[2]], steps=3)[1])
+    (coarser,) = _logits(llama, prefill, [prompt], steps=3)
+    assert not torch.equal(alone, coarser)
+    torch.testing.assert_close(alone, coarser, rtol=0.05, atol=0.05 * coarser.abs().max().item())
+
+
 def test_the_one_row_float_kernel_is_told_apart():
     """The probe behind dropped rows sees a kernel that runs one row its own way: MLAS's
     4-bit MatMulNBits with float activations has a one-row kernel and dequantizes into SGEMM
