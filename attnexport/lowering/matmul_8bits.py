@@ -31,7 +31,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from attnexport.lowering.domain_functions import add_function_body
-from attnexport.model_contract import DOMAIN
+from attnexport.model_contract import DOMAIN, DOMAIN_VERSION
 
 OP_TYPE = "MatMul8Bits"
 OP_TYPES = {8: OP_TYPE, 4: "MatMul4Bits"}
@@ -42,6 +42,11 @@ FUSED_OP_TYPES = {8: "MatMul8BitsSiluAndMul", 4: "MatMul4BitsSiluAndMul"}
 """``SiluAndMul(MatMul8Bits(A, ...))`` in one node (:func:`fuse_silu_and_mul`): the native
 kernel computes a work item's gate and up columns into a scratch and writes ``silu(gate) * up``,
 never the ``[..., N]`` product (``N`` a multiple of :data:`FUSED_COLUMNS`)."""
+QKV_OP_TYPES = {8: "MatMul8BitsQKVRotary", 4: "MatMul4BitsQKVRotary"}
+"""``NeoxQKVRotaryEmbedding(MatMul8Bits(A, ...), cos, sin)`` in one node (:func:`fuse_qkv_rotary`):
+the native kernel writes the query and key heads rotated and the value heads in place, never
+the ``[..., N]`` product (``head_size`` a multiple of :data:`FUSED_COLUMNS`)."""
+QKV_ATTRIBUTES = ("num_heads", "num_kv_heads", "head_size")
 FUSED_COLUMNS = 32
 """``N`` of a fused node is a multiple of it: each half a whole number of the kernel's tiles of
 16 columns."""
@@ -207,25 +212,14 @@ def fuse_silu_and_mul(model: onnx.ModelProto) -> int:
     Returns how many. (A prefill of SmolLM2 spent ~5% of its time in ``SiluAndMul``, reading
     and writing the gate/up product from memory.)"""
     graph = model.graph
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    readers = _readers(graph)
     outputs = {o.name for o in graph.output}
     widths = {op_type: width for width, op_type in OP_TYPES.items()}
     fused: dict[int, int] = {}
-    for node in graph.node:
+    for node in list(graph.node):
         width = widths.get(node.op_type) if node.domain == DOMAIN else None
-        product = node.output[0] if width else None
-        if product is None or product in outputs:
-            continue
-        (activation, *others) = readers.get(product, [None])
-        if (
-            others
-            or activation is None
-            or (activation.domain, activation.op_type) != (DOMAIN, "SiluAndMul")
-            or helper.get_node_attr_value(node, "N") % FUSED_COLUMNS
-        ):
+        activation = _sole_reader(node, readers, outputs, "SiluAndMul") if width else None
+        if activation is None or helper.get_node_attr_value(node, "N") % FUSED_COLUMNS:
             continue
         node.op_type = FUSED_OP_TYPES[width]
         node.output[0] = activation.output[0]
@@ -281,3 +275,95 @@ def _unpacked_zero_points(graph: onnx.GraphProto, initializers: dict, node: onnx
         )
         graph.initializer.append(initializers[name])
     return name
+
+
+def matmul_8bits_qkv_rotary_function(opset: int, bits: int = 8) -> onnx.FunctionProto:
+    """The function body of ``attnexport.MatMul8BitsQKVRotary`` / ``MatMul4BitsQKVRotary``: the
+    two nodes it stands for, ``MatMul8Bits`` (or ``MatMul4Bits``) then
+    ``NeoxQKVRotaryEmbedding``, each expanded by its own function in the model (``opset``: the
+    standard one, >= 18)."""
+    matmul_attributes = ("K", "N", "block_size", "batch_invariant", "int8_from_rows")
+    nodes = [
+        helper.make_node(
+            OP_TYPES[bits],
+            ["A", "B", "scales", "zero_points"],
+            ["qkv"],
+            domain=DOMAIN,
+        ),
+        helper.make_node(
+            "NeoxQKVRotaryEmbedding",
+            ["qkv", "cos", "sin"],
+            ["query", "key", "value"],
+            domain=DOMAIN,
+        ),
+    ]
+    for node, names in ((nodes[0], matmul_attributes), (nodes[1], QKV_ATTRIBUTES)):
+        node.attribute.extend(
+            helper.make_attribute_ref(name, onnx.AttributeProto.INT) for name in names
+        )
+    return helper.make_function(
+        DOMAIN,
+        QKV_OP_TYPES[bits],
+        ["A", "B", "scales", "zero_points", "cos", "sin"],
+        ["query", "key", "value"],
+        nodes,
+        [helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)],
+        attributes=[*matmul_attributes, *QKV_ATTRIBUTES],
+    )
+
+
+def fuse_qkv_rotary(model: onnx.ModelProto) -> int:
+    """Rewrites, in place, every ``MatMul8Bits`` / ``MatMul4Bits`` of the main graph whose product
+    only an ``attnexport.NeoxQKVRotaryEmbedding`` reads (not a graph output; ``head_size`` a
+    multiple of :data:`FUSED_COLUMNS`) and that node into one ``MatMul8BitsQKVRotary`` /
+    ``MatMul4BitsQKVRotary`` writing its three outputs; adds the function bodies (which call the
+    two nodes' functions, kept). Returns how many. (A prefill of SmolLM2 spent ~2% of its time
+    in the rotation, which read the [T, N] product back from memory.)"""
+    graph = model.graph
+    readers = _readers(graph)
+    outputs = {o.name for o in graph.output}
+    widths = {op_type: width for width, op_type in OP_TYPES.items()}
+    fused: dict[int, int] = {}
+    for node in list(graph.node):
+        width = widths.get(node.op_type) if node.domain == DOMAIN else None
+        rotary = _sole_reader(node, readers, outputs, "NeoxQKVRotaryEmbedding") if width else None
+        if rotary is None or len(rotary.input) != 3:
+            continue
+        geometry = {a.name: a.i for a in rotary.attribute if a.name in QKV_ATTRIBUTES}
+        if len(geometry) != 3 or geometry["head_size"] % FUSED_COLUMNS:
+            continue
+        node.op_type = QKV_OP_TYPES[width]
+        node.input.extend(rotary.input[1:])
+        del node.output[:]
+        node.output.extend(rotary.output)
+        node.attribute.extend(helper.make_attribute(k, v) for k, v in geometry.items())
+        graph.node.remove(rotary)
+        fused[width] = fused.get(width, 0) + 1
+    for width in fused:
+        add_function_body(
+            model, QKV_OP_TYPES[width], partial(matmul_8bits_qkv_rotary_function, bits=width)
+        )
+    return sum(fused.values())
+
+
+def _readers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    return readers
+
+
+def _sole_reader(
+    node: onnx.NodeProto, readers: dict, graph_outputs: set[str], op_type: str
+) -> onnx.NodeProto | None:
+    """The ``attnexport.<op_type>`` node that alone reads ``node``'s first output (as its first
+    input; the output not a graph output), else None."""
+    product = node.output[0]
+    found = readers.get(product, [])
+    if product in graph_outputs or len(found) != 1:
+        return None
+    (reader,) = found
+    if (reader.domain, reader.op_type) != (DOMAIN, op_type) or reader.input[0] != product:
+        return None
+    return reader

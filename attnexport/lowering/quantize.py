@@ -388,7 +388,11 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
     from attnexport.batch_invariance import pad_matmulnbits_rows
     from attnexport.lowering import lm_head
     from attnexport.lowering.float_zero_points import split_float_zero_points
-    from attnexport.lowering.matmul_8bits import fuse_silu_and_mul, to_matmul_8bits
+    from attnexport.lowering.matmul_8bits import (
+        fuse_qkv_rotary,
+        fuse_silu_and_mul,
+        to_matmul_8bits,
+    )
     from attnexport.lowering.packed_matmul import unpack_float_weights
 
     path = Path(path)
@@ -433,6 +437,7 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
             int8_from_rows = 1 if quantization.decode_activations == "int8" else PREFILL_ROWS
         to_matmul_8bits(quantized, quantization.batch_invariant, (4, 8), int8_from_rows)
         fuse_silu_and_mul(quantized)
+        fuse_qkv_rotary(quantized)
     split_float_zero_points(quantized, quantization.offsets)
     if quantization.batch_invariant:
         pad_matmulnbits_rows(quantized)

@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "kernel_api.h"
+#include "rotary_embedding.h"
 #include "vector_math.h"
 
 namespace attnexport {
@@ -1479,6 +1480,18 @@ OrtStatus* MatMul8Bits::init(const OrtKernelInfo* info) {
     api().ReleaseStatus(s);  // (optional: 1)
   if (OrtStatus* s = int_attribute(info, "int8_from_rows", &int8_from_rows))
     api().ReleaseStatus(s);  // (optional: 0, never)
+  if (qkv_rotary) {
+    ATTNEXPORT_RETURN_IF_ERROR(int_attribute(info, "num_heads", &num_heads));
+    ATTNEXPORT_RETURN_IF_ERROR(int_attribute(info, "num_kv_heads", &num_kv_heads));
+    ATTNEXPORT_RETURN_IF_ERROR(int_attribute(info, "head_size", &head_size));
+    if (num_heads < 1 || num_kv_heads < 1 || head_size < 1 || head_size % (2 * kFusedColumns) ||
+        n != (num_heads + 2 * num_kv_heads) * head_size)
+      return invalid(op_name() + ": expected positive num_heads and num_kv_heads, a head_size "
+                     "that is a multiple of " + std::to_string(2 * kFusedColumns) +
+                     " and N = (num_heads + 2 * num_kv_heads) * head_size, got num_heads=" +
+                     std::to_string(num_heads) + ", num_kv_heads=" + std::to_string(num_kv_heads) +
+                     ", head_size=" + std::to_string(head_size) + ", N=" + std::to_string(n));
+  }
   if (silu_and_mul && n % (2 * kFusedColumns) != 0)
     return invalid(op_name() + ": expected N (the gate's and the up projection's columns) a "
                    "multiple of " + std::to_string(2 * kFusedColumns) + ", got N=" +
@@ -1572,94 +1585,154 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
     weights.lanes = call_lanes.data() + line_start(call_lanes.data());
   }
 #endif
-  // With silu_and_mul, y's N / 2 columns: silu(gate) * up of the product's halves.
-  const int64_t y_columns = silu_and_mul ? n / 2 : n;
-  std::vector<int64_t> out_dims = a.dims;
-  out_dims.back() = y_columns;
-  Tensor out;
-  ATTNEXPORT_RETURN_IF_ERROR(make_output(context, 0, out_dims, &out));
   const int64_t rows = a.numel() / k;
+  // The outputs: y [..., N] (silu_and_mul: [..., N / 2], silu(gate) * up of the product's
+  // halves), or with qkv_rotary query, key, value and the tables they are rotated by.
+  Tensor outs[3], cos, sin;
+  const int64_t y_columns = silu_and_mul ? n / 2 : n;
+  if (qkv_rotary) {
+    ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 4, &cos));
+    ATTNEXPORT_RETURN_IF_ERROR(read_input(context, 5, &sin));
+    const std::vector<int64_t> table_dims{rows, head_size};
+    if (a.dims.size() != 2)
+      return invalid(op_name() + ": a: expected float32 [num_tokens, " + std::to_string(k) +
+                     "], got " + a.shape());
+    if (cos.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || cos.dims != table_dims ||
+        sin.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || sin.dims != table_dims)
+      return invalid(op_name() + ": cos, sin: expected float32 " + format_dims(table_dims) +
+                     " ([num_tokens, head_size]), got " + type_name(cos.type) + " " +
+                     cos.shape() + " and " + type_name(sin.type) + " " + sin.shape());
+    const int64_t counts[3] = {num_heads, num_kv_heads, num_kv_heads};
+    for (size_t i = 0; i < 3; ++i)
+      ATTNEXPORT_RETURN_IF_ERROR(make_output(context, i, {rows, counts[i], head_size}, &outs[i]));
+  } else {
+    std::vector<int64_t> out_dims = a.dims;
+    out_dims.back() = y_columns;
+    ATTNEXPORT_RETURN_IF_ERROR(make_output(context, 0, out_dims, &outs[0]));
+  }
   if (rows == 0) return nullptr;
 
   const auto* x = static_cast<const float*>(a.data);
-  auto* y = static_cast<float*>(out.data);
-  // A work item's rows [row, end_row) of y's columns [first, end): `product(first, end, to)`
-  // writes those columns of the product to `to`, straight into y; with silu_and_mul, the gate's
-  // and the up projection's (N / 2 further) into the calling thread's scratch, then y gets
-  // silu(gate) * up from it while it is in L1 (the product of N columns is never stored).
-  const auto item_columns = [&](int64_t row, int64_t end_row, int64_t first, int64_t end,
-                                auto&& product) {
-    if (!silu_and_mul) return product(first, end, Output{y, n});
-    thread_local std::vector<float> scratch;  // [rows][gate's 16 | up's 16]
-    scratch.resize(static_cast<size_t>((end_row - row) * 2 * kFusedColumns));
-    product(first, end, Output{scratch.data(), 2 * kFusedColumns, row, first});
-    product(y_columns + first, y_columns + end,
-            Output{scratch.data() + kFusedColumns, 2 * kFusedColumns, row, y_columns + first});
-    silu_and_mul_scratch(scratch.data(), end_row - row, static_cast<int>(end - first),
-                         y + row * y_columns + first, y_columns);
-  };
-  if (!batch_invariant && rows >= kPanelRows && !tiles_path(block_size, bits)) {
-    // Items of kPanelRowBlock rows by kPanelColumns columns, a row block's items adjacent.
-    const int64_t column_items = (y_columns + kPanelColumns - 1) / kPanelColumns;
-    const int64_t row_blocks = (rows + kPanelRowBlock - 1) / kPanelRowBlock;
-    auto panel_item = [&](size_t i) {
-      const int64_t row = static_cast<int64_t>(i) / column_items * kPanelRowBlock;
-      const int64_t first = static_cast<int64_t>(i) % column_items * kPanelColumns;
-      const int64_t count = std::min(kPanelRowBlock, rows - row);
-      item_columns(row, row + count, first, std::min(first + kPanelColumns, y_columns),
-                   [&](int64_t from, int64_t to, const Output& into) {
-                     with_bits(bits, [&](auto width) {
-                       panel_columns<decltype(width)::value>(x + row * k, row, count, k, weights,
-                                                             from, to, into);
-                     });
-                   });
-    };
-    return parallel_for(context, static_cast<size_t>(row_blocks * column_items), panel_item);
-  }
-
+  // Nodes without batch invariance multiply 8-bit blocks over 256 as float32 panels (calls of
+  // kPanelRows rows or more); every other call rounds its rows first.
+  const bool panels = !batch_invariant && rows >= kPanelRows && !tiles_path(block_size, bits);
   // The calling thread's buffers, kept between calls (round_rows writes every element): fresh
   // ones, allocated and zeroed on every call, took 1.05x the time at 1 and 32 rows, 1.01x at
   // 1024 ([1536 x 576], 4 bits, the two alternating). (A reference, so that the workers'
   // lambdas capture this thread's buffers, not name their own.)
   thread_local Rows buffers;
   Rows& rounded = buffers;
-  // (Groups of kRowGroup for the AVX-512 tiles' path, which every call of a node with tiles
-  // takes. The AVX2 build's tiles read rows in the row-major layout: grouped, its 16 registers
-  // could not hold a pass's broadcast pairs and accumulators, 1.2-1.45x slower.)
-  // A call of int8_from_rows rows or more rounds to int8 steps (the same integers whichever
-  // path multiplies them; vpdpbusd's where the tiles and AVX512_VNNI are).
-  const bool int8_steps = int8_from_rows > 0 && rows >= int8_from_rows;
+  if (!panels) {
+    // (Groups of kRowGroup for the AVX-512 tiles' path, which every call of a node with tiles
+    // takes. The AVX2 build's tiles read rows in the row-major layout: grouped, its 16
+    // registers could not hold a pass's broadcast pairs and accumulators, 1.2-1.45x slower.)
+    // A call of int8_from_rows rows or more rounds to int8 steps (the same integers whichever
+    // path multiplies them; vpdpbusd's where the tiles and AVX512_VNNI are).
+    const bool int8_steps = int8_from_rows > 0 && rows >= int8_from_rows;
 #if defined(__AVX512BW__)
-  const int64_t group = weights.tiles != nullptr && rows > 1 ? kRowGroup : 1;
-  const bool quads = int8_steps && group == kRowGroup && use_vnni();
+    const int64_t group = weights.tiles != nullptr && rows > 1 ? kRowGroup : 1;
+    const bool quads = int8_steps && group == kRowGroup && use_vnni();
 #else
-  const int64_t group = 1;
-  const bool quads = false;
+    const int64_t group = 1;
+    const bool quads = false;
 #endif
-  rounded.shape(rows, blocks, block_size, group, int8_steps ? 127.0f : 32767.0f, quads);
-  ATTNEXPORT_RETURN_IF_ERROR(for_row_ranges(context, rows, k, [&](int64_t first, int64_t end) {
-    round_rows(x, first, end, k, rounded);
-  }));
-  // Work items of 16 columns by 64 rows, a row block's items adjacent: a decoded token's
-  // [576 x 960] projection is 60 items; a prefill's rows are read from L2 by the items of their
-  // block (with every row in each item, a 1024-row prefill's rounded activations, 1.2 MB at
-  // K = 576, were streamed again for every 16 columns).
-  constexpr int64_t kColumnsPerItem = kFusedColumns, kRowsPerItem = 64;
-  const int64_t column_items = (y_columns + kColumnsPerItem - 1) / kColumnsPerItem;
-  const int64_t row_blocks = (rows + kRowsPerItem - 1) / kRowsPerItem;
-  auto item = [&](size_t i) {
-    const int64_t row = static_cast<int64_t>(i) / column_items * kRowsPerItem;
-    const int64_t first = static_cast<int64_t>(i) % column_items * kColumnsPerItem;
-    const int64_t end_row = std::min(row + kRowsPerItem, rows);
-    item_columns(row, end_row, first, std::min(first + kColumnsPerItem, y_columns),
-                 [&](int64_t from, int64_t to, const Output& into) {
-                   with_bits(bits, [&](auto width) {
-                     integer_columns<decltype(width)::value>(rounded, row, end_row, weights, from,
-                                                             to, into);
-                   });
-                 });
+    rounded.shape(rows, blocks, block_size, group, int8_steps ? 127.0f : 32767.0f, quads);
+    ATTNEXPORT_RETURN_IF_ERROR(for_row_ranges(context, rows, k, [&](int64_t first, int64_t end) {
+      round_rows(x, first, end, k, rounded);
+    }));
+  }
+  // Columns [first, end) of rows [row, end_row) of the product, written through `into`.
+  const auto product = [&](int64_t row, int64_t end_row, int64_t first, int64_t end,
+                           const Output& into) {
+    with_bits(bits, [&](auto width) {
+      constexpr int kBits = decltype(width)::value;
+      if (panels)
+        panel_columns<kBits>(x + row * k, row, end_row - row, k, weights, first, end, into);
+      else
+        integer_columns<kBits>(rounded, row, end_row, weights, first, end, into);
+    });
   };
-  return parallel_for(context, static_cast<size_t>(row_blocks * column_items), item);
+  // Two stretches of `columns` (<= kFusedColumns) product columns, from first_a and from
+  // first_b, of rows [row, end_row) into the calling thread's scratch ([rows][a's 16 | b's 16]),
+  // for an epilogue to read from L1.
+  const auto pair_into_scratch = [&](int64_t row, int64_t end_row, int64_t first_a,
+                                     int64_t first_b, int64_t columns) {
+    thread_local std::vector<float> scratch;
+    scratch.resize(static_cast<size_t>((end_row - row) * 2 * kFusedColumns));
+    product(row, end_row, first_a, first_a + columns,
+            Output{scratch.data(), 2 * kFusedColumns, row, first_a});
+    product(row, end_row, first_b, first_b + columns,
+            Output{scratch.data() + kFusedColumns, 2 * kFusedColumns, row, first_b});
+    return static_cast<const float*>(scratch.data());
+  };
+
+  // Work items of kRowsPerItem rows by a few columns, a row block's items adjacent: a prefill's
+  // rows are read from L2 by the items of their block (with every row in each item, a
+  // 1024-row prefill's rounded activations, 1.2 MB at K = 576, were streamed again for every 16
+  // columns); a decoded token's [576 x 960] projection is 60 items of 16 columns.
+  constexpr int64_t kRowsPerItem = 64;
+  static_assert(kRowsPerItem == kPanelRowBlock, "the panels' row blocks are the items'");
+  const int64_t row_blocks = (rows + kRowsPerItem - 1) / kRowsPerItem;
+  const auto run_items = [&](int64_t per_block, auto&& item) {
+    auto at = [&](size_t i) {
+      const int64_t row = static_cast<int64_t>(i) / per_block * kRowsPerItem;
+      item(row, std::min(row + kRowsPerItem, rows), static_cast<int64_t>(i) % per_block);
+    };
+    return parallel_for(context, static_cast<size_t>(row_blocks * per_block), at);
+  };
+  auto* y = static_cast<float*>(outs[0].data);
+  if (qkv_rotary) {
+    // Per row block, items of a head's lanes [16j, 16j + 16) in both halves (the same work
+    // each: with value items of 16 columns, a decode step's 36 items of SmolLM2 split unevenly
+    // between 2 threads, 1.07x the unfused nodes' step at batch 32): (num_heads + num_kv_heads)
+    // x half / 16 of query and key heads, rotated from the scratch, then num_kv_heads x half /
+    // 16 of value heads, written in place.
+    const int64_t D = head_size, half = D / 2, lanes = half / kFusedColumns;
+    const int64_t rotated = (num_heads + num_kv_heads) * lanes;
+    const auto* cs = static_cast<const float*>(cos.data);
+    const auto* ss = static_cast<const float*>(sin.data);
+    return run_items(rotated + num_kv_heads * lanes, [&](int64_t row, int64_t end_row, int64_t i) {
+      const int64_t head = i / lanes, lane = i % lanes * kFusedColumns;
+      if (i >= rotated) {
+        const Output value{static_cast<float*>(outs[2].data), num_kv_heads * D, 0,
+                           (num_heads + num_kv_heads) * D};
+        const int64_t first = head * D + lane;
+        product(row, end_row, first, first + kFusedColumns, value);
+        return product(row, end_row, first + half, first + half + kFusedColumns, value);
+      }
+      const float* scratch =
+          pair_into_scratch(row, end_row, head * D + lane, head * D + half + lane, kFusedColumns);
+      const bool query = head < num_heads;
+      const int64_t stride = (query ? num_heads : num_kv_heads) * D;
+      float* dst = static_cast<float*>(outs[query ? 0 : 1].data) +
+                   (query ? head : head - num_heads) * D + lane;
+      for (int64_t t = row; t < end_row; ++t) {
+        const float* pair = scratch + (t - row) * 2 * kFusedColumns;
+        rotate16(load16(pair), load16(pair + kFusedColumns), cs + t * D + lane,
+                 ss + t * D + lane, half, dst + t * stride, dst + t * stride + half);
+      }
+    });
+  }
+  if (silu_and_mul) {
+    // Items of 16 gate columns and the 16 up columns N / 2 further: y gets silu(gate) * up.
+    return run_items((y_columns + kFusedColumns - 1) / kFusedColumns,
+                     [&](int64_t row, int64_t end_row, int64_t i) {
+                       const int64_t first = i * kFusedColumns;
+                       const int64_t columns = std::min(kFusedColumns, y_columns - first);
+                       const float* scratch =
+                           pair_into_scratch(row, end_row, first, y_columns + first, columns);
+                       silu_and_mul_scratch(scratch, end_row - row, static_cast<int>(columns),
+                                            y + row * y_columns + first, y_columns);
+                     });
+  }
+  // (The panels: items of kPanelColumns columns, whose panel and rows stay in L1.)
+  const int64_t columns_per_item = panels ? kPanelColumns : kFusedColumns;
+  return run_items((n + columns_per_item - 1) / columns_per_item,
+                   [&](int64_t row, int64_t end_row, int64_t i) {
+                     const int64_t first = i * columns_per_item;
+                     product(row, end_row, first, std::min(first + columns_per_item, n),
+                             Output{y, n});
+                   });
 }
 
 }  // namespace attnexport

@@ -27,6 +27,8 @@ struct MatMul8Bits {
   int64_t int8_from_rows = 0;
   int64_t bits = 8;  // of the weights: 8, or 4 for MatMul4Bits
   bool silu_and_mul = false;  // MatMul8BitsSiluAndMul, MatMul4BitsSiluAndMul
+  bool qkv_rotary = false;    // MatMul8BitsQKVRotary, MatMul4BitsQKVRotary: their attributes
+  int64_t num_heads = 0, num_kv_heads = 0, head_size = 0;
   // Copies made at kernel creation when the scales and zero points are initializers
   // (matmul_8bits.cc), else empty: the block parameters in the lanes' layout, in
   // float16 (half_lanes, with the tiles, where they are float16 values) or else float32
@@ -47,7 +49,7 @@ struct MatMul8Bits {
   OrtStatus* compute(OrtKernelContext* context) const;
   std::string op_name() const {
     return std::string(bits == 4 ? "MatMul4Bits" : "MatMul8Bits") +
-           (silu_and_mul ? "SiluAndMul" : "");
+           (silu_and_mul ? "SiluAndMul" : qkv_rotary ? "QKVRotary" : "");
   }
 };
 
@@ -68,6 +70,19 @@ struct MatMul8BitsSiluAndMul : MatMul8Bits {
 };
 struct MatMul4BitsSiluAndMul : MatMul8Bits {
   MatMul4BitsSiluAndMul() { bits = 4, silu_and_mul = true; }
+};
+
+// attnexport.MatMul8BitsQKVRotary / MatMul4BitsQKVRotary: NeoxQKVRotaryEmbedding(MatMul8Bits(a,
+// b, scales, zero_points), cos, sin) -> query [T, H, D], key [T, Hkv, D], value [T, Hkv, D] (a
+// [T, K]; cos, sin float32 [T, D]; N = (H + 2 Hkv) * D, D a multiple of 32): a work item
+// computes lanes [16j, 16j + 16) of both halves of a query or key head into a scratch and
+// writes them rotated, or 16 columns of a value head straight into `value`; the [T, N] product
+// is never stored. The same numbers as the two nodes.
+struct MatMul8BitsQKVRotary : MatMul8Bits {
+  MatMul8BitsQKVRotary() { qkv_rotary = true; }
+};
+struct MatMul4BitsQKVRotary : MatMul8Bits {
+  MatMul4BitsQKVRotary() { bits = 4, qkv_rotary = true; }
 };
 
 }  // namespace attnexport

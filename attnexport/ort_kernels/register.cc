@@ -79,7 +79,8 @@ OrtStatus* int_attribute(OrtShapeInferContext* context, const char* name, int64_
   return api().ReadOpAttr(attribute, ORT_OP_ATTR_INT, value, sizeof *value, &size);
 }
 
-// NeoxQKVRotaryEmbedding: qkv [T, W] -> [T, num_heads, head_size], [T, num_kv_heads, head_size] x 2.
+// NeoxQKVRotaryEmbedding: qkv [T, W] -> [T, num_heads, head_size], [T, num_kv_heads, head_size] x 2
+// (MatMul8BitsQKVRotary / MatMul4BitsQKVRotary: a [T, K] -> the same).
 OrtStatus* infer_qkv_heads(OrtShapeInferContext* context) {
   ONNXTensorElementDataType type;
   std::vector<int64_t> dims;
@@ -251,6 +252,14 @@ Op<MatMul8BitsSiluAndMul> matmul_8bits_silu_op("MatMul8BitsSiluAndMul",
 Op<MatMul4BitsSiluAndMul> matmul_4bits_silu_op("MatMul4BitsSiluAndMul",
                                                {kAnyType, kAnyType, kAnyType, kAnyType}, {0},
                                                infer_half_n_columns);
+Op<MatMul8BitsQKVRotary> matmul_8bits_qkv_op("MatMul8BitsQKVRotary",
+                                             {kAnyType, kAnyType, kAnyType, kAnyType, kAnyType,
+                                              kAnyType},
+                                             {0, 0, 0}, infer_qkv_heads);
+Op<MatMul4BitsQKVRotary> matmul_4bits_qkv_op("MatMul4BitsQKVRotary",
+                                             {kAnyType, kAnyType, kAnyType, kAnyType, kAnyType,
+                                              kAnyType},
+                                             {0, 0, 0}, infer_qkv_heads);
 Op<PackedMatMul> packed_matmul_op("PackedMatMul", {kAnyType, kAnyType}, {0}, infer_n_columns);
 Op<PackedMatMulSiluAndMul> packed_matmul_silu_op("PackedMatMulSiluAndMul", {kAnyType, kAnyType},
                                                  {0}, infer_half_n_columns);
@@ -281,6 +290,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &matmul_4bits_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &matmul_8bits_silu_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &matmul_4bits_silu_op));
+  ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &matmul_8bits_qkv_op));
+  ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &matmul_4bits_qkv_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &add_block_offsets_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &packed_matmul_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &packed_matmul_silu_op));

@@ -34,12 +34,9 @@ void rotate_heads(const T* x, int64_t x_token_stride, const T* cos, const T* sin
     for (int64_t head = 0; head < heads; ++head) {
       const T* in = x + token * x_token_stride + head * head_size;
       T* dst = out + (token * heads + head) * head_size;
-      for (int64_t i = 0; i < vectors; i += 16) {
-        const f32x16 low = load16_float(in + i), high = load16_float(in + i + half);
-        store16_float(dst + i, low * load16_float(c + i) - high * load16_float(s + i));
-        store16_float(dst + i + half,
-                      high * load16_float(c + i + half) + low * load16_float(s + i + half));
-      }
+      for (int64_t i = 0; i < vectors; i += 16)
+        rotate16(load16_float(in + i), load16_float(in + i + half), c + i, s + i, half, dst + i,
+                 dst + i + half);
       for (int64_t i = vectors; i < half; ++i) {
         const float low = to_float(in[i]), high = to_float(in[i + half]);
         const float low_cos = low * to_float(c[i]), high_sin = high * to_float(s[i]);

@@ -4,7 +4,21 @@
 
 #include <cstdint>
 
+#include "vector_math.h"
+
 namespace attnexport {
+
+// Lanes [i, i + 16) of a head's rotation, the halves' values low = x[i..], high = x[half + i..]
+// already loaded: out_low = low * cos[i] - high * sin[i], out_high = high * cos[half + i] + low *
+// sin[half + i] (`cos`, `sin`: the token's tables at i; `out_low`, `out_high`: the destination
+// at i and half + i). The one place both kernels rotate (NeoxQKVRotaryEmbedding and the QKV
+// projection that writes it, matmul_8bits.cc): the same operations, the same bits.
+template <typename T>
+inline void rotate16(f32x16 low, f32x16 high, const T* cos, const T* sin, int64_t half,
+                     T* out_low, T* out_high) {
+  store16_float(out_low, low * load16_float(cos) - high * load16_float(sin));
+  store16_float(out_high, high * load16_float(cos + half) + low * load16_float(sin + half));
+}
 
 // attnexport.NeoxRotaryEmbedding: x [T, H, D] rotated by the per-token tables cos, sin [T, D]
 // (rotate-half layout), float32, float16 or bfloat16 with math in float32.
