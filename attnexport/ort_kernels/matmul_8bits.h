@@ -10,6 +10,12 @@
 
 namespace attnexport {
 
+// Tile pairs of a fused node's work items: columns `c` and `c + stride` within each `period`
+// columns (stride 0: none).
+struct TilePairs {
+  int64_t stride = 0, period = 0;
+};
+
 // attnexport.MatMul8Bits: a[..., K] float32 @ W -> [..., N] float32, W stored as onnxruntime's
 // 8-bit MatMulNBits stores it: b [N, blocks, block_size] uint8 (K zero-padded to whole blocks),
 // scales [N * blocks] float32 or float16, zero_points uint8 [N * blocks], float32 or float16
@@ -47,6 +53,12 @@ struct MatMul8Bits {
   Tensor initializer_b, initializer_scales, initializer_zero_points;
   OrtStatus* init(const OrtKernelInfo* info);
   OrtStatus* compute(OrtKernelContext* context) const;
+  // The tile pairs of the fused forms' work items (matmul_8bits.cc, tile_slot).
+  TilePairs tile_pairs() const {
+    if (silu_and_mul) return {n / 2, n};
+    if (qkv_rotary) return {head_size / 2, head_size};
+    return {};
+  }
   std::string op_name() const {
     return std::string(bits == 4 ? "MatMul4Bits" : "MatMul8Bits") +
            (silu_and_mul ? "SiluAndMul" : qkv_rotary ? "QKVRotary" : "");
