@@ -212,14 +212,9 @@ def fuse_silu_and_mul(model: onnx.ModelProto) -> int:
     Returns how many. (A prefill of SmolLM2 spent ~5% of its time in ``SiluAndMul``, reading
     and writing the gate/up product from memory.)"""
     graph = model.graph
-    readers = _readers(graph)
-    outputs = {o.name for o in graph.output}
-    widths = {op_type: width for width, op_type in OP_TYPES.items()}
     fused: dict[int, int] = {}
-    for node in list(graph.node):
-        width = widths.get(node.op_type) if node.domain == DOMAIN else None
-        activation = _sole_reader(node, readers, outputs, "SiluAndMul") if width else None
-        if activation is None or helper.get_node_attr_value(node, "N") % FUSED_COLUMNS:
+    for node, width, activation in _projections_read_by(graph, "SiluAndMul"):
+        if helper.get_node_attr_value(node, "N") % FUSED_COLUMNS:
             continue
         node.op_type = FUSED_OP_TYPES[width]
         node.output[0] = activation.output[0]
@@ -320,14 +315,9 @@ def fuse_qkv_rotary(model: onnx.ModelProto) -> int:
     two nodes' functions, kept). Returns how many. (A prefill of SmolLM2 spent ~2% of its time
     in the rotation, which read the [T, N] product back from memory.)"""
     graph = model.graph
-    readers = _readers(graph)
-    outputs = {o.name for o in graph.output}
-    widths = {op_type: width for width, op_type in OP_TYPES.items()}
     fused: dict[int, int] = {}
-    for node in list(graph.node):
-        width = widths.get(node.op_type) if node.domain == DOMAIN else None
-        rotary = _sole_reader(node, readers, outputs, "NeoxQKVRotaryEmbedding") if width else None
-        if rotary is None or len(rotary.input) != 3:
+    for node, width, rotary in _projections_read_by(graph, "NeoxQKVRotaryEmbedding"):
+        if len(rotary.input) != 3:
             continue
         geometry = {a.name: a.i for a in rotary.attribute if a.name in QKV_ATTRIBUTES}
         if len(geometry) != 3 or geometry["head_size"] % FUSED_COLUMNS:
@@ -346,24 +336,25 @@ def fuse_qkv_rotary(model: onnx.ModelProto) -> int:
     return sum(fused.values())
 
 
-def _readers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+def _projections_read_by(
+    graph: onnx.GraphProto, op_type: str
+) -> list[tuple[onnx.NodeProto, int, onnx.NodeProto]]:
+    """``(node, width, reader)`` for every ``MatMul8Bits`` / ``MatMul4Bits`` of ``graph`` whose
+    product only the ``attnexport.<op_type>`` node ``reader`` reads, as its first input (the
+    product not a graph output); ``width`` the weights' bits."""
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:
             readers.setdefault(name, []).append(node)
-    return readers
-
-
-def _sole_reader(
-    node: onnx.NodeProto, readers: dict, graph_outputs: set[str], op_type: str
-) -> onnx.NodeProto | None:
-    """The ``attnexport.<op_type>`` node that alone reads ``node``'s first output (as its first
-    input; the output not a graph output), else None."""
-    product = node.output[0]
-    found = readers.get(product, [])
-    if product in graph_outputs or len(found) != 1:
-        return None
-    (reader,) = found
-    if (reader.domain, reader.op_type) != (DOMAIN, op_type) or reader.input[0] != product:
-        return None
-    return reader
+    outputs = {o.name for o in graph.output}
+    widths = {kind: width for width, kind in OP_TYPES.items()}
+    found = []
+    for node in graph.node:
+        width = widths.get(node.op_type) if node.domain == DOMAIN else None
+        product = node.output[0]
+        if width is None or product in outputs or len(readers.get(product, [])) != 1:
+            continue
+        (reader,) = readers[product]
+        if (reader.domain, reader.op_type) == (DOMAIN, op_type) and reader.input[0] == product:
+            found.append((node, width, reader))
+    return found

@@ -28,6 +28,7 @@ from tests.helpers import (
     rerun_with,
 )
 from tests.lowering.test_matmul_8bits import BITS, _fed_as_inputs, _matmulnbits_model
+from tests.lowering.test_matmul_8bits_silu import KERNEL_PATHS
 
 ROWS = (1, 2, 3, 9, 64, 65, 131)
 GEOMETRIES = [(3, 1, 64), (4, 2, 32), (2, 2, 128)]  # (num_heads, num_kv_heads, head_size)
@@ -45,25 +46,11 @@ def _tables(rows: int, head_size: int) -> tuple[np.ndarray, np.ndarray]:
 def _qkv_models(k, heads, kv_heads, size, bits, zero_points="float32", int8_from_rows=0):
     """(unfused, fused) models of ``NeoxQKVRotaryEmbedding(MatMul8Bits(a), cos, sin)`` on the
     same random weights, and the float64 ``[N, K]`` weight."""
-    n = (heads + 2 * kv_heads) * size
     (rotary,) = [b for b in all_bodies(18) if b.name == "NeoxQKVRotaryEmbedding"]
     models = []
     for _ in range(2):
-        model, weight = _matmulnbits_model(k, n, 32, zero_points, bits=bits)
-        assert to_matmul_8bits(model, True, (bits,), int8_from_rows) == 1
+        model, weight = _unfused_only(k, heads, kv_heads, size, bits, zero_points, int8_from_rows)
         graph = model.graph
-        graph.node[0].output[0] = "qkv"
-        graph.node.append(
-            helper.make_node(
-                "NeoxQKVRotaryEmbedding",
-                ["qkv", "cos", "sin"],
-                ["query", "key", "value"],
-                domain=DOMAIN,
-                num_heads=heads,
-                num_kv_heads=kv_heads,
-                head_size=size,
-            )
-        )
         model.functions.append(ir.serde.serialize_function(rotary))
         graph.input.extend(
             helper.make_tensor_value_info(name, TensorProto.FLOAT, ["rows", size])
@@ -99,14 +86,7 @@ def _rotated(product: torch.Tensor, cos, sin, size: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("heads, kv_heads, size", GEOMETRIES)
-@pytest.mark.parametrize(
-    "kernels, int8_from_rows",  # (int8 steps are the native kernel's; the bodies are float32)
-    [
-        ("bodies", 0),
-        pytest.param("native", 0, marks=requires_ort_kernels),
-        pytest.param("native", 9, marks=requires_ort_kernels),
-    ],
-)
+@pytest.mark.parametrize("kernels, int8_from_rows", KERNEL_PATHS)
 def test_the_fused_node_gives_the_two_nodes_bits(
     heads, kv_heads, size, kernels, int8_from_rows, bits
 ):
@@ -156,7 +136,7 @@ def test_weights_the_graph_computes_give_the_same_bits(bits):
 
 def test_only_a_product_that_the_rotation_alone_reads_is_fused():
     for case in ("read twice", "graph output", "head size"):
-        model = _unfused_only(64, 2, 1, 48 if case == "head size" else 64)
+        model, _ = _unfused_only(64, 2, 1, 48 if case == "head size" else 64)
         graph = model.graph
         if case == "read twice":
             graph.node.append(helper.make_node("Relu", ["qkv"], ["other"]))
@@ -167,10 +147,12 @@ def test_only_a_product_that_the_rotation_alone_reads_is_fused():
         assert not any(f.name == QKV_OP_TYPES[4] for f in model.functions)
 
 
-def _unfused_only(k, heads, kv_heads, size):
+def _unfused_only(k, heads, kv_heads, size, bits=4, zero_points="uint8", int8_from_rows=0):
+    """``NeoxQKVRotaryEmbedding(MatMul8Bits(a), cos, sin)``'s two nodes (no rotary body), and the
+    float64 ``[N, K]`` weight."""
     n = (heads + 2 * kv_heads) * size
-    model, _ = _matmulnbits_model(k, n, 32, "uint8", bits=4)
-    assert to_matmul_8bits(model, bits=(4,)) == 1
+    model, weight = _matmulnbits_model(k, n, 32, zero_points, bits=bits)
+    assert to_matmul_8bits(model, True, (bits,), int8_from_rows) == 1
     model.graph.node[0].output[0] = "qkv"
     model.graph.node.append(
         helper.make_node(
@@ -183,7 +165,7 @@ def _unfused_only(k, heads, kv_heads, size):
             head_size=size,
         )
     )
-    return model
+    return model, weight
 
 
 @requires_ort_kernels

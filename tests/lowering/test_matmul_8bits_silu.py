@@ -35,6 +35,11 @@ from tests.lowering.test_matmul_8bits import (
     _rounding_bound,
 )
 
+KERNEL_PATHS = [  # (int8 steps are the native kernel's; the bodies compute float32)
+    ("bodies", 0),
+    pytest.param("native", 0, marks=requires_ort_kernels),
+    pytest.param("native", 9, marks=requires_ort_kernels),
+]
 ROWS = (1, 2, 3, 8, 9, 64, 65, 131)  # passes of 8/4/2/1 rows, items of 64 rows, int8 from 9
 
 
@@ -63,14 +68,7 @@ def _gate_up_models(k, n, block, zero_points, bits, int8_from_rows=0, batch_inva
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("zero_points", ZERO_POINTS)
-@pytest.mark.parametrize(
-    "kernels, int8_from_rows",  # (int8 steps are the native kernel's; the bodies are float32)
-    [
-        ("bodies", 0),
-        pytest.param("native", 0, marks=requires_ort_kernels),
-        pytest.param("native", 9, marks=requires_ort_kernels),
-    ],
-)
+@pytest.mark.parametrize("kernels, int8_from_rows", KERNEL_PATHS)
 @pytest.mark.parametrize("k, n, block", [(576, 96, 32), (577, 64, 32), (1536, 96, 64)])
 def test_the_fused_node_gives_the_two_nodes_bits(
     k, n, block, zero_points, kernels, bits, int8_from_rows
