@@ -1426,8 +1426,8 @@ void integer_columns(const Rows& rows, int64_t first_row, int64_t end_row, const
   columns<kBits>(rows, first_row, end_row, w, first_column, end_column, out);
 }
 
-// Columns a work item of MatMul8BitsSiluAndMul takes from each half of the product: one tile's
-// (the up projection's columns, N / 2 on, start a tile where N is a multiple of 32).
+// Columns of a work item's tile (the plain node's items, and each of the two a fused form's
+// item takes: the up projection's columns, N / 2 on, start a tile where N is a multiple of 32).
 constexpr int64_t kFusedColumns = 16;
 
 // y[r, c] = silu(gate[r, c]) * up[r, c] for r < rows, c < columns (<= kFusedColumns): gate and
@@ -1693,7 +1693,7 @@ OrtStatus* MatMul8Bits::compute(OrtKernelContext* context) const {
   // Work items of kRowsPerItem rows by a few columns, a row block's items adjacent: a prefill's
   // rows are read from L2 by the items of their block (with every row in each item, a
   // 1024-row prefill's rounded activations, 1.2 MB at K = 576, were streamed again for every 16
-  // columns); a decoded token's [576 x 960] projection is 60 items of 16 columns.
+  // columns); a decoded token's [576 x 576] projection is 36 items of 16 columns.
   constexpr int64_t kRowsPerItem = 64;
   static_assert(kRowsPerItem == kPanelRowBlock, "the panels' row blocks are the items'");
   const int64_t row_blocks = (rows + kRowsPerItem - 1) / kRowsPerItem;
