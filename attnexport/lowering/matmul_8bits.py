@@ -20,6 +20,9 @@ than MatMulNBits' int8, then integer dot products with the weight bytes widened 
 a row's numbers independent of the batch); stock onnxruntime inlines the function body below
 (standard ops on float32 activations: the weight dequantized, then ``MatMul``), which it folds
 into a float32 weight at load.
+
+A projection whose product only a ``SiluAndMul`` or a ``NeoxQKVRotaryEmbedding`` reads joins it
+(:func:`fuse_silu_and_mul`, :func:`fuse_qkv_rotary`): the kernel never stores the product.
 """
 
 from __future__ import annotations
