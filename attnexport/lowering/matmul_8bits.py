@@ -31,6 +31,7 @@ from functools import partial
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 from onnx import TensorProto, helper, numpy_helper
 
 from attnexport.lowering.domain_functions import add_function_body
@@ -53,17 +54,14 @@ QKV_ATTRIBUTES = ("num_heads", "num_kv_heads", "head_size")
 FUSED_COLUMNS = 32
 """``N`` of a fused node is a multiple of it: each half a whole number of the kernel's tiles of
 16 columns."""
+MATMUL_ATTRIBUTES = ("K", "N", "block_size", "batch_invariant", "int8_from_rows")
 SYMMETRIC_ZERO_POINTS = {8: "matmul_8bits_zero_point_128", 4: "matmul_4bits_zero_point_8"}
 """The one uint8 zero point (128, or 8 for 4 bits) that every symmetric node reads."""
 
 
-def matmul_8bits_function(
-    opset: int, bits: int = 8, silu_and_mul: bool = False
-) -> onnx.FunctionProto:
+def matmul_8bits_function(opset: int, bits: int = 8) -> onnx.FunctionProto:
     """The function body of ``attnexport.MatMul8Bits`` (``bits=4``: ``MatMul4Bits``, whose
-    body first unpacks the nibbles; ``silu_and_mul``: ``MatMul8BitsSiluAndMul`` /
-    ``MatMul4BitsSiluAndMul``, ``silu(gate) * up`` of the product's halves as ``SiluAndMul``'s
-    body computes it) in standard ops of ``opset`` (>= 18)."""
+    body first unpacks the nibbles) in standard ops of ``opset`` (>= 18)."""
 
     def const(name: str, values: list[int]) -> onnx.NodeProto:
         return helper.make_node(
@@ -121,23 +119,16 @@ def matmul_8bits_function(
         helper.make_node("Slice", ["a_shape", "minus_one", "last"], ["k"]),
         helper.make_node("Slice", ["padded_nk", "zero", "k", "one"], ["weight_nk"]),
         helper.make_node("Transpose", ["weight_nk"], ["weight_kn"], perm=[1, 0]),
-        helper.make_node("MatMul", ["A", "weight_kn"], ["products" if silu_and_mul else "Y"]),
+        helper.make_node("MatMul", ["A", "weight_kn"], ["Y"]),
     ]
-    if silu_and_mul:
-        nodes += [
-            helper.make_node("Split", ["products"], ["gate", "up"], axis=-1, num_outputs=2),
-            helper.make_node("Sigmoid", ["gate"], ["gate_sigmoid"]),
-            helper.make_node("Mul", ["gate", "gate_sigmoid"], ["silu"]),
-            helper.make_node("Mul", ["silu", "up"], ["Y"]),
-        ]
     return helper.make_function(
         DOMAIN,
-        (FUSED_OP_TYPES if silu_and_mul else OP_TYPES)[bits],
+        OP_TYPES[bits],
         ["A", "B", "scales", "zero_points"],
         ["Y"],
         nodes,
         [helper.make_opsetid("", opset)],
-        attributes=["K", "N", "block_size", "batch_invariant", "int8_from_rows"],
+        attributes=list(MATMUL_ATTRIBUTES),
     )
 
 
@@ -224,11 +215,7 @@ def fuse_silu_and_mul(model: onnx.ModelProto) -> int:
         graph.node.remove(activation)
         fused[width] = fused.get(width, 0) + 1
     for width in fused:
-        add_function_body(
-            model,
-            FUSED_OP_TYPES[width],
-            partial(matmul_8bits_function, bits=width, silu_and_mul=True),
-        )
+        _add_fused_body(model, FUSED_OP_TYPES[width], width, "SiluAndMul", [], ["Y"], ())
     return sum(fused.values())
 
 
@@ -275,39 +262,50 @@ def _unpacked_zero_points(graph: onnx.GraphProto, initializers: dict, node: onnx
     return name
 
 
-def matmul_8bits_qkv_rotary_function(opset: int, bits: int = 8) -> onnx.FunctionProto:
-    """The function body of ``attnexport.MatMul8BitsQKVRotary`` / ``MatMul4BitsQKVRotary``: the
-    two nodes it stands for, ``MatMul8Bits`` (or ``MatMul4Bits``) then
-    ``NeoxQKVRotaryEmbedding``, each expanded by its own function in the model (``opset``: the
-    standard one, >= 18)."""
-    matmul_attributes = ("K", "N", "block_size", "batch_invariant", "int8_from_rows")
-    nodes = [
-        helper.make_node(
-            OP_TYPES[bits],
-            ["A", "B", "scales", "zero_points"],
-            ["qkv"],
-            domain=DOMAIN,
-        ),
-        helper.make_node(
-            "NeoxQKVRotaryEmbedding",
-            ["qkv", "cos", "sin"],
-            ["query", "key", "value"],
-            domain=DOMAIN,
-        ),
-    ]
-    for node, names in ((nodes[0], matmul_attributes), (nodes[1], QKV_ATTRIBUTES)):
-        node.attribute.extend(
-            helper.make_attribute_ref(name, onnx.AttributeProto.INT) for name in names
-        )
-    return helper.make_function(
-        DOMAIN,
-        QKV_OP_TYPES[bits],
-        ["A", "B", "scales", "zero_points", "cos", "sin"],
-        ["query", "key", "value"],
-        nodes,
-        [helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)],
-        attributes=[*matmul_attributes, *QKV_ATTRIBUTES],
+def _add_fused_body(
+    model: onnx.ModelProto,
+    op_type: str,
+    bits: int,
+    after: str,
+    after_inputs: list[str],
+    outputs: list[str],
+    after_attributes: tuple[str, ...],
+) -> None:
+    """Adds the function body of the fused ``op_type`` to ``model`` (with the bodies it calls,
+    where the model lacks them): the two nodes it stands for, ``MatMul8Bits`` (or
+    ``MatMul4Bits``) on A, B, scales, zero_points, then ``attnexport.<after>`` on the product and
+    ``after_inputs``, writing ``outputs``, with the integer attributes ``after_attributes``; each
+    expanded by its own function, attributes passed by reference (one home for either node's
+    math)."""
+    from attnexport.lowering.registry import onnx_ops
+
+    add_function_body(model, OP_TYPES[bits], partial(matmul_8bits_function, bits=bits))
+    add_function_body(
+        model, after, lambda opset: ir.serde.serialize_function(onnx_ops()[after].function(opset))
     )
+
+    def body(opset: int) -> onnx.FunctionProto:
+        nodes = [
+            helper.make_node(
+                OP_TYPES[bits], ["A", "B", "scales", "zero_points"], ["product"], domain=DOMAIN
+            ),
+            helper.make_node(after, ["product", *after_inputs], outputs, domain=DOMAIN),
+        ]
+        for node, names in ((nodes[0], MATMUL_ATTRIBUTES), (nodes[1], after_attributes)):
+            node.attribute.extend(
+                helper.make_attribute_ref(name, onnx.AttributeProto.INT) for name in names
+            )
+        return helper.make_function(
+            DOMAIN,
+            op_type,
+            ["A", "B", "scales", "zero_points", *after_inputs],
+            outputs,
+            nodes,
+            [helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)],
+            attributes=[*MATMUL_ATTRIBUTES, *after_attributes],
+        )
+
+    add_function_body(model, op_type, body)
 
 
 def fuse_qkv_rotary(model: onnx.ModelProto) -> int:
@@ -333,8 +331,14 @@ def fuse_qkv_rotary(model: onnx.ModelProto) -> int:
         graph.node.remove(rotary)
         fused[width] = fused.get(width, 0) + 1
     for width in fused:
-        add_function_body(
-            model, QKV_OP_TYPES[width], partial(matmul_8bits_qkv_rotary_function, bits=width)
+        _add_fused_body(
+            model,
+            QKV_OP_TYPES[width],
+            width,
+            "NeoxQKVRotaryEmbedding",
+            ["cos", "sin"],
+            ["query", "key", "value"],
+            QKV_ATTRIBUTES,
         )
     return sum(fused.values())
 

@@ -153,3 +153,22 @@ def test_a_fused_node_whose_halves_are_not_whole_tiles_gets_a_named_error():
 @requires_avx512_kernels
 def test_the_avx2_variant_passes_these_tests_too():
     rerun_with(__file__, "avx2_variant", ATTNEXPORT_ISA="avx2")
+
+
+def test_the_fused_body_brings_the_functions_it_calls():
+    """The fused node's body calls MatMul4Bits' and SiluAndMul's functions: a model without
+    SiluAndMul's gets it from the fusion, and stock onnxruntime (the bodies) runs the node."""
+    _, fused, _ = _gate_up_models(64, 64, 32, "uint8", 4)
+    model, _ = _matmulnbits_model(64, 64, 32, "uint8", bits=4)
+    assert to_matmul_8bits(model, bits=(4,)) == 1
+    model.graph.node[0].output[0] = "gate_up"
+    model.graph.node.append(helper.make_node("SiluAndMul", ["gate_up"], ["y"], domain=DOMAIN))
+    model.graph.output[0].CopyFrom(
+        helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 32])
+    )
+    assert not any(f.name == "SiluAndMul" for f in model.functions)
+    assert fuse_silu_and_mul(model) == 1
+    assert {f.name for f in model.functions} >= {"MatMul4Bits", "SiluAndMul", FUSED_OP_TYPES[4]}
+    a = np.ones((3, 64), np.float32)
+    expected = one_model_session(fused, "bodies").run(None, {"a": a})[0]
+    assert np.array_equal(one_model_session(model, "bodies").run(None, {"a": a})[0], expected)
