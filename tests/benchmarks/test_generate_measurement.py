@@ -74,3 +74,17 @@ def test_a_peers_decode_rate_counts_only_the_tokens_after_the_last_first_token()
     result = peer_legs.rates(4, 8, start=0.0, first=1.0, end=3.0, at_first=10)
     assert result["decode_tok_s"] == 11.0 and result["tokens_at_first_token"] == 10
     assert peer_legs.rates(4, 8, 0.0, 1.0, 3.0)["decode_tok_s"] == 14.0  # lockstep: 4 at first
+
+
+def test_an_export_of_other_sources_or_flags_gets_another_stamp(tmp_path):
+    """The SmolLM2 benchmark reuses an export of ours only when its stamp matches: one made
+    before a change to attnexport's sources (or with other flags) is made again, not measured."""
+    bench = load_benchmark("generate_smollm2")
+    (tmp_path / "attnexport").mkdir()
+    source = tmp_path / "attnexport" / "lowering.py"
+    source.write_text("x = 1\n")
+    before = bench.export_stamp(["--weights", "int4"], tmp_path)
+    assert bench.export_stamp(["--weights", "int4"], tmp_path) == before
+    assert bench.export_stamp(["--weights", "int8"], tmp_path) != before
+    source.write_text("x = 2\n")
+    assert bench.export_stamp(["--weights", "int4"], tmp_path) != before
