@@ -20,6 +20,7 @@ Pipeline (each step answers a trap of docs/traps.md)::
     rename_dims, name_outputs readable dimension and output names
     apply_target              attach bodies / inline them / map to com.microsoft
     pack_float_weights        (optional) float32 MatMul weights -> panels of PackedMatMul
+    code_packed_weights       (optional) panels with an exact low-bit form -> LosslessMatMul*
     graph contract, IR 10     metadata_props; then save, full onnx.checker, in-place check
 """
 
@@ -46,6 +47,7 @@ from attnexport.lowering import (
 )
 from attnexport.lowering.domain_functions import EXTERNAL_DATA_BYTES
 from attnexport.lowering.export import DIM_NAMES_META, export_program
+from attnexport.lowering.lossless_weights import code_packed_weights
 from attnexport.lowering.model_contract import GraphContract, cache_geometry
 from attnexport.lowering.passes import check_program, functionalize_cache_writes
 from attnexport.lowering.targets import apply_target, check_target
@@ -120,6 +122,7 @@ def to_onnx(
     fuse: bool = True,
     prefill_attention: str = "float32",
     pack_float_weights: bool = False,
+    lossless_weights: bool = False,
     step: Callable[[str], None] = lambda _description: None,
 ) -> onnx.ModelProto:
     """Exports a model on the attnexport ops to an ONNX file that stock onnxruntime runs.
@@ -153,6 +156,10 @@ def to_onnx(
         pack_float_weights: store the float32 projections' weights in panels of 32 columns
             for ``attnexport.PackedMatMul`` (the native kernel's layout; target ``attnexport``
             only; the quantizer turns them back: :mod:`attnexport.lowering.packed_matmul`).
+        lossless_weights: with ``pack_float_weights``, store each panel weight that is exactly
+            4- or 8-bit codes with float16 block scales and offsets (a checkpoint de-quantized
+            from GGUF) as those codes, for ``attnexport.LosslessMatMul*`` (the same float32
+            numbers and outputs, 5-6x fewer bytes: :mod:`attnexport.lowering.lossless_weights`).
         step: called with a description as each long stage starts (progress display).
 
     Returns:
@@ -163,6 +170,8 @@ def to_onnx(
             :func:`export_program` error.
     """
     check_target(target)
+    if lossless_weights and not pack_float_weights:
+        raise ValueError("lossless_weights: codes the float32 panels (pack_float_weights=True)")
     if pack_float_weights and target != "attnexport":
         raise ValueError(
             f"pack_float_weights: the panels are read by the native PackedMatMul kernel; target "
@@ -216,6 +225,9 @@ def to_onnx(
     notes = apply_target(model, target)
     if pack_float_weights:  # (after the target: its checks know the torch ops' nodes only)
         packed_matmul.pack_float_weights(model)
+        if lossless_weights:
+            step("float32 weights with an exact low-bit form -> their codes")
+            code_packed_weights(model)
 
     model.ir_version = IR_VERSION
     model.producer_name = "attnexport"

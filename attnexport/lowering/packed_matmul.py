@@ -68,14 +68,22 @@ def _product(output: str) -> list[onnx.NodeProto]:
 
 def packed_matmul_function(opset: int) -> onnx.FunctionProto:
     """The function body of ``attnexport.PackedMatMul`` in standard ops of ``opset``."""
-    return _function(OP_TYPE, _product("Y"), opset)
+    return _function(OP_TYPE, packed_matmul_body(silu_and_mul=False), opset)
 
 
 def packed_matmul_silu_and_mul_function(opset: int) -> onnx.FunctionProto:
     """The function body of ``attnexport.PackedMatMulSiluAndMul`` in standard ops of ``opset``
     (>= 18): ``PackedMatMul``'s product, its columns in (gate, up) pairs of 32, then
     ``silu(gate) * up`` as ``SiluAndMul``'s body computes it."""
-    nodes = [
+    return _function(FUSED_OP_TYPE, packed_matmul_body(silu_and_mul=True), opset)
+
+
+def packed_matmul_body(silu_and_mul: bool) -> list[onnx.NodeProto]:
+    """The nodes of ``PackedMatMul[SiluAndMul]``'s body: ``Y`` from ``A`` and the panels ``B``
+    (opset >= 18)."""
+    if not silu_and_mul:
+        return _product("Y")
+    return [
         *_product("products"),  # [..., N]: g0 u0 g1 u1 ...
         _const("pair", [-1, 2, PANEL]),
         _const("rest", [-1]),
@@ -92,7 +100,6 @@ def packed_matmul_silu_and_mul_function(opset: int) -> onnx.FunctionProto:
         helper.make_node("Concat", ["lead", "rest"], ["y_shape"], axis=0),
         helper.make_node("Reshape", ["gated", "y_shape"], ["Y"]),
     ]
-    return _function(FUSED_OP_TYPE, nodes, opset)
 
 
 def to_panels(weight: np.ndarray) -> np.ndarray:
@@ -108,18 +115,19 @@ def from_panels(panels: np.ndarray) -> np.ndarray:
 
 
 def to_pairs(panels: np.ndarray) -> np.ndarray:
-    """The panels of a gate/up weight ``[K, 2d]`` (the gate's columns first) reordered into
-    (gate, up) pairs: ``g0, u0, g1, u1, ...`` (``d`` a multiple of 32)."""
-    count, k, _ = panels.shape
-    pairs = panels.reshape(2, count // 2, k, PANEL).transpose(1, 0, 2, 3)
-    return np.ascontiguousarray(pairs.reshape(count, k, PANEL))
+    """The panels (axis 0; any layout of each panel: the lossless codes' too) of a gate/up
+    weight ``[K, 2d]`` (the gate's columns first) reordered into (gate, up) pairs: ``g0, u0, g1,
+    u1, ...`` (``d`` a multiple of 32)."""
+    count = panels.shape[0]
+    pairs = panels.reshape(2, count // 2, *panels.shape[1:]).swapaxes(0, 1)
+    return np.ascontiguousarray(pairs.reshape(panels.shape))
 
 
 def from_pairs(pairs: np.ndarray) -> np.ndarray:
     """The inverse of :func:`to_pairs`."""
-    count, k, _ = pairs.shape
-    panels = pairs.reshape(count // 2, 2, k, PANEL).transpose(1, 0, 2, 3)
-    return np.ascontiguousarray(panels.reshape(count, k, PANEL))
+    count = pairs.shape[0]
+    panels = pairs.reshape(count // 2, 2, *pairs.shape[1:]).swapaxes(0, 1)
+    return np.ascontiguousarray(panels.reshape(pairs.shape))
 
 
 TIED_SUFFIX = ".panels"
@@ -253,6 +261,9 @@ def to_matmul(model: onnx.ModelProto) -> int:
     """The inverse of :func:`pack_float_weights`: every ``PackedMatMul`` back to ``MatMul`` on
     its ``[K, N]`` weight (same name), or to ``Gemm(x, E, transB=1)`` on the table of its tied
     panels (dropped); drops the function body. Returns how many."""
+    from attnexport.lowering.lossless_weights import to_packed_matmul  # (it imports this module)
+
+    to_packed_matmul(model)
     graph = model.graph
     initializers = {i.name: i for i in graph.initializer}
     _split_silu_and_mul(model, initializers)
@@ -310,9 +321,11 @@ def _split_silu_and_mul(model: onnx.ModelProto, initializers: dict) -> None:
 
 
 def has_packed_matmul(model: onnx.ModelProto) -> bool:
-    return any(
-        n.domain == DOMAIN and n.op_type in (OP_TYPE, FUSED_OP_TYPE) for n in model.graph.node
-    )
+    """Whether ``model`` has a ``PackedMatMul`` of any form (the lossless codes' included)."""
+    from attnexport.lowering.lossless_weights import FUSED_OP_TYPES, OP_TYPES
+
+    op_types = {OP_TYPE, FUSED_OP_TYPE, *OP_TYPES.values(), *FUSED_OP_TYPES.values()}
+    return any(n.domain == DOMAIN and n.op_type in op_types for n in model.graph.node)
 
 
 def unpack_float_weights(path: str | os.PathLike) -> int:

@@ -88,6 +88,8 @@ const char* type_name(ONNXTensorElementDataType type) {
       return "bfloat16";
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8:
       return "int8";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8:
+      return "uint8";
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32:
       return "int32";
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64:

@@ -124,9 +124,10 @@ OrtStatus* infer_columns(OrtShapeInferContext* context, int64_t divisor) {
   if (!dims.empty()) dims.back() = n / divisor, symbols.back() = "";
   return set_output_shape(context, 0, type, dims, symbols);
 }
-// MatMul8Bits, MatMul4Bits, PackedMatMul: [..., N].
+// MatMul8Bits, MatMul4Bits, PackedMatMul, LosslessMatMul{4,8}Bits: [..., N].
 OrtStatus* infer_n_columns(OrtShapeInferContext* context) { return infer_columns(context, 1); }
-// PackedMatMulSiluAndMul, MatMul8BitsSiluAndMul, MatMul4BitsSiluAndMul: [..., N / 2].
+// PackedMatMulSiluAndMul, MatMul8BitsSiluAndMul, MatMul4BitsSiluAndMul,
+// LosslessMatMul{4,8}BitsSiluAndMul: [..., N / 2].
 OrtStatus* infer_half_n_columns(OrtShapeInferContext* context) { return infer_columns(context, 2); }
 
 // AddBlockOffsets: the shape and type of y (input 0), its unnamed dims given symbols (an input's
@@ -263,6 +264,16 @@ Op<MatMul4BitsQKVRotary> matmul_4bits_qkv_op("MatMul4BitsQKVRotary",
 Op<PackedMatMul> packed_matmul_op("PackedMatMul", {kAnyType, kAnyType}, {0}, infer_n_columns);
 Op<PackedMatMulSiluAndMul> packed_matmul_silu_op("PackedMatMulSiluAndMul", {kAnyType, kAnyType},
                                                  {0}, infer_half_n_columns);
+Op<LosslessMatMul4Bits> lossless_4bits_op("LosslessMatMul4Bits", {kAnyType, kAnyType, kAnyType},
+                                          {0}, infer_n_columns);
+Op<LosslessMatMul8Bits> lossless_8bits_op("LosslessMatMul8Bits", {kAnyType, kAnyType, kAnyType},
+                                          {0}, infer_n_columns);
+Op<LosslessMatMul4BitsSiluAndMul> lossless_4bits_silu_op("LosslessMatMul4BitsSiluAndMul",
+                                                         {kAnyType, kAnyType, kAnyType}, {0},
+                                                         infer_half_n_columns);
+Op<LosslessMatMul8BitsSiluAndMul> lossless_8bits_silu_op("LosslessMatMul8BitsSiluAndMul",
+                                                         {kAnyType, kAnyType, kAnyType}, {0},
+                                                         infer_half_n_columns);
 Op<AddBlockOffsets> add_block_offsets_op("AddBlockOffsets", {kAnyType, kAnyType, kAnyType, kAnyType},
                                          {0}, infer_like_first_input);
 
@@ -295,5 +306,9 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &add_block_offsets_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &packed_matmul_op));
   ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &packed_matmul_silu_op));
+  ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &lossless_4bits_op));
+  ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &lossless_8bits_op));
+  ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &lossless_4bits_silu_op));
+  ATTNEXPORT_RETURN_IF_ERROR(ort->CustomOpDomain_Add(domain, &lossless_8bits_silu_op));
   return ort->AddCustomOpDomain(options, domain);
 }
