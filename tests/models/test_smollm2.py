@@ -1,5 +1,6 @@
 """The real checkpoint, SmolLM2-135M-Instruct (tests/real_model.py): its float32 export answers
-chat prompts exactly as transformers does, and the default int8 and int4 exports keep the
+chat prompts exactly as transformers does, reads its GGUF-born weights as their exact codes
+(the same logits, bit for bit, as float32 panels), and the default int8 and int4 exports keep the
 model (perplexity, top-1 agreement and KL on a short English text, against the float32 export,
 within the bounds docs/quantization.md derives from benchmarks/quality.py).
 
@@ -85,6 +86,44 @@ def _text_logits(artifact, ids: list[int]) -> torch.Tensor:
     driver = PagedDriver(run, spec, num_blocks=len(ids) // spec.block_size + 2)
     driver.add(ids)
     return driver.prefill(all_logits=True)[0]
+
+
+def test_the_fp32_export_reads_its_weights_as_their_exact_codes(
+    smollm2_fp32_artifact, tokenizer, tmp_path
+):
+    """The checkpoint was de-quantized from GGUF Q4_1 (projections) and Q8_0 (the tied
+    embedding): every projection of the float32 export is stored as its codes (~5.6x fewer
+    bytes), and the logits are bit for bit those of the same export with the codes decoded
+    back into float32 panels (PackedMatMul)."""
+    import shutil
+    from collections import Counter
+
+    import onnx
+
+    from attnexport.artifact import read_manifest
+    from attnexport.artifact.manifest import model_file_digests, write_manifest
+    from attnexport.lowering.domain_functions import save_rewritten
+    from attnexport.lowering.lossless_weights import to_packed_matmul
+    from attnexport.model_contract import DOMAIN
+
+    model = onnx.load(str(smollm2_fp32_artifact / "model.onnx"), load_external_data=False)
+    ops = Counter(n.op_type for n in model.graph.node if n.domain == DOMAIN)
+    assert ops["LosslessMatMul4Bits"] == 90 and ops["LosslessMatMul4BitsSiluAndMul"] == 30
+    assert ops["LosslessMatMul8Bits"] == 1  # the tied logits projection
+    assert not ops["PackedMatMul"] and not ops["PackedMatMulSiluAndMul"]
+    assert read_manifest(smollm2_fp32_artifact)["lossless_weights"] is True
+
+    decoded = tmp_path / "decoded"
+    shutil.copytree(smollm2_fp32_artifact, decoded)
+    model = onnx.load(str(decoded / "model.onnx"))
+    assert to_packed_matmul(model) == 121
+    save_rewritten(model, decoded / "model.onnx")
+    manifest = read_manifest(decoded)
+    manifest["file_digests"] = model_file_digests(decoded, manifest["files"])
+    write_manifest(decoded, manifest)
+    ids = tokenizer(TEXT)["input_ids"][:48]
+    coded_logits = _text_logits(smollm2_fp32_artifact, ids)
+    assert torch.equal(_text_logits(decoded, ids), coded_logits)
 
 
 @pytest.mark.parametrize("fmt", ["int8", slow_param("int4", HQQ_SECONDS)])
