@@ -2,8 +2,11 @@
 (benchmarks/smollm2.py) against the CPU peers (benchmarks/peers.py), by precision class:
 
 * fp32: ``ours fp32``, ``ours fp32-kv8`` (``--kv-cache-dtype int8``: OpenVINO's CPU cache is u8,
-  llama.cpp's float16), their projections ``attnexport.PackedMatMul`` (the export's float32
-  default); llama.cpp F32, OpenVINO fp32, onnxruntime-genai fp32, vLLM CPU fp32;
+  llama.cpp's float16), their projections ``attnexport.LosslessMatMul*`` (the export's float32
+  default: the checkpoint's float32 weights, de-quantized from GGUF Q4_1/Q8_0, read as their
+  exact codes, outputs bit for bit those of float32 panels), ``ours fp32-panels-kv8``
+  (``--no-lossless-weights``: float32 panels, ``attnexport.PackedMatMul``); llama.cpp F32,
+  OpenVINO fp32, onnxruntime-genai fp32, vLLM CPU fp32;
 * 8-bit: ``ours int8`` (``--weights int8``), ``ours int8-kv8`` (also ``--kv-cache-dtype int8``),
   ``ours int8-b64-kv8`` (also ``--weights-block-size 64``), ``ours int8-b64-p8-kv8`` (also
   ``--weights-prefill-activations int8``), ``ours int8-b64-p8b-kv8`` (and ``--prefill-attention
@@ -47,6 +50,9 @@ CLASSES = ("fp32", "8-bit", "4-bit")
 OURS = {
     "fp32": ("fp32", []),
     "fp32-kv8": ("fp32", ["--kv-cache-dtype", "int8"]),
+    # The float32 weights as float32 panels: the export's projections before it read the
+    # checkpoint's GGUF-born weights as their exact codes (LosslessMatMul*, the default).
+    "fp32-panels-kv8": ("fp32", ["--kv-cache-dtype", "int8", "--no-lossless-weights"]),
     "int8": ("8-bit", ["--weights", "int8"]),
     "int8-kv8": ("8-bit", ["--weights", "int8", "--kv-cache-dtype", "int8"]),
     # Blocks of 64: 149.7 MB a token, not 164.7, top-1 0.975 (docs/benchmarks.md, quality).

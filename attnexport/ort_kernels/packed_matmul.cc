@@ -12,8 +12,8 @@
 // float32 weights stored as codes: the tiles decode each weight in registers to the checkpoint's
 // float32 number (one fused multiply-add of its code, its block's float16 scale and offset,
 // exact) and multiply as the float panels do, so the outputs are bit for bit PackedMatMul's. A
-// call of more rows than one pass decodes an item's panels once into a float32 scratch and runs
-// the float tiles on it.
+// call of many rows decodes an item's panels once into a float32 scratch and runs the float
+// tiles on it (kInlinePasses).
 
 #include "packed_matmul.h"
 
@@ -86,6 +86,11 @@ constexpr int64_t kRowBlock = 96;
 static_assert(kRowBlock % kMostRows == 0, "row blocks are whole passes");
 constexpr int64_t kCodeBlock = 32;  // coded weights: rows of k sharing a scale and an offset
 constexpr int kFloat = 32;          // Panels<kFloat>: float32 panels
+// Coded panels: calls of up to this many passes of rows decode in the tiles, each pass again;
+// longer ones decode an item's panels once into a float32 scratch ([576 x 1536] x 30, 2
+// threads, one run: 8 rows 2.0 ms decoding in both passes against 3.2-3.6 with the scratch;
+// 13-32 rows within the noise of each other; 128 rows 15.7 against 20.8 ms decoding in all).
+constexpr int64_t kInlinePasses = 2;
 
 // Adjacent panels of a weight: float32 [panel][k][32] (Bits 32), or codes [panel][k][kRowBytes]
 // (4 bits: byte j of a row holds column j in its low nibble and j + 16 in its high one; 8 bits:
@@ -216,14 +221,14 @@ void decode_panels(const Panels<Bits>& panels, int64_t count, float* out) {
 // core gets, and without this the next item's first pass waited on memory (SmolLM2's [576 x
 // 1536], 30 weights, 32 rows: 4.8-5.0 -> 3.7-3.8 ms in a harness). With silu_and_mul, the panels
 // are a pair (gate, up) and y's rows (ldy apart) get silu(gate) * up, 32 columns at panel / 2.
-// Coded panels and more rows than a pass: decoded once into a float32 scratch first.
+// Coded panels and more than kInlinePasses passes: decoded once into a float32 scratch first.
 template <int Bits>
 void rows_by_panels(const float* a, int64_t first, int64_t end, const Panels<Bits>& panels,
                     int64_t panel, int64_t count, float* y, int64_t ldy, bool silu_and_mul,
                     const char* next, int64_t next_lines) {
   const int64_t k = panels.k;
   if constexpr (Bits != kFloat) {
-    if (end - first > kMostRows) {
+    if (end - first > kInlinePasses * kMostRows) {
       thread_local std::vector<float> scratch;
       scratch.resize(count * k * kPanel);
       decode_panels(panels, count, scratch.data());
