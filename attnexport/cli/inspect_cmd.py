@@ -85,7 +85,22 @@ def inspect_onnx(path: Path) -> dict:
         # How the native PagedAttention kernel multiplies prefills (export --prefill-attention,
         # the nodes' prefill_bf16); None: no PagedAttention node.
         "prefill_attention": _prefill_attention(model),
+        # Projections whose float32 weights the file stores as their exact codes (export
+        # --lossless-weights), by code width.
+        "lossless_weights": _lossless_weights(model),
     }
+
+
+def _lossless_weights(model) -> dict[str, int]:
+    from attnexport.lowering.lossless_weights import FUSED_OP_TYPES, OP_TYPES
+
+    widths = {op: bits for table in (OP_TYPES, FUSED_OP_TYPES) for bits, op in table.items()}
+    counts: dict[str, int] = {}
+    for node in model.graph.node:
+        if node.domain == DOMAIN and node.op_type in widths:
+            key = f"{widths[node.op_type]}-bit"
+            counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def _prefill_attention(model) -> str | None:
@@ -140,6 +155,9 @@ def run(args: argparse.Namespace) -> int:
         console.print(
             f"KV cache dtype: {cache_dtype}{scales} (model {summary['metadata'].get('dtype')})"
         )
+    if summary["lossless_weights"]:
+        widths = ", ".join(f"{n} {w}" for w, n in summary["lossless_weights"].items())
+        console.print(f"float32 weights read as their exact codes: {widths} projections")
     if summary["prefill_attention"] not in (None, "float32"):
         console.print(f"prefill attention: {summary['prefill_attention']} (native kernel)")
     console.print(

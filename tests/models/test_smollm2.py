@@ -102,6 +102,7 @@ def test_the_fp32_export_reads_its_weights_as_their_exact_codes(
 
     from attnexport.artifact import read_manifest
     from attnexport.artifact.manifest import model_file_digests, write_manifest
+    from attnexport.cli.inspect_cmd import inspect_onnx
     from attnexport.lowering.domain_functions import save_rewritten
     from attnexport.lowering.lossless_weights import to_packed_matmul
     from attnexport.model_contract import DOMAIN
@@ -112,6 +113,8 @@ def test_the_fp32_export_reads_its_weights_as_their_exact_codes(
     assert ops["LosslessMatMul8Bits"] == 1  # the tied logits projection
     assert not ops["PackedMatMul"] and not ops["PackedMatMulSiluAndMul"]
     assert read_manifest(smollm2_fp32_artifact)["lossless_weights"] is True
+    summary = inspect_onnx(smollm2_fp32_artifact / "model.onnx")
+    assert summary["lossless_weights"] == {"4-bit": 120, "8-bit": 1}
 
     decoded = tmp_path / "decoded"
     shutil.copytree(smollm2_fp32_artifact, decoded)
