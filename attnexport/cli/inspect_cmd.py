@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import re
 from pathlib import Path
 
 from attnexport.artifact import ONNX_FILE, ArtifactError, check_model_file, read_manifest
@@ -92,14 +93,12 @@ def inspect_onnx(path: Path) -> dict:
 
 
 def _lossless_weights(model) -> dict[str, int]:
-    from attnexport.lowering.lossless_weights import FUSED_OP_TYPES, OP_TYPES
-
-    widths = {op: bits for table in (OP_TYPES, FUSED_OP_TYPES) for bits, op in table.items()}
+    # by name, not attnexport.lowering's tables: inspect runs without torch
     counts: dict[str, int] = {}
     for node in model.graph.node:
-        if node.domain == DOMAIN and node.op_type in widths:
-            key = f"{widths[node.op_type]}-bit"
-            counts[key] = counts.get(key, 0) + 1
+        width = re.fullmatch(r"LosslessMatMul(\d+)Bits(SiluAndMul)?", node.op_type)
+        if node.domain == DOMAIN and width:
+            counts[f"{width[1]}-bit"] = counts.get(f"{width[1]}-bit", 0) + 1
     return dict(sorted(counts.items()))
 
 

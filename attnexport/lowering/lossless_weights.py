@@ -32,14 +32,16 @@ A ``SiluAndMul`` that alone reads a gate/up projection joins it, the panels in (
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 from onnx import helper, numpy_helper
 
-from attnexport.lowering.domain_functions import add_function_body
+from attnexport.lowering.domain_functions import add_function_body, save_rewritten
 from attnexport.lowering.packed_matmul import (
     FUSED_OP_TYPE as PACKED_FUSED_OP_TYPE,
 )
@@ -53,6 +55,7 @@ from attnexport.lowering.packed_matmul import (
     packed_matmul_body,
     packed_matmul_function,
     packed_matmul_silu_and_mul_function,
+    to_matmul,
     to_pairs,
 )
 from attnexport.model_contract import DOMAIN
@@ -324,3 +327,29 @@ def to_packed_matmul(model: onnx.ModelProto) -> int:
     if any(n.op_type == PACKED_FUSED_OP_TYPE for n in graph.node):
         add_function_body(model, PACKED_FUSED_OP_TYPE, packed_matmul_silu_and_mul_function)
     return len({n for n in dropped if n.endswith(CODES_SUFFIX)})
+
+
+def to_float_matmul(model: onnx.ModelProto) -> int:
+    """A float32 export's projections of either form (codes, panels) back to ``MatMul`` /
+    ``Gemm`` on float32 weights: :func:`to_packed_matmul`, then
+    :func:`~attnexport.lowering.packed_matmul.to_matmul`. Returns how many."""
+    to_packed_matmul(model)
+    return to_matmul(model)
+
+
+def _has_float_projections(model: onnx.ModelProto) -> bool:
+    op_types = {PACKED_OP_TYPE, PACKED_FUSED_OP_TYPE, *OP_TYPES.values(), *FUSED_OP_TYPES.values()}
+    return any(n.domain == DOMAIN and n.op_type in op_types for n in model.graph.node)
+
+
+def unpack_float_weights(path: str | os.PathLike) -> int:
+    """:func:`to_float_matmul` on the ONNX file at ``path``, rewritten in place (the quantizer's
+    first step). Returns the nodes rewritten."""
+    path = Path(path)
+    if not _has_float_projections(onnx.load(str(path), load_external_data=False)):
+        return 0
+    model = onnx.load(str(path))
+    unpacked = to_float_matmul(model)
+    if unpacked:
+        save_rewritten(model, path)
+    return unpacked

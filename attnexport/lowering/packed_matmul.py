@@ -17,21 +17,18 @@ own (:data:`TIED_SUFFIX`), and a ``SiluAndMul`` that alone reads a gate/up proje
 (``attnexport.PackedMatMulSiluAndMul``, :data:`FUSED_OP_TYPE`).
 
 The lowering rewrites a float32 export's graph (``to_onnx(pack_float_weights=True)``: ``export``
-without ``--weights``, target ``attnexport``); :func:`unpack_float_weights` undoes it in a saved
-file before its weights are quantized.
+without ``--weights``, target ``attnexport``);
+:func:`~attnexport.lowering.lossless_weights.unpack_float_weights` undoes it (and the codes) in a
+saved file before its weights are quantized.
 """
 
 from __future__ import annotations
-
-import os
-from pathlib import Path
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 from onnx import helper, numpy_helper
 
-from attnexport.lowering.domain_functions import save_rewritten
 from attnexport.lowering.onnx_passes import attribute_value, is_constant_matrix, is_standard
 from attnexport.model_contract import DOMAIN, DOMAIN_VERSION
 
@@ -258,12 +255,11 @@ def _drop_value_info(model: onnx.ModelProto, names: set[str]) -> None:
 
 
 def to_matmul(model: onnx.ModelProto) -> int:
-    """The inverse of :func:`pack_float_weights`: every ``PackedMatMul`` back to ``MatMul`` on
+    """The inverse of :func:`pack_float_weights` (codes first decoded:
+    :func:`~attnexport.lowering.lossless_weights.to_float_matmul`): every ``PackedMatMul`` back
+    to ``MatMul`` on
     its ``[K, N]`` weight (same name), or to ``Gemm(x, E, transB=1)`` on the table of its tied
     panels (dropped); drops the function body. Returns how many."""
-    from attnexport.lowering.lossless_weights import to_packed_matmul  # (it imports this module)
-
-    to_packed_matmul(model)
     graph = model.graph
     initializers = {i.name: i for i in graph.initializer}
     _split_silu_and_mul(model, initializers)
@@ -318,24 +314,3 @@ def _split_silu_and_mul(model: onnx.ModelProto, initializers: dict) -> None:
         node.op_type, node.output[0] = OP_TYPE, product
         activation = helper.make_node("SiluAndMul", [product], [gated], domain=DOMAIN)
         graph.node.insert(position + 1, activation)
-
-
-def has_packed_matmul(model: onnx.ModelProto) -> bool:
-    """Whether ``model`` has a ``PackedMatMul`` of any form (the lossless codes' included)."""
-    from attnexport.lowering.lossless_weights import FUSED_OP_TYPES, OP_TYPES
-
-    op_types = {OP_TYPE, FUSED_OP_TYPE, *OP_TYPES.values(), *FUSED_OP_TYPES.values()}
-    return any(n.domain == DOMAIN and n.op_type in op_types for n in model.graph.node)
-
-
-def unpack_float_weights(path: str | os.PathLike) -> int:
-    """:func:`to_matmul` on the ONNX file at ``path``, rewritten in place. Returns the nodes
-    rewritten."""
-    path = Path(path)
-    if not has_packed_matmul(onnx.load(str(path), load_external_data=False)):
-        return 0
-    model = onnx.load(str(path))
-    unpacked = to_matmul(model)
-    if unpacked:
-        save_rewritten(model, path)
-    return unpacked

@@ -388,12 +388,12 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
     from attnexport.batch_invariance import pad_matmulnbits_rows
     from attnexport.lowering import lm_head
     from attnexport.lowering.float_zero_points import split_float_zero_points
+    from attnexport.lowering.lossless_weights import unpack_float_weights
     from attnexport.lowering.matmul_8bits import (
         fuse_qkv_rotary,
         fuse_silu_and_mul,
         to_matmul_8bits,
     )
-    from attnexport.lowering.packed_matmul import unpack_float_weights
 
     path = Path(path)
     base_dir = str(path.parent)

@@ -22,9 +22,10 @@ from attnexport.lowering.lossless_weights import (
     code_packed_weights,
     code_weight,
     decode_weight,
+    to_float_matmul,
     to_packed_matmul,
 )
-from attnexport.lowering.packed_matmul import FUSED_OP_TYPE, OP_TYPE, to_matmul
+from attnexport.lowering.packed_matmul import FUSED_OP_TYPE, OP_TYPE
 from tests.helpers import (
     ORT_KERNEL_MODES,
     one_model_session,
@@ -222,7 +223,7 @@ def test_decoding_gives_back_the_float_panels_and_then_the_matmul():
         )
     # the quantizer's entry: a coded model straight back to MatMul on the [K, N] weight
     _, coded, weight = _panels_and_codes(64, 96, "Q8_0")
-    assert to_matmul(coded) == 1
+    assert to_float_matmul(coded) == 1
     (node,) = coded.graph.node
     assert node.op_type == "MatMul"
     (init,) = [i for i in coded.graph.initializer if i.name == node.input[1]]
@@ -242,6 +243,6 @@ def test_a_tied_logits_projection_is_coded_beside_its_table():
     logits = one_model_session(coded, "bodies").run(None, {"ids": ids})[0]
     expected = table[ids].astype(np.float64) @ table.T.astype(np.float64)
     np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-4)
-    assert to_matmul(coded) == 1
+    assert to_float_matmul(coded) == 1
     assert [i.name for i in coded.graph.initializer] == ["E"]
     assert [n.op_type for n in coded.graph.node] == ["Gather", "Gemm"]
