@@ -214,10 +214,8 @@ def weights_line(weights: dict) -> str:
     if "batch_invariant" in weights:
         options.append("batch-invariant" if weights["batch_invariant"] else "not batch-invariant")
     floats = ", ".join(weights.get("float_layers") or []) or "none"
-    exact = weights.get("exact_codes")
-    exact = f" ({exact} from their exact 4-bit codes)" if exact else ""
     return (
         f"weights: {weights['format']} ({_kernel(weights) if matmul_8bits else 'MatMulNBits'}, "
         f"{', '.join(options)}), "
-        f"{weights.get('quantized_layers')} layers quantized{exact}; float: {floats}"
+        f"{weights.get('quantized_layers')} layers quantized; float: {floats}"
     )

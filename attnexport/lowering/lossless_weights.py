@@ -133,64 +133,45 @@ def _solve_blocks(blocks: np.ndarray, bits: int):
     return q, d, m, solved
 
 
-@dataclass(frozen=True)
-class BlockCodes:
-    """The exact codes of a ``[K, N]`` float32 weight, blocks of :data:`BLOCK` along ``K``:
-    ``W[k, n] = fl32(d[k // 32, n] * q[k, n] + m[k // 32, n])``, bit for bit."""
-
-    bits: int
-    q: np.ndarray  # [K, N] int64: 0..15 (4 bits) or -128..127 (8 bits)
-    d: np.ndarray  # [K / 32, N] float16
-    m: np.ndarray  # [K / 32, N] float16 (0 for 8 bits)
-
-
-def block_codes(weight: np.ndarray, widths: tuple[int, ...] = (4, 8)) -> BlockCodes | None:
-    """The exact codes of ``weight [K, N]`` float32 in the first of ``widths`` (4 and/or 8 bits)
-    that every block has, or None (some block has none of them, ``K`` is not a multiple of
-    :data:`BLOCK`, a weight is not finite)."""
+def code_weight(weight: np.ndarray) -> CodedWeight | None:
+    """The lossless code of ``weight [K, N]`` float32 (4 bits where every block has one, else 8
+    bits), or None when some block has neither, ``K`` is not a multiple of :data:`BLOCK` or
+    ``N`` of ``PANEL``. Decoding it (:func:`decode_weight`) gives ``weight`` bit for bit."""
     k, n = weight.shape
-    if weight.dtype != np.float32 or k % BLOCK or not np.isfinite(weight).all():
+    if weight.dtype != np.float32 or k % BLOCK or n % PANEL or not np.isfinite(weight).all():
         return None
     # [K/32, 32, N] -> blocks [K/32 * N, 32], block (b, n) at b * N + n
     blocks = np.ascontiguousarray(weight.reshape(k // BLOCK, BLOCK, n).transpose(0, 2, 1))
     blocks = blocks.reshape(-1, BLOCK)
-    for bits in widths:
+    for bits in (4, 8):
         # a sample first: a matrix without the form (trained weights) is turned down quickly
         if not _solve_blocks(blocks[:: max(1, len(blocks) // _SAMPLE)], bits)[3].all():
             continue
         q, d, m, solved = _solve_blocks(blocks, bits)
         if solved.all():
-            q = q.reshape(k // BLOCK, n, BLOCK).transpose(0, 2, 1).reshape(k, n)
-            return BlockCodes(bits, q, d.reshape(k // BLOCK, n), m.reshape(k // BLOCK, n))
+            return _to_panels(bits, q, d, m, k, n)
     return None
 
 
-def code_weight(weight: np.ndarray) -> CodedWeight | None:
-    """The lossless code of ``weight [K, N]`` float32 (4 bits where every block has one, else 8
-    bits) in the panels' layout, or None when :func:`block_codes` finds none or ``N`` is not a
-    multiple of ``PANEL``. Decoding it (:func:`decode_weight`) gives ``weight`` bit for bit."""
-    if weight.shape[1] % PANEL:
-        return None
-    codes = block_codes(weight)
-    return None if codes is None else _to_panels(codes)
-
-
-def _to_panels(codes: BlockCodes) -> CodedWeight:
-    """``codes`` in the module doc's layout."""
-    k, n = codes.q.shape
+def _to_panels(bits: int, q, d, m, k: int, n: int) -> CodedWeight:
+    """The module doc's layout of block codes ``q [K/32 * N, 32]`` and ``d``, ``m`` ``[K/32 *
+    N]`` (block (b, n) at b * N + n)."""
     panels = n // PANEL
-    q = codes.q.reshape(k, panels, PANEL).transpose(1, 0, 2)  # [P, K, 32]
-    if codes.bits == 4:
+    # q: [K/32, N, 32] -> [K, N] -> [P, K, 32]
+    codes = q.reshape(k // BLOCK, n, BLOCK).transpose(0, 2, 1).reshape(k, panels, PANEL)
+    codes = codes.transpose(1, 0, 2)
+    if bits == 4:
         half = PANEL // 2
-        q = (q[..., :half] | (q[..., half:] << 4)).astype(np.uint8)
+        codes = (codes[..., :half] | (codes[..., half:] << 4)).astype(np.uint8)
     else:
-        q = q.astype(np.int8)
+        codes = codes.astype(np.int8)
 
-    def per_panel(values: np.ndarray) -> np.ndarray:  # [K/32, N] -> [P, K/32, 32]
+    # d, m: [K/32, N] -> [P, K/32, 32] each -> [P, K/32, 2, 32]
+    def per_panel(values: np.ndarray) -> np.ndarray:
         return values.reshape(k // BLOCK, panels, PANEL).transpose(1, 0, 2)
 
-    params = np.stack([per_panel(codes.d), per_panel(codes.m)], axis=2).astype(np.float16)
-    return CodedWeight(codes.bits, np.ascontiguousarray(q), np.ascontiguousarray(params))
+    params = np.stack([per_panel(d), per_panel(m)], axis=2).astype(np.float16)
+    return CodedWeight(bits, np.ascontiguousarray(codes), np.ascontiguousarray(params))
 
 
 def decode_panels(coded: CodedWeight) -> np.ndarray:

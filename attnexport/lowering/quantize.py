@@ -34,7 +34,6 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import onnx
 from onnx import external_data_helper
 
@@ -204,9 +203,8 @@ class WeightQuantization:
     def bits(self) -> int:
         return WEIGHT_FORMATS[self.format]
 
-    def manifest_entry(self, float_layers: list[str], quantized: int, exact_codes: int = 0) -> dict:
-        """The manifest's ``weights`` object (``exact_codes``: the layers whose weights were
-        exact 4-bit codes, taken as they are instead of fitted)."""
+    def manifest_entry(self, float_layers: list[str], quantized: int) -> dict:
+        """The manifest's ``weights`` object."""
         return {
             "format": self.format,
             "bits": self.bits,
@@ -222,7 +220,6 @@ class WeightQuantization:
             "decode_activations": self.decode_activations,
             "batch_invariant": self.batch_invariant,
             "quantized_layers": quantized,
-            "exact_codes": exact_codes,
             "float_layers": float_layers,
         }
 
@@ -338,53 +335,14 @@ def _reading_each_weight(quantize, graph: onnx.GraphProto, base_dir: str):
     return quantize_reading_weight
 
 
-def _exact_codes_first(fit, coded: list[int]):
-    """HQQ's ``quantize_internal(W^T [N, K], bits, ..., group_size)`` -> ``(codes [N, K], scales
-    [N, K / g], zero points [N, K / g])``, except where ``W`` is exactly 4-bit codes in blocks of
-    the group size (:func:`~attnexport.lowering.lossless_weights.block_codes`: a checkpoint
-    de-quantized from GGUF Q4_1): then those codes, ``d`` as the scales and ``-m / d`` as the
-    float zero points, ``(q + m / d) * d = d * q + m`` (counted in ``coded``). A fit would
-    quantize the weights a second time (SmolLM2 int4: top-1 agreement with float32 0.85 against
-    0.99 with the codes, docs/quantization.md)."""
-    import torch
-
-    from attnexport.lowering.lossless_weights import BLOCK, block_codes
-
-    def quantize_internal(tensor, bits=4, channel_wise=True, group_size=64, *args, **kwargs):
-        codes = None
-        if channel_wise and group_size == BLOCK and kwargs.get("axis", 1) == 1 and not args:
-            weight = tensor.T.contiguous().numpy()
-            codes = block_codes(weight, widths=(4,)) if weight.dtype == np.float32 else None
-        if codes is None:
-            return fit(tensor, bits, channel_wise, group_size, *args, **kwargs)
-        d = codes.d.astype(np.float64)
-        m = codes.m.astype(np.float64)
-        flat = d == 0  # a block of one number: code 0, scale 1, zero point -m
-        scales = np.where(flat, 1.0, d)
-        zeros = -m / scales
-        coded.append(1)
-        return (
-            torch.from_numpy(np.ascontiguousarray(codes.q.T)).int(),
-            torch.from_numpy(np.ascontiguousarray(scales.T, np.float32)),
-            torch.from_numpy(np.ascontiguousarray(zeros.T, np.float32)),
-        )
-
-    return quantize_internal
-
-
 def _quantize_layers(
-    model: onnx.ModelProto,
-    exclude: list[str],
-    quantization,
-    base_dir: str = "",
-    coded: list[int] | None = None,
+    model: onnx.ModelProto, exclude: list[str], quantization, base_dir: str = ""
 ) -> onnx.ModelProto:
     """The projections but ``exclude`` (node names) rewritten by onnxruntime's quantizer.
     ``model``'s weights may stay in external data files under ``base_dir`` (the directory of
     its ``.onnx`` file; unused when they are in memory): the quantizers that
     work node by node (``rtn``, ``hqq``) read each weight as they quantize it; ``k_quant``'s
-    whole-model pass gets them all first. HQQ takes a weight's exact 4-bit codes instead of a
-    fit where it has them (:func:`_exact_codes_first`; one item in ``coded`` each)."""
+    whole-model pass gets them all first."""
     with _quiet_quantizer():
         from onnxruntime.quantization import matmul_nbits_quantizer as nbits
 
@@ -397,10 +355,6 @@ def _quantize_layers(
         nodes_to_exclude=exclude,
         algo_config=_algorithm_config(nbits, quantization),
     )
-    if isinstance(quantizer.node_quantizer, nbits.HQQWeightOnlyQuantizer):
-        quantizer.node_quantizer.quantize_internal = _exact_codes_first(
-            quantizer.node_quantizer.quantize_internal, coded if coded is not None else []
-        )
     if quantizer.node_quantizer is not None:
         quantizer.node_quantizer.quantize = _reading_each_weight(
             quantizer.node_quantizer.quantize, model.graph, base_dir
@@ -455,8 +409,7 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
     exclude = [layers[name] for name in keep]
     if LM_HEAD in layers and head_bits is not None:
         exclude.append(layers[LM_HEAD])
-    coded: list[int] = []
-    quantized = _quantize_layers(model, exclude, quantization, base_dir, coded)
+    quantized = _quantize_layers(model, exclude, quantization, base_dir)
     if LM_HEAD in layers and head_bits is not None:
         lm_head.quantize_lm_head(
             quantized,
@@ -489,4 +442,4 @@ def quantize_weights(path: str | os.PathLike, quantization: WeightQuantization) 
     if quantization.batch_invariant:
         pad_matmulnbits_rows(quantized)
     save_rewritten(quantized, path)
-    return quantization.manifest_entry(keep, count, exact_codes=len(coded))
+    return quantization.manifest_entry(keep, count)

@@ -31,7 +31,6 @@ def test_manifest_records_the_quantization(int4_export):
         **DEFAULTS["int4"],
         "batch_invariant": True,
         "quantized_layers": 7,
-        "exact_codes": 0,
         "float_layers": ["model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"],
     }
 

@@ -246,33 +246,3 @@ def test_a_tied_logits_projection_is_coded_beside_its_table():
     assert to_float_matmul(coded) == 1
     assert [i.name for i in coded.graph.initializer] == ["E"]
     assert [n.op_type for n in coded.graph.node] == ["Gather", "Gemm"]
-
-
-@requires_ort_kernels
-@pytest.mark.parametrize("fmt, closer", [("int4", 30), ("int8", 5)])
-def test_quantizing_takes_the_exact_codes_instead_of_a_fit(fmt, closer, tmp_path):
-    """HQQ (the default) would quantize a GGUF-born weight a second time; its exact 4-bit codes
-    are taken as they are (d the scale, -m / d the float zero point): the quantized product is
-    the float32 weights' up to the activations' int16 steps and the float16 zero points
-    (measured 6e-4 of the largest output), ``closer`` times closer than a fit of random weights
-    is to its own (measured int4 0.085, int8 0.0048)."""
-    from attnexport.lowering import WeightQuantization, quantize_weights
-
-    errors = {}
-    for kind in ("Q4_1", "random"):
-        model, _ = _matmul_model(576, 96)
-        weight = gguf_weight(576, 96, "Q4_1") if kind == "Q4_1" else _matmul_model(576, 96)[1]
-        model.graph.initializer[0].CopyFrom(numpy_helper.from_array(weight, "W"))
-        # not a graph output: the logits projection is quantized by another path
-        model.graph.node[0].output[0] = "product"
-        model.graph.node.append(onnx.helper.make_node("Identity", ["product"], ["y"]))
-        path = tmp_path / f"{kind}.onnx"
-        onnx.save(model, str(path))
-        entry = quantize_weights(path, WeightQuantization(fmt))
-        assert entry["exact_codes"] == (1 if kind == "Q4_1" else 0)
-        a = torch.randn(8, 576, generator=torch.Generator().manual_seed(5))
-        y = one_model_session(onnx.load(str(path)), "native").run(None, {"a": a.numpy()})[0]
-        expected = a.double() @ torch.from_numpy(weight).double()
-        error = (torch.from_numpy(y).double() - expected).abs().max()
-        errors[kind] = float(error / expected.abs().max())
-    assert errors["Q4_1"] < 2e-3 and errors["Q4_1"] * closer < errors["random"], errors

@@ -80,7 +80,6 @@ def test_every_projection_is_quantized(float_onnx, tmp_path, fmt, bits):
         **defaults,
         "batch_invariant": True,
         "quantized_layers": LAYERS,
-        "exact_codes": 0,  # random weights: fitted
         "float_layers": [],
     }
     model = onnx.load(str(path))

@@ -13,11 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnexport.artifact import read_manifest
 from attnexport.cli.verify_text import TEXT
 from attnexport.runtime import SamplingParams, engine_from_path
 from attnexport.tolerances import logit_quality
-from tests.real_model import transformers_greedy
+from tests.real_model import HQQ_SECONDS, slow_param, transformers_greedy
 
 CHATS = (
     "What is the capital of France?",
@@ -29,12 +28,10 @@ NEW_TOKENS = 20
 # measured int8 / int4 (docs/quantization.md), with room for another CPU's kernels. int8
 # (MatMul8Bits, its own kernel on every x86 CPU): top-1 0.988, KL 2.9e-4 measured; issue 32's
 # goal is top-1 >= 0.98; the earlier default (rtn, int8 activations: top-1 0.965, KL 0.0051)
-# fails it. int4: the checkpoint's projections are GGUF Q4_1, whose exact codes the quantizer
-# takes instead of fitting HQQ's (a second quantization: top-1 0.85-0.94, KL 0.006-0.03
-# measured before), seconds instead of a minute.
+# fails it.
 BOUNDS = {
     "int8": {"ppl_increase": 0.02, "top1_agreement": 0.98, "kl": 0.002},
-    "int4": {"ppl_increase": 0.02, "top1_agreement": 0.96, "kl": 0.01},
+    "int4": {"ppl_increase": 0.10, "top1_agreement": 0.80, "kl": 0.08},
 }
 
 
@@ -132,7 +129,7 @@ def test_the_fp32_export_reads_its_weights_as_their_exact_codes(
     assert torch.equal(_text_logits(decoded, ids), coded_logits)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", slow_param("int4", HQQ_SECONDS)])
 def test_the_default_quantization_keeps_the_model(
     smollm2_fp32_artifact, smollm2_quantized, tokenizer, fmt
 ):
@@ -145,7 +142,6 @@ def test_the_default_quantization_keeps_the_model(
     assert quality["ppl_increase"] <= bounds["ppl_increase"], quality
     assert quality["top1_agreement"] >= bounds["top1_agreement"], quality
     assert quality["kl"] <= bounds["kl"], quality
-    assert read_manifest(smollm2_quantized(fmt))["weights"]["exact_codes"] == 120
 
 
 def test_verify_passes_the_fp32_export(smollm2_fp32_artifact):
