@@ -66,6 +66,7 @@ OP_TYPES = {4: "LosslessMatMul4Bits", 8: "LosslessMatMul8Bits"}
 FUSED_OP_TYPES = {4: "LosslessMatMul4BitsSiluAndMul", 8: "LosslessMatMul8BitsSiluAndMul"}
 _CODE_RANGES = {4: (0, 15), 8: (-128, 127)}
 _SAMPLE = 256
+_CHUNK_BLOCKS = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -147,8 +148,16 @@ def code_weight(weight: np.ndarray) -> CodedWeight | None:
         # a sample first: a matrix without the form (trained weights) is turned down quickly
         if not _solve_blocks(blocks[:: max(1, len(blocks) // _SAMPLE)], bits)[3].all():
             continue
-        q, d, m, solved = _solve_blocks(blocks, bits)
-        if solved.all():
+        # in chunks: the search holds a few float64 copies of what it solves (a 128K-token
+        # vocabulary's table would take gigabytes at once)
+        parts = []
+        for start in range(0, len(blocks), _CHUNK_BLOCKS):
+            q, d, m, solved = _solve_blocks(blocks[start : start + _CHUNK_BLOCKS], bits)
+            if not solved.all():
+                break
+            parts.append((q, d, m))
+        else:
+            q, d, m = (np.concatenate(p) for p in zip(*parts, strict=True))
             return _to_panels(bits, q, d, m, k, n)
     return None
 

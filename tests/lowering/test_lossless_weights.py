@@ -93,8 +93,15 @@ def test_blocks_of_one_number_are_coded():
     assert coded is not None and _same_bits(decode_weight(coded), weight)
 
 
-def test_one_block_off_the_form_leaves_the_weight_float32():
+@pytest.mark.parametrize("chunk_blocks", [1 << 18, 5])
+def test_one_block_off_the_form_leaves_the_weight_float32(chunk_blocks, monkeypatch):
+    """(In chunks of 5 blocks too: the search solves large weights a chunk at a time.)"""
+    from attnexport.lowering import lossless_weights
+
+    monkeypatch.setattr(lossless_weights, "_CHUNK_BLOCKS", chunk_blocks)
     weight = gguf_weight(576, 64, "Q4_1")
+    coded = code_weight(weight)
+    assert coded is not None and _same_bits(decode_weight(coded), weight)
     weight[300, 17] = np.nextafter(weight[300, 17], np.float32(np.inf))
     assert code_weight(weight) is None
 
