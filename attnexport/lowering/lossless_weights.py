@@ -1,8 +1,7 @@
 """Float32 weights in fewer bytes, bit for bit: ``attnexport.LosslessMatMul4Bits`` and kin.
 
-A checkpoint de-quantized from a GGUF file (llama.cpp's Q4_1, Q4_0, Q8_0: the form the real
-SmolLM2 benchmark checkpoint has) is float32, but each block of 32 weights along ``K`` of a
-column is exactly
+A checkpoint de-quantized from a GGUF file's Q4_1 or Q8_0 tensors (the form of the real SmolLM2
+benchmark checkpoint) is float32, but each block of 32 weights along ``K`` of a column is exactly
 
     W[k, n] = fl32(d[b, n] * q[k, n] + m[b, n])        (k in block b = k // 32)
 
@@ -16,8 +15,10 @@ batch-1 decode step, which reads every weight once from memory, reads 5-6x fewer
 Exactness by construction: ``d * q`` has at most 11 + 8 significant bits, so the kernel's one
 rounding (``fma(q, d, m)``) and the function body's two (``Mul`` then ``Add``, the product exact)
 give the same float32; :func:`code_weight` keeps a code only when decoding it reproduces every
-weight of the matrix exactly, else the matrix stays float32 panels. A matrix of trained float32
-(or bfloat16) weights has no such form and is left as it was.
+weight of the matrix bit for bit, else the matrix stays float32 panels. A matrix of trained
+float32 (or bfloat16) weights has no such form and is left as it was; nor has Q4_0's (a block of
+negative scale holds -0.0, ``d * (8 - 8)``, which ``fma(q, d, m)`` gives back as +0.0), nor a
+K-quant's (its block scales are not float16 numbers).
 
 Layout (``P = N / 32`` panels of :data:`~attnexport.lowering.packed_matmul.PANEL` columns, as
 ``PackedMatMul``'s, ``K`` a multiple of :data:`BLOCK`):
@@ -41,13 +42,8 @@ import onnx
 import onnx_ir as ir
 from onnx import helper, numpy_helper
 
+from attnexport.lowering import packed_matmul
 from attnexport.lowering.domain_functions import add_function_body, save_rewritten
-from attnexport.lowering.packed_matmul import (
-    FUSED_OP_TYPE as PACKED_FUSED_OP_TYPE,
-)
-from attnexport.lowering.packed_matmul import (
-    OP_TYPE as PACKED_OP_TYPE,
-)
 from attnexport.lowering.packed_matmul import (
     PANEL,
     from_pairs,
@@ -64,6 +60,7 @@ BLOCK = 32
 """Weights along ``K`` that share a ``d`` and an ``m`` (GGUF's Q4_0/Q4_1/Q8_0 block)."""
 OP_TYPES = {4: "LosslessMatMul4Bits", 8: "LosslessMatMul8Bits"}
 FUSED_OP_TYPES = {4: "LosslessMatMul4BitsSiluAndMul", 8: "LosslessMatMul8BitsSiluAndMul"}
+_PACKED_OP_TYPES = (packed_matmul.OP_TYPE, packed_matmul.FUSED_OP_TYPE)
 _CODE_RANGES = {4: (0, 15), 8: (-128, 127)}
 _SAMPLE = 256
 _CHUNK_BLOCKS = 1 << 18
@@ -262,9 +259,9 @@ def code_packed_weights(model: ir.Model) -> int:
     :func:`~attnexport.lowering.packed_matmul.pack_float_weights`."""
     coded = 0
     for node in list(model.graph):
-        if node.domain != DOMAIN or node.op_type not in (PACKED_OP_TYPE, PACKED_FUSED_OP_TYPE):
+        if node.domain != DOMAIN or node.op_type not in _PACKED_OP_TYPES:
             continue
-        fused = node.op_type == PACKED_FUSED_OP_TYPE
+        fused = node.op_type == packed_matmul.FUSED_OP_TYPE
         panels_value = node.inputs[1]
         panels = panels_value.const_value.numpy()
         code = code_weight(from_panels(from_pairs(panels) if fused else panels))
@@ -323,7 +320,7 @@ def to_packed_matmul(model: onnx.ModelProto) -> int:
         dropped |= {codes_name, params_name}
         del node.input[1:]
         node.input.append(name)
-        node.op_type = PACKED_FUSED_OP_TYPE if fused else PACKED_OP_TYPE
+        node.op_type = packed_matmul.FUSED_OP_TYPE if fused else packed_matmul.OP_TYPE
     if not dropped:
         return 0
     kept = [i for i in graph.initializer if i.name not in dropped]
@@ -332,9 +329,9 @@ def to_packed_matmul(model: onnx.ModelProto) -> int:
     functions = [f for f in model.functions if not (f.domain == DOMAIN and f.name in lossless)]
     del model.functions[:]
     model.functions.extend(functions)
-    add_function_body(model, PACKED_OP_TYPE, packed_matmul_function)
-    if any(n.op_type == PACKED_FUSED_OP_TYPE for n in graph.node):
-        add_function_body(model, PACKED_FUSED_OP_TYPE, packed_matmul_silu_and_mul_function)
+    add_function_body(model, packed_matmul.OP_TYPE, packed_matmul_function)
+    if any(n.op_type == packed_matmul.FUSED_OP_TYPE for n in graph.node):
+        add_function_body(model, packed_matmul.FUSED_OP_TYPE, packed_matmul_silu_and_mul_function)
     return len({n for n in dropped if n.endswith(CODES_SUFFIX)})
 
 
@@ -347,7 +344,7 @@ def to_float_matmul(model: onnx.ModelProto) -> int:
 
 
 def _has_float_projections(model: onnx.ModelProto) -> bool:
-    op_types = {PACKED_OP_TYPE, PACKED_FUSED_OP_TYPE, *OP_TYPES.values(), *FUSED_OP_TYPES.values()}
+    op_types = {*_PACKED_OP_TYPES, *OP_TYPES.values(), *FUSED_OP_TYPES.values()}
     return any(n.domain == DOMAIN and n.op_type in op_types for n in model.graph.node)
 
 
