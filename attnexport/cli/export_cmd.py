@@ -76,8 +76,8 @@ def add_parser(commands) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="float32 ONNX exports: store each projection whose float32 weights are exactly 4- "
-        "or 8-bit codes with float16 block scales (a checkpoint de-quantized from GGUF Q4_1 or "
-        "Q8_0) as those codes; the kernel decodes the same numbers, 5-6x fewer bytes "
+        "or 8-bit codes with float16 block scales (a checkpoint de-quantized from GGUF Q4_1, "
+        "Q4_0 or Q8_0) as those codes; the kernel decodes the same numbers, 3.5-6x fewer bytes "
         "(default on; --no-lossless-weights keeps float32 panels)",
     )
     parser.add_argument(

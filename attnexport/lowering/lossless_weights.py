@@ -1,24 +1,26 @@
 """Float32 weights in fewer bytes, bit for bit: ``attnexport.LosslessMatMul4Bits`` and kin.
 
-A checkpoint de-quantized from a GGUF file's Q4_1 or Q8_0 tensors (the form of the real SmolLM2
-benchmark checkpoint) is float32, but each block of 32 weights along ``K`` of a column is exactly
+A checkpoint de-quantized from a GGUF file's Q4_1, Q4_0 or Q8_0 tensors (the real SmolLM2
+benchmark checkpoint: Q4_1 and Q8_0) is float32, but each block of 32 weights along ``K`` of a
+column is exactly
 
     W[k, n] = fl32(d[b, n] * q[k, n] + m[b, n])        (k in block b = k // 32)
 
-with ``q`` a 4-bit (0..15) or 8-bit (-128..127, ``m`` = 0) integer and ``d``, ``m`` float16
-numbers. Such a weight is stored as its codes and block parameters, 0.625 bytes a weight (4 bits)
-or 1.125 (8 bits) instead of 4, and the native kernel decodes it in registers to the very float32
-numbers the checkpoint holds, then multiplies as ``attnexport.PackedMatMul`` does (same panels,
-same order of fused multiply-adds): the outputs are bit for bit those of the float32 panels. A
-batch-1 decode step, which reads every weight once from memory, reads 5-6x fewer bytes.
+with ``q`` a 4-bit (0..15: Q4_1) or 8-bit (-128..127, ``m`` = -0.0: Q8_0, and Q4_0's -8..7,
+whose negative-scale blocks hold -0.0, ``d * 0``, which only ``m`` = -0.0 gives back) integer
+and ``d``, ``m`` float16 numbers. Such a weight is stored as its codes and block parameters,
+0.625 bytes a weight (4 bits) or 1.125 (8 bits) instead of 4, and the native kernel decodes it
+in registers to the very float32 numbers the checkpoint holds, then multiplies as
+``attnexport.PackedMatMul`` does (same panels, same order of fused multiply-adds): the outputs
+are bit for bit those of the float32 panels. A batch-1 decode step, which reads every weight
+once from memory, reads 3.5-6x fewer bytes.
 
 Exactness by construction: ``d * q`` has at most 11 + 8 significant bits, so the kernel's one
 rounding (``fma(q, d, m)``) and the function body's two (``Mul`` then ``Add``, the product exact)
 give the same float32; :func:`code_weight` keeps a code only when decoding it reproduces every
 weight of the matrix bit for bit, else the matrix stays float32 panels. A matrix of trained
-float32 (or bfloat16) weights has no such form and is left as it was; nor has Q4_0's (a block of
-negative scale holds -0.0, ``d * (8 - 8)``, which ``fma(q, d, m)`` gives back as +0.0), nor a
-K-quant's (its block scales are not float16 numbers).
+float32 (or bfloat16) weights has no such form and is left as it was; nor has a K-quant's (its
+block scales are not float16 numbers).
 
 Layout (``P = N / 32`` panels of :data:`~attnexport.lowering.packed_matmul.PANEL` columns, as
 ``PackedMatMul``'s, ``K`` a multiple of :data:`BLOCK`):
@@ -92,37 +94,44 @@ def _float16_neighbours(values: np.ndarray) -> list[np.ndarray]:
 def _solve_blocks(blocks: np.ndarray, bits: int):
     """``blocks [B, 32]`` float32 -> ``(q [B, 32] int64, d [B] float16, m [B] float16, solved
     [B] bool)``: each block's codes and parameters where ``fl32(d * q + m)`` is the block exactly
-    (``solved``, bit for bit). 4 bits: code 0 is the block's least weight and ``d`` is tried as
-    the float16 numbers nearest the block's span over each possible top code (a block need not
-    use code 15); 8 bits: ``m`` = 0 and the largest magnitude is 127 steps (Q8_0)."""
+    (``solved``, bit for bit). ``d`` is tried as the float16 numbers nearest each candidate
+    step. 4 bits: code 0 is the block's least weight, the steps its span over each possible top
+    code (a block need not use code 15: Q4_1). 8 bits: ``m`` = -0.0 (``fma(q, d, -0.0)`` is
+    ``d * q`` to the sign of a zero), the steps the largest magnitude over 127 (Q8_0) or the
+    weight of largest magnitude over -8 (Q4_0, whose codes -8..7 fit 8 bits: its negative-scale
+    blocks' -0.0 comes back, which 4-bit codes with an offset cannot give)."""
     wide = blocks.astype(np.float64)
     low, high = _CODE_RANGES[bits]
     least, greatest = wide.min(axis=1), wide.max(axis=1)
     if bits == 4:
-        offset, tops, span = least, range(high, 0, -1), greatest - least
+        offset = least
+        steps = [(greatest - least) / top for top in range(high, 0, -1)]
     else:
-        offset, tops, span = np.zeros(len(wide)), [high], np.abs(wide).max(axis=1)
+        offset = np.full(len(wide), -0.0)
+        extreme = wide[np.arange(len(wide)), np.abs(wide).argmax(axis=1)]
+        steps = [np.abs(extreme) / high, extreme / -8]
     q = np.zeros(blocks.shape, np.int64)
     d = np.zeros(len(wide), np.float16)
     m = np.zeros(len(wide), np.float16)
     solved = np.zeros(len(wide), bool)
     exact_offset = offset.astype(np.float16).astype(np.float64) == offset
-    # d = 0, every code 0: blocks of one number, m itself (not -0.0: fma(0, 0, -0.0) is +0.0)
+    # d = 0, every code 0: blocks of one number, m (not a block of -0.0: fma(0, 0, m) is +0.0)
     flat = exact_offset & (greatest == least) & (offset == least)
     flat &= ~np.signbit(blocks).any(axis=1)
     m[flat], solved[flat] = offset[flat], True
-    for top in tops:
-        for candidate in _float16_neighbours(span / top):
+    for step_values in steps:
+        for candidate in _float16_neighbours(step_values):
             todo = exact_offset & ~solved & (candidate != 0) & np.isfinite(candidate)
             if not todo.any():
                 continue
             step = candidate[todo].astype(np.float64)[:, None]
-            codes = np.rint((wide[todo] - offset[todo, None]) / step)
+            # (+ 0.0: integer codes, as the kernel converts them: no -0.0 code)
+            codes = np.rint((wide[todo] - offset[todo, None]) / step) + 0.0
             decoded = (step * codes + offset[todo, None]).astype(np.float32)
             exact = (
                 (codes >= low).all(axis=1)
                 & (codes <= high).all(axis=1)
-                # bits, not values: a -0.0 weight (Q4_0's d * 0, d < 0) decodes as +0.0
+                # bits, not values: a -0.0 weight must come back as -0.0
                 & (decoded.view(np.uint32) == blocks[todo].view(np.uint32)).all(axis=1)
             )
             rows = np.flatnonzero(todo)[exact]
