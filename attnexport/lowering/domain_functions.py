@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import onnx
+import onnx_ir as ir
 from onnx import helper
 
 from attnexport.model_contract import DOMAIN, DOMAIN_VERSION
@@ -29,6 +30,20 @@ def add_function_body(
         model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
     if not any(f.domain == DOMAIN and f.name == op_type for f in model.functions):
         model.functions.append(body(opsets.get("", 18)))
+
+
+def add_used_function_bodies(
+    model: ir.Model, bodies: dict[str, Callable[[int], onnx.FunctionProto]]
+) -> None:
+    """:func:`add_function_body` for an ``onnx_ir`` model (the lowering's rewrites): for each op
+    type of ``bodies`` that a main-graph node of the attnexport domain uses, its body in the
+    model's standard opset, and the domain's opset import."""
+    used = {node.op_type for node in model.graph if node.domain == DOMAIN}
+    for op_type, body in bodies.items():
+        if op_type in used:
+            model.opset_imports[DOMAIN] = DOMAIN_VERSION
+            function = ir.serde.deserialize_function(body(model.opset_imports[""]))
+            model.functions[function.identifier()] = function
 
 
 def save_rewritten(model: onnx.ModelProto, path: str | os.PathLike) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +46,11 @@ import onnx_ir as ir
 from onnx import helper, numpy_helper
 
 from attnexport.lowering import packed_matmul
-from attnexport.lowering.domain_functions import add_function_body, save_rewritten
+from attnexport.lowering.domain_functions import (
+    add_function_body,
+    add_used_function_bodies,
+    save_rewritten,
+)
 from attnexport.lowering.packed_matmul import (
     PANEL,
     from_pairs,
@@ -279,6 +284,7 @@ def code_packed_weights(model: ir.Model) -> int:
         codes, params = code.codes, code.params
         if fused:
             codes, params = to_pairs(codes), to_pairs(params)
+        node.resize_inputs(3)  # A, codes, params
         for index, (suffix, array) in enumerate(
             ((CODES_SUFFIX, codes), (PARAMS_SUFFIX, params)), start=1
         ):
@@ -287,20 +293,15 @@ def code_packed_weights(model: ir.Model) -> int:
             value = ir.Value(name=name, shape=tensor.shape, type=ir.TensorType(tensor.dtype))
             value.const_value = tensor
             model.graph.register_initializer(value)
-            if index == len(node.inputs):
-                node.resize_inputs(index + 1)
             node.replace_input_with(index, value)
         if not panels_value.uses():
             model.graph.initializers.pop(panels_value.name)
         node.op_type = (FUSED_OP_TYPES if fused else OP_TYPES)[code.bits]
         coded += 1
-    for bits in OP_TYPES:
-        for fused, op_types in ((False, OP_TYPES), (True, FUSED_OP_TYPES)):
-            if any(n.domain == DOMAIN and n.op_type == op_types[bits] for n in model.graph):
-                function = ir.serde.deserialize_function(
-                    lossless_matmul_function(model.opset_imports[""], bits, fused)
-                )
-                model.functions[function.identifier()] = function
+    bodies = {OP_TYPES[bits]: partial(lossless_matmul_function, bits=bits) for bits in OP_TYPES}
+    for bits, op_type in FUSED_OP_TYPES.items():
+        bodies[op_type] = partial(lossless_matmul_function, bits=bits, silu_and_mul=True)
+    add_used_function_bodies(model, bodies)
     return coded
 
 
@@ -312,7 +313,7 @@ def to_packed_matmul(model: onnx.ModelProto) -> int:
     initializers = {i.name: i for i in graph.initializer}
     lossless = {op: (bits, False) for bits, op in OP_TYPES.items()}
     lossless |= {op: (bits, True) for bits, op in FUSED_OP_TYPES.items()}
-    dropped, added = set(), []
+    dropped, added = set(), {}
     for node in graph.node:
         if node.domain != DOMAIN or node.op_type not in lossless:
             continue
@@ -324,8 +325,8 @@ def to_packed_matmul(model: onnx.ModelProto) -> int:
             codes, params = from_pairs(codes), from_pairs(params)
         panels = decode_panels(CodedWeight(bits, codes, params))
         name = codes_name.removesuffix(CODES_SUFFIX)
-        if name not in initializers and name not in {i.name for i in added}:
-            added.append(numpy_helper.from_array(to_pairs(panels) if fused else panels, name))
+        if name not in initializers and name not in added:
+            added[name] = numpy_helper.from_array(to_pairs(panels) if fused else panels, name)
         dropped |= {codes_name, params_name}
         del node.input[1:]
         node.input.append(name)
@@ -334,7 +335,7 @@ def to_packed_matmul(model: onnx.ModelProto) -> int:
         return 0
     kept = [i for i in graph.initializer if i.name not in dropped]
     del graph.initializer[:]
-    graph.initializer.extend(kept + added)
+    graph.initializer.extend([*kept, *added.values()])
     functions = [f for f in model.functions if not (f.domain == DOMAIN and f.name in lossless)]
     del model.functions[:]
     model.functions.extend(functions)

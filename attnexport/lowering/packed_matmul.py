@@ -29,8 +29,9 @@ import onnx
 import onnx_ir as ir
 from onnx import helper, numpy_helper
 
+from attnexport.lowering.domain_functions import add_used_function_bodies
 from attnexport.lowering.onnx_passes import attribute_value, is_constant_matrix, is_standard
-from attnexport.model_contract import DOMAIN, DOMAIN_VERSION
+from attnexport.model_contract import DOMAIN
 
 OP_TYPE = "PackedMatMul"
 FUSED_OP_TYPE = "PackedMatMulSiluAndMul"
@@ -210,15 +211,10 @@ def pack_float_weights(model: ir.Model) -> int:
         node.attributes["K"] = ir.AttrInt64("K", k)
         node.attributes["N"] = ir.AttrInt64("N", n)
         packed += 1
-    used = {node.op_type for node in model.graph if node.domain == DOMAIN}
-    for op_type, body in (
-        (OP_TYPE, packed_matmul_function),
-        (FUSED_OP_TYPE, packed_matmul_silu_and_mul_function),
-    ):
-        if op_type in used:
-            model.opset_imports[DOMAIN] = DOMAIN_VERSION
-            function = ir.serde.deserialize_function(body(model.opset_imports[""]))
-            model.functions[function.identifier()] = function
+    add_used_function_bodies(
+        model,
+        {OP_TYPE: packed_matmul_function, FUSED_OP_TYPE: packed_matmul_silu_and_mul_function},
+    )
     return packed
 
 
@@ -255,11 +251,10 @@ def _drop_value_info(model: onnx.ModelProto, names: set[str]) -> None:
 
 
 def to_matmul(model: onnx.ModelProto) -> int:
-    """The inverse of :func:`pack_float_weights` (codes first decoded:
-    :func:`~attnexport.lowering.lossless_weights.to_float_matmul`): every ``PackedMatMul`` back
-    to ``MatMul`` on
+    """The inverse of :func:`pack_float_weights`: every ``PackedMatMul`` back to ``MatMul`` on
     its ``[K, N]`` weight (same name), or to ``Gemm(x, E, transB=1)`` on the table of its tied
-    panels (dropped); drops the function body. Returns how many."""
+    panels (dropped); drops the function body. Returns how many. (A model with lossless codes
+    decodes them first: :func:`~attnexport.lowering.lossless_weights.to_float_matmul`.)"""
     graph = model.graph
     initializers = {i.name: i for i in graph.initializer}
     _split_silu_and_mul(model, initializers)
