@@ -106,7 +106,6 @@ struct Panels {
     return {data + panel * k * kRowBytes,
             Bits == kFloat ? nullptr : params + panel * (k / kCodeBlock) * 2 * kPanel, k};
   }
-  const float* floats() const { return reinterpret_cast<const float*>(data); }
   // Lanes c (kLanes columns from c * kLanes) of row i of panel p, decoded.
   template <int C>
   Lanes weights(int64_t i, const Lanes* scale, const Lanes* offset) const {
@@ -208,7 +207,8 @@ void decode_panels(const Panels<Bits>& panels, int64_t count, float* out) {
         Lanes w[kPanelLanes];
         tile_weights<Bits, kPanelLanes>(panel, i, scale, offset, w);
 #pragma GCC unroll 4
-        for (int c = 0; c < kPanelLanes; ++c) store_lanes(out + (p * k + i) * kPanel + c * kLanes, w[c]);
+        for (int c = 0; c < kPanelLanes; ++c)
+          store_lanes(out + (p * k + i) * kPanel + c * kLanes, w[c]);
       }
     }
   }
@@ -303,12 +303,13 @@ OrtStatus* PackedMatMul::init(const OrtKernelInfo* info) {
   ATTNEXPORT_RETURN_IF_ERROR(int_attribute(info, "K", &k));
   ATTNEXPORT_RETURN_IF_ERROR(int_attribute(info, "N", &n));
   const int64_t multiple = silu_and_mul ? 2 * kPanel : kPanel;
+  // (coded weights: whole blocks of kCodeBlock rows of k)
   const int64_t k_multiple = bits == kFloat ? 1 : kCodeBlock;
   if (k <= 0 || n <= 0 || n % multiple != 0 || k % k_multiple != 0)
-    return invalid(op_name() + ": expected K a positive multiple of " +
-                   std::to_string(k_multiple) + " and N a positive multiple of " +
-                   std::to_string(multiple) + ", got K=" + std::to_string(k) +
-                   ", N=" + std::to_string(n));
+    return invalid(op_name() + ": expected K > 0" +
+                   (k_multiple > 1 ? " a multiple of " + std::to_string(k_multiple) : "") +
+                   " and N a positive multiple of " + std::to_string(multiple) +
+                   ", got K=" + std::to_string(k) + ", N=" + std::to_string(n));
   return nullptr;
 }
 

@@ -7,6 +7,7 @@ float32 rounding; bad codes get a named error; the rewrite and its inverse."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -75,7 +76,10 @@ def test_gguf_weights_are_coded_and_decoded_bit_for_bit(kind, k, n):
     "weight",
     [
         pytest.param(np.random.default_rng(0).standard_normal((64, 32)), id="trained float32"),
-        pytest.param(torch.randn(64, 32).to(torch.bfloat16).float().numpy(), id="bfloat16 numbers"),
+        pytest.param(
+            np.random.default_rng(1).standard_normal((64, 32)).astype(ml_dtypes.bfloat16),
+            id="bfloat16 numbers",
+        ),
         pytest.param(gguf_weight(64, 32, "Q4_1")[:40], id="K not whole blocks"),
         pytest.param(gguf_weight(64, 48, "Q4_1")[:, :40], id="N not whole panels"),
         pytest.param(np.full((64, 32), np.inf), id="not finite"),
@@ -206,6 +210,17 @@ def test_codes_that_do_not_fit_the_attributes_get_a_named_error(bad, message):
     del coded.graph.value_info[:]
     with pytest.raises(Exception, match=message):
         one_model_session(coded, "native").run(None, {"a": np.ones((1, 64), np.float32)})
+
+
+@requires_ort_kernels
+def test_k_not_whole_blocks_gets_a_named_error_at_load():
+    _, coded, _ = _panels_and_codes(64, 96, "Q4_1")
+    for attribute in coded.graph.node[0].attribute:
+        if attribute.name == "K":
+            attribute.i = 48
+    expected = r"LosslessMatMul4Bits: expected K > 0 a multiple of 32 and N a positive multiple"
+    with pytest.raises(Exception, match=expected):
+        one_model_session(coded, "native")
 
 
 def test_the_rewrite_codes_only_weights_with_the_form():
