@@ -63,7 +63,7 @@ class ExportOptions:
     lossless_weights: bool = True
     """Float32 ONNX exports (target attnexport): store each projection whose weights are exactly
     4- or 8-bit codes with float16 block parameters (a checkpoint de-quantized from GGUF) as
-    those codes (``attnexport.LosslessMatMul*``: the same numbers, 5-6x fewer bytes)."""
+    those codes (``attnexport.LosslessMatMul*``: the same numbers, 3.5-6x fewer bytes)."""
     impl: str = "auto"
     """How a checkpoint is loaded (``attnexport.models.registry.IMPLS``): the zoo's network,
     transformers' with its attention on the paged ops, or ``auto`` (the zoo where it has the

@@ -159,7 +159,7 @@ def to_onnx(
         lossless_weights: with ``pack_float_weights``, store each panel weight that is exactly
             4- or 8-bit codes with float16 block scales and offsets (a checkpoint de-quantized
             from GGUF) as those codes, for ``attnexport.LosslessMatMul*`` (the same float32
-            numbers and outputs, 5-6x fewer bytes: :mod:`attnexport.lowering.lossless_weights`).
+            numbers and outputs, 3.5-6x fewer bytes: :mod:`attnexport.lowering.lossless_weights`).
         step: called with a description as each long stage starts (progress display).
 
     Returns:
