@@ -129,6 +129,25 @@ def test_the_fp32_export_reads_its_weights_as_their_exact_codes(
     assert torch.equal(_text_logits(decoded, ids), coded_logits)
 
 
+def test_no_lossless_weights_keeps_float32_panels(smollm2_checkpoint, tmp_path):
+    from collections import Counter
+
+    import onnx
+
+    from attnexport.artifact import read_manifest
+    from attnexport.cli import main
+    from attnexport.model_contract import DOMAIN
+
+    out = tmp_path / "panels"
+    flags = ["--out", str(out), "--no-lossless-weights"]
+    assert main(["export", str(smollm2_checkpoint), *flags]) == 0
+    assert read_manifest(out)["lossless_weights"] is False
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    ops = Counter(n.op_type for n in model.graph.node if n.domain == DOMAIN)
+    assert ops["PackedMatMul"] == 91 and ops["PackedMatMulSiluAndMul"] == 30
+    assert not any(op.startswith("Lossless") for op in ops)
+
+
 @pytest.mark.parametrize("fmt", ["int8", slow_param("int4", HQQ_SECONDS)])
 def test_the_default_quantization_keeps_the_model(
     smollm2_fp32_artifact, smollm2_quantized, tokenizer, fmt
